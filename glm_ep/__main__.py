@@ -1,0 +1,3 @@
+from glm_ep.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""The backend interface: every op an MLP site runs, with the numerics each must follow.
+
+A backend is chosen once, at construction, and carries the array namespace (``xp``), its kernels
+and nothing else; the site forward calls these ops and never asks which backend it has. Every op
+writes into a caller-provided ``out`` (a workspace view), so a CUDA backend can capture the step
+as a graph. Numerics (both backends): fp32 accumulation; bf16 rounding only at each projection
+output, the activation, each routed expert's down output and the combine (ONE rounding); router
+logits, scores and weights stay fp32.
+
+Shape suffixes: T rows, H hidden, N/Kin a projection's out/in width, E experts, K top-k slots,
+S slots (``T*K``), U union entries.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from glm_ep.routing import RouteParams
+from glm_ep.weights import DenseWeights, MoeWeights
+
+
+class Backend(ABC):
+    name: str
+    xp: Any  # numpy or cupy
+    #: whether ``moe_gemm_sorted`` is a real one-launch grouped GEMM (else prefill uses row groups)
+    has_grouped_gemm: bool = True
+
+    # ---- placement -------------------------------------------------------------------------
+    @abstractmethod
+    def asarray(self, host: np.ndarray) -> Any:
+        """A resident copy of a host array."""
+
+    @abstractmethod
+    def to_host(self, a: Any) -> np.ndarray:
+        """A host copy (synchronises)."""
+
+    def synchronize(self) -> None:
+        """Wait for all queued work."""
+
+    #: whether ``capture`` records a replayable graph (else the stack runs eagerly)
+    can_capture: bool = False
+
+    def capture(self, fn):
+        """Record ``fn``'s device work once; returns a callable that replays it."""
+        raise NotImplementedError(f"backend {self.name!r} cannot capture graphs")
+
+    @abstractmethod
+    def upload_dense(self, w: DenseWeights) -> Any:
+        """Resident form of a bf16 MLP (``.gate``, ``.up``, ``.down`` usable by ``linear``)."""
+
+    @abstractmethod
+    def upload_moe(self, w: MoeWeights) -> Any:
+        """Resident router (``.router``, ``.bias``) and expert tables (``.gate``, ``.up``,
+        ``.down``, ``.start``, ``.count``) of a routed site; ``.shared`` via ``upload_dense``."""
+
+    # ---- dense ops -------------------------------------------------------------------------
+    @abstractmethod
+    def linear(self, x_TK: Any, w_NK: Any, out_TN: Any) -> Any:
+        """``out = bf16(x @ w^T)``, fp32 accumulation. The path (GEMV, batch-M GEMV, GEMM) is the
+        backend's, chosen from T."""
+
+    @abstractmethod
+    def router_logits(self, x_TH: Any, router_EH: Any, out_TE: Any) -> Any:
+        """``out = x @ router^T`` in fp32 (x and the bf16 or fp32 router upcast)."""
+
+    @abstractmethod
+    def router_topk(self, logits_TE: Any, bias_E: Any, p: RouteParams, ids_TK: Any, wts_TK: Any) -> None:
+        """``glm_ep.routing.router_topk`` into ``ids``/``wts``; ids must match it exactly."""
+
+    @abstractmethod
+    def swiglu(self, gate: Any, up: Any, limit: float, out: Any) -> Any:
+        """``out = bf16(silu(min(g, L)) * clamp(u, -L, L))`` elementwise, in fp32."""
+
+    @abstractmethod
+    def combine(self, routed_SH: Any, wts_TK: Any, shared_TH: Any | None, out_TH: Any,
+                perm_TK: Any | None = None) -> Any:
+        """``out[t] = bf16(sum_k wts[t,k] * routed[t*K+k] + shared[t])`` (one rounding). With
+        ``perm``, slot ``(t, k)`` is read from ``routed[perm[t, k]]`` (expert-sorted order)."""
+
+    @abstractmethod
+    def add(self, a: Any, b: Any, out: Any) -> Any:
+        """``out = bf16(a + b)`` (the residual of a chained stack)."""
+
+    def zero(self, a: Any) -> Any:
+        a[...] = 0
+        return a
+
+    # ---- routed experts --------------------------------------------------------------------
+    # ``proj`` is one projection's expert table (``table.gate`` etc.); a slot whose id is outside
+    # ``[table.start, table.start + table.count)`` is remote and its output is left untouched.
+    @abstractmethod
+    def moe_gemv(self, a: Any, proj: Any, table: Any, ids_K: Any, out_KN: Any, per_slot_input: bool) -> None:
+        """Decode: every slot of ONE row in one launch. ``a`` is ``[1, Kin]`` (all slots read the
+        same row) or ``[K, Kin]`` (``per_slot_input``)."""
+
+    @abstractmethod
+    def union_table(self, ids_RK: Any, u_eid_U: Any, u_slot_UR: Any) -> None:
+        """``glm_ep.routing.union_table`` into the two buffers; must match it exactly."""
+
+    @abstractmethod
+    def moe_gemv_union(self, a: Any, proj: Any, table: Any, u_eid_U: Any, u_slot_UR: Any,
+                       out_RKN: Any, per_slot_input: bool) -> None:
+        """Verify: each union expert swept once for all rows of the group. ``a`` is ``[R, Kin]``
+        or ``[R, K, Kin]`` (``per_slot_input``)."""
+
+    @abstractmethod
+    def sort_by_expert(self, ids_TK: Any, num_experts: int, sorted_token_ids_S: Any,
+                       sorted_expert_ids_S: Any, expert_offsets: Any, token_to_perm_TK: Any) -> None:
+        """``glm_ep.routing.sort_by_expert`` into the four buffers; must match it exactly."""
+
+    @abstractmethod
+    def moe_gemm_sorted(self, a: Any, proj: Any, table: Any, sorted_token_ids_S: Any,
+                        expert_offsets: Any, out_SN: Any, gather_rows: bool) -> None:
+        """Prefill: one grouped GEMM over the expert-sorted slots. Sorted row ``i`` of a local
+        expert ``e`` reads ``a[sorted_token_ids[i]]`` (``gather_rows``) or ``a[i]``."""
+
+    @abstractmethod
+    def expert_linear(self, a_1K: Any, proj: Any, table: Any, local: int, out_1N: Any) -> None:
+        """One expert's projection for one row (host-dispatch path)."""

@@ -1,0 +1,72 @@
+"""Communicators: the ONE all-reduce a site ends with.
+
+Every communicator sums bf16 buffers in place with NCCL's bf16 semantics: the partials are added
+in rank order and each addition is rounded to bf16, so every rank ends with identical bytes.
+``MpiComm`` serves the NumPy backend (and CUDA ranks that share one GPU, host-staged);
+``glm_ep.backend.nccl.NcclComm`` serves CUDA ranks on their own GPUs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+
+class Communicator(ABC):
+    rank: int
+    size: int
+    #: whether ``all_reduce`` can be recorded into a CUDA graph (no host staging)
+    capturable: bool = False
+
+    @abstractmethod
+    def all_reduce(self, buf: Any) -> Any:
+        """Sum ``buf`` (bf16, contiguous) over all ranks, in place; returns ``buf``."""
+
+
+class SelfComm(Communicator):
+    """One rank: the sum is the buffer itself."""
+
+    rank, size, capturable = 0, 1, True
+
+    def all_reduce(self, buf: Any) -> Any:
+        return buf
+
+
+def bf16_sum_in_rank_order(parts_PN: np.ndarray) -> np.ndarray:
+    """``[P, N]`` bf16 partials -> ``[N]``: ``((p0 + p1) + p2) ...``, each add rounded to bf16."""
+    acc = parts_PN[0].astype(np.float32)
+    for p in parts_PN[1:]:
+        acc = (acc + p.astype(np.float32)).astype(ml_dtypes.bfloat16).astype(np.float32)
+    return acc.astype(ml_dtypes.bfloat16)
+
+
+class MpiComm(Communicator):
+    """All-reduce over MPI: an allgather of the raw bf16 bits, then the rank-order bf16 sum.
+
+    MPI has no bf16 type, so the bits travel as uint16 and the sum is done here, identically on
+    every rank. Device arrays (``to_host`` / ``from_host`` given) are staged through the host.
+    """
+
+    def __init__(self, mpi_comm: Any, to_host=None, from_host=None):
+        self.comm = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self._to_host = to_host
+        self._from_host = from_host
+
+    def all_reduce(self, buf: Any) -> Any:
+        if self.size == 1:
+            return buf
+        host = self._to_host(buf) if self._to_host else buf
+        bits = np.ascontiguousarray(host).view(np.uint16).reshape(-1)
+        gathered = np.empty((self.size, bits.size), dtype=np.uint16)
+        self.comm.Allgather(bits, gathered)
+        summed = bf16_sum_in_rank_order(gathered.view(ml_dtypes.bfloat16)).reshape(host.shape)
+        if self._from_host:
+            self._from_host(buf, summed)
+        else:
+            buf[...] = summed
+        return buf

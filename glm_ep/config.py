@@ -1,0 +1,269 @@
+"""Model geometry from a checkpoint's ``config.json`` and the per-rank site geometry.
+
+``ModelConfig`` is the model as the checkpoint describes it (global counts). ``RankLayout``
+places one MPI rank in the tp/ep split, and ``SiteConfig`` is what one rank's MLP sites
+compute: the TP division of the dense/shared widths and the EP division of the experts are
+applied in exactly one place, ``SiteConfig.for_rank``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from glm_ep.errors import ConfigError
+
+#: Most experts the router kernel keeps in registers per row (``float best_w[16]``).
+KERNEL_MAX_TOP_K = 16
+#: NVFP4 block size: one E4M3 scale per 16 consecutive k.
+NVFP4_GROUP = 16
+
+_REQUIRED = {
+    "hidden_size": int,
+    "intermediate_size": int,
+    "moe_intermediate_size": int,
+    "num_hidden_layers": int,
+    "n_shared_experts": int,
+    "n_routed_experts": int,
+    "num_experts_per_tok": int,
+    "routed_scaling_factor": (int, float),
+    "norm_topk_prob": bool,
+    "n_group": int,
+    "swiglu_limit": (int, float),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GLM-5.3 MLP geometry and routing semantics, global (unsharded) counts."""
+
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    n_shared_experts: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    n_group: int
+    swiglu_limit: float
+    mlp_layer_types: tuple[str, ...]
+    router_bf16: bool = False
+
+    @property
+    def shared_intermediate(self) -> int:
+        return self.n_shared_experts * self.moe_intermediate_size
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.mlp_layer_types) if t == "sparse")
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.mlp_layer_types) if t == "dense")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: config.json not found (expected an HF config.json in the model folder)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
+        """Parse an HF ``glm5_next`` config: text fields at the top level or under ``text_config``."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+        quant = raw.get("quantization_config", text.get("quantization_config"))
+        vals: dict[str, Any] = {}
+        for key, typ in _REQUIRED.items():
+            if key not in text:
+                why = (" (GLM-5.3 clamps its SwiGLU asymmetrically; the limit is never defaulted)"
+                       if key == "swiglu_limit" else "")
+                raise ConfigError(f"{source}: missing required field '{key}'{why}")
+            v = text[key]
+            if isinstance(v, bool) and typ is not bool or not isinstance(v, typ):
+                raise ConfigError(f"{source}: field '{key}' = {v!r} has type {type(v).__name__}, expected {typ}")
+            vals[key] = v
+        vals["routed_scaling_factor"] = float(vals["routed_scaling_factor"])
+        vals["swiglu_limit"] = float(vals["swiglu_limit"])
+        vals["mlp_layer_types"] = _layer_types(text, vals["num_hidden_layers"], source)
+        router_dtype = text.get("moe_router_dtype", "float32")
+        if router_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"{source}: moe_router_dtype = {router_dtype!r}, expected 'float32' or 'bfloat16'")
+        vals["router_bf16"] = router_dtype == "bfloat16"
+        _check_quantization(quant, source)
+        cfg = cls(**vals)
+        cfg.validate(source)
+        return cfg
+
+    def validate(self, source: str = "config") -> None:
+        def bad(msg: str) -> ConfigError:
+            return ConfigError(f"{source}: {msg}")
+
+        for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                    "n_routed_experts"):
+            if getattr(self, key) <= 0:
+                raise bad(f"{key} = {getattr(self, key)}, expected a positive integer")
+        if self.n_shared_experts < 0:
+            raise bad(f"n_shared_experts = {self.n_shared_experts}, expected >= 0")
+        if self.n_group != 1:
+            raise bad(f"n_group = {self.n_group}, expected 1 (grouped top-k routing is not supported)")
+        if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
+            raise bad(f"swiglu_limit = {self.swiglu_limit}, expected a finite value > 0 "
+                      "(a zero limit is not 'no clamp', it forces the gate to <= 0)")
+        if not 1 <= self.num_experts_per_tok <= min(KERNEL_MAX_TOP_K, self.n_routed_experts):
+            raise bad(f"num_experts_per_tok = {self.num_experts_per_tok}, expected 1..="
+                      f"{min(KERNEL_MAX_TOP_K, self.n_routed_experts)} (<= n_routed_experts and "
+                      f"<= {KERNEL_MAX_TOP_K})")
+        for key in ("hidden_size", "moe_intermediate_size"):
+            if getattr(self, key) % NVFP4_GROUP:
+                raise bad(f"{key} = {getattr(self, key)} is not a multiple of the NVFP4 group size "
+                          f"{NVFP4_GROUP}")
+        if not math.isfinite(self.routed_scaling_factor):
+            raise bad(f"routed_scaling_factor = {self.routed_scaling_factor}, expected a finite number")
+
+
+def _layer_types(text: dict[str, Any], n_layers: int, source: str) -> tuple[str, ...]:
+    if "mlp_layer_types" in text:
+        types = text["mlp_layer_types"]
+        if not isinstance(types, list) or len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
+            raise ConfigError(f"{source}: mlp_layer_types = {types!r}, expected a list of {n_layers} "
+                              "entries, each 'dense' or 'sparse'")
+        return tuple(types)
+    if "first_k_dense_replace" in text:
+        k = text["first_k_dense_replace"]
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= n_layers:
+            raise ConfigError(f"{source}: first_k_dense_replace = {k!r}, expected an integer in 0..={n_layers}")
+        return tuple("dense" if i < k else "sparse" for i in range(n_layers))
+    raise ConfigError(f"{source}: neither 'mlp_layer_types' nor 'first_k_dense_replace' is set; "
+                      "one of them is needed to know which layers are dense")
+
+
+def _check_quantization(quant: Any, source: str) -> None:
+    if quant is None:
+        raise ConfigError(f"{source}: no quantization_config; expected ModelOpt NVFP4 routed experts "
+                          "(quant_method 'modelopt', quant_algo 'NVFP4', group_size 16)")
+    method = str(quant.get("quant_method", "")).lower()
+    algo = quant.get("quant_algo", quant.get("quantization", {}).get("quant_algo") if isinstance(
+        quant.get("quantization"), dict) else None)
+    group = quant.get("group_size", NVFP4_GROUP)
+    if method != "modelopt" or str(algo).upper() != "NVFP4" or group != NVFP4_GROUP:
+        raise ConfigError(f"{source}: quantization_config has quant_method={method!r}, quant_algo={algo!r}, "
+                          f"group_size={group!r}; expected 'modelopt', 'NVFP4', {NVFP4_GROUP}")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one rank sits: ``tp`` and ``ep`` each divide ``world``.
+
+    ``tp_rank = rank % tp`` and ``ep_rank = rank % ep``. When a degree is below ``world`` the
+    shards are replicated ``world / degree`` times, and only the first replica (``rank < degree``)
+    may contribute to an all-reduced sum, so every piece of work is counted exactly once.
+    """
+
+    world: int
+    rank: int
+    tp: int
+    ep: int
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep"):
+            d = getattr(self, name)
+            if d < 1 or self.world % d:
+                raise ConfigError(f"{name} = {d} does not divide the world size {self.world}; "
+                                  f"expected a divisor of {self.world}")
+        if not 0 <= self.rank < self.world:
+            raise ConfigError(f"rank {self.rank} is outside world size {self.world}")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    """One rank's MLP geometry: global expert count, local widths, and who contributes what."""
+
+    hidden: int
+    local_dense_intermediate: int
+    moe_intermediate: int
+    local_shared_intermediate: int
+    num_experts: int  # FULL routed-expert count: the router ranks all of them
+    local_experts: int
+    ep_rank: int
+    tp_rank: int
+    top_k: int
+    routed_scale: float
+    renormalize: bool
+    swiglu_limit: float
+    router_bf16: bool
+    tp: int
+    ep: int
+    world: int
+    rank: int
+
+    @classmethod
+    def for_rank(cls, model: ModelConfig, layout: RankLayout) -> "SiteConfig":
+        tp, ep = layout.tp, layout.ep
+        if model.intermediate_size % tp:
+            raise ConfigError(f"intermediate_size {model.intermediate_size} does not divide over tp = {tp}")
+        if model.shared_intermediate % tp:
+            raise ConfigError(f"n_shared_experts * moe_intermediate_size = {model.shared_intermediate} "
+                              f"does not divide over tp = {tp}")
+        if model.n_routed_experts % ep:
+            raise ConfigError(f"n_routed_experts {model.n_routed_experts} does not divide over ep = {ep}; "
+                              "a ragged split would leave some expert ids owned by nobody")
+        return cls(
+            hidden=model.hidden_size,
+            local_dense_intermediate=model.intermediate_size // tp,
+            moe_intermediate=model.moe_intermediate_size,
+            local_shared_intermediate=model.shared_intermediate // tp,
+            num_experts=model.n_routed_experts,
+            local_experts=model.n_routed_experts // ep,
+            ep_rank=layout.ep_rank,
+            tp_rank=layout.tp_rank,
+            top_k=model.num_experts_per_tok,
+            routed_scale=model.routed_scaling_factor,
+            renormalize=model.norm_topk_prob,
+            swiglu_limit=model.swiglu_limit,
+            router_bf16=model.router_bf16,
+            tp=tp,
+            ep=ep,
+            world=layout.world,
+            rank=layout.rank,
+        )
+
+    @property
+    def expert_start(self) -> int:
+        return self.ep_rank * self.local_experts
+
+    def local_slot(self, global_id: int) -> int | None:
+        """Global expert id -> local index, or None when another rank owns it (it contributes zero)."""
+        local = global_id - self.expert_start
+        return local if 0 <= local < self.local_experts else None
+
+    def reduces(self, sparse: bool) -> bool:
+        """Whether a site's output leaves this rank as a partial sum needing the all-reduce."""
+        return self.tp > 1 or (sparse and self.ep > 1)
+
+    def tp_active(self, sparse: bool) -> bool:
+        """Whether this rank adds its TP shard (dense FFN / shared expert) to the site output."""
+        return not self.reduces(sparse) or self.rank < self.tp
+
+    def ep_active(self) -> bool:
+        """Whether this rank adds its routed experts to the (sparse) site output."""
+        return not self.reduces(True) or self.rank < self.ep

@@ -1,0 +1,126 @@
+"""Routed-expert dispatch: which path runs a call's rows, and the path bodies.
+
+| rows            | path      | what runs                                                        |
+|-----------------|-----------|------------------------------------------------------------------|
+| 1               | `decode`  | grouped GEMV: all top_k slots per launch, ids stay on device      |
+| 2..8            | `union`   | union table, each union expert swept once for the group           |
+| > 8, >= min     | `sorted`  | sort by expert, one grouped GEMM per projection, indexed combine  |
+| > 8, < min      | `union`   | even row groups of <= 8 (never a group of one)                    |
+| lever           | `host`    | ids read to the host, one launch per (slot, projection)           |
+
+Every path writes ``[T*K, H]`` routed outputs, remote slots exactly zero, and returns the
+permutation the combine must read them through (None when they are in ``(row, slot)`` order).
+Shape suffixes: T rows, H hidden, K top-k, M moe width, S = T*K slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from glm_ep.backend.base import Backend
+from glm_ep.config import SiteConfig
+from glm_ep.errors import InputError
+from glm_ep.routing import row_groups
+from glm_ep.topology import PathLevers
+from glm_ep.workspace import Workspace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExpertDispatch:
+    """Chooses and runs the routed-expert path for one rank; says once per row count which ran."""
+
+    be: Backend
+    cfg: SiteConfig
+    levers: PathLevers
+    _announced: set[tuple[str, int]] = field(default_factory=set)
+
+    def path_for(self, rows: int) -> str:
+        lv, k = self.levers, self.cfg.top_k
+        if lv.host_dispatch:
+            return "host"
+        if rows == 1:
+            return "decode"
+        if rows > 8 and lv.prefill_gemm and rows >= lv.prefill_gemm_min_rows and self.be.has_grouped_gemm:
+            return "sorted"
+        groups = row_groups(rows, lv.row_batch_max)
+        if lv.row_batch and all(w >= 2 and w * k <= lv.union_max_ids for _, w in groups):
+            return "union"
+        return "decode"  # one grouped GEMV per row
+
+    def __call__(self, x_TH: Any, ids_TK: Any, table: Any, ws: Workspace) -> tuple[Any, Any | None]:
+        t, k, h = x_TH.shape[0], self.cfg.top_k, self.cfg.hidden
+        routed_SH = ws.view("expert_out", t * k, h)
+        self.be.zero(routed_SH)  # remote slots must add exactly zero
+        path = self.path_for(t)
+        if (path, t) not in self._announced:
+            self._announced.add((path, t))
+            log.info("routed experts: %d rows -> %s path", t, path)
+        if table.count == 0:  # this rank contributes no routed experts
+            return routed_SH, None
+        return getattr(self, f"_{path}")(x_TH, ids_TK, table, ws, routed_SH)
+
+    def _decode(self, x_TH, ids_TK, table, ws, routed_SH):
+        be, k, m, lim = self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.swiglu_limit
+        gate_KM, up_KM, act_KM = (ws.view(b, k, m) for b in ("a_gate", "a_up", "a_act"))
+        for r in range(x_TH.shape[0]):
+            x_1H, ids_K = x_TH[r:r + 1], ids_TK[r]
+            be.moe_gemv(x_1H, table.gate, table, ids_K, gate_KM, per_slot_input=False)
+            be.moe_gemv(x_1H, table.up, table, ids_K, up_KM, per_slot_input=False)
+            be.swiglu(gate_KM, up_KM, lim, act_KM)  # remote slots activate garbage nobody reads
+            be.moe_gemv(act_KM, table.down, table, ids_K, routed_SH[r * k:(r + 1) * k], per_slot_input=True)
+        return routed_SH, None
+
+    def _union(self, x_TH, ids_TK, table, ws, routed_SH):
+        be, k, m, h, lim = (self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.hidden,
+                            self.cfg.swiglu_limit)
+        t = x_TH.shape[0]
+        gate_TKM, up_TKM, act_TKM = (ws.view(b, t, k, m) for b in ("a_gate", "a_up", "a_act"))
+        routed_TKH = routed_SH.reshape(t, k, h)
+        for r0, w in row_groups(t, self.levers.row_batch_max):
+            rs = slice(r0, r0 + w)
+            # the table is rebuilt per group; the previous group's sweeps are already queued
+            u_eid, u_slot = ws.view("u_eid", w * k), ws.view("u_slot", w * k, w)
+            be.union_table(ids_TK[rs], u_eid, u_slot)
+            be.moe_gemv_union(x_TH[rs], table.gate, table, u_eid, u_slot, gate_TKM[rs], per_slot_input=False)
+            be.moe_gemv_union(x_TH[rs], table.up, table, u_eid, u_slot, up_TKM[rs], per_slot_input=False)
+            be.swiglu(gate_TKM[rs], up_TKM[rs], lim, act_TKM[rs])
+            be.moe_gemv_union(act_TKM[rs], table.down, table, u_eid, u_slot, routed_TKH[rs], per_slot_input=True)
+        return routed_SH, None
+
+    def _sorted(self, x_TH, ids_TK, table, ws, routed_SH):
+        be, k, m, lim = self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.swiglu_limit
+        t = x_TH.shape[0]
+        s = t * k
+        tok_S, eid_S, offsets = ws.view("sorted_token_ids", s), ws.view("sorted_expert_ids", s), \
+            ws.view("expert_offsets", self.cfg.num_experts + 1)
+        perm_TK = ws.view("token_to_perm", t, k)
+        be.sort_by_expert(ids_TK, self.cfg.num_experts, tok_S, eid_S, offsets, perm_TK)
+        gate_SM, up_SM, act_SM = (ws.view(b, s, m) for b in ("a_gate", "a_up", "a_act"))
+        be.moe_gemm_sorted(x_TH, table.gate, table, tok_S, offsets, gate_SM, gather_rows=True)
+        be.moe_gemm_sorted(x_TH, table.up, table, tok_S, offsets, up_SM, gather_rows=True)
+        be.swiglu(gate_SM, up_SM, lim, act_SM)
+        be.moe_gemm_sorted(act_SM, table.down, table, tok_S, offsets, routed_SH, gather_rows=False)
+        return routed_SH, perm_TK
+
+    def _host(self, x_TH, ids_TK, table, ws, routed_SH):
+        be, cfg = self.be, self.cfg
+        m, k, lim = cfg.moe_intermediate, cfg.top_k, cfg.swiglu_limit
+        gate_1M, up_1M, act_1M = (ws.view(b, 1, m) for b in ("a_gate", "a_up", "a_act"))
+        ids = be.to_host(ids_TK)  # the deliberate stream sync of this debugging path
+        for r, row in enumerate(ids.tolist()):
+            for slot, e in enumerate(row):
+                if not 0 <= e < cfg.num_experts:
+                    raise InputError(f"router selected expert {e} of {cfg.num_experts} (row {r}, slot {slot})")
+                local = cfg.local_slot(e)
+                if local is None:
+                    continue  # another rank owns it; its zero row is in place
+                x_1H = x_TH[r:r + 1]
+                be.expert_linear(x_1H, table.gate, table, local, gate_1M)
+                be.expert_linear(x_1H, table.up, table, local, up_1M)
+                be.swiglu(gate_1M, up_1M, lim, act_1M)
+                be.expert_linear(act_1M, table.down, table, local, routed_SH[r * k + slot:r * k + slot + 1])
+        return routed_SH, None

@@ -1,0 +1,88 @@
+"""The two MLP sites. Each forward is a short pipeline that ends in ONE visible all-reduce.
+
+Sparse: route -> experts -> shared -> combine -> all_reduce. The combine runs BEFORE the
+reduce, so one collective sums both the EP partial (routed experts) and the TP partial (shared
+expert). Dense: gate/up -> clamped SwiGLU -> down -> all_reduce (only when tp > 1).
+Shape suffixes: T rows, H hidden, E experts, K top-k, I a projection width, S = T*K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from glm_ep.backend.base import Backend
+from glm_ep.comm import Communicator
+from glm_ep.config import SiteConfig
+from glm_ep.experts import ExpertDispatch
+from glm_ep.routing import RouteParams
+from glm_ep.workspace import Workspace
+
+
+def clamped_swiglu_mlp(be: Backend, w: Any, limit: float, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
+    """``down(act(gate(x), up(x)))`` over this rank's TP shard (a partial sum when tp > 1)."""
+    t, width = x_TH.shape[0], w.gate.shape[0]
+    gate_TI, up_TI, act_TI = (ws.view(b, t, width) for b in ("a_gate", "a_up", "a_act"))
+    be.linear(x_TH, w.gate, gate_TI)
+    be.linear(x_TH, w.up, up_TI)
+    be.swiglu(gate_TI, up_TI, limit, act_TI)
+    return be.linear(act_TI, w.down, out_TH)
+
+
+@dataclass
+class DenseSite:
+    be: Backend
+    comm: Communicator
+    cfg: SiteConfig
+    mlp: Any | None  # resident DenseWeights; None on a replica that does not contribute
+
+    sparse = False
+
+    @property
+    def reduces(self) -> bool:
+        return self.cfg.reduces(sparse=False)
+
+    def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
+        if self.mlp is None:
+            self.be.zero(out_TH)
+        else:
+            clamped_swiglu_mlp(self.be, self.mlp, self.cfg.swiglu_limit, x_TH, ws, out_TH)
+        return self.comm.all_reduce(out_TH) if self.reduces else out_TH
+
+
+@dataclass
+class MoeSite:
+    be: Backend
+    comm: Communicator
+    cfg: SiteConfig
+    moe: Any  # resident router, bias, expert tables; .shared may be None
+    experts: ExpertDispatch
+
+    sparse = True
+
+    @property
+    def reduces(self) -> bool:
+        return self.cfg.reduces(sparse=True)
+
+    @property
+    def route_params(self) -> RouteParams:
+        c = self.cfg
+        return RouteParams(c.top_k, c.routed_scale, c.renormalize, c.router_bf16)
+
+    def route(self, x_TH: Any, ws: Workspace) -> tuple[Any, Any]:
+        """Replicated on every rank (never sharded): the same ids everywhere, fp32 end to end."""
+        t, e, k = x_TH.shape[0], self.cfg.num_experts, self.cfg.top_k
+        logits_TE = self.be.router_logits(x_TH, self.moe.router, ws.view("logits", t, e))
+        ids_TK, wts_TK = ws.view("ids", t, k), ws.view("wts", t, k)
+        self.be.router_topk(logits_TE, self.moe.bias, self.route_params, ids_TK, wts_TK)
+        return ids_TK, wts_TK
+
+    def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
+        ids_TK, wts_TK = self.route(x_TH, ws)
+        routed_SH, perm_TK = self.experts(x_TH, ids_TK, self.moe.experts, ws)
+        shared_TH = None
+        if self.moe.shared is not None:  # NOT scaled by routed_scaling_factor
+            shared_TH = ws.view("shared_out", x_TH.shape[0], self.cfg.hidden)
+            clamped_swiglu_mlp(self.be, self.moe.shared, self.cfg.swiglu_limit, x_TH, ws, shared_TH)
+        self.be.combine(routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+        return self.comm.all_reduce(out_TH) if self.reduces else out_TH

@@ -1,0 +1,78 @@
+"""MlpStack: every MLP site of the model on one rank, one workspace for the whole stack.
+
+``site_output(i, x)`` applies site i alone (``glm-ep forward``); ``step(h)`` runs the chained
+stack ``h = h + site(h)`` in place. A backend that can capture (CUDA) records the decode step
+(rows = 1, all layers, all-reduces included) once as a graph and replays it; verify widths too
+when the ``graph_verify`` lever is on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from glm_ep.backend.base import Backend
+from glm_ep.comm import Communicator
+from glm_ep.config import SiteConfig
+from glm_ep.errors import InputError
+from glm_ep.topology import PathLevers
+from glm_ep.workspace import Workspace, ws_total_bytes
+
+log = logging.getLogger(__name__)
+
+
+class MlpStack:
+    def __init__(self, be: Backend, comm: Communicator, cfg: SiteConfig, sites: list[Any],
+                 levers: PathLevers, max_rows: int, shared_workspace: bool = True):
+        self.be, self.comm, self.cfg, self.sites, self.levers = be, comm, cfg, sites, levers
+        self.max_rows = max(max_rows, 1)
+        n_ws = 1 if shared_workspace else len(sites)
+        pool = [Workspace(be.xp, cfg, self.max_rows) for _ in range(n_ws)]
+        self.workspaces = [pool[0] if shared_workspace else pool[i] for i in range(len(sites))]
+        self.workspace_bytes = ws_total_bytes(cfg, self.max_rows) * n_ws
+        # static buffers: the chained state and one site's output, so a graph can be replayed
+        self.h_buf = be.xp.empty((self.max_rows, cfg.hidden), dtype=pool[0].view("shared_out", 1, 1).dtype)
+        self.out_buf = be.xp.empty_like(self.h_buf)
+        self._graphs: dict[int, Callable[[], None]] = {}
+
+    def _check_rows(self, x_TH: Any) -> int:
+        t, h = x_TH.shape
+        if h != self.cfg.hidden:
+            raise InputError(f"input hidden size is {h}, expected hidden_size = {self.cfg.hidden}")
+        if not 1 <= t <= self.max_rows:
+            raise InputError(f"{t} rows do not fit the workspace built for 1..{self.max_rows} rows "
+                             "(raise workspace_rows in the topology)")
+        return t
+
+    def site_output(self, i: int, x_TH: Any) -> Any:
+        """Site i applied to ``x`` (not chained); the result is a view of the stack's out buffer."""
+        t = self._check_rows(x_TH)
+        self.h_buf[:t] = x_TH
+        return self.sites[i](self.h_buf[:t], self.workspaces[i], self.out_buf[:t])
+
+    def _eager_step(self, t: int) -> None:
+        h_TH, out_TH = self.h_buf[:t], self.out_buf[:t]
+        for site, ws in zip(self.sites, self.workspaces):
+            site(h_TH, ws, out_TH)
+            self.be.add(h_TH, out_TH, h_TH)
+
+    def _capturable(self, t: int) -> bool:
+        lv = self.levers
+        wanted = (t == 1 and lv.graph_decode) or (2 <= t <= 8 and lv.graph_verify)
+        return wanted and not lv.host_dispatch and self.be.can_capture and (
+            self.comm.capturable or not any(s.reduces for s in self.sites))
+
+    def step(self, x_TH: Any) -> Any:
+        """``h = h + site(h)`` through every layer; returns a view of the stack's state buffer."""
+        t = self._check_rows(x_TH)
+        self.h_buf[:t] = x_TH
+        if self._capturable(t):
+            if t not in self._graphs:
+                self._eager_step(t)  # warm-up outside the capture: path logs, lazy kernel loads
+                self.h_buf[:t] = x_TH
+                self._graphs[t] = self.be.capture(lambda: self._eager_step(t))
+                log.info("captured the %d-row step of %d sites as one graph", t, len(self.sites))
+            self._graphs[t]()
+        else:
+            self._eager_step(t)
+        return self.h_buf[:t]

@@ -1,0 +1,113 @@
+"""Topology files (TOML): the rank layout, the backend, the workspace and the path levers.
+
+A topology is small, frozen and explicit. Command-line flags override its fields
+(``with_overrides``), and ``check_world`` refuses a file whose world does not match the MPI job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm_ep.errors import ConfigError
+
+BACKENDS = ("cpu", "cuda")
+COMMS = ("auto", "mpi", "nccl")
+
+
+@dataclass(frozen=True)
+class PathLevers:
+    """Every gate of the dispatch, as a value with its default (never an environment read)."""
+
+    host_dispatch: bool = False  # read ids to the host and loop experts (debugging)
+    row_batch: bool = True  # 2..8 rows: sweep each union expert once
+    row_batch_max: int = 8  # widest row group of the union path (<= 8)
+    union_max_ids: int = 64  # rows * top_k a union table may hold (one 64-thread block)
+    prefill_gemm: bool = True  # wide prefill: sort by expert + grouped GEMM
+    prefill_gemm_min_rows: int = 128  # measured crossover: below it, row groups of <= 8
+    graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
+    graph_verify: bool = True  # capture verify steps (2..8 rows) as CUDA graphs too
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.row_batch_max <= 8:
+            raise ConfigError(f"levers.row_batch_max = {self.row_batch_max}, expected 1..8")
+        if not 1 <= self.union_max_ids <= 64:
+            raise ConfigError(f"levers.union_max_ids = {self.union_max_ids}, expected 1..64")
+        if self.prefill_gemm_min_rows < 9:
+            raise ConfigError(f"levers.prefill_gemm_min_rows = {self.prefill_gemm_min_rows}, expected >= 9")
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str = "single"
+    world: int = 1
+    tp: int = 1
+    ep: int = 1
+    backend: str = "cpu"
+    comm: str = "auto"  # auto: NCCL for cuda ranks on distinct GPUs, else MPI
+    devices: tuple[int, ...] = ()  # rank -> CUDA device; empty = rank % visible devices
+    workspace_rows: int = 512
+    shared_workspace: bool = True
+    levers: PathLevers = field(default_factory=PathLevers)
+
+    def __post_init__(self) -> None:
+        if self.world < 1:
+            raise ConfigError(f"topology {self.name!r}: world = {self.world}, expected >= 1")
+        for key in ("tp", "ep"):
+            d = getattr(self, key)
+            if d < 1 or self.world % d:
+                raise ConfigError(f"topology {self.name!r}: {key} = {d} does not divide world = {self.world}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"topology {self.name!r}: backend = {self.backend!r}, expected one of {BACKENDS}")
+        if self.comm not in COMMS:
+            raise ConfigError(f"topology {self.name!r}: comm = {self.comm!r}, expected one of {COMMS}")
+        if self.devices and len(self.devices) != self.world:
+            raise ConfigError(f"topology {self.name!r}: devices lists {len(self.devices)} entries for "
+                              f"world = {self.world}; expected one device per rank")
+        if self.workspace_rows < 1:
+            raise ConfigError(f"topology {self.name!r}: workspace_rows = {self.workspace_rows}, expected >= 1")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Topology":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: topology file not found")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "topology") -> "Topology":
+        raw = dict(raw)
+        levers_raw = raw.pop("levers", {})
+        known = {f.name for f in dataclasses.fields(cls)} - {"levers"}
+        lever_names = {f.name for f in dataclasses.fields(PathLevers)}
+        unknown = sorted(set(raw) - known) + sorted(f"levers.{k}" for k in set(levers_raw) - lever_names)
+        if unknown:
+            raise ConfigError(f"{source}: unknown keys {unknown}; expected {sorted(known)} and "
+                              f"[levers] {sorted(lever_names)}")
+        if "devices" in raw:
+            raw["devices"] = tuple(raw["devices"])
+        raw.setdefault("name", Path(source).stem)
+        try:
+            return cls(levers=PathLevers(**levers_raw), **raw)
+        except TypeError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def with_overrides(self, tp: int | None = None, ep: int | None = None,
+                       backend: str | None = None, world: int | None = None) -> "Topology":
+        changes = {k: v for k, v in dict(tp=tp, ep=ep, backend=backend, world=world).items() if v is not None}
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def check_world(self, mpi_size: int) -> None:
+        if mpi_size != self.world:
+            raise ConfigError(f"topology {self.name!r} is for world = {self.world} ranks, but the MPI job "
+                              f"has {mpi_size}; launch with mpiexec -n {self.world} or pick another topology")
+
+    def device_of(self, rank: int, visible: int) -> int:
+        return self.devices[rank] if self.devices else rank % max(visible, 1)

@@ -1,0 +1,114 @@
+"""The MLP scratch: its 14 buffers, their byte sizes, and the footprint report.
+
+One workspace serves the whole layer stack by default: every buffer is fully written before it
+is read inside one site call and one stream runs the stack, so a later layer never observes an
+earlier layer's bytes. ``shared = False`` gives each layer a private copy, so the saving can be
+measured. ``u_slot`` is QUADRATIC in rows: ``[rows * top_k, rows]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from glm_ep.config import SiteConfig
+
+_I32, _F32, _BF16 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
+
+#: Buffer order, as allocated; ``buffer_specs`` gives each one's shape and dtype.
+BUFFERS = ("a_gate", "a_up", "a_act", "logits", "ids", "wts", "expert_out", "shared_out",
+           "u_eid", "u_slot", "sorted_token_ids", "sorted_expert_ids", "expert_offsets", "token_to_perm")
+
+
+def max_inter(cfg: SiteConfig) -> int:
+    return max(cfg.local_dense_intermediate, cfg.moe_intermediate, cfg.local_shared_intermediate, 1)
+
+
+def buffer_specs(cfg: SiteConfig, max_rows: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of each buffer for ``max_rows`` rows (0 rows clamps to 1)."""
+    r, k, h, e = max(max_rows, 1), cfg.top_k, cfg.hidden, cfg.num_experts
+    # gate/up/act serve both [rows, inter] (dense, shared) and [rows, top_k, moe_inter] (routed).
+    act = max(r * max_inter(cfg), r * k * cfg.moe_intermediate, 1)
+    return {
+        "a_gate": ((act,), _BF16),
+        "a_up": ((act,), _BF16),
+        "a_act": ((act,), _BF16),
+        "logits": ((r, e), _F32),
+        "ids": ((r, k), _I32),
+        "wts": ((r, k), _F32),
+        "expert_out": ((r * k, h), _BF16),
+        "shared_out": ((r, h), _BF16),
+        "u_eid": ((r * k,), _I32),
+        "u_slot": ((r * k, r), _I32),
+        "sorted_token_ids": ((r * k,), _I32),
+        "sorted_expert_ids": ((r * k,), _I32),
+        "expert_offsets": ((e + 1,), _I32),
+        "token_to_perm": ((r, k), _I32),
+    }
+
+
+def ws_bytes(cfg: SiteConfig, max_rows: int) -> list[int]:
+    """Byte size of each of the 14 buffers, in ``BUFFERS`` order."""
+    specs = buffer_specs(cfg, max_rows)
+    return [int(np.prod(specs[b][0])) * specs[b][1].itemsize for b in BUFFERS]
+
+
+def ws_total_bytes(cfg: SiteConfig, max_rows: int) -> int:
+    return sum(ws_bytes(cfg, max_rows))
+
+
+class Workspace:
+    """The 14 scratch buffers, allocated once with the backend's array namespace ``xp``."""
+
+    def __init__(self, xp: Any, cfg: SiteConfig, max_rows: int):
+        self.max_rows = max(max_rows, 1)
+        self.max_inter = max_inter(cfg)
+        self.top_k = cfg.top_k
+        self.nbytes = ws_total_bytes(cfg, max_rows)
+        self._flat = {name: xp.empty(int(np.prod(shape)), dtype=dtype)
+                      for name, (shape, dtype) in buffer_specs(cfg, max_rows).items()}
+
+    def view(self, name: str, *shape: int) -> Any:
+        """The first ``prod(shape)`` elements of buffer ``name``, shaped ``shape`` (a view)."""
+        n = int(np.prod(shape))
+        buf = self._flat[name]
+        if n > buf.size:
+            raise ValueError(f"workspace buffer {name!r} holds {buf.size} elements, asked for {shape}")
+        return buf[:n].reshape(shape)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    per_workspace: int
+    layers: int
+    shared: bool
+
+    @property
+    def stack(self) -> int:
+        return self.per_workspace if self.shared else self.per_workspace * self.layers
+
+    @property
+    def private_copies(self) -> int:
+        return self.per_workspace * self.layers
+
+
+def fmt_bytes(n: int) -> str:
+    """Decimal units, the ones the report and its tests use: MB below 1 GB, GB above."""
+    return f"{n / 1e9:.3f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
+
+
+def footprint_lines(cfg: SiteConfig, rows: int, layers: int, shared: bool) -> list[str]:
+    fp = Footprint(ws_total_bytes(cfg, rows), layers, shared)
+    sizes = dict(zip(BUFFERS, ws_bytes(cfg, rows)))
+    mode = "shared (one for the stack)" if shared else "per-layer (one per site)"
+    lines = [
+        f"workspace: {fmt_bytes(fp.per_workspace)} per workspace at {max(rows, 1)} rows "
+        f"(= {fp.per_workspace} bytes; u_slot {fmt_bytes(sizes['u_slot'])}, quadratic in rows)",
+        f"workspace: {layers} private copies would be {fmt_bytes(fp.private_copies)}; "
+        f"mode {mode}: stack total {fmt_bytes(fp.stack)}"
+        + (f", saving {fmt_bytes(fp.private_copies - fp.stack)}" if shared else ""),
+    ]
+    return lines
