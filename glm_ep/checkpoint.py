@@ -1,0 +1,292 @@
+"""Lazy, per-rank reading of a GLM-5.3-Flash NVFP4 checkpoint.
+
+``Checkpoint`` opens a model folder (``config.json`` plus ``model.safetensors.index.json`` and its
+shards, or one ``model.safetensors``), parses every shard's header up front — so a truncated or
+corrupt file fails on every rank at open time, before any rank starts reading — and then reads
+tensors, or row/column slices of them, only when asked. ``load_layer`` reads exactly what one
+rank owns at one MLP site: its TP slices of the dense FFN / shared expert, its EP range of routed
+experts, and the (never sharded) router.
+
+Shapes are ``[out, in]`` as stored. Suffixes: H hidden, I dense/shared width (``Il`` this rank's
+slice), E routed experts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers 'bfloat16' with NumPy: safetensors looks it up by name)
+import numpy as np
+from safetensors import safe_open
+from tqdm import tqdm
+
+from glm_ep.config import ModelConfig, SiteConfig
+from glm_ep.errors import CheckpointError, ConfigError
+from glm_ep.nvfp4 import Nvfp4Weight
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+LAYER_PREFIXES = ("model.language_model.layers", "model.layers")
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8,
+             "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what its header says."""
+
+    file: Path
+    dtype: str  # safetensors dtype string: "BF16", "F32", "U8", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in ``file``
+    nbytes: int
+
+
+def _parse_header(path: Path) -> dict[str, TensorInfo]:
+    """Read one shard's header; check it is well formed and the file holds all the data it names."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: corrupt header: file has {size} bytes, too short for a "
+                                  "safetensors header")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > _MAX_HEADER or 8 + hlen > size:
+            raise CheckpointError(f"{path}: corrupt header: header length {hlen} does not fit a file "
+                                  f"of {size} bytes")
+        raw = f.read(hlen)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt header: not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt header: expected a JSON object")
+    infos: dict[str, TensorInfo] = {}
+    data_end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = str(entry["dtype"]), tuple(int(d) for d in entry["shape"])
+            start, end = (int(v) for v in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: corrupt header: entry for tensor '{name}' is malformed "
+                                  f"({entry!r}: {e!r})") from None
+        # dtypes this runtime never reads (other parts of a full model) are only bounds-checked
+        expected = math.prod(shape) * _ITEMSIZE[dtype] if dtype in _ITEMSIZE else end - start
+        if not 0 <= start <= end or end - start != expected:
+            raise CheckpointError(f"{path}: corrupt header: tensor '{name}' ({dtype} {list(shape)}) "
+                                  f"has data_offsets [{start}, {end}], expected {expected} bytes")
+        infos[name] = TensorInfo(path, dtype, shape, 8 + hlen + start, end - start)
+        data_end = max(data_end, end)
+    if 8 + hlen + data_end > size:
+        raise CheckpointError(f"{path}: truncated: header says {data_end} bytes of data, file has "
+                              f"{size - 8 - hlen}")
+    return infos
+
+
+class Checkpoint:
+    """A model folder opened for lazy reads. Use as a context manager, or call ``close()``."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"{self.dir}: model folder not found (expected a folder with config.json "
+                                  f"and {INDEX_FILE} or {SINGLE_FILE})")
+        self.config = ModelConfig.from_file(self.dir / "config.json")
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            self.source = index
+            self._file_of = self._read_index(index)
+        elif (self.dir / SINGLE_FILE).is_file():
+            self.source = self.dir / SINGLE_FILE
+            self._file_of = None
+        else:
+            raise CheckpointError(f"{self.dir}: no weights: expected {INDEX_FILE} (with its shards) or "
+                                  f"{SINGLE_FILE}")
+        files = sorted(set(self._file_of.values())) if self._file_of is not None else [SINGLE_FILE]
+        self._headers = {name: _parse_header(self.dir / name) for name in files}
+        if self._file_of is None:
+            self._file_of = {key: SINGLE_FILE for key in self._headers[SINGLE_FILE]}
+        self._prefix = self._find_prefix()
+        self._handles: dict[str, Any] = {}
+
+    def _read_index(self, index: Path) -> dict[str, str]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index (expected JSON with a 'weight_map'): "
+                                  f"{e!r}") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' is {type(weight_map).__name__}, expected an object")
+        for shard in sorted(set(weight_map.values())):
+            if not (self.dir / shard).is_file():
+                raise CheckpointError(f"{self.dir / shard}: shard file not found (named in {index})")
+        return weight_map
+
+    def _find_prefix(self) -> str:
+        for prefix in LAYER_PREFIXES:
+            if any(key.startswith(prefix + ".") for key in self._file_of):
+                return prefix
+        raise CheckpointError(f"{self.source}: no layer tensors (expected keys starting with "
+                              f"{' or '.join(repr(p + '.') for p in LAYER_PREFIXES)})")
+
+    def layer_prefix(self, i: int) -> str:
+        """Key prefix of layer ``i``: ``model.layers.{i}`` or ``model.language_model.layers.{i}``."""
+        return f"{self._prefix}.{i}"
+
+    def info(self, name: str) -> TensorInfo:
+        """The header entry of tensor ``name`` (full key); CheckpointError if it is not stored."""
+        file = self._file_of.get(name)
+        if file is None:
+            raise CheckpointError(f"tensor '{name}' not found in {self.source}")
+        info = self._headers[file].get(name)
+        if info is None:
+            raise CheckpointError(f"tensor '{name}' not found in {self.dir / file} ({self.source} maps it there)")
+        return info
+
+    def read(self, name: str, shape: tuple[int, ...], dtypes: tuple[str, ...],
+             rows: slice | None = None, cols: slice | None = None) -> np.ndarray:
+        """Tensor ``name``, or its ``[rows, cols]`` slice, after checking its stored dtype and full shape.
+
+        Only the requested slice is read. BF16 comes back as ``ml_dtypes.bfloat16``, F8_E4M3 as
+        ``ml_dtypes.float8_e4m3fn``; the result is C-contiguous and owns its memory.
+        """
+        info = self.info(name)
+        if info.dtype not in dtypes:
+            raise CheckpointError(f"{info.file}: tensor '{name}' has dtype {info.dtype}, expected "
+                                  f"{' or '.join(dtypes)}")
+        if info.shape != tuple(shape):
+            raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, expected "
+                                  f"{list(shape)}")
+        everything = slice(None)
+        index = (everything if rows is None else rows, everything if cols is None else cols)[: len(shape)]
+        if info.dtype == "F8_E4M3":
+            # safetensors' NumPy framework has no float8: read the bytes the header points at.
+            span = rows.indices(shape[0]) if rows is not None and shape else None
+            row_bytes = info.nbytes // shape[0] if shape and shape[0] else 0
+            if span is not None and span[2] == 1:  # contiguous rows: read only those
+                first, stop = span[0], max(span[0], span[1])
+                raw = np.fromfile(info.file, dtype=np.uint8, count=(stop - first) * row_bytes,
+                                  offset=info.offset + first * row_bytes)
+                out = raw.view(ml_dtypes.float8_e4m3fn).reshape((stop - first,) + shape[1:])
+                out = out[(slice(None),) + index[1:]]
+            else:
+                raw = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+                out = raw.view(ml_dtypes.float8_e4m3fn).reshape(shape)[index]
+        elif not shape:
+            out = self._handle(info.file).get_tensor(name)
+        else:
+            out = self._handle(info.file).get_slice(name)[index]
+        return np.ascontiguousarray(out)
+
+    def read_scalar(self, name: str, dtypes: tuple[str, ...] = ("F32",)) -> float:
+        """A scalar tensor stored with shape ``()`` or ``(1,)``."""
+        info = self.info(name)
+        if info.shape not in ((), (1,)):
+            raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, expected "
+                                  "a scalar ([] or [1])")
+        return float(self.read(name, info.shape, dtypes).reshape(()))
+
+    def _handle(self, file: Path) -> Any:
+        key = file.name
+        if key not in self._handles:
+            try:
+                self._handles[key] = safe_open(str(file), framework="numpy")
+            except Exception as e:  # safetensors raises its own SafetensorError
+                raise CheckpointError(f"{file}: cannot open as safetensors: {e}") from None
+        return self._handles[key]
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def _bf16_mlp(ckpt: Checkpoint, prefix: str, width: int, hidden: int, tp_rank: int,
+              local: int) -> DenseWeights:
+    """TP slice of a bf16 SwiGLU MLP: gate/up rows ``[tp_rank*Il, (tp_rank+1)*Il)``, down those columns."""
+    part = slice(tp_rank * local, (tp_rank + 1) * local)
+    return DenseWeights(
+        gate=ckpt.read(f"{prefix}.gate_proj.weight", (width, hidden), ("BF16",), rows=part),  # [Il, H]
+        up=ckpt.read(f"{prefix}.up_proj.weight", (width, hidden), ("BF16",), rows=part),  # [Il, H]
+        down=ckpt.read(f"{prefix}.down_proj.weight", (hidden, width), ("BF16",), cols=part),  # [H, Il]
+    )
+
+
+def _nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int) -> Nvfp4Weight:
+    """One ModelOpt NVFP4 projection ``[n, k]``; ``input_scale`` is not read (activations stay bf16)."""
+    return Nvfp4Weight(
+        packed=ckpt.read(f"{prefix}.weight", (n, k // 2), ("U8",)),
+        scale=ckpt.read(f"{prefix}.weight_scale", (n, k // 16), ("F8_E4M3",)),
+        scale_2=ckpt.read_scalar(f"{prefix}.weight_scale_2"),
+    )
+
+
+def _check_site(model: ModelConfig, cfg: SiteConfig) -> None:
+    for what, ours, theirs in (("hidden", cfg.hidden, model.hidden_size),
+                               ("moe_intermediate", cfg.moe_intermediate, model.moe_intermediate_size),
+                               ("num_experts", cfg.num_experts, model.n_routed_experts)):
+        if ours != theirs:
+            raise ConfigError(f"site config {what} = {ours} does not match the checkpoint's {theirs}")
+
+
+def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int,
+               progress: bool = False) -> DenseWeights | MoeWeights | None:
+    """What this rank holds at MLP site ``layer``.
+
+    Dense site: this rank's TP slice, or None on a replica that does not contribute it. Sparse
+    site: the router and its fp32 bias (always), experts ``expert_start ..`` (empty on a
+    non-contributing EP replica), the shared expert's TP slice (None on a non-contributing TP
+    replica or when the model has no shared expert). ``progress`` shows a bar over the experts.
+    """
+    model = ckpt.config
+    _check_site(model, cfg)
+    if not 0 <= layer < model.num_hidden_layers:
+        raise ConfigError(f"layer {layer} is outside 0..{model.num_hidden_layers - 1}")
+    p = ckpt.layer_prefix(layer)
+    h = model.hidden_size
+    if model.mlp_layer_types[layer] == "dense":
+        if not cfg.tp_active(False):
+            return None
+        return _bf16_mlp(ckpt, f"{p}.mlp", model.intermediate_size, h, cfg.tp_rank, cfg.local_dense_intermediate)
+
+    e_all, inter = model.n_routed_experts, model.moe_intermediate_size
+    router_EH = ckpt.read(f"{p}.mlp.gate.weight", (e_all, h), ("BF16", "F32"))
+    bias_name = f"{p}.mlp.gate.e_score_correction_bias"
+    info = ckpt.info(bias_name)
+    if info.dtype != "F32":
+        raise CheckpointError(f"{info.file}: tensor '{bias_name}' has dtype {info.dtype}, expected F32 "
+                              "(the routing bias must stay fp32: GLM biases sit close together near 7 and "
+                              "rounding them changes which experts are chosen)")
+    bias_E = ckpt.read(bias_name, (e_all,), ("F32",))
+
+    experts: list[ExpertWeights] = []
+    if cfg.ep_active():
+        ids = range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
+        for e in tqdm(ids, desc=f"layer {layer} experts", unit="expert", disable=not progress, leave=False):
+            q = f"{p}.mlp.experts.{e}"
+            experts.append(ExpertWeights(gate=_nvfp4(ckpt, f"{q}.gate_proj", inter, h),
+                                         up=_nvfp4(ckpt, f"{q}.up_proj", inter, h),
+                                         down=_nvfp4(ckpt, f"{q}.down_proj", h, inter)))
+    shared = None
+    if cfg.tp_active(True) and model.n_shared_experts > 0:
+        shared = _bf16_mlp(ckpt, f"{p}.mlp.shared_experts", model.shared_intermediate, h, cfg.tp_rank,
+                           cfg.local_shared_intermediate)
+    return MoeWeights(router=router_EH, bias=bias_E, expert_start=cfg.expert_start,
+                      experts=tuple(experts), shared=shared)

@@ -1,0 +1,125 @@
+"""``glm-ep``: synth, footprint, forward, run and bench.
+
+    mpiexec -n 2 python -m glm_ep run                       # the main job on the tiny checkpoint
+    mpiexec -n 2 python -m glm_ep forward --model DIR --input IN.safetensors --output OUT.safetensors
+    python -m glm_ep synth --preset tiny --out DIR
+    python -m glm_ep footprint --preset glm-5.3-flash --tp 2 --ep 2 --rows 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from glm_ep.parallel import mpi_world, run_guarded, setup_logging
+
+
+def _layout_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topology", help="topology TOML (configs/*.toml); default: world = tp = ep = MPI size")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (overrides the topology)")
+    p.add_argument("--ep", type=int, help="expert-parallel degree (overrides the topology)")
+    p.add_argument("--backend", choices=("cpu", "cuda"), help="overrides the topology's backend")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="glm-ep", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("synth", help="write a synthetic checkpoint in the real GLM-5.3 NVFP4 format")
+    p.add_argument("--preset", default="tiny", help="tiny | glm-5.3-flash")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, help="override num_hidden_layers (the real shape is ~170 GB)")
+    p.add_argument("--router-dtype", choices=("bf16", "f32"), default="bf16")
+    p.add_argument("--composite", action="store_true", help="text_config + model.language_model prefix")
+    p.add_argument("--shard-mb", type=int, default=256)
+
+    p = sub.add_parser("footprint", help="print weight and workspace footprints from a config alone")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset")
+    src.add_argument("--model", help="a checkpoint folder (reads its config.json)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--per-layer", action="store_true", help="one workspace per layer instead of one shared")
+
+    p = sub.add_parser("forward", help="apply every MLP site to one input (mpiexec -n W)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--input", required=True, help="safetensors with hidden_states bf16 [rows, hidden]")
+    p.add_argument("--output", required=True, help="rank 0 writes layers.{i} [rows, hidden] here")
+    _layout_flags(p)
+
+    p = sub.add_parser("run", help="the main job: load, prefill/decode/verify through the stack, check")
+    p.add_argument("--model", help="checkpoint folder; default: the tiny checkpoint in --cache-dir")
+    p.add_argument("--cache-dir", default=".cache")
+    p.add_argument("--prefill", type=int, default=64, help="rows of the prefill call")
+    p.add_argument("--decode", type=int, default=16, help="number of 1-row decode steps")
+    p.add_argument("--verify", type=int, default=4, help="rows of the verify call")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 reference")
+    _layout_flags(p)
+
+    p = sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)")
+    p.add_argument("--out", default="docs/perf", help="folder for the results table and plot")
+    p.add_argument("--layers", type=int, default=0, help="stack layers to time (0: as many as fit)")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
+    _layout_flags(p)
+    return ap
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from glm_ep.presets import preset
+    from glm_ep.synth import write_synthetic
+
+    cfg = preset(args.preset)
+    if args.layers is not None:
+        cfg["num_hidden_layers"] = args.layers
+        if "mlp_layer_types" in cfg:
+            cfg["mlp_layer_types"] = (cfg["mlp_layer_types"] * args.layers)[: args.layers]
+        cfg["first_k_dense_replace"] = min(cfg.get("first_k_dense_replace", 0), args.layers)
+    path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
+                           router_dtype=args.router_dtype, composite=args.composite, progress=True)
+    print(f"wrote {path}")
+    return 0
+
+
+def _footprint(args: argparse.Namespace) -> int:
+    from glm_ep.config import ModelConfig
+    from glm_ep.loader import report_lines, site_config
+    from glm_ep.presets import preset
+    from glm_ep.topology import Topology
+
+    model = (ModelConfig.from_dict(preset(args.preset), source=f"preset {args.preset}") if args.preset
+             else ModelConfig.from_file(f"{args.model}/config.json"))
+    world = max(args.tp, args.ep)
+    topo = Topology(name="footprint", world=world, tp=args.tp, ep=args.ep, workspace_rows=args.rows,
+                    shared_workspace=not args.per_layer)
+    cfg = site_config(model, topo, 0)
+    from glm_ep.footprint import weight_bytes_per_rank
+
+    for line in report_lines(model, cfg, topo, weight_bytes_per_rank(model, topo)):
+        print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd in ("synth", "footprint"):
+        setup_logging(0)
+        return run_guarded(lambda: {"synth": _synth, "footprint": _footprint}[args.cmd](args), None)
+    comm: Any = mpi_world()
+    setup_logging(comm.Get_rank(), getattr(args, "verbose", False))
+    if args.cmd == "forward":
+        from glm_ep.jobs import forward_job as job
+    elif args.cmd == "run":
+        from glm_ep.jobs import run_job as job
+    else:
+        from glm_ep.bench import bench_job as job
+    return run_guarded(lambda: job(args, comm), comm)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""MPI plumbing: rank-prefixed logging, errors agreed across ranks, and abort-on-failure.
+
+A failure that every rank can see at the same point (a bad config, a missing tensor on one
+rank's shard) is *agreed*: each rank runs the step, the ranks exchange their error messages,
+and every rank raises the same ``AgreedError`` and exits non-zero on its own. Anything that
+escapes an agreement point (an exception on one rank in the middle of a collective) aborts the
+whole MPI job, so the other ranks never hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from typing import Any, Callable, TypeVar
+
+from glm_ep.errors import GlmEpError
+
+T = TypeVar("T")
+EXIT_ERROR = 2
+
+
+class AgreedError(GlmEpError):
+    """An error every rank knows about (raised on all ranks by ``agree``)."""
+
+
+def mpi_world() -> Any:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+def setup_logging(rank: int, verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def agree(comm: Any, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank; if it raised a ``GlmEpError`` on any rank, raise on all of them."""
+    result, msg = None, None
+    try:
+        result = fn()
+    except AgreedError:
+        raise
+    except GlmEpError as e:
+        msg = str(e)
+    msgs = comm.allgather(msg)
+    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    if failed:
+        distinct = {m for _, m in failed}
+        if len(distinct) == 1:
+            ranks = ",".join(str(r) for r, _ in failed)
+            raise AgreedError(f"{failed[0][1]} (on rank {ranks})" if len(failed) < len(msgs) else failed[0][1])
+        raise AgreedError("; ".join(f"rank {r}: {m}" for r, m in failed))
+    return result  # type: ignore[return-value]
+
+
+def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
+    """Run ``main``; map errors to a clear message and an exit code, aborting MPI when needed."""
+    rank = comm.Get_rank() if comm is not None else 0
+    size = comm.Get_size() if comm is not None else 1
+    try:
+        return main()
+    except AgreedError as e:
+        print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_ERROR
+    except GlmEpError as e:
+        print(f"[rank {rank}] glm-ep: error: {e}", file=sys.stderr, flush=True)
+        code = EXIT_ERROR
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - a crash on one rank must not leave the others hanging
+        print(f"[rank {rank}] glm-ep: internal error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        code = 1
+    if size > 1:
+        print(f"[rank {rank}] glm-ep: aborting all {size} ranks", file=sys.stderr, flush=True)
+        comm.Abort(code)
+    return code

@@ -1,0 +1,17 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from glm_ep.presets import preset
+from glm_ep.synth import write_synthetic
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``tiny`` preset, seed 0, in several shards. Read-only: copy it before changing files."""
+    return write_synthetic(tmp_path_factory.mktemp("ckpt") / "tiny", preset("tiny"), seed=0,
+                           shard_bytes=256 * 1024)

@@ -1,0 +1,266 @@
+"""Checkpoint reading: per-rank placement, formats, F8 scales, and every error naming its cause."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from glm_ep.checkpoint import Checkpoint, load_layer
+from glm_ep.config import RankLayout, SiteConfig
+from glm_ep.errors import CheckpointError, ConfigError
+from glm_ep.presets import preset
+from glm_ep.synth import write_synthetic
+from glm_ep.weights import DenseWeights, MoeWeights
+
+LAYOUTS = [(1, 0, 1, 1), (2, 0, 2, 2), (2, 1, 2, 2), (2, 1, 1, 2), (2, 1, 2, 1)]
+SPARSE = "model.layers.1.mlp"
+
+RawTensors = dict[str, list]  # key -> [dtype, shape, raw bytes]
+
+
+def _read_raw(path: Path) -> RawTensors:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header, body = json.loads(data[8:8 + n]), data[8 + n:]
+    return {k: [v["dtype"], v["shape"], body[v["data_offsets"][0]:v["data_offsets"][1]]]
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def _write_raw(path: Path, tensors: RawTensors) -> None:
+    """A safetensors file written by hand: header JSON padded to 8 bytes, then the data in order."""
+    header, offset = {}, 0
+    for key, (dtype, shape, raw) in tensors.items():
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(t[2] for t in tensors.values()))
+
+
+def _rewrite(path: Path, edit: Callable[[RawTensors], None]) -> None:
+    tensors = _read_raw(path)
+    edit(tensors)
+    _write_raw(path, tensors)
+
+
+@pytest.fixture
+def ckpt_copy(tiny_checkpoint: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(tiny_checkpoint, tmp_path / "tiny"))
+
+
+def _shard_of(model_dir: Path, key: str) -> Path:
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    return model_dir / index["weight_map"][key]
+
+
+def _site(ck: Checkpoint, layout: tuple[int, int, int, int]) -> SiteConfig:
+    return SiteConfig.for_rank(ck.config, RankLayout(*layout))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "w%dr%dtp%dep%d" % l)
+def test_load_layer_holds_this_ranks_share(tiny_checkpoint: Path, layout: tuple[int, int, int, int]) -> None:
+    world, rank, tp, ep = layout
+    with Checkpoint(tiny_checkpoint) as ck:
+        m, cfg = ck.config, _site(ck, layout)
+        h, il, sl = m.hidden_size, m.intermediate_size // tp, m.shared_intermediate // tp
+        for i, kind in enumerate(m.mlp_layer_types):
+            w = load_layer(ck, cfg, i)
+            if kind == "dense":
+                assert isinstance(w, DenseWeights)  # tp = 1 or first replica: every layout here computes it
+                assert (w.gate.shape, w.up.shape, w.down.shape) == ((il, h), (il, h), (h, il))
+                assert all(a.dtype == ml_dtypes.bfloat16 and a.flags.c_contiguous for a in (w.gate, w.up, w.down))
+                continue
+            assert isinstance(w, MoeWeights)
+            assert w.router.shape == (m.n_routed_experts, h) and w.router.dtype == ml_dtypes.bfloat16
+            assert w.bias.shape == (m.n_routed_experts,) and w.bias.dtype == np.float32
+            assert w.expert_start == rank % ep * m.n_routed_experts // ep
+            contributes_experts = ep == world or rank < ep
+            assert len(w.experts) == (m.n_routed_experts // ep if contributes_experts else 0)
+            for e in w.experts:
+                assert e.gate.shape == e.up.shape == (m.moe_intermediate_size, h)
+                assert e.down.shape == (h, m.moe_intermediate_size)
+                assert e.gate.scale.dtype == ml_dtypes.float8_e4m3fn and e.gate.packed.dtype == np.uint8
+            contributes_shared = not (tp > 1 or ep > 1) or rank < tp
+            if contributes_shared:
+                assert (w.shared.gate.shape, w.shared.down.shape) == ((sl, h), (h, sl))
+            else:
+                assert w.shared is None
+
+
+def test_replicas_that_do_not_contribute(tiny_checkpoint: Path) -> None:
+    with Checkpoint(tiny_checkpoint) as ck:
+        w = load_layer(ck, _site(ck, (2, 1, 1, 2)), 1)
+        assert w.shared is None and len(w.experts) == 16 and w.expert_start == 16
+        w = load_layer(ck, _site(ck, (2, 1, 2, 1)), 1)
+        assert w.experts == () and w.expert_start == 0 and w.shared is not None
+
+
+def test_tp_slices_and_ep_ranges_tile_the_full_tensors(tiny_checkpoint: Path) -> None:
+    with Checkpoint(tiny_checkpoint) as ck:
+        full = [load_layer(ck, _site(ck, LAYOUTS[0]), i) for i in range(2)]
+        parts = [[load_layer(ck, _site(ck, (2, r, 2, 2)), i) for r in range(2)] for i in range(2)]
+    for whole, (r0, r1) in ((full[0], parts[0]), (full[1].shared, [p.shared for p in parts[1]])):
+        for proj, axis in (("gate", 0), ("up", 0), ("down", 1)):
+            cat = np.concatenate([getattr(r0, proj), getattr(r1, proj)], axis=axis)
+            assert np.array_equal(cat.view(np.uint16), getattr(whole, proj).view(np.uint16))
+    experts = parts[1][0].experts + parts[1][1].experts
+    assert len(experts) == len(full[1].experts)
+    for a, b in zip(experts, full[1].experts):
+        for proj in ("gate", "up", "down"):
+            pa, pb = getattr(a, proj), getattr(b, proj)
+            assert np.array_equal(pa.packed, pb.packed) and pa.scale_2 == pb.scale_2
+            assert np.array_equal(pa.scale.view(np.uint8), pb.scale.view(np.uint8))
+    for p in parts[1]:
+        assert np.array_equal(p.bias, full[1].bias)
+        assert np.array_equal(p.router.view(np.uint16), full[1].router.view(np.uint16))
+
+
+def test_f8_scales_read_from_hand_written_bytes(tmp_path: Path) -> None:
+    # E4M3 bit patterns and their values: 1, 2, -1, 448 (max), 2^-9 (smallest subnormal), 0.5
+    bits_23 = np.array([[0x38, 0x40, 0xB8], [0x7E, 0x01, 0x30]], dtype=np.uint8)
+    expect_23 = np.array([[1.0, 2.0, -1.0], [448.0, 2.0**-9, 0.5]], dtype=np.float32)
+    packed = np.arange(12, dtype=np.uint8).reshape(2, 6)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(preset("tiny")))
+    path = model / "model.safetensors"
+    save_file({"model.layers.0.a.weight": packed, "model.layers.0.a.weight_scale": bits_23}, str(path))
+    _rewrite(path, lambda t: t["model.layers.0.a.weight_scale"].__setitem__(0, "F8_E4M3"))
+    with Checkpoint(model) as ck:
+        scale = ck.read("model.layers.0.a.weight_scale", (2, 3), ("F8_E4M3",))
+        assert scale.dtype == ml_dtypes.float8_e4m3fn
+        assert np.array_equal(scale.astype(np.float32), expect_23)
+        part = ck.read("model.layers.0.a.weight_scale", (2, 3), ("F8_E4M3",), rows=slice(1, 2), cols=slice(1, 3))
+        assert np.array_equal(part.astype(np.float32), expect_23[1:2, 1:3])
+        assert np.array_equal(ck.read("model.layers.0.a.weight", (2, 6), ("U8",), cols=slice(2, 4)), packed[:, 2:4])
+
+
+def _load_all(model_dir: Path, layer: int) -> MoeWeights:
+    with Checkpoint(model_dir) as ck:
+        return load_layer(ck, _site(ck, LAYOUTS[0]), layer)
+
+
+def test_composite_and_single_file_and_f32_router(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    ref = _load_all(tiny_checkpoint, 2)
+    comp = write_synthetic(tmp_path / "comp", preset("tiny"), composite=True)
+    assert "text_config" in json.loads((comp / "config.json").read_text())
+    with Checkpoint(comp) as ck:
+        assert ck.layer_prefix(3) == "model.language_model.layers.3"
+    single = write_synthetic(tmp_path / "single", preset("tiny"), shard_bytes=2**40)
+    (single / "model-00001-of-00001.safetensors").rename(single / "model.safetensors")
+    (single / "model.safetensors.index.json").unlink()
+    for other in (_load_all(comp, 2), _load_all(single, 2)):
+        assert np.array_equal(other.router.view(np.uint16), ref.router.view(np.uint16))
+        assert np.array_equal(other.experts[5].down.packed, ref.experts[5].down.packed)
+    f32 = _load_all(write_synthetic(tmp_path / "f32", preset("tiny"), router_dtype="f32"), 1)
+    assert f32.router.dtype == np.float32 and f32.router.shape == ref.router.shape
+
+
+# ---- errors: each names the file, tensor or value at fault ------------------------------------
+
+def test_missing_folder_and_config(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="nowhere.*model folder not found"):
+        Checkpoint(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="config.json not found"):
+        Checkpoint(tmp_path)
+
+
+def test_no_weights(ckpt_copy: Path) -> None:
+    (ckpt_copy / "model.safetensors.index.json").unlink()
+    with pytest.raises(CheckpointError, match="no weights"):
+        Checkpoint(ckpt_copy)
+
+
+def test_missing_shard(ckpt_copy: Path) -> None:
+    shard = _shard_of(ckpt_copy, f"{SPARSE}.experts.7.up_proj.weight")
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard.name}: shard file not found"):
+        Checkpoint(ckpt_copy)
+
+
+def test_truncated_shard(ckpt_copy: Path) -> None:
+    shard = _shard_of(ckpt_copy, f"{SPARSE}.experts.7.up_proj.weight")
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-100])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: truncated: header says (\d+) bytes of data, file has"):
+        Checkpoint(ckpt_copy)
+
+
+@pytest.mark.parametrize("damage", ["json", "length", "short"])
+def test_corrupt_header(ckpt_copy: Path, damage: str) -> None:
+    shard = _shard_of(ckpt_copy, f"{SPARSE}.gate.weight")
+    data = bytearray(shard.read_bytes())
+    if damage == "json":
+        data[8] = ord("#")
+    elif damage == "length":
+        data[:8] = struct.pack("<Q", len(data) * 2)
+    else:
+        data = data[:5]
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard.name}: corrupt header"):
+        Checkpoint(ckpt_copy)
+
+
+def test_missing_tensor(ckpt_copy: Path) -> None:
+    key = f"{SPARSE}.experts.3.down_proj.weight_scale"
+    _rewrite(_shard_of(ckpt_copy, key), lambda t: t.pop(key))
+    with Checkpoint(ckpt_copy) as ck:
+        with pytest.raises(CheckpointError, match=rf"tensor '{key}' not found in .*{_shard_of(ckpt_copy, key).name}"):
+            load_layer(ck, _site(ck, LAYOUTS[0]), 1)
+        # rank 1 of ep = 2 owns experts 16..31 and never asks for expert 3
+        assert len(load_layer(ck, _site(ck, (2, 1, 2, 2)), 1).experts) == 16
+    index = ckpt_copy / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    del raw["weight_map"][key]
+    index.write_text(json.dumps(raw))
+    with Checkpoint(ckpt_copy) as ck, pytest.raises(CheckpointError, match=rf"'{key}' not found in .*index.json"):
+        load_layer(ck, _site(ck, LAYOUTS[0]), 1)
+
+
+def test_wrong_shape(ckpt_copy: Path) -> None:
+    key = f"{SPARSE}.gate.weight"
+    _rewrite(_shard_of(ckpt_copy, key), lambda t: t[key].__setitem__(1, [16, 256]))  # same bytes
+    with Checkpoint(ckpt_copy) as ck, pytest.raises(
+            CheckpointError, match=rf"{_shard_of(ckpt_copy, key).name}: tensor '{key}' has shape \[16, 256\], "
+                                   r"expected \[32, 128\]"):
+        load_layer(ck, _site(ck, LAYOUTS[0]), 1)
+
+
+def test_bf16_bias_is_refused(ckpt_copy: Path) -> None:
+    key = f"{SPARSE}.gate.e_score_correction_bias"
+
+    def to_bf16(t: RawTensors) -> None:
+        t[key] = ["BF16", t[key][1], np.frombuffer(t[key][2], np.float32).astype(ml_dtypes.bfloat16).tobytes()]
+
+    _rewrite(_shard_of(ckpt_copy, key), to_bf16)
+    with Checkpoint(ckpt_copy) as ck, pytest.raises(
+            CheckpointError, match=rf"tensor '{key}' has dtype BF16, expected F32 \(the routing bias must stay fp32"):
+        load_layer(ck, _site(ck, LAYOUTS[0]), 1)
+
+
+def test_wrong_dtype_generic(ckpt_copy: Path) -> None:
+    key = "model.layers.0.mlp.up_proj.weight"
+    _rewrite(_shard_of(ckpt_copy, key), lambda t: t[key].__setitem__(0, "F16"))  # same itemsize
+    with Checkpoint(ckpt_copy) as ck, pytest.raises(CheckpointError, match=rf"'{key}' has dtype F16, expected BF16"):
+        load_layer(ck, _site(ck, LAYOUTS[0]), 0)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.pop("swiglu_limit"), "missing required field 'swiglu_limit'"),
+    (lambda c: c.update(n_group=2), "n_group = 2, expected 1"),
+])
+def test_bad_config(ckpt_copy: Path, edit: Callable[[dict], None], message: str) -> None:
+    path = ckpt_copy / "config.json"
+    cfg = json.loads(path.read_text())
+    edit(cfg)
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=message):
+        Checkpoint(ckpt_copy)
