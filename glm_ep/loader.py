@@ -56,7 +56,9 @@ def report_lines(model: ModelConfig, cfg: SiteConfig, topo: Topology, weight_byt
 
 def load_runtime(model_dir: str | Path, topo: Topology, mpi_comm: Any) -> Runtime:
     rank = mpi_comm.Get_rank()
-    topo.check_world(mpi_comm.Get_size())
+    # agreed, not raised bare: every rank sees the mismatch, and an unagreed error takes the
+    # MPI-abort path, where the first rank to abort can kill the others before they report
+    agree(mpi_comm, lambda: topo.check_world(mpi_comm.Get_size()))
     ckpt = agree(mpi_comm, lambda: Checkpoint(model_dir))
     model = ckpt.config
     cfg = agree(mpi_comm, lambda: site_config(model, topo, rank))

@@ -62,11 +62,12 @@ def unpack_nibbles(packed_NK2: np.ndarray) -> np.ndarray:
 
 
 def dequantize(w: Nvfp4Weight) -> np.ndarray:
-    """The fp32 ``[N, K]`` weight. Exact: each product is exact in fp32 before the scale_2 multiply."""
+    """The fp32 ``[N, K]`` weight: ``e2m1 * e4m3`` is exact in fp32, so the only rounding is the
+    final multiply by ``scale_2``."""
     vals_NK = NIBBLE_TO_F32[unpack_nibbles(w.packed)]
     n, k = vals_NK.shape
-    block_NG = w.scale.astype(np.float32) * np.float32(w.scale_2)
-    return (vals_NK.reshape(n, k // NVFP4_GROUP, NVFP4_GROUP) * block_NG[:, :, None]).reshape(n, k)
+    scaled = vals_NK.reshape(n, k // NVFP4_GROUP, NVFP4_GROUP) * w.scale.astype(np.float32)[:, :, None]
+    return (scaled * np.float32(w.scale_2)).reshape(n, k)
 
 
 def quantize(w_NK: np.ndarray) -> Nvfp4Weight:

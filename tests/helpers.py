@@ -1,0 +1,303 @@
+"""Shared test helpers: small random in-memory weights, NumPy stacks for any rank layout, and a
+float64 reference that shares no code with ``glm_ep.reference`` or the backends.
+
+Shape suffixes: T rows, H hidden, I a projection width, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from glm_ep.backend.numpy_backend import NumpyBackend
+from glm_ep.comm import Communicator, SelfComm
+from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.experts import ExpertDispatch
+from glm_ep.nvfp4 import Nvfp4Weight, quantize
+from glm_ep.presets import preset
+from glm_ep.site import DenseSite, MoeSite
+from glm_ep.stack import MlpStack
+from glm_ep.topology import PathLevers
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+
+BF16 = ml_dtypes.bfloat16
+REPO = Path(__file__).resolve().parents[1]
+MPI_TIMEOUT_S = 120
+
+
+# ---- configs -----------------------------------------------------------------------------------
+def tiny_dict(**overrides: Any) -> dict[str, Any]:
+    """The ``tiny`` preset's config dict with ``overrides`` applied."""
+    d = preset("tiny")
+    d.update(overrides)
+    return d
+
+
+def tiny_model(**overrides: Any) -> ModelConfig:
+    return ModelConfig.from_dict(tiny_dict(**overrides), source="test config")
+
+
+# ---- random weights ----------------------------------------------------------------------------
+def _normal(rng: np.random.Generator, n: int, k: int, gain: float = 1.0, heavy: bool = False) -> np.ndarray:
+    w = rng.standard_normal((n, k)).astype(np.float32) * np.float32(gain / math.sqrt(k))
+    if heavy:  # a few large output rows, so the SwiGLU clamp fires on the tails
+        w[rng.random(n) < 0.125] *= np.float32(8.0)
+    return w
+
+
+def random_dense(rng: np.random.Generator, width: int, hidden: int, out_gain: float = 1.0) -> DenseWeights:
+    return DenseWeights(gate=_normal(rng, width, hidden, heavy=True).astype(BF16),
+                        up=_normal(rng, width, hidden, heavy=True).astype(BF16),
+                        down=_normal(rng, hidden, width, out_gain).astype(BF16))
+
+
+def random_weights(model: ModelConfig, seed: int, out_gain: float = 1.0, router_gain: float = 3.0,
+                   bias_spread: float = 0.02, router_f32: bool = False) -> list[DenseWeights | MoeWeights]:
+    """Whole (unsharded) weights of every site: bf16 dense/shared, NVFP4 experts (``nvfp4.quantize``),
+    a bf16 (or fp32) router and an fp32 bias ``7 + bias_spread * N(0, 1)``. ``out_gain`` scales every
+    down projection (small values make the chained stack contractive)."""
+    rng = np.random.default_rng(seed)
+    h, m, e = model.hidden_size, model.moe_intermediate_size, model.n_routed_experts
+    layers: list[DenseWeights | MoeWeights] = []
+    for kind in model.mlp_layer_types:
+        if kind == "dense":
+            layers.append(random_dense(rng, model.intermediate_size, h, out_gain))
+            continue
+        router = _normal(rng, e, h, router_gain)
+        bias = (7.0 + bias_spread * rng.standard_normal(e)).astype(np.float32)
+        experts = tuple(ExpertWeights(gate=quantize(_normal(rng, m, h, heavy=True)),
+                                      up=quantize(_normal(rng, m, h, heavy=True)),
+                                      down=quantize(_normal(rng, h, m, out_gain)))
+                        for _ in range(e))
+        shared = random_dense(rng, model.shared_intermediate, h, out_gain) if model.n_shared_experts else None
+        layers.append(MoeWeights(router=router if router_f32 else router.astype(BF16), bias=bias,
+                                 expert_start=0, experts=experts, shared=shared))
+    return layers
+
+
+def random_x(seed: int, rows: int, hidden: int, gain: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((rows, hidden)) * gain).astype(BF16)
+
+
+# ---- sharding (DESIGN §2, stated independently of SiteConfig / checkpoint.load_layer) ----------
+def _tp_slice(w: DenseWeights, tp: int, tp_rank: int) -> DenseWeights:
+    n = w.gate.shape[0] // tp
+    rows = slice(tp_rank * n, (tp_rank + 1) * n)
+    return DenseWeights(gate=np.ascontiguousarray(w.gate[rows]), up=np.ascontiguousarray(w.up[rows]),
+                        down=np.ascontiguousarray(w.down[:, rows]))
+
+
+def shard_layer(w: DenseWeights | MoeWeights, layout: RankLayout) -> DenseWeights | MoeWeights | None:
+    """One rank's share: column-parallel gate/up and row-parallel down for TP, a contiguous expert
+    range for EP; when the site reduces, a replicated piece is held only by its first replica."""
+    tp, ep, rank = layout.tp, layout.ep, layout.rank
+    sparse = isinstance(w, MoeWeights)
+    reduces = tp > 1 or (sparse and ep > 1)
+    tp_on = not reduces or rank < tp
+    ep_on = not reduces or rank < ep
+    if not sparse:
+        return _tp_slice(w, tp, rank % tp) if tp_on else None
+    per = len(w.experts) // ep
+    start = (rank % ep) * per
+    return MoeWeights(router=w.router, bias=w.bias, expert_start=start,
+                      experts=w.experts[start:start + per] if ep_on else (),
+                      shared=_tp_slice(w.shared, tp, rank % tp) if tp_on and w.shared is not None else None)
+
+
+def build_stack(full: Sequence[DenseWeights | MoeWeights], model: ModelConfig, layout: RankLayout | None = None,
+                comm: Communicator | None = None, levers: PathLevers | None = None,
+                max_rows: int = 64, shared_workspace: bool = True) -> MlpStack:
+    """A NumPy ``MlpStack`` of this rank's share of ``full``."""
+    layout = layout or RankLayout(1, 0, 1, 1)
+    levers = levers or PathLevers()
+    be, comm = NumpyBackend(), comm or SelfComm()
+    cfg = SiteConfig.for_rank(model, layout)
+    dispatch = ExpertDispatch(be, cfg, levers)
+    sites: list[Any] = []
+    for w in full:
+        mine = shard_layer(w, layout)
+        if isinstance(w, MoeWeights):
+            sites.append(MoeSite(be, comm, cfg, be.upload_moe(mine), dispatch))
+        else:
+            sites.append(DenseSite(be, comm, cfg, be.upload_dense(mine) if mine is not None else None))
+    return MlpStack(be, comm, cfg, sites, levers, max_rows, shared_workspace)
+
+
+# ---- float64 reference (no glm_ep arithmetic) --------------------------------------------------
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e4m3_to_f64(bits: np.ndarray) -> np.ndarray:
+    """float8_e4m3fn bit patterns -> float64 (bias 7, no infinities, 0x7F/0xFF NaN)."""
+    b = np.asarray(bits, dtype=np.int64)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, b & 0x7
+    mag = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1.0 + m / 8.0) * 2.0 ** (e - 7.0))
+    return np.where((e == 15) & (m == 7), np.nan, sign * mag)
+
+
+def nvfp4_to_f64(packed: np.ndarray, scale_bits: np.ndarray, scale_2: float) -> np.ndarray:
+    """ModelOpt NVFP4 ``[N, K/2]`` bytes + E4M3 ``[N, K/16]`` bits + scale_2 -> float64 ``[N, K]``."""
+    p = np.asarray(packed, dtype=np.uint8)
+    nib = np.stack([p & 0xF, p >> 4], axis=-1).reshape(p.shape[0], -1)  # even k in the low nibble
+    vals = np.where(nib & 0x8, -1.0, 1.0) * E2M1[nib & 0x7]
+    return vals * np.repeat(e4m3_to_f64(scale_bits), 16, axis=1) * float(scale_2)
+
+
+def f64(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a).astype(np.float64)
+
+
+@dataclass
+class Ref64Layer:
+    """One site in float64: ``kind`` 'dense' or 'sparse'; ``mlp`` the dense FFN or the shared expert
+    (gate, up, down; None without one); ``experts[e]`` = (gate, up, down) of routed expert e."""
+
+    kind: str
+    mlp: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    router: np.ndarray | None = None
+    bias: np.ndarray | None = None
+    experts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+
+
+@dataclass(frozen=True)
+class RefParams:
+    top_k: int
+    routed_scale: float
+    renormalize: bool
+    limit: float
+
+    @classmethod
+    def of(cls, model: ModelConfig) -> "RefParams":
+        return cls(model.num_experts_per_tok, model.routed_scaling_factor, model.norm_topk_prob,
+                   model.swiglu_limit)
+
+
+def ref64_layers(full: Sequence[DenseWeights | MoeWeights]) -> list[Ref64Layer]:
+    """float64 copies of in-memory weights (NVFP4 decoded with this module's own tables)."""
+    def dense(w: DenseWeights) -> tuple[np.ndarray, ...]:
+        return f64(w.gate), f64(w.up), f64(w.down)
+
+    def nv(q: Nvfp4Weight) -> np.ndarray:
+        return nvfp4_to_f64(q.packed, q.scale.view(np.uint8), q.scale_2)
+
+    out = []
+    for w in full:
+        if isinstance(w, DenseWeights):
+            out.append(Ref64Layer("dense", dense(w)))
+        else:
+            out.append(Ref64Layer("sparse", dense(w.shared) if w.shared is not None else None, f64(w.router),
+                                  f64(w.bias), [(nv(e.gate), nv(e.up), nv(e.down)) for e in w.experts]))
+    return out
+
+
+def mlp64(w: tuple[np.ndarray, np.ndarray, np.ndarray], limit: float, x: np.ndarray) -> np.ndarray:
+    gate, up, down = w
+    g = np.minimum(x @ gate.T, limit)  # gate: clamped from above only, before the silu
+    u = np.clip(x @ up.T, -limit, limit)  # up: both ways
+    with np.errstate(over="ignore"):
+        return (g / (1.0 + np.exp(-g)) * u) @ down.T
+
+
+def route64(layer: Ref64Layer, p: RefParams, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    with np.errstate(over="ignore"):
+        scores = 1.0 / (1.0 + np.exp(-(x @ layer.router.T)))
+    choice = scores + layer.bias[None, :]
+    ids = np.argsort(-choice, axis=1, kind="stable")[:, : p.top_k]  # ties: lower id first
+    wts = np.take_along_axis(scores, ids, axis=1)  # UNBIASED
+    if p.renormalize:
+        wts = wts / (wts.sum(axis=1, keepdims=True) + 1e-20)
+    return ids, wts * p.routed_scale
+
+
+def site64(layer: Ref64Layer, p: RefParams, x_TH: np.ndarray) -> np.ndarray:
+    x = f64(x_TH)
+    if layer.kind == "dense":
+        return mlp64(layer.mlp, p.limit, x)
+    ids, wts = route64(layer, p, x)
+    out = mlp64(layer.mlp, p.limit, x) if layer.mlp is not None else np.zeros_like(x)  # NOT scaled
+    for t in range(x.shape[0]):
+        for k in range(p.top_k):
+            out[t] += wts[t, k] * mlp64(layer.experts[ids[t, k]], p.limit, x[t:t + 1])[0]
+    return out
+
+
+def step64(layers: Sequence[Ref64Layer], p: RefParams, x_TH: np.ndarray) -> np.ndarray:
+    """The chained stack ``h = h + site(h)`` in float64."""
+    h = f64(x_TH)
+    for layer in layers:
+        h = h + site64(layer, p, h)
+    return h
+
+
+def route_margins64(layers: Sequence[Ref64Layer], p: RefParams, x_TH: np.ndarray) -> np.ndarray:
+    """Per row, the smallest gap between the k-th and (k+1)-th choice over the sparse sites of the
+    float64 chain. Top-k is discontinuous: a row whose gap is below the pipeline's bf16
+    perturbation may pick other experts, so chained comparisons use well-separated rows."""
+    h = f64(x_TH)
+    gap = np.full(h.shape[0], np.inf)
+    for layer in layers:
+        if layer.kind == "sparse":
+            with np.errstate(over="ignore"):
+                scores = 1.0 / (1.0 + np.exp(-(h @ layer.router.T)))
+            choice = np.sort(scores + layer.bias[None, :], axis=1)
+            gap = np.minimum(gap, choice[:, -p.top_k] - choice[:, -p.top_k - 1])
+        h = h + site64(layer, p, h)
+    return gap
+
+
+# ---- comparisons -------------------------------------------------------------------------------
+def rel_l2(y: np.ndarray, ref: np.ndarray) -> float:
+    y, ref = f64(y), f64(ref)
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def bf16_ulps(a: np.ndarray, b: np.ndarray) -> int:
+    """Largest distance between two bf16 arrays in units in the last place (bf16 has 8 bits of
+    precision), measured at the larger magnitude; 0 means bitwise equal values."""
+    a, b = f64(np.asarray(a, dtype=BF16)), f64(np.asarray(b, dtype=BF16))
+    diff = np.abs(a - b)
+    if not diff.any():
+        return 0
+    mag = np.maximum(np.maximum(np.abs(a), np.abs(b)), 2.0 ** -126)
+    ulp = 2.0 ** (np.floor(np.log2(mag)) - 7)
+    return int(np.ceil(np.max(diff / ulp)))
+
+
+# ---- subprocess MPI jobs -----------------------------------------------------------------------
+def mpi_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def mpiexec(n: int, *args: str, timeout: float = MPI_TIMEOUT_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``mpiexec -n n python <args>`` with a timeout (``subprocess.TimeoutExpired`` fails the test)."""
+    cmd = ["mpiexec", "-n", str(n), sys.executable, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=cwd or REPO)
+
+
+def glm_ep(n: int, *args: str, timeout: float = MPI_TIMEOUT_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return mpiexec(n, "-m", "glm_ep", *args, timeout=timeout, cwd=cwd)
+
+
+def save_hidden(path: Path, x_TH: np.ndarray) -> Path:
+    from safetensors.numpy import save_file
+
+    save_file({"hidden_states": np.ascontiguousarray(x_TH)}, str(path))
+    return path
+
+
+def load_outputs(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path))

@@ -1,0 +1,217 @@
+"""Model config parsing (flat / composite, layer schedule, router dtype, quantization, refusals),
+the per-rank division, and topology files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.errors import ConfigError
+from glm_ep.topology import PathLevers, Topology
+
+from helpers import REPO, tiny_dict
+
+QUANT = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+#: the form recent ModelOpt exports write into config.json (no top-level group_size)
+MODELOPT_EXPORT = {"config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
+                                                 "targets": ["Linear"]}},
+                   "ignore": ["lm_head"], "quant_algo": "NVFP4", "producer": {"name": "modelopt"},
+                   "quant_method": "modelopt"}
+
+
+def _parse(d: dict) -> ModelConfig:
+    return ModelConfig.from_dict(d, source="cfg.json")
+
+
+def _composite(flat: dict) -> dict:
+    text = {k: v for k, v in flat.items() if k != "quantization_config"}
+    return {"model_type": "glm5_next", "text_config": text, "quantization_config": flat["quantization_config"]}
+
+
+def test_flat_and_composite_configs_parse_the_same() -> None:
+    flat = tiny_dict(hidden_size=64, n_routed_experts=16, num_experts_per_tok=4)
+    a, b = _parse(flat), _parse(_composite(flat))
+    assert a == b
+    assert (a.hidden_size, a.n_routed_experts, a.num_experts_per_tok, a.shared_intermediate) == (64, 16, 4, 64)
+    assert a.mlp_layer_types == ("dense", "sparse", "sparse", "sparse")
+    assert a.sparse_layers == (1, 2, 3) and a.dense_layers == (0,)
+    # the quantization_config may also sit inside text_config
+    nested = _composite(flat)
+    nested["text_config"]["quantization_config"] = nested.pop("quantization_config")
+    assert _parse(nested) == a
+
+
+def test_from_file_reads_json_and_names_the_path(tmp_path: Path) -> None:
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(_composite(tiny_dict())))
+    assert ModelConfig.from_file(p).hidden_size == 128
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"config\.json.*not valid JSON"):
+        ModelConfig.from_file(p)
+    with pytest.raises(ConfigError, match="nowhere.*not found"):
+        ModelConfig.from_file(tmp_path / "nowhere" / "config.json")
+
+
+def test_first_k_dense_replace_and_mlp_layer_types() -> None:
+    old = tiny_dict(first_k_dense_replace=2)
+    del old["mlp_layer_types"]
+    assert _parse(old).mlp_layer_types == ("dense", "dense", "sparse", "sparse")
+    # an explicit schedule wins, and a dense layer may sit after a sparse one
+    both = tiny_dict(first_k_dense_replace=2, mlp_layer_types=["sparse", "dense", "sparse", "dense"])
+    assert _parse(both).mlp_layer_types == ("sparse", "dense", "sparse", "dense")
+    neither = tiny_dict()
+    del neither["mlp_layer_types"]
+    with pytest.raises(ConfigError, match="mlp_layer_types.*first_k_dense_replace"):
+        _parse(neither)
+    with pytest.raises(ConfigError, match=r"mlp_layer_types = \['dense', 'sparse'\].*4 entries"):
+        _parse(tiny_dict(mlp_layer_types=["dense", "sparse"]))
+    with pytest.raises(ConfigError, match="'moe'"):
+        _parse(tiny_dict(mlp_layer_types=["dense", "moe", "sparse", "sparse"]))
+    old["first_k_dense_replace"] = 5
+    with pytest.raises(ConfigError, match="first_k_dense_replace = 5"):
+        _parse(old)
+
+
+def test_moe_router_dtype() -> None:
+    assert _parse(tiny_dict()).router_bf16 is False  # float32 is the default
+    assert _parse(tiny_dict(moe_router_dtype="float32")).router_bf16 is False
+    assert _parse(tiny_dict(moe_router_dtype="bfloat16")).router_bf16 is True
+    with pytest.raises(ConfigError, match="moe_router_dtype = 'float16'"):
+        _parse(tiny_dict(moe_router_dtype="float16"))
+
+
+def test_real_modelopt_export_form_is_accepted() -> None:
+    assert _parse(tiny_dict(quantization_config=MODELOPT_EXPORT)).hidden_size == 128
+    nested = {"producer": {"name": "modelopt"}, "quant_method": "modelopt",
+              "quantization": {"quant_algo": "NVFP4", "group_size": 16}}
+    assert _parse(tiny_dict(quantization_config=nested)).hidden_size == 128
+
+
+@pytest.mark.parametrize("quant,named", [
+    (dict(QUANT, quant_method="fp8"), "quant_method='fp8'"),
+    (dict(QUANT, quant_algo="FP8"), "quant_algo='FP8'"),
+    (dict(QUANT, group_size=32), "group_size=32"),
+    (None, "no quantization_config"),
+])
+def test_quantization_config_other_than_modelopt_nvfp4_16_is_refused(quant, named: str) -> None:
+    d = tiny_dict(quantization_config=quant)
+    if quant is None:
+        del d["quantization_config"]
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
+        _parse(d)
+
+
+def test_missing_swiglu_limit_is_refused_never_defaulted() -> None:
+    for d in (tiny_dict(), _composite(tiny_dict())):
+        text = d.get("text_config", d)
+        del text["swiglu_limit"]
+        with pytest.raises(ConfigError, match="missing required field 'swiglu_limit'"):
+            _parse(d)
+    with pytest.raises(ConfigError, match="swiglu_limit = 0.0"):
+        _parse(tiny_dict(swiglu_limit=0))
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (dict(n_group=2), "n_group = 2"),
+    (dict(num_experts_per_tok=33), "num_experts_per_tok = 33"),
+    (dict(num_experts_per_tok=17, n_routed_experts=64), "num_experts_per_tok = 17"),
+    (dict(hidden_size=120), "hidden_size = 120"),
+    (dict(moe_intermediate_size=40), "moe_intermediate_size = 40"),
+    (dict(norm_topk_prob="yes"), "norm_topk_prob"),
+    (dict(n_routed_experts=32.0), "n_routed_experts"),
+])
+def test_bad_model_values_are_refused_by_name(overrides: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        _parse(tiny_dict(**overrides))
+
+
+def test_site_config_divides_tp_and_ep_and_names_the_values() -> None:
+    m = _parse(tiny_dict())
+    c = SiteConfig.for_rank(m, RankLayout(world=2, rank=1, tp=2, ep=2))
+    assert (c.local_dense_intermediate, c.local_shared_intermediate, c.local_experts) == (128, 32, 16)
+    assert (c.num_experts, c.expert_start, c.tp_rank, c.ep_rank) == (32, 16, 1, 1)  # FULL expert count
+    assert c.local_slot(15) is None and c.local_slot(16) == 0 and c.local_slot(31) == 15
+    with pytest.raises(ConfigError, match="intermediate_size 250 does not divide over tp = 4"):
+        SiteConfig.for_rank(_parse(tiny_dict(intermediate_size=250)), RankLayout(4, 0, 4, 1))
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size = 64 does not divide over tp = 3"):
+        SiteConfig.for_rank(_parse(tiny_dict(intermediate_size=384)), RankLayout(3, 0, 3, 1))
+    with pytest.raises(ConfigError, match="n_routed_experts 32 does not divide over ep = 3"):
+        SiteConfig.for_rank(m, RankLayout(3, 0, 1, 3))
+    with pytest.raises(ConfigError, match="ep = 3 does not divide the world size 2"):
+        RankLayout(world=2, rank=0, tp=2, ep=3)
+
+
+@pytest.mark.parametrize("world,tp,ep", [(1, 1, 1), (2, 2, 2), (2, 1, 2), (2, 2, 1), (4, 2, 4)])
+def test_each_piece_is_contributed_by_exactly_one_rank(world: int, tp: int, ep: int) -> None:
+    m = _parse(tiny_dict())
+    cfgs = [SiteConfig.for_rank(m, RankLayout(world, r, tp, ep)) for r in range(world)]
+    for sparse in (False, True):
+        # each TP shard index is contributed once when the site reduces; dense without tp: by everyone
+        active = [c.tp_rank for c in cfgs if c.tp_active(sparse)]
+        if cfgs[0].reduces(sparse):
+            assert sorted(active) == list(range(tp)), (sparse, active)
+        else:
+            assert len(active) == world
+    experts = sorted(e for c in cfgs if c.ep_active() for e in range(c.expert_start, c.expert_start + c.local_experts))
+    assert experts == list(range(32)) if cfgs[0].reduces(True) else experts == sorted(list(range(32)) * world)
+
+
+CONFIG_FILES = sorted((REPO / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.stem for p in CONFIG_FILES])
+def test_every_topology_file_loads(path: Path) -> None:
+    t = Topology.load(path)
+    assert t.name == path.stem
+    assert t.world % t.tp == 0 and t.world % t.ep == 0
+    assert t.backend in ("cpu", "cuda") and t.workspace_rows >= 1
+    t.check_world(t.world)
+    RankLayout(t.world, t.world - 1, t.tp, t.ep)
+
+
+def test_topology_values_and_levers() -> None:
+    cpu2 = Topology.load(REPO / "configs" / "cpu-2.toml")
+    assert (cpu2.world, cpu2.tp, cpu2.ep, cpu2.backend, cpu2.comm) == (2, 2, 2, "cpu", "mpi")
+    assert cpu2.levers == PathLevers()
+    gb10 = Topology.load(REPO / "configs" / "gb10-2.toml")
+    assert (gb10.workspace_rows, gb10.levers.prefill_gemm_min_rows, gb10.devices) == (256, 128, (0, 0))
+    t = Topology.from_dict({"world": 2, "levers": {"prefill_gemm_min_rows": 9, "host_dispatch": True}})
+    assert t.levers.prefill_gemm_min_rows == 9 and t.levers.host_dispatch and t.name == "topology"
+
+
+def test_topology_unknown_keys_bad_toml_and_bad_levers(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown keys.*'wrold'"):
+        Topology.from_dict({"wrold": 2})
+    with pytest.raises(ConfigError, match="levers.row_batch_maxx"):
+        Topology.from_dict({"levers": {"row_batch_maxx": 4}})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("world = [")
+    with pytest.raises(ConfigError, match="bad.toml.*not valid TOML"):
+        Topology.load(bad)
+    with pytest.raises(ConfigError, match="missing.toml: topology file not found"):
+        Topology.load(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="row_batch_max = 9"):
+        Topology.from_dict({"levers": {"row_batch_max": 9}})
+    with pytest.raises(ConfigError, match="prefill_gemm_min_rows = 8"):
+        Topology.from_dict({"levers": {"prefill_gemm_min_rows": 8}})
+    with pytest.raises(ConfigError, match="devices lists 1 entries for world = 2"):
+        Topology.from_dict({"world": 2, "devices": [0]})
+    with pytest.raises(ConfigError, match="backend = 'tpu'"):
+        Topology.from_dict({"backend": "tpu"})
+
+
+def test_topology_world_check_and_overrides() -> None:
+    cpu2 = Topology.load(REPO / "configs" / "cpu-2.toml")
+    with pytest.raises(ConfigError, match="world = 2 ranks, but the MPI job has 1"):
+        cpu2.check_world(1)
+    t = cpu2.with_overrides(tp=1, ep=2, backend="cpu")
+    assert (t.world, t.tp, t.ep) == (2, 1, 2) and cpu2.tp == 2  # frozen: a new object
+    assert cpu2.with_overrides() is cpu2
+    with pytest.raises(ConfigError, match="ep = 3 does not divide world = 2"):
+        cpu2.with_overrides(ep=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cpu2.world = 4  # type: ignore[misc]

@@ -1,0 +1,132 @@
+"""Every routed-expert dispatch path gives the same site outputs on one NumPy stack, and they all
+agree with an independent float64 evaluation; the chained step matches a float64 chain."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glm_ep.topology import PathLevers
+
+from helpers import (RefParams, bf16_ulps, build_stack, random_weights, random_x, ref64_layers, rel_l2,
+                     route_margins64, site64, step64, tiny_model)
+
+MAX_ROWS = 32
+#: path name -> the levers that select it (rows permitting)
+VARIANTS = {
+    "decode": PathLevers(row_batch=False, prefill_gemm=False),  # one grouped GEMV per row
+    "union": PathLevers(prefill_gemm=False),  # union table, row groups of <= 8
+    "sorted": PathLevers(prefill_gemm_min_rows=9),  # sort by expert + grouped GEMM
+    "host": PathLevers(host_dispatch=True),
+}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model()
+    full = random_weights(model, seed=7, bias_spread=0.05)
+    return model, full, ref64_layers(full), RefParams.of(model)
+
+
+def _expected_paths(rows: int) -> dict[str, str]:
+    if rows == 1:
+        return {"decode": "decode", "union": "decode", "sorted": "decode", "host": "host"}
+    if rows <= 8:
+        return {"decode": "decode", "union": "union", "sorted": "union", "host": "host"}
+    return {"decode": "decode", "union": "union", "sorted": "sorted", "host": "host"}
+
+
+def test_default_levers_choose_the_design_paths() -> None:
+    model = tiny_model()
+    d = build_stack(random_weights(model, seed=1), model, max_rows=300).sites[1].experts
+    assert [d.path_for(r) for r in (1, 2, 8, 9, 127)] == ["decode", "union", "union", "union", "union"]
+    assert [d.path_for(r) for r in (128, 300)] == ["sorted", "sorted"]
+    # a union table holds rows * top_k <= 64 ids: at top-16 a group is at most 4 rows wide
+    wide = tiny_model(num_experts_per_tok=16)
+    dw = build_stack(random_weights(wide, seed=1), wide).sites[1].experts
+    assert [dw.path_for(r) for r in (2, 4, 5, 8)] == ["union", "union", "decode", "decode"]
+    narrow = build_stack(random_weights(wide, seed=1), wide, levers=PathLevers(row_batch_max=4))
+    assert [narrow.sites[1].experts.path_for(r) for r in (5, 8, 9)] == ["union", "union", "union"]
+    tight = build_stack(random_weights(model, seed=1), model, levers=PathLevers(union_max_ids=16))
+    assert tight.sites[1].experts.path_for(2) == "union" and tight.sites[1].experts.path_for(3) == "decode"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 20])
+def test_all_paths_agree_and_match_float64(setup, rows: int) -> None:
+    model, full, ref, p = setup
+    x = random_x(100 + rows, rows, model.hidden_size)
+    outs: dict[str, list[np.ndarray]] = {}
+    ids: dict[str, list[np.ndarray]] = {}
+    for name, levers in VARIANTS.items():
+        stack = build_stack(full, model, levers=levers, max_rows=MAX_ROWS)
+        assert stack.sites[1].experts.path_for(rows) == _expected_paths(rows)[name], name
+        outs[name], ids[name] = [], []
+        for i in range(len(full)):
+            outs[name].append(stack.site_output(i, x).copy())
+            if i in model.sparse_layers:
+                ids[name].append(stack.workspaces[i].view("ids", rows, 8).copy())
+    for i in range(len(full)):
+        want = site64(ref[i], p, x)
+        for name in VARIANTS:
+            y = outs[name][i]
+            assert bf16_ulps(y, outs["decode"][i]) <= 1, (rows, i, name)
+            assert rel_l2(y, want) < 1e-2, (rows, i, name, rel_l2(y, want))
+    for name in VARIANTS:
+        for a, b in zip(ids[name], ids["decode"]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_row_does_not_depend_on_its_batch(setup) -> None:
+    model, full, _, _ = setup
+    x = random_x(200, 20, model.hidden_size)
+    single = build_stack(full, model, max_rows=MAX_ROWS)
+    alone = [[single.site_output(i, x[r:r + 1]).copy() for r in range(20)] for i in range(len(full))]
+    for name, levers in VARIANTS.items():
+        stack = build_stack(full, model, levers=levers, max_rows=MAX_ROWS)
+        for i in range(len(full)):
+            batch = stack.site_output(i, x).copy()
+            for r in (0, 7, 8, 19):
+                assert bf16_ulps(batch[r:r + 1], alone[i][r]) <= 1, (name, i, r)
+
+
+def test_stale_workspace_bytes_never_leak_between_calls(setup) -> None:
+    model, full, _, _ = setup
+    stack = build_stack(full, model, levers=VARIANTS["sorted"], max_rows=MAX_ROWS)
+    x_big, x_small = random_x(300, 20, model.hidden_size), random_x(301, 3, model.hidden_size)
+    for i in range(len(full)):
+        fresh = build_stack(full, model, max_rows=MAX_ROWS).site_output(i, x_small).copy()
+        stack.site_output(i, x_big)  # fills the scratch with a wider call's bytes first
+        assert bf16_ulps(stack.site_output(i, x_small), fresh) <= 1
+
+
+@pytest.fixture(scope="module")
+def contractive():
+    """A stack whose sites change h by ~40% over the chain, so bf16 rounding is not amplified."""
+    model = tiny_model()
+    full = random_weights(model, seed=9, out_gain=0.04, bias_spread=0.3)
+    ref, p = ref64_layers(full), RefParams.of(model)
+    # top-k is discontinuous: take rows whose float64 routing is clear of ties at every site
+    pool = random_x(400, 96, model.hidden_size)
+    clear = route_margins64(ref, p, pool) > 0.01
+    assert clear.sum() >= 24
+    return model, full, ref, p, pool[clear]
+
+
+@pytest.mark.parametrize("rows,levers", [(1, PathLevers()), (4, PathLevers()), (20, VARIANTS["union"]),
+                                         (20, VARIANTS["sorted"])], ids=["decode", "verify", "groups", "sorted"])
+def test_chained_step_matches_float64_chain(contractive, rows: int, levers: PathLevers) -> None:
+    model, full, ref, p, pool = contractive
+    x = pool[:rows] if rows < 20 else pool[-rows:]
+    want = step64(ref, p, x)
+    assert rel_l2(x, want) > 0.2  # the sites do change h: a step that skipped them would fail
+    y = build_stack(full, model, levers=levers, max_rows=MAX_ROWS).step(x).copy()
+    assert rel_l2(y, want) < 1e-2, rel_l2(y, want)
+    # one workspace for the stack or one per layer: the same bytes
+    private = build_stack(full, model, levers=levers, max_rows=MAX_ROWS, shared_workspace=False)
+    assert bf16_ulps(private.step(x), y) == 0
+    # the step is h = h + site(h), layer after layer, each add rounded to bf16
+    stack = build_stack(full, model, levers=levers, max_rows=MAX_ROWS)
+    h = x.copy()
+    for i in range(len(full)):
+        h = (h.astype(np.float32) + stack.site_output(i, h).astype(np.float32)).astype(x.dtype)
+    assert bf16_ulps(h, y) == 0

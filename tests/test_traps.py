@@ -1,0 +1,203 @@
+"""One test per trap of DESIGN §1, each built so that the tempting wrong implementation fails."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from glm_ep.backend.numpy_backend import NumpyBackend
+from glm_ep.config import RankLayout, SiteConfig
+from glm_ep.experts import ExpertDispatch
+from glm_ep.nvfp4 import quantize
+from glm_ep.routing import RENORM_EPS, RouteParams, router_topk, sort_by_expert, union_table
+from glm_ep.topology import PathLevers
+from glm_ep.weights import ExpertWeights, MoeWeights
+from glm_ep.workspace import Workspace
+
+from helpers import (BF16, RefParams, build_stack, mlp64, random_weights, random_x, ref64_layers, rel_l2,
+                     shard_layer, site64, tiny_model)
+
+
+def _p(k: int, scale: float = 1.0, renorm: bool = False, ladder: bool = False) -> RouteParams:
+    return RouteParams(top_k=k, routed_scale=scale, renormalize=renorm, bf16_ladder=ladder)
+
+
+def _sig(v: float) -> float:
+    return 1.0 / (1.0 + math.exp(-v))
+
+
+def test_bias_selects_but_weights_are_unbiased_scores() -> None:
+    logits = np.array([[0.0, 1.0, 2.0, -1.0]], dtype=np.float32)
+    bias = np.array([3.0, 0.0, 0.0, 0.0], dtype=np.float32)  # steers expert 0 in
+    ids, wts = router_topk(logits, bias, _p(2))
+    assert ids.tolist() == [[0, 2]]
+    assert wts[0].tolist() == pytest.approx([_sig(0.0), _sig(2.0)], rel=1e-6)  # not 3.5, not 0.88 + 0
+    ids, wts = router_topk(logits, bias, _p(2, scale=2.5, renorm=True))
+    s0, s2 = _sig(0.0), _sig(2.0)
+    assert wts[0].tolist() == pytest.approx([2.5 * s0 / (s0 + s2), 2.5 * s2 / (s0 + s2)], rel=1e-6)
+
+
+@pytest.mark.parametrize("ladder", [False, True])
+def test_bias_stays_fp32_near_7(ladder: bool) -> None:
+    # bf16 spacing near 7 is 1/32: 7.012 rounds to 7.0, which hands the top-1 to expert 1
+    bias = np.array([7.012, 7.0], dtype=np.float32)
+    assert float(bias.astype(ml_dtypes.bfloat16)[0]) == 7.0
+    logits = np.array([[0.0, math.log(0.51 / 0.49)]], dtype=np.float32)  # scores 0.5 and 0.51
+    ids, _ = router_topk(logits, bias, _p(1, ladder=ladder))
+    assert ids.tolist() == [[0]]
+    rounded, _ = router_topk(logits, bias.astype(ml_dtypes.bfloat16).astype(np.float32), _p(1, ladder=ladder))
+    assert rounded.tolist() == [[1]]  # the flip the fp32 bias exists to prevent
+
+
+def test_renorm_eps_is_1e20() -> None:
+    assert RENORM_EPS == np.float32(1e-20)
+    # all-zero scores (sigmoid of -inf): weights are 0, not NaN
+    ids, wts = router_topk(np.full((2, 4), -np.inf, dtype=np.float32), np.zeros(4, np.float32),
+                           _p(2, scale=2.5, renorm=True))
+    assert wts.tolist() == [[0.0, 0.0], [0.0, 0.0]] and ids.tolist() == [[0, 1], [0, 1]]
+    # a score of ~1e-20: the eps is half the denominator, so its exact value shows in the weight
+    s = 1.0 / (1.0 + math.exp(46.0))
+    _, wts = router_topk(np.array([[-46.0, -60.0]], dtype=np.float32), np.zeros(2, np.float32),
+                         _p(1, renorm=True))
+    assert wts[0, 0] == pytest.approx(s / (s + 1e-20), rel=1e-5)  # ~0.51; eps 0 gives 1, 1e-6 gives 0
+
+
+def test_exact_ties_go_to_the_lower_id() -> None:
+    ids, _ = router_topk(np.zeros((1, 8), np.float32), np.zeros(8, np.float32), _p(3))
+    assert ids.tolist() == [[0, 1, 2]]
+    # a wide tie (an unstable sort reorders these) and a tie that straddles the k-th slot
+    ids, _ = router_topk(np.zeros((3, 288), np.float32), np.full(288, 7.0, np.float32), _p(8))
+    assert ids.tolist() == [list(range(8))] * 3
+    bias = np.zeros(64, np.float32)
+    bias[[60, 41, 40, 9, 3]] = 1.0
+    ids, _ = router_topk(np.zeros((1, 64), np.float32), bias, _p(4))
+    assert ids.tolist() == [[3, 9, 40, 41]]
+    levels = np.random.default_rng(0).integers(0, 3, size=288).astype(np.float32)  # 3 values, many ties
+    ids, _ = router_topk(np.zeros((1, 288), np.float32), levels, _p(8))
+    assert ids.tolist() == [np.flatnonzero(levels == levels.max())[:8].tolist()]
+    bias = np.array([0, 0.25, 0, 0.25, 0, 0.25], dtype=np.float32)
+    ids, _ = router_topk(np.zeros((1, 6), np.float32), bias, _p(2))
+    assert ids.tolist() == [[1, 3]]
+    # equal choices from different (score, bias) pairs: 0.75 + 0.25 == 0.5 + 0.5 exactly
+    logits = np.array([[math.log(3.0), 0.0, 0.0]], dtype=np.float32)
+    bias = np.array([0.25, 0.5, 0.0], dtype=np.float32)
+    choice = 1 / (1 + np.exp(-logits[0])) + bias
+    assert choice[0] == choice[1]
+    assert router_topk(logits, bias, _p(1))[0].tolist() == [[0]]
+
+
+def test_nan_scores_never_give_bad_or_duplicate_ids() -> None:
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((6, 32)).astype(np.float32)
+    logits[0, :] = np.nan
+    logits[1, ::2] = np.nan
+    logits[2, 3] = np.nan
+    ids, _ = router_topk(logits, np.full(32, 7.0, np.float32), _p(8, renorm=True))
+    for r in range(6):
+        row = ids[r].tolist()
+        assert all(0 <= e < 32 for e in row) and len(set(row)) == 8, (r, row)
+    assert not set(ids[1].tolist()) & set(range(0, 32, 2))  # NaN ranks below every number
+    assert 3 not in ids[2].tolist() or np.sum(~np.isnan(logits[2])) < 8
+
+
+def test_union_table_and_sort_by_expert_on_hand_examples() -> None:
+    ids = np.array([[3, 1], [1, 2]], dtype=np.int32)
+    u_eid, u_slot = union_table(ids)
+    assert u_eid.tolist() == [3, 1, 2, -1]
+    assert u_slot.tolist() == [[0, -1], [1, 0], [-1, 1], [-1, -1]]
+    s = sort_by_expert(ids, num_experts=5)
+    assert s.sorted_expert_ids.tolist() == [1, 1, 2, 3]
+    assert s.sorted_token_ids.tolist() == [0, 1, 1, 0]  # stable: row 0's slot before row 1's
+    assert s.expert_offsets.tolist() == [0, 0, 2, 3, 4, 4]
+    assert s.token_to_perm.tolist() == [[3, 0], [1, 2]]
+    u_eid, u_slot = union_table(np.array([[7, 2, 5], [5, 7, 0], [2, 9, 7]], dtype=np.int32))
+    assert u_eid.tolist() == [7, 2, 5, 0, 9] + [-1] * 4
+    assert u_slot[:5].tolist() == [[0, 1, 2], [1, -1, 0], [2, 0, -1], [-1, 2, -1], [-1, -1, 1]]
+
+
+@pytest.mark.parametrize("limit,g,u,expected", [
+    (10.0, 20.0, 0.5, 10 / (1 + math.exp(-10)) * 0.5),  # gate clamped from above
+    (10.0, -20.0, 3.0, -20 / (1 + math.exp(20)) * 3.0),  # ... but NOT from below
+    (10.0, 1.0, -30.0, 1 / (1 + math.exp(-1)) * -10.0),  # up clamped both ways
+    (10.0, 1.0, 30.0, 1 / (1 + math.exp(-1)) * 10.0),
+    (1.0, 5.0, 1.0, 1 / (1 + math.exp(-1))),  # clamp BEFORE the silu (after would give 1.0)
+    (1.0, -3.0, 0.5, -3 / (1 + math.exp(3)) * 0.5),
+    (10.0, 0.5, -2.0, 0.5 / (1 + math.exp(-0.5)) * -2.0),  # inside the limits: plain SwiGLU
+])
+def test_swiglu_clamp_is_asymmetric(limit: float, g: float, u: float, expected: float) -> None:
+    out = np.empty((1, 1), dtype=BF16)
+    NumpyBackend().swiglu(np.array([[g]], BF16), np.array([[u]], BF16), limit, out)
+    assert float(out[0, 0]) == pytest.approx(expected, rel=2 ** -8)
+
+
+def _one_sparse(**overrides):
+    return tiny_model(num_hidden_layers=1, mlp_layer_types=["sparse"], **overrides)
+
+
+def test_routed_scale_applies_to_routed_experts_not_to_the_shared_expert() -> None:
+    model = _one_sparse()
+    assert model.routed_scaling_factor == 2.5
+    full = random_weights(model, seed=21)
+    x = random_x(22, 6, model.hidden_size)
+    p = RefParams.of(model)
+    ref = ref64_layers(full)[0]
+    # zero routed experts: the site is exactly the shared expert, unscaled
+    zero = quantize(np.zeros((64, 128), np.float32)), quantize(np.zeros((128, 64), np.float32))
+    no_routed = MoeWeights(full[0].router, full[0].bias, 0, (ExpertWeights(zero[0], zero[0], zero[1]),) * 32,
+                           full[0].shared)
+    y = build_stack([no_routed], model).site_output(0, x)
+    assert rel_l2(y, mlp64(ref.mlp, p.limit, x.astype(np.float64))) < 1e-2
+    # the whole site: shared + 2.5 * sum w * expert; scaling the shared output too would be 2.5x off
+    y = build_stack(full, model).site_output(0, x)
+    assert rel_l2(y, site64(ref, p, x)) < 1e-2
+    # routed only (no shared expert): the scale is on the routed weights
+    model0 = _one_sparse(n_shared_experts=0)
+    routed = MoeWeights(full[0].router, full[0].bias, 0, full[0].experts, None)
+    y = build_stack([routed], model0).site_output(0, x)
+    ref.mlp = None
+    assert rel_l2(y, site64(ref, p, x)) < 1e-2
+
+
+def test_router_ranks_all_experts_on_an_ep_rank() -> None:
+    model = _one_sparse()
+    full = random_weights(model, seed=31, bias_spread=0.1)
+    x = random_x(32, 12, model.hidden_size)
+    whole = build_stack(full, model).sites[0]
+    rank1 = build_stack(full, model, RankLayout(2, 1, 2, 2)).sites[0]
+    assert rank1.cfg.num_experts == 32 and rank1.cfg.local_experts == 16
+    ids1, wts1 = (a.copy() for a in whole.route(x, build_stack(full, model).workspaces[0]))
+    ids2, wts2 = rank1.route(x, Workspace(np, rank1.cfg, 12))
+    np.testing.assert_array_equal(ids1, ids2)
+    np.testing.assert_array_equal(wts1, wts2)  # renormalised over all top_k slots, local or not
+    assert (ids2 < 16).any() and (ids2 >= 16).any()
+
+
+@pytest.mark.parametrize("rows,levers", [
+    (1, PathLevers()), (5, PathLevers()), (20, PathLevers(prefill_gemm=False)),
+    (20, PathLevers(prefill_gemm_min_rows=9)), (5, PathLevers(host_dispatch=True)),
+    (20, PathLevers(row_batch=False, prefill_gemm=False)),
+], ids=["decode", "union", "row-groups", "sorted", "host", "decode-per-row"])
+def test_remote_slots_are_exactly_zero(rows: int, levers: PathLevers) -> None:
+    model = _one_sparse()
+    full = random_weights(model, seed=41, bias_spread=0.1)
+    layout = RankLayout(2, 1, 2, 2)  # EP rank 1 owns experts 16..31
+    cfg = SiteConfig.for_rank(model, layout)
+    be = NumpyBackend()
+    moe = be.upload_moe(shard_layer(full[0], layout))
+    ws = Workspace(np, cfg, rows)
+    ws._flat["expert_out"][...] = np.nan  # stale bytes must never survive
+    x = random_x(42, rows, model.hidden_size)
+    ids, _ = build_stack(full, model).sites[0].route(x, Workspace(np, cfg, rows))
+    ids = ids.copy()
+    dispatch = ExpertDispatch(be, cfg, levers)
+    routed, perm = dispatch(x, ids, moe.experts, ws)
+    perm = np.arange(rows * 8).reshape(rows, 8) if perm is None else np.asarray(perm)
+    remote = ids < 16
+    assert remote.any() and (~remote).any()
+    rows_remote = np.asarray(routed)[perm[remote]]
+    assert (rows_remote.view(np.uint16) == 0).all()  # bitwise +0.0
+    rows_local = np.asarray(routed, dtype=np.float32)[perm[~remote]]
+    assert np.isfinite(rows_local).all() and (np.abs(rows_local).sum(axis=1) > 0).all()

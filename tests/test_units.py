@@ -1,0 +1,124 @@
+"""The seed's own unit tests: row groups and the workspace sizing, with hand-computed numbers.
+
+The workspace figures are those of the seed at the GLM-5.3-Flash shape, tp = ep = 2, in DECIMAL
+MB/GB (the unit the load report prints).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.presets import preset
+from glm_ep.routing import row_groups
+from glm_ep.workspace import BUFFERS, Workspace, fmt_bytes, footprint_lines, ws_bytes, ws_total_bytes
+
+from helpers import REPO, mpi_env
+
+MAX_CAP = 8  # the widest row group that ships
+
+
+@pytest.mark.parametrize("cap", range(1, MAX_CAP + 1))
+def test_row_groups_cover_in_order_and_never_orphan(cap: int) -> None:
+    for rows in range(1, 65):
+        groups = row_groups(rows, cap)
+        nxt = 0
+        for start, width in groups:
+            assert start == nxt, f"rows={rows} cap={cap}: gap or overlap in {groups}"
+            assert 1 <= width <= cap, f"rows={rows} cap={cap}: width {width} in {groups}"
+            if rows >= 2 and cap == MAX_CAP:
+                assert width >= 2, f"rows={rows}: a group of one row in {groups}"
+            nxt += width
+        assert nxt == rows, f"rows={rows} cap={cap}: covers {nxt} rows ({groups})"
+        # as even as the count allows: widths differ by at most one
+        widths = [w for _, w in groups]
+        assert max(widths) - min(widths) <= 1, f"rows={rows} cap={cap}: uneven {groups}"
+        assert len(groups) == -(-rows // cap), f"rows={rows} cap={cap}: more groups than needed"
+
+
+def test_row_groups_at_the_shipping_widths() -> None:
+    assert row_groups(16, 8) == [(0, 8), (8, 8)]
+    assert row_groups(8, 8) == [(0, 8)]
+    assert row_groups(9, 8) == [(0, 5), (5, 4)]
+
+
+def _glm_tp2_ep2() -> SiteConfig:
+    model = ModelConfig.from_dict(preset("glm-5.3-flash"))
+    return SiteConfig.for_rank(model, RankLayout(world=2, rank=0, tp=2, ep=2))
+
+
+def test_glm_site_geometry_at_tp2_ep2() -> None:
+    c = _glm_tp2_ep2()
+    assert (c.hidden, c.local_dense_intermediate, c.moe_intermediate, c.local_shared_intermediate) == (
+        4096, 6144, 2048, 1024)
+    assert (c.num_experts, c.local_experts, c.top_k) == (288, 144, 8)
+
+
+@pytest.mark.parametrize("rows", [16, 64, 128, 256, 512, 1024])
+def test_workspace_buffers_match_hand_computed_sizes(rows: int) -> None:
+    b = dict(zip(BUFFERS, ws_bytes(_glm_tp2_ep2(), rows)))
+    assert len(b) == 14
+    # act = max(rows * 6144, rows * 8 * 2048) = rows * 16384 bf16 elements
+    assert b["a_gate"] == rows * 16384 * 2
+    assert b["a_up"] == b["a_gate"] and b["a_act"] == b["a_gate"]
+    assert b["logits"] == rows * 288 * 4
+    assert b["ids"] == rows * 8 * 4
+    assert b["wts"] == rows * 8 * 4
+    assert b["expert_out"] == rows * 8 * 4096 * 2
+    assert b["shared_out"] == rows * 4096 * 2
+    assert b["u_eid"] == rows * 8 * 4
+    assert b["u_slot"] == rows * 8 * rows * 4  # QUADRATIC in rows
+    assert b["sorted_token_ids"] == rows * 8 * 4
+    assert b["sorted_expert_ids"] == rows * 8 * 4
+    assert b["expert_offsets"] == 289 * 4  # row-independent
+    assert b["token_to_perm"] == rows * 8 * 4
+    assert ws_total_bytes(_glm_tp2_ep2(), rows) == 173376 * rows + 32 * rows * rows + 1156
+
+
+@pytest.mark.parametrize("rows,per_ws,copies45", [
+    (256, "46.48 MB", "2.092 GB"), (512, "97.16 MB", "4.372 GB"), (1024, "211.09 MB", "9.499 GB")])
+def test_workspace_decimal_megabytes_and_45_copies(rows: int, per_ws: str, copies45: str) -> None:
+    one = ws_total_bytes(_glm_tp2_ep2(), rows)
+    assert abs(one / 1e6 - float(per_ws.split()[0])) < 0.005
+    assert abs(45 * one / 1e9 - float(copies45.split()[0])) < 0.0005
+    assert fmt_bytes(one) == per_ws
+    assert fmt_bytes(45 * one) == copies45
+    text = "\n".join(footprint_lines(_glm_tp2_ep2(), rows, layers=45, shared=True))
+    assert per_ws in text and copies45 in text
+
+
+def test_per_layer_mode_reports_45_copies_as_the_stack() -> None:
+    shared = footprint_lines(_glm_tp2_ep2(), 256, layers=45, shared=True)[1]
+    private = footprint_lines(_glm_tp2_ep2(), 256, layers=45, shared=False)[1]
+    assert "stack total 46.48 MB" in shared and "saving 2.045 GB" in shared
+    assert "stack total 2.092 GB" in private
+
+
+def test_zero_rows_clamps_to_one() -> None:
+    c = _glm_tp2_ep2()
+    assert ws_total_bytes(c, 0) == ws_total_bytes(c, 1) == 173376 + 32 + 1156
+    assert all(b > 0 for b in ws_bytes(c, 0))
+
+
+def test_workspace_allocates_exactly_the_reported_bytes() -> None:
+    import numpy as np
+
+    c = SiteConfig.for_rank(ModelConfig.from_dict(preset("tiny")), RankLayout(2, 1, 2, 2))
+    for rows in (0, 1, 9, 40):
+        ws = Workspace(np, c, rows)
+        assert sum(buf.nbytes for buf in ws._flat.values()) == ws_total_bytes(c, rows) == ws.nbytes
+        assert ws.view("u_slot", max(rows, 1) * c.top_k, max(rows, 1)).shape == (max(rows, 1) * 8, max(rows, 1))
+        with pytest.raises(ValueError, match="u_slot"):
+            ws.view("u_slot", max(rows, 1) * c.top_k + 1, max(rows, 1))
+
+
+def test_footprint_cli_prints_the_glm_numbers() -> None:
+    r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--preset", "glm-5.3-flash",
+                        "--tp", "2", "--ep", "2", "--rows", "256"],
+                       capture_output=True, text=True, timeout=60, env=mpi_env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert "46.48 MB" in r.stdout, r.stdout
+    assert "2.092 GB" in r.stdout, r.stdout
