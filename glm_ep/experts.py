@@ -68,9 +68,7 @@ class ExpertDispatch:
         gate_KM, up_KM, act_KM = (ws.view(b, k, m) for b in ("a_gate", "a_up", "a_act"))
         for r in range(x_TH.shape[0]):
             x_1H, ids_K = x_TH[r:r + 1], ids_TK[r]
-            be.moe_gemv(x_1H, table.gate, table, ids_K, gate_KM, per_slot_input=False)
-            be.moe_gemv(x_1H, table.up, table, ids_K, up_KM, per_slot_input=False)
-            be.swiglu(gate_KM, up_KM, lim, act_KM)  # remote slots activate garbage nobody reads
+            be.moe_gate_up_act(x_1H, table, ids_K, lim, gate_KM, up_KM, act_KM)  # remote rows: unread
             be.moe_gemv(act_KM, table.down, table, ids_K, routed_SH[r * k:(r + 1) * k], per_slot_input=True)
         return routed_SH, None
 
@@ -85,9 +83,7 @@ class ExpertDispatch:
             # the table is rebuilt per group; the previous group's sweeps are already queued
             u_eid, u_slot = ws.view("u_eid", w * k), ws.view("u_slot", w * k, w)
             be.union_table(ids_TK[rs], u_eid, u_slot)
-            be.moe_gemv_union(x_TH[rs], table.gate, table, u_eid, u_slot, gate_TKM[rs], per_slot_input=False)
-            be.moe_gemv_union(x_TH[rs], table.up, table, u_eid, u_slot, up_TKM[rs], per_slot_input=False)
-            be.swiglu(gate_TKM[rs], up_TKM[rs], lim, act_TKM[rs])
+            be.moe_gate_up_act_union(x_TH[rs], table, u_eid, u_slot, lim, gate_TKM[rs], up_TKM[rs], act_TKM[rs])
             be.moe_gemv_union(act_TKM[rs], table.down, table, u_eid, u_slot, routed_TKH[rs], per_slot_input=True)
         return routed_SH, None
 

@@ -23,9 +23,7 @@ def clamped_swiglu_mlp(be: Backend, w: Any, limit: float, x_TH: Any, ws: Workspa
     """``down(act(gate(x), up(x)))`` over this rank's TP shard (a partial sum when tp > 1)."""
     t, width = x_TH.shape[0], w.gate.shape[0]
     gate_TI, up_TI, act_TI = (ws.view(b, t, width) for b in ("a_gate", "a_up", "a_act"))
-    be.linear(x_TH, w.gate, gate_TI)
-    be.linear(x_TH, w.up, up_TI)
-    be.swiglu(gate_TI, up_TI, limit, act_TI)
+    be.gate_up_act(x_TH, w, limit, gate_TI, up_TI, act_TI)
     return be.linear(act_TI, w.down, out_TH)
 
 

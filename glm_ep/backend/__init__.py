@@ -1,49 +1,51 @@
-"""Backend and communicator construction: chosen once, at start-up, from the topology."""
+"""Backends (NumPy reference, CUDA) and the communicator that goes with each."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from glm_ep.backend.base import Backend
-from glm_ep.comm import Communicator, MpiComm, SelfComm
+from glm_ep.comm import Communicator, MpiComm
 from glm_ep.errors import ConfigError
-from glm_ep.topology import Topology
 
 
-def make_backend(topo: Topology, rank: int) -> Backend:
-    if topo.backend == "cpu":
+def make_backend(topology: Any, rank: int) -> Any:
+    """The topology's backend for this rank: NumPy, or CUDA on ``topology.device_of(rank)``."""
+    if topology.backend == "cpu":
         from glm_ep.backend.numpy_backend import NumpyBackend
 
         return NumpyBackend()
     try:
         import cupy
-    except ImportError as e:
-        raise ConfigError(f"backend 'cuda' needs CuPy (pip install glm_ep[cuda12] or [cuda13]): {e}") from None
-    try:
+
         visible = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # no driver, no device
-        raise ConfigError(f"backend 'cuda': no usable CUDA device ({e})") from None
+    except Exception as e:  # not installed, no driver, no device
+        raise ConfigError(f"topology {topology.name!r} asks for backend = 'cuda', but CUDA is unusable here "
+                          f"({type(e).__name__}: {e}); install cupy-cuda13x or use backend = 'cpu'") from None
+    device = topology.device_of(rank, visible)
+    if not 0 <= device < visible:
+        raise ConfigError(f"rank {rank}: topology {topology.name!r} maps it to CUDA device {device}, but "
+                          f"{visible} device(s) are visible")
     from glm_ep.backend.cuda_backend import CudaBackend
 
-    return CudaBackend(topo.device_of(rank, visible))
+    return CudaBackend(device)
 
 
-def make_comm(mpi_comm: Any, be: Backend, topo: Topology) -> Communicator:
-    """NCCL for CUDA ranks on distinct GPUs (unless the topology says ``mpi``); MPI otherwise
-    (host-staged for device arrays: NCCL refuses two ranks on one GPU)."""
-    if mpi_comm.Get_size() == 1:
-        return SelfComm()
-    if be.name == "cpu":
-        if topo.comm == "nccl":
-            raise ConfigError("topology asks for comm = 'nccl' with backend 'cpu'; expected 'mpi' or 'auto'")
+def make_comm(mpi_comm: Any, backend: Any, topology: Any) -> Communicator:
+    """The site all-reduce for this rank, decided identically on every rank.
+
+    CPU ranks sum over MPI. CUDA ranks use NCCL when every rank has a GPU of its own (NCCL refuses
+    two ranks on one device) and the topology does not ask for ``comm = "mpi"``; otherwise MPI
+    with the buffers staged through the host.
+    """
+    if backend.name == "cpu":
         return MpiComm(mpi_comm)
-    devices = mpi_comm.allgather(be.device_key())
-    distinct = len(set(devices)) == len(devices)
-    if topo.comm == "nccl" and not distinct:
-        raise ConfigError(f"topology asks for comm = 'nccl' but ranks share GPUs ({devices}); NCCL refuses "
-                          "two ranks on one GPU: use comm = 'mpi' or 'auto'")
-    if topo.comm != "mpi" and distinct:
+    bus_ids = mpi_comm.allgather(backend.pci_bus_id)
+    own_gpus = len(set(bus_ids)) == len(bus_ids)
+    if topology.comm == "nccl" and not own_gpus:
+        raise ConfigError(f"topology {topology.name!r} asks for comm = 'nccl', but ranks share GPUs "
+                          f"(PCI bus ids by rank: {bus_ids}); NCCL needs one GPU per rank, use comm = 'mpi'")
+    if own_gpus and topology.comm != "mpi":
         from glm_ep.backend.nccl import NcclComm
 
-        return NcclComm(mpi_comm, be)
-    return MpiComm(mpi_comm, to_host=be.to_host, from_host=be.copy_from_host)
+        return NcclComm(mpi_comm, backend)
+    return MpiComm(mpi_comm, to_host=backend.to_host, from_host=backend.from_host)

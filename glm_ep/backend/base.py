@@ -128,3 +128,26 @@ class Backend(ABC):
     @abstractmethod
     def expert_linear(self, a_1K: Any, proj: Any, table: Any, local: int, out_1N: Any) -> None:
         """One expert's projection for one row (host-dispatch path)."""
+
+    # ---- gate + up + SwiGLU in one step --------------------------------------------------------
+    # Each writes gate, up and act exactly as the separate ops would (a backend may fuse them into
+    # one launch). For routed slots, rows of remote slots are unspecified: ``down`` skips them.
+    def gate_up_act(self, x_TK: Any, w: Any, limit: float, gate_TI: Any, up_TI: Any, act_TI: Any) -> Any:
+        """``act = swiglu(linear(x, w.gate), linear(x, w.up))`` of a bf16 MLP."""
+        self.linear(x_TK, w.gate, gate_TI)
+        self.linear(x_TK, w.up, up_TI)
+        return self.swiglu(gate_TI, up_TI, limit, act_TI)
+
+    def moe_gate_up_act(self, a_1K: Any, table: Any, ids_K: Any, limit: float, gate_KM: Any, up_KM: Any,
+                        act_KM: Any) -> None:
+        """Decode: gate, up and SwiGLU of every slot of ONE row."""
+        self.moe_gemv(a_1K, table.gate, table, ids_K, gate_KM, per_slot_input=False)
+        self.moe_gemv(a_1K, table.up, table, ids_K, up_KM, per_slot_input=False)
+        self.swiglu(gate_KM, up_KM, limit, act_KM)
+
+    def moe_gate_up_act_union(self, a_RK: Any, table: Any, u_eid_U: Any, u_slot_UR: Any, limit: float,
+                              gate_RKM: Any, up_RKM: Any, act_RKM: Any) -> None:
+        """Verify: gate, up and SwiGLU of a row group, each union expert swept once."""
+        self.moe_gemv_union(a_RK, table.gate, table, u_eid_U, u_slot_UR, gate_RKM, per_slot_input=False)
+        self.moe_gemv_union(a_RK, table.up, table, u_eid_U, u_slot_UR, up_RKM, per_slot_input=False)
+        self.swiglu(gate_RKM, up_RKM, limit, act_RKM)

@@ -1,0 +1,251 @@
+"""The CUDA backend: every op of ``Backend`` as a kernel of ``glm_ep/kernels`` on ONE stream.
+
+| rows  | dense / shared MLP                         | router              | routed experts (NVFP4)                     |
+|-------|--------------------------------------------|---------------------|--------------------------------------------|
+| 1     | GEMV; gate + up + SwiGLU fused             | GEMV, fp32 + top-k  | tensor-core GEMV, all slots in one launch, through the pointer table; gate + up + SwiGLU fused |
+| 2..8  | batch-M GEMV, one weight read for all rows | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns) |
+| > 8   | cuBLAS (bf16, fp32 accumulation)           | cuBLAS in fp32      | the dispatch's row groups of <= 8          |
+
+Everything a step runs is queued on ``self.stream`` (non-blocking, made current at construction
+and around every op), writes into the caller's buffers, allocates nothing and never waits on the
+host for rows 1..8, so ``capture`` can record a whole decode or verify step as one CUDA graph.
+There is no grouped prefill GEMM yet (``has_grouped_gemm = False``): wide prefill runs the routed
+experts in row groups; ``moe_gemm_sorted`` is correct (one GEMV per sorted row) but slow.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from glm_ep.backend import kernels as K
+from glm_ep.backend.base import Backend
+from glm_ep.errors import ConfigError
+from glm_ep.nvfp4 import Nvfp4Weight
+from glm_ep.weights import DenseWeights, MoeWeights
+
+
+@dataclass(frozen=True)
+class CudaDense:
+    """A resident bf16 MLP (this rank's TP shard)."""
+
+    gate: Any  # bf16 [I, H]
+    up: Any  # bf16 [I, H]
+    down: Any  # bf16 [H, I]
+
+    @property
+    def width(self) -> int:
+        return self.gate.shape[0]
+
+
+@dataclass(frozen=True)
+class CudaExpertTable:
+    """This rank's routed experts, one pointer table per projection; local id = global id - start."""
+
+    gate: K.ExpertPtrTable
+    up: K.ExpertPtrTable
+    down: K.ExpertPtrTable
+    start: int
+    count: int
+
+
+@dataclass(frozen=True)
+class CudaMoe:
+    router: Any  # [E, H] bf16 or fp32, as stored
+    bias: Any  # fp32 [E]
+    experts: CudaExpertTable
+    shared: CudaDense | None
+
+
+def _on_stream(op):
+    """Run the op with the backend's stream current (CuPy launches on the current stream)."""
+
+    @functools.wraps(op)
+    def run(self, *args, **kwargs):
+        with self.stream:
+            return op(self, *args, **kwargs)
+
+    return run
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    has_grouped_gemm = False
+    can_capture = True
+
+    def __init__(self, device: int = 0):
+        import cupy
+
+        self.xp = cupy
+        self.device = cupy.cuda.Device(device)
+        self.device.use()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream.use()  # plain CuPy ops of the caller (buffer copies) queue here too
+
+    @property
+    def pci_bus_id(self) -> str:
+        return self.xp.cuda.runtime.deviceGetPCIBusId(self.device.id)
+
+    # ---- placement -------------------------------------------------------------------------
+    @_on_stream
+    def asarray(self, host: Any) -> Any:
+        """A contiguous resident array: a copy of a host array (an array already on the device is
+        only made contiguous)."""
+        if isinstance(host, self.xp.ndarray):
+            return self.xp.ascontiguousarray(host)
+        return self.xp.asarray(np.ascontiguousarray(host))
+
+    def _bytes(self, a: Any) -> Any:
+        """The raw bytes of a one-byte dtype (E4M3 scales) as a resident uint8 array."""
+        if isinstance(a, self.xp.ndarray):
+            return self.xp.ascontiguousarray(a).view(self.xp.uint8)
+        return self.asarray(np.ascontiguousarray(a).view(np.uint8))
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return a.get(stream=self.stream, blocking=True)
+
+    def from_host(self, buf: Any, host: np.ndarray) -> Any:
+        """Copy ``host`` into the resident ``buf`` (same shape and dtype)."""
+        buf.set(np.ascontiguousarray(host, dtype=buf.dtype), stream=self.stream)
+        return buf
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def capture(self, fn):
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                fn()
+            except BaseException:
+                self.stream.end_capture()
+                raise
+            graph = self.stream.end_capture()
+        stream = self.stream
+        return lambda: graph.launch(stream)
+
+    def upload_dense(self, w: DenseWeights) -> CudaDense:
+        return CudaDense(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
+
+    def _upload_proj(self, ws: list[Nvfp4Weight], what: str) -> K.ExpertPtrTable:
+        shapes = {w.shape for w in ws}
+        if len(shapes) > 1:
+            raise ConfigError(f"{what}: experts disagree on the projection shape: {sorted(shapes)}")
+        n, k = shapes.pop() if shapes else (0, 0)
+        if ws:
+            K.check_nvfp4_k(k, what)
+        packed = tuple(self.asarray(w.packed) for w in ws)
+        scale = tuple(self._bytes(w.scale) for w in ws)
+        s2 = tuple(float(w.scale_2) for w in ws)
+        return K.ExpertPtrTable(
+            packed_ptrs=self.asarray(np.array([a.data.ptr for a in packed], dtype=np.uint64)),
+            scale_ptrs=self.asarray(np.array([a.data.ptr for a in scale], dtype=np.uint64)),
+            scale2=self.asarray(np.array(s2, dtype=np.float32)),
+            n=n, k=k, packed=packed, scale=scale, scale2_host=s2)
+
+    def upload_moe(self, w: MoeWeights) -> CudaMoe:
+        if w.router.dtype not in (K.BF16, K.F32):
+            raise ConfigError(f"router weight dtype {w.router.dtype}, expected bfloat16 or float32")
+        experts = CudaExpertTable(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj"),
+                                  self._upload_proj([e.up for e in w.experts], "experts.up_proj"),
+                                  self._upload_proj([e.down for e in w.experts], "experts.down_proj"),
+                                  w.expert_start, len(w.experts))
+        bias = self.asarray(w.bias).astype(np.float32, copy=False)
+        return CudaMoe(self.asarray(w.router), bias, experts,
+                       self.upload_dense(w.shared) if w.shared is not None else None)
+
+    # ---- dense ops -------------------------------------------------------------------------
+    @_on_stream
+    def linear(self, x_TK, w_NK, out_TN):
+        if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
+            K.gemv_bf16(x_TK, w_NK, out_TN)
+        else:  # cuBLAS, bf16 operands, fp32 accumulation
+            self.xp.matmul(x_TK, w_NK.T, out=out_TN)
+        return out_TN
+
+    @_on_stream
+    def router_logits(self, x_TH, router_EH, out_TE):
+        if x_TH.shape[0] <= K.GEMV_MAX_ROWS:
+            K.router_gemv(x_TH, router_EH, out_TE)
+        else:  # cuBLAS in fp32 (temporaries: the wide path is never captured)
+            x32 = self.xp.empty(x_TH.shape, dtype=np.float32)
+            K.bf16_to_f32(x_TH, x32)
+            w32 = router_EH
+            if router_EH.dtype != K.F32:
+                w32 = self.xp.empty(router_EH.shape, dtype=np.float32)
+                K.bf16_to_f32(router_EH, w32)
+            self.xp.matmul(x32, w32.T, out=out_TE)
+        return out_TE
+
+    @_on_stream
+    def router_topk(self, logits_TE, bias_E, p, ids_TK, wts_TK):
+        K.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
+
+    @_on_stream
+    def swiglu(self, gate, up, limit, out):
+        K.swiglu(gate, up, limit, out)
+        return out
+
+    @_on_stream
+    def combine(self, routed_SH, wts_TK, shared_TH, out_TH, perm_TK=None):
+        K.combine(routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+        return out_TH
+
+    @_on_stream
+    def add(self, a, b, out):
+        K.add(a, b, out)
+        return out
+
+    def zero(self, a):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"zero: expected a contiguous buffer, got strides {a.strides}")
+        if a.nbytes:
+            self.xp.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, self.stream.ptr)
+        return a
+
+    @_on_stream
+    def gate_up_act(self, x_TK, w, limit, gate_TI, up_TI, act_TI):
+        if x_TK.shape[0] > K.GEMV_MAX_ROWS:
+            return super().gate_up_act(x_TK, w, limit, gate_TI, up_TI, act_TI)
+        K.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+        return act_TI
+
+    # ---- routed experts --------------------------------------------------------------------
+    @_on_stream
+    def moe_gemv(self, a, proj, table, ids_K, out_KN, per_slot_input):
+        K.nvfp4_moe_gemv(a, per_slot_input, proj, ids_K, table.start, table.count, out_KN)
+
+    @_on_stream
+    def moe_gate_up_act(self, a_1K, table, ids_K, limit, gate_KM, up_KM, act_KM):
+        K.nvfp4_moe_glu(a_1K, table.gate, table.up, ids_K, table.start, table.count, limit, gate_KM, up_KM, act_KM)
+
+    @_on_stream
+    def union_table(self, ids_RK, u_eid_U, u_slot_UR):
+        K.union_table(ids_RK, u_eid_U, u_slot_UR)
+
+    @_on_stream
+    def moe_gemv_union(self, a, proj, table, u_eid_U, u_slot_UR, out_RKN, per_slot_input):
+        K.nvfp4_moe_gemv_union(a, per_slot_input, proj, u_eid_U, u_slot_UR, table.start, table.count, out_RKN)
+
+    @_on_stream
+    def moe_gate_up_act_union(self, a_RK, table, u_eid_U, u_slot_UR, limit, gate_RKM, up_RKM, act_RKM):
+        K.nvfp4_moe_glu_union(a_RK, table.gate, table.up, u_eid_U, u_slot_UR, table.start, table.count, limit,
+                              gate_RKM, up_RKM, act_RKM)
+
+    @_on_stream
+    def sort_by_expert(self, ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
+                       token_to_perm_TK):
+        K.sort_by_expert(ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
+                         token_to_perm_TK)
+
+    @_on_stream
+    def moe_gemm_sorted(self, a, proj, table, sorted_token_ids_S, expert_offsets, out_SN, gather_rows):
+        K.nvfp4_sorted_gemv(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, proj,
+                            table.start, table.count, out_SN)
+
+    @_on_stream
+    def expert_linear(self, a_1K, proj, table, local, out_1N):
+        K.nvfp4_gemv(a_1K, proj.packed[local], proj.scale[local], proj.scale2_host[local], out_1N)

@@ -1,0 +1,162 @@
+"""The CUDA half of ``glm-ep bench``: synthetic GLM-5.3-Flash weights on the GPU, timed sites.
+
+Shape suffixes: T rows, H hidden, E experts, M moe width, I dense width.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from glm_ep.bench import (Row, bench_meta, copy_bandwidth, dense_bytes, glm_model, plot_results,
+                          sparse_bytes, time_median, world1_cfg, write_results)
+from glm_ep.comm import SelfComm
+from glm_ep.config import ModelConfig
+from glm_ep.experts import ExpertDispatch
+from glm_ep.nvfp4 import Nvfp4Weight
+from glm_ep.site import DenseSite, MoeSite
+from glm_ep.stack import MlpStack
+from glm_ep.topology import PathLevers
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.workspace import Workspace
+
+log = logging.getLogger(__name__)
+BF16 = ml_dtypes.bfloat16
+
+
+def _bf16(cp: Any, shape: tuple[int, ...], std: float) -> Any:
+    return (cp.random.standard_normal(shape, dtype=cp.float32) * std).astype(BF16)
+
+
+def _nvfp4(cp: Any, n: int, k: int) -> Nvfp4Weight:
+    packed = cp.random.randint(0, 256, size=(n, k // 2), dtype=cp.int32).astype(cp.uint8)
+    # E4M3 bytes 0x30..0x3b: block scales in [0.5, 1.375], never NaN
+    scale = cp.random.randint(0x30, 0x3C, size=(n, k // 16), dtype=cp.int32).astype(cp.uint8)
+    return Nvfp4Weight(packed, scale, 1.0 / (6.0 * 64.0))
+
+
+def gpu_dense(cp: Any, width: int, h: int) -> DenseWeights:
+    return DenseWeights(_bf16(cp, (width, h), h ** -0.5), _bf16(cp, (width, h), h ** -0.5),
+                        _bf16(cp, (h, width), width ** -0.5))
+
+
+def gpu_moe(cp: Any, model: ModelConfig) -> MoeWeights:
+    h, m, e = model.hidden_size, model.moe_intermediate_size, model.n_routed_experts
+    experts = tuple(ExpertWeights(_nvfp4(cp, m, h), _nvfp4(cp, m, h), _nvfp4(cp, h, m)) for _ in range(e))
+    bias = (7.0 + 0.02 * cp.random.standard_normal(e, dtype=cp.float32)).astype(cp.float32)
+    return MoeWeights(_bf16(cp, (e, h), h ** -0.5), bias, 0, experts, gpu_dense(cp, model.shared_intermediate, h))
+
+
+def _peer_sparse_us(model: ModelConfig, iters: int) -> float | None:
+    """An HF-style PyTorch sparse site (bf16 experts, eager loop over the chosen experts)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    from glm_ep.bench_peer import HfStyleMoe
+
+    peer = HfStyleMoe(model).cuda()
+    x = torch.randn(1, model.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(5):
+            peer(x)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(7):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(max(iters // 10, 5)):
+                peer(x)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / max(iters // 10, 5))
+    del peer
+    torch.cuda.empty_cache()
+    return float(np.median(times))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import cupy as cp
+
+    from glm_ep.backend.cuda_backend import CudaBackend
+
+    model, iters = glm_model(), args.iters
+    peer_us = _peer_sparse_us(model, iters) if args.peer else None
+    be = CudaBackend(0)
+    stream = be.stream
+    device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    copy_gbs = copy_bandwidth(cp, stream)
+    log.info("copy bandwidth %.0f GB/s", copy_gbs)
+    cfg = world1_cfg(model)
+    comm, levers = SelfComm(), PathLevers()
+    dispatch = ExpertDispatch(be, cfg, levers)
+
+    per_sparse = sparse_bytes(model, model.n_routed_experts)
+    free, _ = cp.cuda.runtime.memGetInfo()
+    n_dense = len(model.dense_layers)
+    budget = free * 0.9 - n_dense * dense_bytes(model) - (2 << 30)
+    n_sparse = max(1, min(len(model.sparse_layers), int(budget // per_sparse)))
+    if args.layers:
+        n_sparse = max(1, min(n_sparse, args.layers - n_dense))
+    log.info("building %d dense + %d sparse layers on the GPU", n_dense, n_sparse)
+    with stream:
+        dense_sites = [DenseSite(be, comm, cfg, be.upload_dense(gpu_dense(cp, model.intermediate_size,
+                                                                             model.hidden_size)))
+                       for _ in range(n_dense)]
+        sparse_sites = [MoeSite(be, comm, cfg, be.upload_moe(gpu_moe(cp, model)), dispatch)
+                        for _ in range(n_sparse)]
+    stack = MlpStack(be, comm, cfg, dense_sites + sparse_sites, levers, max_rows=8)
+    ws = Workspace(cp, cfg, 8)
+    out = cp.empty((8, model.hidden_size), dtype=BF16)
+    rows: list[Row] = []
+
+    def graph_of_sites(sites: list[Any], x_TH: Any) -> Any:
+        def body() -> None:
+            for s in sites:
+                s(x_TH, ws, out[: x_TH.shape[0]])
+        body()  # warm-up outside the capture
+        return be.capture(body)
+
+    def union_sizes(x_TH: Any) -> list[int]:
+        sizes = []
+        for s in sparse_sites:
+            ids_TK, _ = s.route(x_TH, ws)
+            sizes.append(len(np.unique(be.to_host(ids_TK))))
+        return sizes
+
+    g = min(len(sparse_sites), 16)
+    x1 = _bf16(cp, (1, model.hidden_size), 1.0)
+    replay = graph_of_sites(sparse_sites[:g], x1)
+    us = time_median(cp, stream, replay, iters=max(iters // g, 5)) / g
+    rows.append(Row("sparse site, 1 row (graph)", us, sparse_bytes(model, model.num_experts_per_tok), copy_gbs,
+                    f"mean over {g} layers' distinct weights"))
+    if peer_us is not None:
+        rows.append(Row("PyTorch HF-style sparse site, 1 row", peer_us, sparse_bytes(model, 8), copy_gbs,
+                        f"peer (bf16 experts, eager); glm_ep is {peer_us / us:.1f}x faster"))
+    replay = graph_of_sites(dense_sites, x1)
+    us = time_median(cp, stream, replay, iters=max(iters // n_dense, 5)) / n_dense
+    rows.append(Row("dense site, 1 row (graph)", us, dense_bytes(model), copy_gbs))
+    for k in range(2, 9):
+        xk = _bf16(cp, (k, model.hidden_size), 1.0)
+        sizes = union_sizes(xk)[:g]
+        replay = graph_of_sites(sparse_sites[:g], xk)
+        us = time_median(cp, stream, replay, iters=max(iters // g, 5)) / g
+        union = float(np.mean(sizes))
+        nbytes = int(np.mean([sparse_bytes(model, u) for u in sizes]))
+        rows.append(Row(f"verify {k} rows, sparse site (graph)", us, nbytes, copy_gbs,
+                        f"union of chosen experts {union:.1f}"))
+    step_bytes = n_dense * dense_bytes(model) + n_sparse * sparse_bytes(model, model.num_experts_per_tok)
+    stack.step(x1)  # captures the decode graph
+    us = time_median(cp, stream, lambda: stack.step(x1), iters=max(iters // 10, 5))
+    rows.append(Row(f"decode step, {n_dense + n_sparse}-layer stack", us, step_bytes, copy_gbs,
+                    f"{n_dense} dense + {n_sparse} sparse sites, residual adds"))
+    out_dir = Path(args.out)
+    write_results(out_dir, rows, bench_meta(device, copy_gbs))
+    plot_results(out_dir)
+    print((out_dir / "BENCH.md").read_text())
+    return 0

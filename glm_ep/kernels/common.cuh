@@ -1,0 +1,72 @@
+// Shared device helpers of the glm_ep kernels. Self-contained: no system or CUDA headers, so
+// NVRTC compiles it as is (glm_ep/backend/kernels.py inlines it where a .cu includes it).
+//
+// Numerics: bf16 <-> f32 by bit manipulation (widen = bits << 16; narrow = round to nearest
+// even, NaN kept quiet).
+#pragma once
+
+typedef unsigned short bf16_t;  // raw bf16 bits
+typedef unsigned long long u64_t;
+
+// The one dynamic shared-memory window of every kernel (each casts it to what it stages).
+extern __shared__ __align__(16) unsigned char dyn_smem[];
+
+__device__ __forceinline__ float bf16_to_f32(unsigned bits) {
+    return __uint_as_float((bits & 0xffffu) << 16);
+}
+
+// The low / high bf16 of a packed pair, widened.
+__device__ __forceinline__ float bf16_lo(unsigned pair) { return __uint_as_float(pair << 16); }
+__device__ __forceinline__ float bf16_hi(unsigned pair) { return __uint_as_float(pair & 0xffff0000u); }
+
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+// A packed pair of fp16 widened to fp32.
+__device__ __forceinline__ void f16x2_to_f32(unsigned h2, float& lo, float& hi) {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+        : "=f"(lo), "=f"(hi) : "r"(h2));
+}
+
+// Streaming loads of weights (read once: keep them out of L1) and cached loads of activations.
+// Not volatile: they read memory no kernel writes while it runs, so the compiler may schedule them.
+__device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ unsigned ld_stream_u16(const void* p) {
+    unsigned short v;
+    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ uint4 ld_cached_v4(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The clamped asymmetric SwiGLU of one element, on bf16 inputs: silu(min(g, L)) * clamp(u, -L, L)
+// in fp32, rounded once to bf16. NaN inputs propagate (the comparisons keep them).
+__device__ __forceinline__ bf16_t swiglu_one(float g, float u, float limit) {
+    g = (g > limit) ? limit : g;
+    u = (u > limit) ? limit : ((u < -limit) ? -limit : u);
+    const float silu = g / (1.0f + expf(-g));
+    return f32_to_bf16(__fmul_rn(silu, u));
+}

@@ -1,0 +1,201 @@
+// Dense GEMV for 1..8 rows of bf16 x: out[r, n] = sum_k x[r, k] * w[n, k] with fp32
+// accumulation; every weight is read ONCE for all rows (the batch-M tier of a verify step).
+//
+// A block is GEMV_WARPS warps. `ksplit` consecutive warps share a row group, each summing a
+// contiguous slice of K; the slices meet in shared memory and are added in slice order. A row
+// group is GEMV_ROWS_PER_WARP rows of one matrix, or, fused, row n of gate and row n of up.
+// Lane l owns the 8-k chunks lo + l, lo + l + 32, ... of its slice (16-byte streaming weight
+// loads); x is read from global memory in the same pattern (L1 serves all but the first warp).
+// K must be a multiple of 8.
+//
+// Entry points, R = 1..8 (grids computed in glm_ep/backend/kernels.py):
+//   bf16_gemv_r{R}          bf16 weights, bf16 out (the backend's `linear`)
+//   bf16_glu_r{R}           gate and up fused, writing gate, up and the clamped SwiGLU
+//   router_gemv_bf16w_r{R}  bf16 router weights, fp32 logits
+//   router_gemv_f32w_r{R}   fp32 router weights, fp32 logits
+#include "common.cuh"
+
+#ifndef GEMV_WARPS
+#error "GEMV_WARPS is set by glm_ep/backend/kernels.py"
+#endif
+#ifndef GEMV_ROWS_PER_WARP
+#error "GEMV_ROWS_PER_WARP is set by glm_ep/backend/kernels.py"
+#endif
+#define GEMV_THREADS (GEMV_WARPS * 32)
+
+// 8 weights of one chunk, widened.
+template <typename WT>
+__device__ __forceinline__ void widen_chunk(const uint4 (&v)[sizeof(WT) / 2], float (&f)[8]) {
+    if (sizeof(WT) == 2) {
+        f[0] = bf16_lo(v[0].x); f[1] = bf16_hi(v[0].x); f[2] = bf16_lo(v[0].y); f[3] = bf16_hi(v[0].y);
+        f[4] = bf16_lo(v[0].z); f[5] = bf16_hi(v[0].z); f[6] = bf16_lo(v[0].w); f[7] = bf16_hi(v[0].w);
+    } else {
+        f[0] = __uint_as_float(v[0].x); f[1] = __uint_as_float(v[0].y);
+        f[2] = __uint_as_float(v[0].z); f[3] = __uint_as_float(v[0].w);
+        f[4] = __uint_as_float(v[sizeof(WT) / 2 - 1].x); f[5] = __uint_as_float(v[sizeof(WT) / 2 - 1].y);
+        f[6] = __uint_as_float(v[sizeof(WT) / 2 - 1].z); f[7] = __uint_as_float(v[sizeof(WT) / 2 - 1].w);
+    }
+}
+
+// P weight rows (nullptr: past N, read as zeros) over chunks [c_lo, c_hi), R x rows; returns the
+// warp-reduced sums in every lane.
+template <int P, int R, typename WT>
+__device__ __forceinline__ void gemv_warp(const WT* const (&w)[P], const bf16_t* x, long long x_row_stride,
+                                          int c_lo, int c_hi, float (&acc)[P][R]) {
+    constexpr int NV = sizeof(WT) / 2;  // 16-byte vectors per chunk
+    constexpr int U = R <= 2 ? 4 : 2;
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[p][r] = 0.0f;
+    for (int c0 = c_lo + (threadIdx.x & 31); c0 < c_hi; c0 += 32 * U) {
+        uint4 wv[U][P][NV];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + 32 * u;
+#pragma unroll
+            for (int p = 0; p < P; ++p)
+#pragma unroll
+                for (int v = 0; v < NV; ++v)
+                    wv[u][p][v] = (c < c_hi && w[p]) ? ld_stream_v4(w[p] + 8 * (size_t)c + v * (16 / sizeof(WT)))
+                                                     : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int c = c0 + 32 * u;
+            if (c >= c_hi) break;
+            float wf[P][8];
+#pragma unroll
+            for (int p = 0; p < P; ++p) widen_chunk<WT>(wv[u][p], wf[p]);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const uint4 xv = ld_cached_v4(x + r * x_row_stride + 8 * (size_t)c);
+                float xf[8];
+                xf[0] = bf16_lo(xv.x); xf[1] = bf16_hi(xv.x); xf[2] = bf16_lo(xv.y); xf[3] = bf16_hi(xv.y);
+                xf[4] = bf16_lo(xv.z); xf[5] = bf16_hi(xv.z); xf[6] = bf16_lo(xv.w); xf[7] = bf16_hi(xv.w);
+#pragma unroll
+                for (int p = 0; p < P; ++p)
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[p][r] = fmaf(wf[p][j], xf[j], acc[p][r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[p][r] = warp_sum(acc[p][r]);
+}
+
+// The row group's K slices added in order; true in the warp that then holds the totals.
+template <int P, int R>
+__device__ __forceinline__ bool ksplit_sum(float (&acc)[P][R], int ksplit) {
+    __shared__ float red[GEMV_WARPS][P * R];
+    if (ksplit == 1) return true;
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+#pragma unroll
+            for (int r = 0; r < R; ++r) red[warp][p * R + r] = acc[p][r];
+    }
+    __syncthreads();
+    if (warp % ksplit) return false;
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float s = red[warp][p * R + r];
+            for (int j = 1; j < ksplit; ++j) s += red[warp + j][p * R + r];
+            acc[p][r] = s;
+        }
+    return true;
+}
+
+struct Slice {
+    int group, c_lo, c_hi;
+};
+
+__device__ __forceinline__ Slice slice_of(int K, int ksplit) {
+    const int warp = threadIdx.x >> 5, ks = warp % ksplit;
+    const int nchunk = K >> 3, per = (nchunk + ksplit - 1) / ksplit;
+    const int lo = min(nchunk, ks * per);
+    return Slice{(int)blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit, lo, min(nchunk, lo + per)};
+}
+
+__device__ __forceinline__ void store(bf16_t* p, float v) { *p = f32_to_bf16(v); }
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+
+template <int R, typename WT, typename OT>
+__device__ __forceinline__ void gemv_plain(const bf16_t* x, long long x_row_stride, const WT* w, OT* out,
+                                           long long out_row_stride, int N, int K, int ksplit) {
+    constexpr int P = GEMV_ROWS_PER_WARP;
+    const Slice s = slice_of(K, ksplit);
+    const int n0 = s.group * P;
+    const WT* rows[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) rows[p] = n0 + p < N ? w + (size_t)(n0 + p) * K : nullptr;
+    float acc[P][R];
+    gemv_warp<P, R, WT>(rows, x, x_row_stride, s.c_lo, s.c_hi, acc);
+    if (!ksplit_sum<P, R>(acc, ksplit)) return;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (lane == p * R + r && n0 + p < N) store(out + r * out_row_stride + n0 + p, acc[p][r]);
+}
+
+template <int R>
+__device__ __forceinline__ void gemv_glu(const bf16_t* x, long long x_row_stride, const bf16_t* wg,
+                                         const bf16_t* wu, bf16_t* gate, bf16_t* up, bf16_t* act,
+                                         long long out_row_stride, int N, int K, int ksplit, float limit) {
+    const Slice s = slice_of(K, ksplit);
+    const int n = s.group;
+    const bf16_t* rows[2] = {n < N ? wg + (size_t)n * K : nullptr, n < N ? wu + (size_t)n * K : nullptr};
+    float acc[2][R];
+    gemv_warp<2, R, bf16_t>(rows, x, x_row_stride, s.c_lo, s.c_hi, acc);
+    if (!ksplit_sum<2, R>(acc, ksplit)) return;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (lane == r && n < N) {
+            const long long o = r * out_row_stride + n;
+            const bf16_t g = f32_to_bf16(acc[0][r]), u = f32_to_bf16(acc[1][r]);
+            gate[o] = g;
+            up[o] = u;
+            act[o] = swiglu_one(bf16_to_f32(g), bf16_to_f32(u), limit);
+        }
+    }
+}
+
+#define GEMV_ENTRIES(R)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) bf16_gemv_r##R(                              \
+        const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \
+        bf16_t* __restrict__ out, long long out_row_stride, int N, int K, int ksplit) {                      \
+        gemv_plain<R, bf16_t, bf16_t>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit);                \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) bf16_glu_r##R(                               \
+        const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ wg,                 \
+        const bf16_t* __restrict__ wu, bf16_t* __restrict__ gate, bf16_t* __restrict__ up,                   \
+        bf16_t* __restrict__ act, long long out_row_stride, int N, int K, int ksplit, float limit) {         \
+        gemv_glu<R>(x, x_row_stride, wg, wu, gate, up, act, out_row_stride, N, K, ksplit, limit);            \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_gemv_bf16w_r##R(                      \
+        const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \
+        float* __restrict__ out, long long out_row_stride, int N, int K, int ksplit) {                       \
+        gemv_plain<R, bf16_t, float>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit);                 \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_gemv_f32w_r##R(                       \
+        const bf16_t* __restrict__ x, long long x_row_stride, const float* __restrict__ w,                   \
+        float* __restrict__ out, long long out_row_stride, int N, int K, int ksplit) {                       \
+        gemv_plain<R, float, float>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit);                  \
+    }
+
+GEMV_ENTRIES(1)
+GEMV_ENTRIES(2)
+GEMV_ENTRIES(3)
+GEMV_ENTRIES(4)
+GEMV_ENTRIES(5)
+GEMV_ENTRIES(6)
+GEMV_ENTRIES(7)
+GEMV_ENTRIES(8)

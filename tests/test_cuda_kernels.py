@@ -1,0 +1,348 @@
+"""Every CUDA kernel against its NumPy twin on fresh random inputs.
+
+Outputs are poisoned before each run and every element a kernel must write is checked; ids, union
+tables and the expert sort must match exactly, values within bf16 rounding (relative L2 < 1e-2;
+elementwise ops at most 1 bf16 ulp). Shapes: H=256, moe_inter=128, E=32, top_k=8, plus the
+GLM-5.3-Flash shape (H=4096, moe_inter=2048) for the decode GEMV.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+from _cuda import (BF16, assert_close, assert_ulps, assert_written, backend, dev, host, poisoned, requires_cuda,
+                   unwritten)
+
+from glm_ep import nvfp4, routing
+from glm_ep.backend.numpy_backend import NumpyBackend
+from glm_ep.routing import RouteParams
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+H, M, E, TOP_K = 256, 128, 32, 8
+NP = NumpyBackend()
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def rand_bf16(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(BF16)
+
+
+def quant(rng, n, k):
+    return nvfp4.quantize((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))
+
+
+def moe_weights(rng, h=H, m=M, start=0, count=E, num_experts=E, router_dtype=np.float32):
+    experts = tuple(ExpertWeights(quant(rng, m, h), quant(rng, m, h), quant(rng, h, m)) for _ in range(count))
+    shared = DenseWeights(rand_bf16(rng, (m, h), h ** -0.5), rand_bf16(rng, (m, h), h ** -0.5),
+                          rand_bf16(rng, (h, m), m ** -0.5))
+    router = (rng.standard_normal((num_experts, h)) / np.sqrt(h)).astype(router_dtype)
+    bias = (7.0 + 0.01 * rng.standard_normal(num_experts)).astype(np.float32)
+    return MoeWeights(router, bias, start, experts, shared)
+
+
+def both(w):
+    return backend().upload_moe(w).experts, NP.upload_moe(w).experts
+
+
+# ---- elementwise ------------------------------------------------------------------------------
+def test_swiglu(rng):
+    gate, up = rand_bf16(rng, (8, 1000), 4.0), rand_bf16(rng, (8, 1000), 4.0)
+    specials = np.array([np.nan, np.inf, -np.inf, 3.0, -3.0, 2.9921875, 0.0, -0.0], dtype=np.float32)
+    gate[0, :8], up[1, :8] = specials.astype(BF16), specials.astype(BF16)
+    ref = np.empty_like(gate)
+    NP.swiglu(gate, up, 3.0, ref)
+    out = poisoned(gate.shape, BF16)
+    backend().swiglu(dev(gate), dev(up), 3.0, out)
+    got = host(out)
+    assert_ulps(got, ref, "swiglu")
+
+
+def test_add(rng):
+    a, b = rand_bf16(rng, (3, 777)), rand_bf16(rng, (3, 777), 1e-2)
+    ref = np.empty_like(a)
+    NP.add(a, b, ref)
+    out = poisoned(a.shape, BF16)
+    backend().add(dev(a), dev(b), out)
+    assert_ulps(host(out), ref, "add", ulps=0)
+
+
+@pytest.mark.parametrize("t", [1, 5])
+@pytest.mark.parametrize("with_shared", [True, False])
+@pytest.mark.parametrize("indexed", [False, True])
+def test_combine(rng, t, with_shared, indexed):
+    routed = rand_bf16(rng, (t * TOP_K, H))
+    wts = rng.random((t, TOP_K)).astype(np.float32) * 2.5
+    shared = rand_bf16(rng, (t, H)) if with_shared else None
+    perm = rng.permutation(t * TOP_K).astype(np.int32).reshape(t, TOP_K) if indexed else None
+    ref = np.empty((t, H), BF16)
+    NP.combine(routed, wts, shared, ref, perm)
+    out = poisoned((t, H), BF16)
+    backend().combine(dev(routed), dev(wts), None if shared is None else dev(shared), out,
+                      None if perm is None else dev(perm))
+    got = host(out)
+    assert_written(got, "combine")
+    assert_ulps(got, ref, "combine")
+
+
+# ---- dense GEMV / cuBLAS ---------------------------------------------------------------------
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 6, 7, 8, 20])
+@pytest.mark.parametrize("n,k", [(200, 256), (64, 4096)])
+def test_linear(rng, t, n, k):
+    x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
+    ref = np.empty((t, n), BF16)
+    NP.linear(x, w, ref)
+    out = poisoned((t, n), BF16)
+    backend().linear(dev(x), dev(w), out)
+    got = host(out)
+    assert_written(got, "linear")
+    assert_close(got, ref, f"linear t={t}")
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 8])
+def test_gate_up_act(rng, t):
+    i = 200
+    w = DenseWeights(rand_bf16(rng, (i, H), 2 * H ** -0.5), rand_bf16(rng, (i, H), 2 * H ** -0.5),
+                     rand_bf16(rng, (H, i), i ** -0.5))
+    x = rand_bf16(rng, (t, H))
+    refs = [np.empty((t, i), BF16) for _ in range(3)]
+    NP.gate_up_act(x, w, 1.5, *refs)
+    outs = [poisoned((t, i), BF16) for _ in range(3)]
+    backend().gate_up_act(dev(x), backend().upload_dense(w), 1.5, *outs)
+    for name, o, r in zip(("gate", "up", "act"), outs, refs):
+        got = host(o)
+        assert_written(got, name)
+        assert_close(got, r, f"gate_up_act {name} t={t}")
+
+
+# ---- router -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t", [1, 3, 8, 20])
+@pytest.mark.parametrize("router_dtype", [np.float32, BF16])
+@pytest.mark.parametrize("h", [256, 4096])
+def test_router_logits(rng, t, router_dtype, h):
+    e = 288
+    x = rand_bf16(rng, (t, h))
+    router = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(router_dtype)
+    ref = np.empty((t, e), np.float32)
+    NP.router_logits(x, router, ref)
+    out = poisoned((t, e), np.float32)
+    backend().router_logits(dev(x), dev(router), out)
+    got = host(out)
+    assert_written(got, "logits")
+    assert_close(got, ref, "router logits", tol=1e-5)
+
+
+def _topk_inputs(rng, t, e):
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    bias = (7.0 + 0.01 * rng.standard_normal(e)).astype(np.float32)
+    bias[1::7] = bias[0]  # exact bias ties
+    logits[0] = 0.25  # a row of exact ties: every choice equal up to the bias ties
+    logits[1, 3:e:2] = logits[1, 2]
+    logits[2, [0, 5, 7, 11]] = np.nan  # NaN choices rank below every number
+    logits[3] = np.nan  # all NaN: the lowest ids, NaN weights
+    logits[4, :] = -np.inf
+    logits[5, 9] = np.inf
+    return logits, bias
+
+
+@pytest.mark.parametrize("top_k", [1, 8, 16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("ladder", [False, True])
+@pytest.mark.parametrize("e", [32, 288])
+def test_router_topk(rng, top_k, renormalize, ladder, e):
+    t = 12
+    logits, bias = _topk_inputs(rng, t, e)
+    p = RouteParams(top_k, 2.5, renormalize, ladder)
+    ref_ids, ref_wts = routing.router_topk(logits, bias, p)
+    ids, wts = poisoned((t, top_k), np.int32), poisoned((t, top_k), np.float32)
+    backend().router_topk(dev(logits), dev(bias), p, ids, wts)
+    got_ids, got_wts = host(ids), host(wts)
+    np.testing.assert_array_equal(got_ids, ref_ids)
+    assert ((got_ids >= 0) & (got_ids < e)).all()
+    assert all(len(set(r)) == top_k for r in got_ids.tolist()), "duplicate ids in a row"
+    if ladder:
+        assert_ulps(got_wts, ref_wts, "ladder weights")
+    else:
+        np.testing.assert_allclose(got_wts, ref_wts, rtol=1e-5, equal_nan=True)
+
+
+# ---- routed experts ------------------------------------------------------------------------------
+@pytest.mark.parametrize("proj,per_slot", [("gate", False), ("down", True)])
+def test_moe_gemv_decode(rng, proj, per_slot):
+    start, count = 8, 16  # ids outside [8, 24) belong to another rank
+    cu, nu = both(moe_weights(rng, start=start, count=count))
+    ids = np.array([8, 30, 23, 0, 12, 17, 5, 9], dtype=np.int32)
+    local = (ids >= start) & (ids < start + count)
+    pc, pn = getattr(cu, proj), getattr(nu, proj)
+    kin, n = pn[0].shape[1], pn[0].shape[0]
+    x = rand_bf16(rng, (TOP_K if per_slot else 1, kin))
+    ref = np.zeros((TOP_K, n), BF16)
+    NP.moe_gemv(x, pn, nu, ids, ref, per_slot)
+    out = poisoned((TOP_K, n), BF16)
+    backend().moe_gemv(dev(x), pc, cu, dev(ids), out, per_slot)
+    got = host(out)
+    assert unwritten(got[~local]).all(), "a remote slot's output was written"
+    assert_written(got[local], "local slots")
+    assert_close(got[local], ref[local], f"moe_gemv {proj}")
+
+
+def test_moe_gate_up_act_decode(rng):
+    cu, nu = both(moe_weights(rng, start=0, count=24))
+    ids = rng.permutation(E)[:TOP_K].astype(np.int32)
+    local = ids < 24
+    x = rand_bf16(rng, (1, H), 3.0)
+    refs = [np.zeros((TOP_K, M), BF16) for _ in range(3)]
+    NP.moe_gate_up_act(x, nu, ids, 1.0, *refs)
+    outs = [poisoned((TOP_K, M), BF16) for _ in range(3)]
+    backend().moe_gate_up_act(dev(x), cu, dev(ids), 1.0, *outs)
+    for name, o, r in zip(("gate", "up", "act"), outs, refs):
+        got = host(o)
+        if name != "act":  # act rows of remote slots are unspecified
+            assert unwritten(got[~local]).all(), f"{name}: a remote slot was written"
+        assert_written(got[local], name)
+        assert_close(got[local], r[local], f"moe_gate_up_act {name}")
+
+
+def test_moe_decode_glm_shape(rng):
+    """The decode GEMV at GLM-5.3-Flash's shape: hidden 4096, moe_inter 2048 (two local experts
+    and one remote, three slots)."""
+    h, m, k = 4096, 2048, 3
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=0, count=2, num_experts=3))
+    ids = np.array([1, 2, 0], dtype=np.int32)  # expert 2 is remote
+    x = rand_bf16(rng, (1, h))
+    refs = [np.zeros((k, m), BF16) for _ in range(3)]
+    NP.moe_gate_up_act(x, nu, ids, 10.0, *refs)
+    outs = [poisoned((k, m), BF16) for _ in range(3)]
+    backend().moe_gate_up_act(dev(x), cu, dev(ids), 10.0, *outs)
+    act = host(outs[2])
+    for name, o, r in zip(("gate", "up", "act"), outs, refs):
+        got = host(o)
+        if name != "act":
+            assert unwritten(got[1]).all()
+        assert_close(got[[0, 2]], r[[0, 2]], f"glm-shape {name}")
+    ref_down = np.zeros((k, h), BF16)
+    NP.moe_gemv(act, nu.down, nu, ids, ref_down, True)
+    down = poisoned((k, h), BF16)
+    backend().moe_gemv(dev(act), cu.down, cu, dev(ids), down, True)
+    got = host(down)
+    assert unwritten(got[1]).all()
+    assert_close(got[[0, 2]], ref_down[[0, 2]], "glm-shape down")
+
+
+def _union_ids(rng, r):
+    # rows drawn from a pool of 16 experts: plenty of overlap between rows
+    return np.stack([rng.choice(16, TOP_K, replace=False) * 2 for _ in range(r)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("r", [2, 3, 4, 5, 6, 7, 8])
+def test_union_table(rng, r):
+    ids = _union_ids(rng, r)
+    ref_eid, ref_slot = routing.union_table(ids)
+    u_eid, u_slot = poisoned((r * TOP_K,), np.int32), poisoned((r * TOP_K, r), np.int32)
+    backend().union_table(dev(ids), u_eid, u_slot)
+    np.testing.assert_array_equal(host(u_eid), ref_eid)
+    np.testing.assert_array_equal(host(u_slot), ref_slot)
+
+
+@pytest.mark.parametrize("r", [2, 3, 4, 5, 6, 7, 8])
+def test_moe_union(rng, r):
+    start, count = 0, 20  # ids >= 20 are remote
+    cu, nu = both(moe_weights(rng, start=start, count=count))
+    ids = _union_ids(rng, r)
+    local = ids < count
+    u_eid, u_slot = routing.union_table(ids)
+    d_eid, d_slot = dev(u_eid), dev(u_slot)
+    be = backend()
+    x = rand_bf16(rng, (r, H), 2.0)
+    refs = [np.zeros((r, TOP_K, M), BF16) for _ in range(3)]
+    NP.moe_gate_up_act_union(x, nu, u_eid, u_slot, 1.0, *refs)
+    outs = [poisoned((r, TOP_K, M), BF16) for _ in range(3)]
+    be.moe_gate_up_act_union(dev(x), cu, d_eid, d_slot, 1.0, *outs)
+    for name, o, ref in zip(("gate", "up", "act"), outs, refs):
+        got = host(o)
+        if name != "act":  # act rows of remote slots are unspecified
+            assert unwritten(got[~local]).all(), f"{name}: a remote slot was written"
+        assert_written(got[local], name)
+        assert_close(got[local], ref[local], f"union {name} r={r}")
+    for proj, per_slot, kin, n in (("gate", False, H, M), ("down", True, M, H)):
+        a = rand_bf16(rng, (r, TOP_K, kin) if per_slot else (r, kin))
+        ref = np.zeros((r, TOP_K, n), BF16)
+        NP.moe_gemv_union(a, getattr(nu, proj), nu, u_eid, u_slot, ref, per_slot)
+        out = poisoned((r, TOP_K, n), BF16)
+        be.moe_gemv_union(dev(a), getattr(cu, proj), cu, d_eid, d_slot, out, per_slot)
+        got = host(out)
+        assert unwritten(got[~local]).all()
+        assert_written(got[local], proj)
+        assert_close(got[local], ref[local], f"union {proj} r={r}")
+
+
+@pytest.mark.parametrize("t", [1, 37])
+def test_sort_by_expert(rng, t):
+    ids = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(t)]).astype(np.int32)
+    ref = routing.sort_by_expert(ids, E)
+    s = t * TOP_K
+    bufs = [poisoned((s,), np.int32), poisoned((s,), np.int32), poisoned((E + 1,), np.int32),
+            poisoned((t, TOP_K), np.int32)]
+    backend().sort_by_expert(dev(ids), E, *bufs)
+    for got, want, name in zip(bufs, (ref.sorted_token_ids, ref.sorted_expert_ids, ref.expert_offsets,
+                                      ref.token_to_perm),
+                               ("sorted_token_ids", "sorted_expert_ids", "expert_offsets", "token_to_perm")):
+        np.testing.assert_array_equal(host(got), want, err_msg=name)
+
+
+def test_moe_gemm_sorted(rng):
+    t, start, count = 13, 16, 16
+    cu, nu = both(moe_weights(rng, start=start, count=count))
+    ids = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(t)]).astype(np.int32)
+    srt = routing.sort_by_expert(ids, E)
+    local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
+    tok, offsets = dev(srt.sorted_token_ids), dev(srt.expert_offsets)
+    for proj, gather, a in (("gate", True, rand_bf16(rng, (t, H))), ("down", False, rand_bf16(rng, (t * TOP_K, M)))):
+        n = getattr(nu, proj)[0].shape[0]
+        ref = np.zeros((t * TOP_K, n), BF16)
+        NP.moe_gemm_sorted(a, getattr(nu, proj), nu, srt.sorted_token_ids, srt.expert_offsets, ref, gather)
+        out = poisoned((t * TOP_K, n), BF16)
+        backend().moe_gemm_sorted(dev(a), getattr(cu, proj), cu, tok, offsets, out, gather)
+        got = host(out)
+        assert unwritten(got[~local]).all()
+        assert_written(got[local], proj)
+        assert_close(got[local], ref[local], f"sorted {proj}")
+
+
+@pytest.mark.parametrize("n,k", [(40, 352), (24, 96), (2048, 4096)])
+def test_nvfp4_gemv_shapes(rng, n, k):
+    """Row and K tails: N not a multiple of a block's rows, K not a multiple of a 128-k step."""
+    from glm_ep.backend import kernels
+
+    w_nk = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    w_nk[0, :16] = 0.0  # an all-zero block (scale 0)
+    w_nk[1, :16] *= 1e-4  # a block whose E4M3 scale is subnormal
+    w = nvfp4.quantize(w_nk)
+    x = rand_bf16(rng, (1, k))
+    ref = (x.astype(np.float32) @ nvfp4.dequantize(w).T).astype(BF16)
+    out = poisoned((1, n), BF16)
+    with backend().stream:
+        kernels.nvfp4_gemv(dev(x), dev(w.packed), dev(w.scale.view(np.uint8)), w.scale_2, out)
+    got = host(out)
+    assert_written(got, "nvfp4_gemv")
+    assert_close(got, ref, f"nvfp4_gemv {n}x{k}")
+
+
+def test_expert_linear(rng):
+    cu, nu = both(moe_weights(rng, start=4, count=3))
+    for proj, kin, n in (("gate", H, M), ("down", M, H)):
+        a = rand_bf16(rng, (1, kin))
+        ref = np.empty((1, n), BF16)
+        NP.expert_linear(a, getattr(nu, proj), nu, 2, ref)
+        out = poisoned((1, n), BF16)
+        backend().expert_linear(dev(a), getattr(cu, proj), cu, 2, out)
+        got = host(out)
+        assert_written(got, proj)
+        assert_close(got, ref, f"expert_linear {proj}")

@@ -1,0 +1,210 @@
+"""Every dispatch path of the CUDA backend against the NumPy backend on the same weights.
+
+decode (1 row), each verify width 2..8 (union), prefill rows 20 and 300 (row groups of <= 8; the
+NumPy twin takes its grouped sorted path at 300), host dispatch, graph replay of a 1-row and a
+4-row stack step, two ranks on one GPU through the host-staged MPI communicator
+(``mpiexec -n 2 python -m pytest -m "cuda and mpi" tests/test_cuda_paths.py``) and a 1-rank NCCL
+all-reduce.
+
+Routing must pick the same experts on both backends, so the site inputs and the router are
+integer-valued (exact logits whatever the summation order) and the biases are spaced so that no
+two choices come closer than the sigmoid's rounding could move them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _cuda import BF16, assert_close, backend, dev, host, requires_cuda
+
+from glm_ep import nvfp4
+from glm_ep.backend.numpy_backend import NumpyBackend
+from glm_ep.comm import MpiComm, SelfComm
+from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.experts import ExpertDispatch
+from glm_ep.site import DenseSite, MoeSite
+from glm_ep.stack import MlpStack
+from glm_ep.topology import PathLevers, Topology
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+H, I, M, E, TOP_K = 256, 384, 128, 32, 8
+MAX_ROWS = 300
+BIAS_STEP = 0.0531  # keeps every two choices of distinct experts >= 1e-3 apart (checked below)
+ROUTER_NNZ = 3  # router row nonzeros: logits are integers in [-6, 6] for inputs in {-2..2}
+
+
+def model(layer_types=("dense", "sparse")) -> ModelConfig:
+    return ModelConfig.from_dict({
+        "hidden_size": H, "intermediate_size": I, "moe_intermediate_size": M,
+        "num_hidden_layers": len(layer_types), "n_shared_experts": 1, "n_routed_experts": E,
+        "num_experts_per_tok": TOP_K, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 1,
+        "topk_group": 1, "swiglu_limit": 2.0, "mlp_layer_types": list(layer_types),
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})
+
+
+def _bf16(rng, shape, scale):
+    return (rng.standard_normal(shape) * scale).astype(BF16)
+
+
+def _dense(rng, width):
+    return DenseWeights(_bf16(rng, (width, H), H ** -0.5), _bf16(rng, (width, H), H ** -0.5),
+                        _bf16(rng, (H, width), width ** -0.5))
+
+
+def _router(rng):
+    w = np.zeros((E, H), np.float32)
+    for e in range(E):
+        w[e, rng.choice(H, ROUTER_NNZ, replace=False)] = rng.choice([-1.0, 1.0], ROUTER_NNZ)
+    return w
+
+
+def _bias(rng):
+    bias = (7.0 + BIAS_STEP * rng.permutation(E)).astype(np.float32)
+    s = (1.0 / (1.0 + np.exp(-np.arange(-2 * ROUTER_NNZ, 2 * ROUTER_NNZ + 1, dtype=np.float32)))).astype(np.float32)
+    choice = (s[None, :] + bias[:, None]).astype(np.float32)  # [E, logit]
+    gaps = np.abs(choice[:, None, :, None] - choice[None, :, None, :])
+    gaps[np.arange(E), np.arange(E)] = np.inf
+    assert gaps.min() > 1e-4, "bias spacing lets two choices come too close"
+    return bias
+
+
+def full_weights(seed, layer_types, router_dtype=np.float32):
+    """World-1 weights of every layer, the same on every rank."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for kind in layer_types:
+        if kind == "dense":
+            out.append(_dense(rng, I))
+            continue
+        experts = tuple(ExpertWeights(*(nvfp4.quantize((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
+                                        for s in ((M, H), (M, H), (H, M)))) for _ in range(E))
+        out.append(MoeWeights(_router(rng).astype(router_dtype), _bias(rng), 0, experts, _dense(rng, M)))
+    return out
+
+
+def shard(w, cfg: SiteConfig):
+    """This rank's part: TP slices of the dense/shared MLPs, its EP range of experts."""
+    def tp(d: DenseWeights, sparse: bool):
+        if not cfg.tp_active(sparse):
+            return None
+        n = d.gate.shape[0] // cfg.tp
+        sl = slice(cfg.tp_rank * n, (cfg.tp_rank + 1) * n)
+        return DenseWeights(d.gate[sl], d.up[sl], np.ascontiguousarray(d.down[:, sl]))
+
+    if isinstance(w, DenseWeights):
+        return tp(w, False)
+    start = cfg.expert_start
+    experts = w.experts[start:start + cfg.local_experts] if cfg.ep_active() else ()
+    return MoeWeights(w.router, w.bias, start, experts, tp(w.shared, True))
+
+
+def build_stack(be, comm, cfg, weights, levers, max_rows=MAX_ROWS):
+    sites = []
+    for w in weights:
+        if isinstance(w, MoeWeights):
+            sites.append(MoeSite(be, comm, cfg, be.upload_moe(w), ExpertDispatch(be, cfg, levers)))
+        else:
+            sites.append(DenseSite(be, comm, cfg, None if w is None else be.upload_dense(w)))
+    return MlpStack(be, comm, cfg, sites, levers, max_rows)
+
+
+def int_rows(rng, t):
+    return rng.integers(-2, 3, (t, H)).astype(np.float32).astype(BF16)
+
+
+def single_rank(levers=PathLevers(), layer_types=("dense", "sparse"), router_dtype=np.float32, seed=7):
+    m = model(layer_types)
+    cfg = SiteConfig.for_rank(m, RankLayout(1, 0, 1, 1))
+    weights = full_weights(seed, layer_types, router_dtype)
+    cuda = build_stack(backend(), SelfComm(), cfg, weights, levers)
+    ref = build_stack(NumpyBackend(), SelfComm(), cfg, weights, levers)
+    return cuda, ref
+
+
+@pytest.fixture(scope="module")
+def stacks():
+    return single_rank()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 20, 300])
+@pytest.mark.parametrize("site", [0, 1], ids=["dense", "sparse"])
+def test_site_paths(stacks, rows, site):
+    cuda, ref = stacks
+    x = int_rows(np.random.default_rng(1000 + rows), rows)
+    want = np.array(ref.site_output(site, x), copy=True)
+    got = host(cuda.site_output(site, dev(x)))
+    assert_close(got, want, f"site {site}, {rows} rows")
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_host_dispatch(rows):
+    cuda, ref = single_rank(PathLevers(host_dispatch=True), router_dtype=BF16)
+    x = int_rows(np.random.default_rng(rows), rows)
+    assert_close(host(cuda.site_output(1, dev(x))), ref.site_output(1, x), f"host dispatch, {rows} rows")
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_graph_replay(rows):
+    """The captured step replays with new inputs and matches an eager NumPy stack."""
+    cuda, ref = single_rank(layer_types=("dense", "sparse", "sparse"), seed=11)
+    assert backend().can_capture
+    rng = np.random.default_rng(rows)
+    for step in range(3):  # capture on the first, replay on the rest
+        x = (int_rows(rng, rows).astype(np.float32) * 0.5).astype(BF16)
+        want = np.array(ref.step(x), copy=True)
+        got = host(cuda.step(dev(x)))
+        assert_close(got, want, f"stack step {step}, {rows} rows")
+    assert rows in cuda._graphs, "the step was not captured"
+
+
+def test_nccl_one_rank():
+    from mpi4py import MPI
+
+    from glm_ep.backend import make_comm
+    from glm_ep.backend.nccl import NcclComm
+
+    be = backend()
+    comm = make_comm(MPI.COMM_SELF, be, Topology(backend="cuda"))
+    assert isinstance(comm, NcclComm) and comm.capturable
+    x = _bf16(np.random.default_rng(3), (4, H), 1.0)
+    buf = dev(x)
+    comm.all_reduce(buf)
+    np.testing.assert_array_equal(host(buf).view(np.uint16), x.view(np.uint16))
+    replay = be.capture(lambda: comm.all_reduce(buf))
+    replay()
+    np.testing.assert_array_equal(host(buf).view(np.uint16), x.view(np.uint16))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_ranks_one_gpu():
+    """world = tp = ep = 2 on ONE GPU: the ranks sum through the host-staged MPI communicator, and
+    match two NumPy ranks on the same shards. Assertions are agreed across ranks."""
+    from mpi4py import MPI
+
+    from glm_ep.backend import make_comm
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() != 2:
+        pytest.skip("run under mpiexec -n 2")
+    layer_types = ("dense", "sparse")
+    cfg = SiteConfig.for_rank(model(layer_types), RankLayout(2, world.Get_rank(), 2, 2))
+    weights = [shard(w, cfg) for w in full_weights(5, layer_types)]
+    be = backend()
+    comm = make_comm(world, be, Topology(world=2, tp=2, ep=2, backend="cuda"))
+    assert isinstance(comm, MpiComm), "two ranks on one GPU must use the MPI communicator"
+    cuda = build_stack(be, comm, cfg, weights, PathLevers(), max_rows=20)
+    ref = build_stack(NumpyBackend(), MpiComm(world), cfg, weights, PathLevers(), max_rows=20)
+    failures = []
+    for rows in (1, 4, 20):
+        x = int_rows(np.random.default_rng(rows), rows)
+        for site in (0, 1):
+            try:
+                assert_close(host(cuda.site_output(site, dev(x))), ref.site_output(site, x),
+                             f"rank {world.Get_rank()}: site {site}, {rows} rows")
+            except AssertionError as e:
+                failures.append(str(e))
+    failures = sum(world.allgather(failures), [])
+    assert not failures, "\n".join(failures)
+

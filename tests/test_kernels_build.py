@@ -1,0 +1,52 @@
+"""Every kernel file compiles with nvcc for the H200 (sm_90) and the GB10 (sm_121).
+
+Runs without a GPU (CI). What is compiled is the exact text NVRTC gets at run time
+(``kernels.kernel_source``: local headers inlined, the loader's -D constants), so a failure here
+is a failure there, reported with nvcc's own message.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from glm_ep.backend import kernels
+
+NVCC = shutil.which("nvcc") or next((str(p) for p in [Path("/usr/local/cuda/bin/nvcc")] if p.is_file()), None)
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (no CUDA toolkit on PATH or in /usr/local/cuda)")
+FILES = kernels.kernel_files()
+
+
+def test_kernel_files_exist():
+    assert {p.name for p in FILES} >= {"gemv_bf16.cu", "gemv_nvfp4.cu", "router.cu", "elementwise.cu", "moe_route.cu"}
+
+
+@pytest.mark.parametrize("path", sorted(kernels.KERNEL_DIR.glob("*.cu*")), ids=lambda p: p.name)
+def test_no_system_headers(path):
+    """NVRTC compiles without the CUDA or system headers: only local "x.cuh" includes."""
+    bad = [line for line in path.read_text().splitlines() if re.match(r"\s*#\s*include\s*<", line)]
+    assert not bad, f"{path.name} includes system headers: {bad}"
+
+
+def test_mirrored_constants():
+    """Constants a .cu states itself must agree with the grid arithmetic in kernels.py."""
+    for name, const, value in (("elementwise.cu", "COMBINE_VEC", kernels.COMBINE_VEC),
+                               ("gemv_nvfp4.cu", "MMA_ROWS", kernels.MMA_ROWS)):
+        text = (kernels.KERNEL_DIR / name).read_text()
+        assert re.search(rf"#define {const} {value}\b", text), f"{name}: {const} differs from kernels.py ({value})"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_90", "sm_121"])
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_compiles(path: Path, arch: str, tmp_path: Path):
+    src = tmp_path / path.name
+    src.write_text(kernels.kernel_source(path.name))
+    cmd = [NVCC, "--cubin", f"-arch={arch}", "-std=c++17", *kernels.define_options(), "-o",
+           str(tmp_path / "out.cubin"), str(src)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"nvcc -arch={arch} failed on {path.name}:\n{r.stdout}{r.stderr}"

@@ -1,0 +1,170 @@
+"""Time the CUDA backend's decode and verify steps at the GLM-5.3-Flash shape (one GPU).
+
+    python tools/kernel_timing.py [--layers 8] [--iters 20]
+
+Each figure is the median replay time of a CUDA graph over ``--layers`` distinct layers (so the
+weights stream from HBM, not L2), divided by the layer count, with the bytes it must read and
+that over the measured device copy bandwidth. Weights are random NVFP4 bytes and bf16 values:
+timing only, no numerics.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import ml_dtypes
+import numpy as np
+
+BF16 = ml_dtypes.bfloat16
+H, M, I, E_LOCAL, E_ROUTER, TOP_K = 4096, 2048, 12288, 32, 288, 8
+
+
+def main() -> int:
+    import cupy as cp
+
+    from glm_ep.backend.cuda_backend import CudaBackend
+    from glm_ep.nvfp4 import Nvfp4Weight
+    from glm_ep.routing import RouteParams
+    from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    be = CudaBackend(0)
+    s = be.stream
+
+    def bf16(shape, std):
+        return (cp.random.standard_normal(shape, dtype=cp.float32) * std).astype(BF16)
+
+    def fp4(n, k):
+        packed = cp.random.randint(0, 256, (n, k // 2), dtype=cp.int32).astype(cp.uint8)
+        scale = cp.random.randint(0x30, 0x3C, (n, k // 16), dtype=cp.int32).astype(cp.uint8)
+        return Nvfp4Weight(packed, scale, 1.0 / 384)
+
+    def dense(width):
+        return DenseWeights(bf16((width, H), H ** -0.5), bf16((width, H), H ** -0.5), bf16((H, width), width ** -0.5))
+
+    def timed(fn, nbytes, label, per=1):
+        fn()
+        graph = be.capture(fn)
+        graph()
+        s.synchronize()
+        times = []
+        for _ in range(args.iters):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s)
+            graph()
+            b.record(s)
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / per)
+        us = float(np.median(times))
+        print(f"{label:<44s} {us:9.1f} us  {nbytes / 1e6:8.1f} MB  {nbytes / us / 1e3:7.0f} GB/s  "
+              f"{100 * nbytes / us / 1e3 / copy_gbs:5.1f}% of copy", flush=True)
+        return us
+
+    # device copy bandwidth (read + write)
+    src, dst = cp.empty(1 << 31, cp.uint8), cp.empty(1 << 31, cp.uint8)
+    with s:
+        dst[...] = src
+        s.synchronize()
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(s)
+        for _ in range(10):
+            dst[...] = src
+        b.record(s)
+        b.synchronize()
+    copy_gbs = 2 * 10 * src.nbytes / (cp.cuda.get_elapsed_time(a, b) * 1e-3) / 1e9
+    del src, dst
+    print(f"device copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
+
+    L = args.layers
+    with s:
+        moes = [be.upload_moe(MoeWeights(bf16((E_ROUTER, H), H ** -0.5),
+                                         (7 + 0.02 * cp.random.standard_normal(E_ROUTER, dtype=cp.float32)),
+                                         0, tuple(ExpertWeights(fp4(M, H), fp4(M, H), fp4(H, M))
+                                                  for _ in range(E_LOCAL)), dense(M)))
+                for _ in range(L)]
+        denses = [be.upload_dense(dense(I)) for _ in range(max(L // 4, 2))]
+        x = bf16((8, H), 1.0)
+        ids = cp.asarray(np.stack([np.random.default_rng(r).choice(E_LOCAL, TOP_K, replace=False)
+                                   for r in range(8)]).astype(np.int32))
+        gate, up, act = (cp.empty(8 * TOP_K * max(M, I), BF16) for _ in range(3))
+        routed = cp.empty((8, TOP_K, H), BF16)
+        logits, wts = cp.empty((8, E_ROUTER), cp.float32), cp.empty((8, TOP_K), cp.float32)
+        ids_out = cp.empty((8, TOP_K), cp.int32)
+        u_eid, u_slot = cp.empty(64, cp.int32), cp.empty(64 * 8, cp.int32)
+        out = cp.empty((8, H), BF16)
+
+    def v(buf, *shape):  # a contiguous view of a flat scratch buffer, as the workspace gives
+        return buf[:int(np.prod(shape))].reshape(shape)
+
+    expert_mb = 3 * (M * H // 2 + M * H // 16)
+    shared_mb = 3 * M * H * 2
+    p = RouteParams(TOP_K, 2.5, True)
+
+    def routed_decode():
+        for m in moes:
+            t = m.experts
+            g, u, a = (v(b, TOP_K, M) for b in (gate, up, act))
+            be.moe_gate_up_act(x[:1], t, ids[0], 10.0, g, u, a)
+            be.moe_gemv(a, t.down, t, ids[0], routed[0], per_slot_input=True)
+
+    def shared_fused():
+        for m in moes:
+            be.gate_up_act(x[:1], m.shared, 10.0, *(v(b, 1, M) for b in (gate, up, act)))
+            be.linear(v(act, 1, M), m.shared.down, out[:1])
+
+    def shared_unfused():
+        for m in moes:
+            g, u, a = (v(b, 1, M) for b in (gate, up, act))
+            be.linear(x[:1], m.shared.gate, g)
+            be.linear(x[:1], m.shared.up, u)
+            be.swiglu(g, u, 10.0, a)
+            be.linear(a, m.shared.down, out[:1])
+
+    def router():
+        for m in moes:
+            be.router_logits(x[:1], m.router, logits[:1])
+            be.router_topk(logits[:1], m.bias, p, ids_out[:1], wts[:1])
+
+    def dense_fused():
+        for d in denses:
+            be.gate_up_act(x[:1], d, 10.0, *(v(b, 1, I) for b in (gate, up, act)))
+            be.linear(v(act, 1, I), d.down, out[:1])
+
+    def combine():
+        for _ in moes:
+            be.combine(routed[0], wts[:1], out[:1], out[:1])
+
+    timed(routed_decode, expert_mb * TOP_K, "routed experts, 1 row (glu + down)", L)
+    timed(shared_fused, shared_mb, "shared expert, 1 row (fused glu + down)", L)
+    timed(shared_unfused, shared_mb, "shared expert, 1 row (gate, up, swiglu, down)", L)
+    timed(router, E_ROUTER * H * 2, "router gemv + top-k, 1 row", L)
+    timed(combine, TOP_K * H * 2, "combine, 1 row", L)
+    timed(dense_fused, 3 * I * H * 2, "dense MLP, 1 row (fused glu + down)", len(denses))
+
+    for r in (2, 4, 8):
+        uniq = len(np.unique(ids[:r].get()))
+        ue, us = v(u_eid, r * TOP_K), v(u_slot, r * TOP_K, r)
+
+        def routed_union(r=r, ue=ue, us=us):
+            for m in moes:
+                t = m.experts
+                be.union_table(ids[:r], ue, us)
+                g, u, a = (v(b, r, TOP_K, M) for b in (gate, up, act))
+                be.moe_gate_up_act_union(x[:r], t, ue, us, 10.0, g, u, a)
+                be.moe_gemv_union(a, t.down, t, ue, us, routed[:r], per_slot_input=True)
+
+        def dense_rows(r=r):
+            for d in denses:
+                be.gate_up_act(x[:r], d, 10.0, *(v(b, r, I) for b in (gate, up, act)))
+                be.linear(v(act, r, I), d.down, out[:r])
+
+        timed(routed_union, expert_mb * uniq, f"routed experts, {r} rows (union of {uniq})", L)
+        timed(dense_rows, 3 * I * H * 2, f"dense MLP, {r} rows (batch-M)", len(denses))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
