@@ -60,7 +60,7 @@ def _peer_sparse_us(model: ModelConfig, iters: int) -> float | None:
         return None
     from glm_ep.bench_peer import HfStyleMoe
 
-    peer = HfStyleMoe(model).cuda()
+    peer = HfStyleMoe(model)
     x = torch.randn(1, model.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for _ in range(5):

@@ -12,13 +12,13 @@ from glm_ep.config import ModelConfig
 
 
 class HfStyleMoe(nn.Module):
-    def __init__(self, m: ModelConfig):
+    def __init__(self, m: ModelConfig, device: str = "cuda"):
         super().__init__()
         h, mi, e = m.hidden_size, m.moe_intermediate_size, m.n_routed_experts
-        bf = dict(dtype=torch.bfloat16)
+        bf = dict(dtype=torch.bfloat16, device=device)
         self.cfg = m
         self.router = nn.Parameter(torch.randn(e, h, **bf) * h ** -0.5, requires_grad=False)
-        self.bias = nn.Parameter(7.0 + 0.02 * torch.randn(e), requires_grad=False)
+        self.bias = nn.Parameter(7.0 + 0.02 * torch.randn(e, device=device), requires_grad=False)
         self.gate_up = nn.Parameter(torch.randn(e, 2 * mi, h, **bf) * h ** -0.5, requires_grad=False)
         self.down = nn.Parameter(torch.randn(e, h, mi, **bf) * mi ** -0.5, requires_grad=False)
         s = m.shared_intermediate

@@ -37,14 +37,6 @@ class Backend(ABC):
     def to_host(self, a: Any) -> np.ndarray:
         """A host copy (synchronises)."""
 
-    def copy_from_host(self, dst: Any, host: np.ndarray) -> None:
-        """Copy a host array into a resident one (in stream order)."""
-        dst[...] = self.asarray(host).reshape(dst.shape)
-
-    def device_key(self) -> str:
-        """Identifies the physical device (ranks with equal keys share one)."""
-        return "cpu"
-
     def synchronize(self) -> None:
         """Wait for all queued work."""
 
