@@ -282,7 +282,8 @@ def mpi_env() -> dict[str, str]:
 
 def mpiexec(n: int, *args: str, timeout: float = MPI_TIMEOUT_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """``mpiexec -n n python <args>`` with a timeout (``subprocess.TimeoutExpired`` fails the test)."""
-    cmd = ["mpiexec", "-n", str(n), sys.executable, *args]
+    local = Path(sys.executable).parent / "mpiexec"  # the venv's MPICH, also when it is not on PATH
+    cmd = [str(local) if local.exists() else "mpiexec", "-n", str(n), sys.executable, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=cwd or REPO)
 
 

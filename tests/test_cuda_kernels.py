@@ -346,3 +346,48 @@ def test_expert_linear(rng):
         got = host(out)
         assert_written(got, proj)
         assert_close(got, ref, f"expert_linear {proj}")
+
+
+# ---- the persistent decode ring (gemv_nvfp4_ring.cu) against gemv_nvfp4.cu's path and NumPy ----------
+@pytest.mark.parametrize("ring", [
+    dict(enabled=False),  # gemv_nvfp4.cu's block-per-tile kernels
+    dict(),  # the default ring
+    dict(depth={1: 4, 2: 4}, max_warps=3),  # several items per warp: the ring crosses item boundaries
+    dict(depth={1: 16, 2: 16}, max_warps=5),  # a ring deeper than an item's steps
+    dict(depth={1: 8, 2: 4}, warps_per_sm=16),
+], ids=["blocks", "default", "d4-w3", "d16-w5", "d8-4-w16"])
+def test_moe_decode_ring(rng, monkeypatch, ring):
+    from glm_ep.backend import kernels
+
+    monkeypatch.setattr(kernels, "RING", kernels.RingConfig(**ring))
+    h, m, start, count = 384, 256, 4, 20  # ids outside [4, 24) are remote
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count))
+    ids = np.array([4, 30, 23, 0, 12, 17, 5, 9], dtype=np.int32)
+    local = (ids >= start) & (ids < start + count)
+    x = rand_bf16(rng, (1, h), 3.0)
+    refs = [np.zeros((TOP_K, m), BF16) for _ in range(3)]
+    NP.moe_gate_up_act(x, nu, ids, 1.0, *refs)
+    outs = [poisoned((TOP_K, m), BF16) for _ in range(3)]
+    backend().moe_gate_up_act(dev(x), cu, dev(ids), 1.0, *outs)
+    for name, o, r in zip(("gate", "up", "act"), outs, refs):
+        got = host(o)
+        if name != "act":
+            assert unwritten(got[~local]).all(), f"{name}: a remote slot was written"
+        assert_written(got[local], name)
+        assert_close(got[local], r[local], f"ring glu {name}")
+    for proj, per_slot, kin, n in (("gate", False, h, m), ("down", True, m, h)):
+        a = rand_bf16(rng, (TOP_K if per_slot else 1, kin))
+        ref = np.zeros((TOP_K, n), BF16)
+        NP.moe_gemv(a, getattr(nu, proj), nu, ids, ref, per_slot)
+        out = poisoned((TOP_K, n), BF16)
+        backend().moe_gemv(dev(a), getattr(cu, proj), cu, dev(ids), out, per_slot)
+        got = host(out)
+        assert unwritten(got[~local]).all(), f"{proj}: a remote slot was written"
+        assert_written(got[local], proj)
+        assert_close(got[local], ref[local], f"ring {proj}")
+        if proj == "down" and ring.get("enabled", True):  # same math as the block kernels: bit-equal
+            monkeypatch.setattr(kernels, "RING", kernels.RingConfig(enabled=False))
+            out2 = poisoned((TOP_K, n), BF16)
+            backend().moe_gemv(dev(a), getattr(cu, proj), cu, dev(ids), out2, per_slot)
+            np.testing.assert_array_equal(host(out2)[local].view(np.uint16), got[local].view(np.uint16))
+            monkeypatch.setattr(kernels, "RING", kernels.RingConfig(**ring))

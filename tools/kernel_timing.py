@@ -1,11 +1,13 @@
 """Time the CUDA backend's decode and verify steps at the GLM-5.3-Flash shape (one GPU).
 
-    python tools/kernel_timing.py [--layers 8] [--iters 20]
+    python tools/kernel_timing.py [--layers 8] [--iters 20] [--ring-variants]
 
 Each figure is the median replay time of a CUDA graph over ``--layers`` distinct layers (so the
 weights stream from HBM, not L2), divided by the layer count, with the bytes it must read and
 that over the measured device copy bandwidth. Weights are random NVFP4 bytes and bf16 values:
-timing only, no numerics.
+timing only, no numerics. ``--ring-variants`` first times the one-row routed kernels (glu, down,
+both) under each variant of ``kernels.RING`` (gemv_nvfp4.cu's block kernels, ring depths, warps per
+SM), side by side in one run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--ring-variants", action="store_true")
     args = ap.parse_args()
     be = CudaBackend(0)
     s = be.stream
@@ -137,6 +140,31 @@ def main() -> int:
         for _ in moes:
             be.combine(routed[0], wts[:1], out[:1], out[:1])
 
+    if args.ring_variants:
+        from glm_ep.backend import kernels as K
+
+        glu_mb, down_mb = expert_mb * TOP_K * 2 // 3, expert_mb * TOP_K // 3
+
+        def glu_only():
+            for m in moes:
+                be.moe_gate_up_act(x[:1], m.experts, ids[0], 10.0, *(v(b, TOP_K, M) for b in (gate, up, act)))
+
+        def down_only():
+            for m in moes:
+                be.moe_gemv(v(act, TOP_K, M), m.experts.down, m.experts, ids[0], routed[0], per_slot_input=True)
+
+        default = K.RING
+        for name, cfg in (("blocks", K.RingConfig(enabled=False)),
+                          ("ring d16/8 w8", K.RingConfig()),
+                          ("ring d8/4 w16", K.RingConfig(depth={1: 8, 2: 4}, warps_per_sm=16)),
+                          ("ring d8/8 w8", K.RingConfig(depth={1: 8, 2: 8})),
+                          ("ring d16/16 w4", K.RingConfig(depth={1: 16, 2: 16}, warps_per_sm=4)),
+                          ("ring d4/4 w8", K.RingConfig(depth={1: 4, 2: 4}))):
+            K.RING = cfg
+            timed(glu_only, glu_mb, f"[{name}] routed glu, 1 row", L)
+            timed(down_only, down_mb, f"[{name}] routed down, 1 row", L)
+            timed(routed_decode, expert_mb * TOP_K, f"[{name}] routed glu + down, 1 row", L)
+        K.RING = default
     timed(routed_decode, expert_mb * TOP_K, "routed experts, 1 row (glu + down)", L)
     timed(shared_fused, shared_mb, "shared expert, 1 row (fused glu + down)", L)
     timed(shared_unfused, shared_mb, "shared expert, 1 row (gate, up, swiglu, down)", L)

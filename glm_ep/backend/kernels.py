@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ MMA_ROWS = 16  # weight rows per warp group: the mma's 16-row A operand (MMA_ROW
 MMA_STEP_CHUNKS = 4  # 16-byte chunks per step of a lane quad (128 k)
 MMA_MAX_X_ROWS = 8  # x rows per launch: the mma's 8 B columns
 MMA_WORK_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM (16: fastest of 16/48/96 on H200)
+RING_WARPS = 4  # warps per block of the persistent decode kernels (gemv_nvfp4_ring.cu)
+RING_STEP_K = 128  # k per ring step: K must be a multiple for the ring path
 GEMV_WARPS = 8  # warps per bf16 GEMV block
 GEMV_ROWS_PER_WARP = 2  # rows per warp-group of a bf16 GEMV
 GEMV_CHUNK = 8  # k per 16-byte bf16 chunk: K must be a multiple
@@ -50,6 +52,7 @@ ELEM_MAX_BLOCKS = 8192  # grid-stride beyond this
 
 DEFINES = {
     "NVFP4_WARPS": NVFP4_WARPS,
+    "RING_WARPS": RING_WARPS,
     "GEMV_WARPS": GEMV_WARPS,
     "GEMV_ROWS_PER_WARP": GEMV_ROWS_PER_WARP,
     "ELEM_THREADS": ELEM_THREADS,
@@ -205,15 +208,65 @@ def nvfp4_gemv(x_1K: Any, packed_NK2: Any, scale_NG: Any, scale2: float, out_1N:
             (x_1K, packed_NK2, scale_NG, np.float32(scale2), out_1N, _i32(n), _i32(k), _i32(ks)))
 
 
+# ---- the persistent decode kernels (gemv_nvfp4_ring.cu) ---------------------------------------
+RING_DEPTHS = (4, 8, 16)  # the ring depths gemv_nvfp4_ring.cu instantiates
+
+
+@dataclass
+class RingConfig:
+    """How the one-row routed kernels run: the persistent ring (``enabled``) or gemv_nvfp4.cu's
+    block-per-tile kernels; ring depth per projection kind (stages of 128 k per warp) and the warps
+    per SM the grid aims at. ``max_warps`` caps the grid (tests: several items per warp)."""
+
+    enabled: bool = True
+    depth: dict = field(default_factory=lambda: {1: 16, 2: 8})  # P (matrices per warp) -> depth
+    warps_per_sm: int = 8
+    max_warps: int = 0
+
+
+RING = RingConfig()
+_RING = "gemv_nvfp4_ring.cu"
+
+
+def ring_stage_bytes(p: int) -> int:
+    """One ring stage of one warp (RingStage<P>): 2P x 32 weight chunks, 2P x 8 scale words, x."""
+    return 2 * p * 32 * 16 + 2 * p * 8 * 8 + 4 * 4 * 16
+
+
+def _ring_ok(n: int, k: int) -> bool:
+    return RING.enabled and n % MMA_ROWS == 0 and k % RING_STEP_K == 0
+
+
+def _ring_geometry(n: int, slots: int, p: int) -> tuple[int, int, int]:
+    """(blocks, dynamic smem bytes, depth): warps as even a share of the slots x row-group items
+    as the cap (warps_per_sm per SM) allows, RING_WARPS per block."""
+    depth = RING.depth[p]
+    if depth not in RING_DEPTHS:
+        raise ValueError(f"ring depth {depth}: gemv_nvfp4_ring.cu instantiates {RING_DEPTHS}")
+    items = max(1, slots * (n // MMA_ROWS))
+    cap = _device_attr(_current_device(), "MultiProcessorCount") * RING.warps_per_sm
+    if RING.max_warps:
+        cap = min(cap, RING.max_warps)
+    warps = _cdiv(items, _cdiv(items, cap))
+    return _cdiv(warps, RING_WARPS), RING_WARPS * depth * ring_stage_bytes(p), depth
+
+
 def nvfp4_moe_gemv(x: Any, per_slot_input: bool, proj: ExpertPtrTable, ids_S: Any, start: int, count: int,
                    out_SN: Any) -> None:
-    """Every slot of ONE row in one launch (grid.y = slot): slot s runs expert ``ids[s]`` on
-    ``x[0]`` or, ``per_slot_input``, on ``x[s]``; a remote slot's output row is left untouched."""
+    """Every slot of ONE row in one launch: slot s runs expert ``ids[s]`` on ``x[0]`` or,
+    ``per_slot_input``, on ``x[s]``; a remote slot's output row is left untouched."""
     s = ids_S.size
     _check("x", x, BF16), _check("ids", ids_S, I32, 4), _check("out", out_SN, BF16)
     _check_shape("x", x, (s if per_slot_input else 1, proj.k))
     _check_shape("out", out_SN, (s, proj.n))
-    head = (x, _i64(proj.k if per_slot_input else 0), proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S,
+    x_stride = _i64(proj.k if per_slot_input else 0)
+    if _ring_ok(proj.n, proj.k) and s <= 32:
+        blocks, smem, depth = _ring_geometry(proj.n, s, 1)
+        _launch(_RING, f"nvfp4_ring_moe_gemv_d{depth}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
+                (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, _i32(s), _i32(start),
+                 _i32(count), out_SN, _i32(proj.n), _i32(proj.k)), smem=smem)
+        return
+    head = (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S,
             _i32(start), _i32(count), out_SN, _i32(proj.n), _i32(proj.k))
     grid_x, ks = _mma_geometry(proj.n, proj.k, s)
     _launch(_NVFP4, "nvfp4_mma_moe_gemv", (grid_x, s, 1), _NVFP4_BLOCK, head + (_i32(ks),))
@@ -227,6 +280,13 @@ def nvfp4_moe_glu(x_1K: Any, gate: ExpertPtrTable, up: ExpertPtrTable, ids_S: An
     _check_shape("x", x_1K, (1, k))
     for name, a in (("gate", gate_SN), ("up", up_SN), ("act", act_SN)):
         _check(name, a, BF16, 2), _check_shape(name, a, (s, n))
+    if _ring_ok(n, k) and s <= 32:
+        blocks, smem, depth = _ring_geometry(n, s, 2)
+        _launch(_RING, f"nvfp4_ring_moe_glu_d{depth}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
+                (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
+                 ids_S, _i32(s), _i32(start), _i32(count), gate_SN, up_SN, act_SN, _i32(n), _i32(k),
+                 np.float32(limit)), smem=smem)
+        return
     head = (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
             ids_S, _i32(start), _i32(count), gate_SN, up_SN, act_SN, _i32(n), _i32(k))
     grid_x, ks = _mma_geometry(n, k, 2 * s)

@@ -25,69 +25,13 @@
 //   nvfp4_mma_sorted_gemv       expert-sorted rows (prefill)              grid (groups, sorted)
 // A slot or union entry whose expert id is outside [start, start + count) leaves its output untouched.
 #include "common.cuh"
+#include "nvfp4_mma.cuh"
 
 #ifndef NVFP4_WARPS
 #error "NVFP4_WARPS is set by glm_ep/backend/kernels.py"
 #endif
 #define MMA_THREADS (NVFP4_WARPS * 32)
 #define MMA_ROWS 16  // weight rows per warp group
-
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
-    unsigned d;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-    return d;
-}
-
-__device__ __forceinline__ unsigned fma_bf16x2(unsigned a, unsigned b, unsigned c) {
-    unsigned d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
-// d += A (16 x 16) * B (16 x 8): a0/a2 hold row g, a1/a3 row g + 8; b0/b1 column g.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                         unsigned b0, unsigned b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// The two block scales of a chunk (bytes 0 and 1 of s16) as bf16 pairs: mul = s, add = -144 s,
-// s = e4m3 * 2^-8 (the e4m3 bits shifted into an fp16, subnormals included, then widened).
-__device__ __forceinline__ void chunk_scales(unsigned s16, unsigned (&mul)[2], unsigned (&add)[2]) {
-    const unsigned x = prmt(s16, 0u, 0x5150u);  // [b0, 0, b1, 0]
-    const unsigned h2 = ((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 7);
-    float f[2];
-    f16x2_to_f32(h2, f[0], f[1]);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        mul[i] = prmt(__float_as_uint(f[i]), 0u, 0x3232u);
-        add[i] = prmt(__float_as_uint(-144.0f * f[i]), 0u, 0x3232u);
-    }
-}
-
-// 32 nibbles (one 16-byte chunk) -> 16 bf16 pairs: b[i] holds k = 2i, 2i + 1 of the chunk.
-__device__ __forceinline__ void dequant_chunk(const uint4& w, unsigned s16, unsigned (&b)[16]) {
-    unsigned mul[2], add[2];
-    chunk_scales(s16, mul, add);
-    const unsigned words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const unsigned wq = words[q], m = wq & 0x77777777u, sh = wq << 4;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // nibbles 4h .. 4h + 3 of the word
-            const unsigned idx = h ? m >> 16 : m;
-            const unsigned pos = prmt(0x13121110u, 0x1c181614u, idx);    // 16 + v
-            const unsigned neg = prmt(0x0d0e0f10u, 0x04080a0cu, idx);    // 16 - v
-            const unsigned sgn = prmt(wq, sh, h ? 0xbfaeu : 0x9d8cu);    // 0xff where the nibble is negative
-            const unsigned lo = (pos & ~sgn) | (neg & sgn);
-            const unsigned s = q >> 1;  // 16-k group
-            b[4 * q + 2 * h] = fma_bf16x2(prmt(lo, 0x43434343u, 0x4140u), mul[s], add[s]);
-            b[4 * q + 2 * h + 1] = fma_bf16x2(prmt(lo, 0x43434343u, 0x4342u), mul[s], add[s]);
-        }
-    }
-}
 
 // Issue the loads of step s (4 chunks: lane t takes chunk 4 s + t) of the lane's 2P weight rows
 // (row 2p: n0 + g, row 2p + 1: n0 + g + 8 of matrix p); zeros past the slice, past K, or for a row
@@ -119,18 +63,7 @@ __device__ __forceinline__ void compute_step(const uint4 (&w)[2 * P], const unsi
 #pragma unroll
     for (int i = 0; i < 4; ++i)
         xv[i] = (xrow && c < nchunk) ? ld_cached_v4(xrow + 32 * (size_t)c + 8 * i) : make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-        unsigned lo[16], hi[16];  // rows n0 + g and n0 + g + 8
-        dequant_chunk(w[2 * p], sc[2 * p], lo);
-        dequant_chunk(w[2 * p + 1], sc[2 * p + 1], hi);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const uint4& x4 = xv[j >> 1];
-            const unsigned xa = (j & 1) ? x4.z : x4.x, xb = (j & 1) ? x4.w : x4.y;  // k 4j..4j+1, 4j+2..4j+3
-            mma_bf16(acc[p], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1], xa, xb);
-        }
-    }
+    mma_chunks<P>(w, sc, xv, acc);
 }
 
 #define MMA_DEPTH(P) ((P) == 1 ? 3 : 2)  // steps of weight loads in flight per lane
@@ -222,14 +155,6 @@ __device__ __forceinline__ void mma_project(const unsigned char* packed, const u
         if (n < N) out[i][n] = f32_to_bf16(acc[0][i] * f);
         if (n + 8 < N) out[i][n + 8] = f32_to_bf16(acc[0][2 + i] * f);
     }
-}
-
-__device__ __forceinline__ void glu_store(bf16_t* gate, bf16_t* up, bf16_t* act, int n, float g, float u,
-                                          float limit) {
-    const bf16_t gv = f32_to_bf16(g), uv = f32_to_bf16(u);
-    gate[n] = gv;
-    up[n] = uv;
-    act[n] = swiglu_one(bf16_to_f32(gv), bf16_to_f32(uv), limit);
 }
 
 // Gate + up + SwiGLU: outputs as in mma_project, one (gate, up, act) triple per x row.

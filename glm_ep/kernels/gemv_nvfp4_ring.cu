@@ -1,0 +1,251 @@
+// NVFP4 decode GEMV of ONE row for every top-k slot, as a persistent stream: a grid of about
+// RING_WARPS_PER_SM warps per SM (kernels.py) whose warps each own whole work items (local slot,
+// sixteen weight rows) and sweep their FULL K: no K split, no block reduction, no barrier. A warp
+// streams its items through a private ring of D shared-memory stages filled by cp.async (per step
+// of 128 k: the lane's 16-byte weight chunks, its quad's 8 bytes of E4M3 scales per row, and 64
+// bytes of x per lane of quad 0), D - 1 steps in flight ACROSS item boundaries: the loads of the
+// next item are issued while the current one is still being multiplied. The ids and the pointer
+// tables are read once per warp, up front: lane j holds the j-th local slot's pointers.
+//
+// Numerics are gemv_nvfp4.cu's: the same lane mapping (lane (g, t) takes chunk 4 s + t of rows
+// n0 + g and n0 + g + 8), the same mma chain per output over K in the same order, the same final
+// roundings. Requires K % 128 == 0 and N % 16 == 0 (kernels.py sends other shapes to gemv_nvfp4.cu).
+// Work item i of the warp w: i = w, w + W, w + 2W, ... (W warps in the grid), local slot i / groups,
+// rows 16 (i % groups) ..; a slot whose expert id is outside [start, start + count) is not an item
+// and its output is left untouched.
+//
+// Entry points, D = ring depth (grid (blocks), RING_WARPS warps per block, D stages of
+// ring_stage_bytes(P) per warp of dynamic shared memory; computed in kernels.py):
+//   nvfp4_ring_moe_gemv_d{D}   one projection, x[0] or x[slot]            P = 1
+//   nvfp4_ring_moe_glu_d{D}    gate + up + clamped SwiGLU fused            P = 2
+#include "common.cuh"
+#include "nvfp4_mma.cuh"
+
+#ifndef RING_WARPS
+#error "RING_WARPS is set by glm_ep/backend/kernels.py"
+#endif
+#define RING_THREADS (RING_WARPS * 32)
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async8(unsigned dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// One step (128 k) of one warp's item. Lanes read back only their own weight chunks; the scales a
+// quad's lane t = 0 copied and the x lanes 0..3 copied are read by other lanes after a __syncwarp.
+template <int P>
+struct RingStage {
+    uint4 w[2 * P][32];  // [row i][lane]: row 2p = n0 + g, 2p + 1 = n0 + g + 8 of matrix p
+    u64_t s[2 * P][8];   // [row i][quad g]: the 4 chunks' scale pairs
+    uint4 x[4][4];       // [16-byte piece][lane t of quad 0]: x, 32 k per lane
+};
+
+// Lane j: the j-th local slot (slot index, matrix base pointers, scale_2); returns the count.
+template <int P>
+__device__ __forceinline__ int local_slots(const int* ids, int S, int start, int count, const u64_t* const (&wp)[P],
+                                           const u64_t* const (&sp)[P], const float* const (&s2)[P], int& slot,
+                                           u64_t (&w)[P], u64_t (&s)[P], float (&f)[P]) {
+    const int lane = threadIdx.x & 31;
+    int e = -1;
+    if (lane < S) {
+        const int id = ids[lane];
+        e = id - start;
+        if (id < 0 || e < 0 || e >= count) e = -1;
+    }
+    const unsigned mask = __ballot_sync(0xffffffffu, e >= 0);
+    unsigned m = mask;  // the lane-th set bit of mask
+    for (int q = 0; q < lane && m; ++q) m &= m - 1;
+    slot = m ? __ffs(m) - 1 : 0;
+    const int le = __shfl_sync(0xffffffffu, e, slot);
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        w[p] = m ? wp[p][le] : 0ull;
+        s[p] = m ? sp[p][le] : 0ull;
+        f[p] = m ? s2[p][le] * 128.0f : 0.0f;
+    }
+    return __popc(mask);
+}
+
+// Where the producer reads an item: the lane's weight and scale rows, and (quad 0) x.
+template <int P>
+struct ItemSrc {
+    const unsigned char* w[2 * P];
+    const unsigned char* s[2 * P];
+    const unsigned char* x;
+};
+
+template <int P>
+__device__ __forceinline__ void item_src(int j, int n0, const u64_t (&wb)[P], const u64_t (&sb)[P], const bf16_t* x,
+                                         long long x_slot_stride, int slot, int K, ItemSrc<P>& src) {
+    const int n = n0 + ((threadIdx.x & 31) >> 2);
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const unsigned char* w = (const unsigned char*)__shfl_sync(0xffffffffu, wb[p], j);
+        const unsigned char* s = (const unsigned char*)__shfl_sync(0xffffffffu, sb[p], j);
+        src.w[2 * p] = w + (size_t)n * (K >> 1);
+        src.w[2 * p + 1] = w + (size_t)(n + 8) * (K >> 1);
+        src.s[2 * p] = s + (size_t)n * (K >> 4);
+        src.s[2 * p + 1] = s + (size_t)(n + 8) * (K >> 4);
+    }
+    src.x = (const unsigned char*)(x + __shfl_sync(0xffffffffu, slot, j) * x_slot_stride);
+}
+
+template <int P>
+__device__ __forceinline__ void issue_step(RingStage<P>& st, const ItemSrc<P>& src, int s) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, c = 4 * s + t;
+#pragma unroll
+    for (int i = 0; i < 2 * P; ++i) cp_async16(smem_u32(&st.w[i][lane]), src.w[i] + 16 * (size_t)c);
+    if (t == 0)
+#pragma unroll
+        for (int i = 0; i < 2 * P; ++i) cp_async8(smem_u32(&st.s[i][g]), src.s[i] + 8 * (size_t)s);
+    if (g == 0)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) cp_async16(smem_u32(&st.x[q][t]), src.x + 64 * (size_t)c + 16 * q);
+}
+
+template <int P>
+__device__ __forceinline__ void consume_step(const RingStage<P>& st, float (&acc)[P][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    uint4 w[2 * P], xv[4];
+    unsigned sc[2 * P];
+#pragma unroll
+    for (int i = 0; i < 2 * P; ++i) {
+        w[i] = st.w[i][lane];
+        sc[i] = ((const unsigned short*)&st.s[i][g])[t];
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xv[q] = g == 0 ? st.x[q][t] : make_uint4(0u, 0u, 0u, 0u);
+    mma_chunks<P>(w, sc, xv, acc);
+}
+
+// Outputs of one item (lanes t = 0 hold x row 0 of rows n0 + g, n0 + g + 8).
+struct RingOut {
+    bf16_t* out;  // P = 1
+    bf16_t *gate, *up, *act;  // P = 2
+    float limit;
+};
+
+template <int P>
+__device__ __forceinline__ void store_item(const RingOut& o, int slot, int n0, int N, const float (&f)[P],
+                                           const float (&acc)[P][4]) {
+    if (threadIdx.x & 3) return;
+    const size_t off = (size_t)slot * N;
+    const int n = n0 + ((threadIdx.x & 31) >> 2);
+    if (P == 1) {
+        o.out[off + n] = f32_to_bf16(acc[0][0] * f[0]);
+        o.out[off + n + 8] = f32_to_bf16(acc[0][2] * f[0]);
+    } else {
+        glu_store(o.gate + off, o.up + off, o.act + off, n, acc[0][0] * f[0], acc[P - 1][0] * f[P - 1], o.limit);
+        glu_store(o.gate + off, o.up + off, o.act + off, n + 8, acc[0][2] * f[0], acc[P - 1][2] * f[P - 1], o.limit);
+    }
+}
+
+template <int P, int D>
+__device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_stride, const u64_t* const (&wp)[P],
+                                         const u64_t* const (&sp)[P], const float* const (&s2)[P], const int* ids,
+                                         int S, int start, int count, const RingOut& o, int N, int K) {
+    int my_slot;
+    u64_t wb[P], sb[P];
+    float fb[P];
+    const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb);
+    const int groups = N >> 4, steps = K >> 7, items = nlocal * groups;
+    const int W = gridDim.x * RING_WARPS, w0 = blockIdx.x * RING_WARPS + (threadIdx.x >> 5);
+    const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * steps;  // this warp's steps
+    if (total == 0) return;
+    RingStage<P>* ring = reinterpret_cast<RingStage<P>*>(dyn_smem) + (threadIdx.x >> 5) * D;
+
+    // producer: (item, step) of the next load, and where that item's bytes are
+    int p_item = w0, p_s = 0;
+    ItemSrc<P> src;
+    item_src<P>(p_item / groups, (p_item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
+    auto advance = [&]() {
+        if (++p_s < steps) return;
+        p_s = 0;
+        p_item += W;
+        if (p_item < items) item_src<P>(p_item / groups, (p_item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
+    };
+#pragma unroll
+    for (int d = 0; d < D - 1; ++d) {
+        if (d < total) {
+            issue_step<P>(ring[d], src, p_s);
+            advance();
+        }
+        cp_async_commit();
+    }
+
+    int c_item = w0, c_s = 0, stage = 0, fill = D - 1;
+    float acc[P][4];
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[p][i] = 0.0f;
+    for (int f = 0; f < total; ++f) {
+        cp_async_wait<D - 2>();  // step f has landed (this lane's copies)
+        __syncwarp();            // ... and every lane's; every lane is done with step f - 1's stage
+        if (f + D - 1 < total) {
+            issue_step<P>(ring[fill], src, p_s);
+            advance();
+        }
+        cp_async_commit();
+        fill = fill + 1 == D ? 0 : fill + 1;
+        consume_step<P>(ring[stage], acc);
+        stage = stage + 1 == D ? 0 : stage + 1;
+        if (++c_s == steps) {  // warp-uniform
+            const int j = c_item / groups;
+            float f2[P];
+#pragma unroll
+            for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, fb[p], j);
+            store_item<P>(o, __shfl_sync(0xffffffffu, my_slot, j), (c_item % groups) * 16, N, f2, acc);
+#pragma unroll
+            for (int p = 0; p < P; ++p)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[p][i] = 0.0f;
+            c_s = 0;
+            c_item += W;
+        }
+    }
+}
+
+#define RING_ENTRIES(D)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_gemv_d##D(                             \
+        const bf16_t* __restrict__ x, long long x_slot_stride, const u64_t* __restrict__ packed_ptrs,                \
+        const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, const int* __restrict__ ids, int S,  \
+        int start, int count, bf16_t* __restrict__ out, int N, int K) {                                              \
+        const u64_t* const wp[1] = {packed_ptrs};                                                                    \
+        const u64_t* const sp[1] = {scale_ptrs};                                                                     \
+        const float* const s2[1] = {scale2};                                                                         \
+        const RingOut o = {out, nullptr, nullptr, nullptr, 0.0f};                                                    \
+        ring_moe<1, D>(x, x_slot_stride, wp, sp, s2, ids, S, start, count, o, N, K);                                 \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_d##D(                              \
+        const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale,   \
+        const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,                                  \
+        const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2, const int* __restrict__ ids, int S, \
+        int start, int count, bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* __restrict__ act, int N,   \
+        int K, float limit) {                                                                                        \
+        const u64_t* const wp[2] = {gate_packed, up_packed};                                                         \
+        const u64_t* const sp[2] = {gate_scale, up_scale};                                                           \
+        const float* const s2[2] = {gate_scale2, up_scale2};                                                         \
+        const RingOut o = {nullptr, gate, up, act, limit};                                                           \
+        ring_moe<2, D>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K);                                             \
+    }
+
+RING_ENTRIES(4)
+RING_ENTRIES(8)
+RING_ENTRIES(16)
