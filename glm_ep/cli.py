@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=16, help="number of 1-row decode steps")
     p.add_argument("--verify", type=int, default=4, help="rows of the verify call")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per row count before timing")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 reference")
     _layout_flags(p)
 

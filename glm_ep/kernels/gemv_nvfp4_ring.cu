@@ -1,18 +1,18 @@
-// NVFP4 decode GEMV of ONE row for every top-k slot, as a persistent stream: a grid of about
-// RING_WARPS_PER_SM warps per SM (kernels.py) whose warps each own whole work items (local slot,
-// sixteen weight rows) and sweep their FULL K: no K split, no block reduction, no barrier. A warp
-// streams its items through a private ring of D shared-memory stages filled by cp.async (per step
-// of 128 k: the lane's 16-byte weight chunks, its quad's 8 bytes of E4M3 scales per row, and 64
-// bytes of x per lane of quad 0), D - 1 steps in flight ACROSS item boundaries: the loads of the
-// next item are issued while the current one is still being multiplied. The ids and the pointer
-// tables are read once per warp, up front: lane j holds the j-th local slot's pointers.
+// NVFP4 decode GEMV of ONE row for every top-k slot, as a persistent stream: a grid of a few warps
+// per SM (kernels.py) whose warps each own whole work items (local slot, sixteen weight rows) and
+// sweep their FULL K: no K split, no block reduction, no barrier. A warp streams its items through a
+// private ring of D shared-memory stages filled by cp.async, one stage per slab of 512 k: the 16
+// rows' 256 weight bytes per matrix (each copy instruction: two rows x 256 contiguous bytes, whole
+// 128-byte lines), their 32 scale bytes, and 1 KB of x. D - 1 slabs are in flight ACROSS item
+// boundaries: the next item's loads are issued while the current one is still being multiplied.
+// The ids and the pointer tables are read once per warp, up front: lane j holds local slot j's.
 //
-// Numerics are gemv_nvfp4.cu's: the same lane mapping (lane (g, t) takes chunk 4 s + t of rows
-// n0 + g and n0 + g + 8), the same mma chain per output over K in the same order, the same final
-// roundings. Requires K % 128 == 0 and N % 16 == 0 (kernels.py sends other shapes to gemv_nvfp4.cu).
-// Work item i of the warp w: i = w, w + W, w + 2W, ... (W warps in the grid), local slot i / groups,
-// rows 16 (i % groups) ..; a slot whose expert id is outside [start, start + count) is not an item
-// and its output is left untouched.
+// Numerics are gemv_nvfp4.cu's: within a slab the lanes take the same chunks (lane (g, t): chunk
+// 4 s + t of rows n0 + g and n0 + g + 8 at step s), so every output sees the same mma chain over K
+// in the same order and the same final roundings. Requires K % 512 == 0 and N % 16 == 0 (kernels.py
+// sends other shapes to gemv_nvfp4.cu). Work item i of warp w: i = w, w + W, w + 2W, ... (W warps in
+// the grid), local slot i / groups, rows 16 (i % groups) ..; a slot whose expert id is outside
+// [start, start + count) is not an item and its output is left untouched.
 //
 // Entry points, D = ring depth (grid (blocks), RING_WARPS warps per block, D stages of
 // ring_stage_bytes(P) per warp of dynamic shared memory; computed in kernels.py):
@@ -36,10 +36,6 @@ __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
-__device__ __forceinline__ void cp_async8(unsigned dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>
@@ -47,15 +43,18 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// One step (128 k) of one warp's item. Lanes read back only their own weight chunks; the scales a
-// quad's lane t = 0 copied and the x lanes 0..3 copied are read by other lanes after a __syncwarp.
+#define SLAB_STEPS 4  // 128-k steps per slab (one ring stage)
+
+// One slab (512 k) of one warp's item. Weight piece j (16 bytes, chunk j of the slab) of row r is
+// stored at piece j ^ 4 (r & 1), so the quads of rows g and g + 1 read disjoint banks.
 template <int P>
 struct RingStage {
-    uint4 w[2 * P][32];  // [row i][lane]: row 2p = n0 + g, 2p + 1 = n0 + g + 8 of matrix p
-    u64_t s[2 * P][8];   // [row i][quad g]: the 4 chunks' scale pairs
-    uint4 x[4][4];       // [16-byte piece][lane t of quad 0]: x, 32 k per lane
+    uint4 w[P][16][16];      // [matrix][row - n0][piece]
+    uint4 s[P][16][2];       // [matrix][row - n0]: the slab's 32 scale bytes
+    uint4 x[64];             // the slab's 512 k of x
 };
 
+__device__ __forceinline__ int swz(int row, int piece) { return piece ^ ((row & 1) << 2); }
 // Lane j: the j-th local slot (slot index, matrix base pointers, scale_2); returns the count.
 template <int P>
 __device__ __forceinline__ int local_slots(const int* ids, int S, int start, int count, const u64_t* const (&wp)[P],
@@ -82,56 +81,66 @@ __device__ __forceinline__ int local_slots(const int* ids, int S, int start, int
     return __popc(mask);
 }
 
-// Where the producer reads an item: the lane's weight and scale rows, and (quad 0) x.
+// Where the producer reads an item: row n0 of each matrix's weights and scales, and x.
 template <int P>
 struct ItemSrc {
-    const unsigned char* w[2 * P];
-    const unsigned char* s[2 * P];
+    const unsigned char* w[P];
+    const unsigned char* s[P];
     const unsigned char* x;
+    size_t row_bytes, scale_row_bytes;
 };
 
 template <int P>
 __device__ __forceinline__ void item_src(int j, int n0, const u64_t (&wb)[P], const u64_t (&sb)[P], const bf16_t* x,
                                          long long x_slot_stride, int slot, int K, ItemSrc<P>& src) {
-    const int n = n0 + ((threadIdx.x & 31) >> 2);
+    src.row_bytes = K >> 1;
+    src.scale_row_bytes = K >> 4;
 #pragma unroll
     for (int p = 0; p < P; ++p) {
-        const unsigned char* w = (const unsigned char*)__shfl_sync(0xffffffffu, wb[p], j);
-        const unsigned char* s = (const unsigned char*)__shfl_sync(0xffffffffu, sb[p], j);
-        src.w[2 * p] = w + (size_t)n * (K >> 1);
-        src.w[2 * p + 1] = w + (size_t)(n + 8) * (K >> 1);
-        src.s[2 * p] = s + (size_t)n * (K >> 4);
-        src.s[2 * p + 1] = s + (size_t)(n + 8) * (K >> 4);
+        src.w[p] = (const unsigned char*)__shfl_sync(0xffffffffu, wb[p], j) + (size_t)n0 * src.row_bytes;
+        src.s[p] = (const unsigned char*)__shfl_sync(0xffffffffu, sb[p], j) + (size_t)n0 * src.scale_row_bytes;
     }
     src.x = (const unsigned char*)(x + __shfl_sync(0xffffffffu, slot, j) * x_slot_stride);
 }
 
+// Copy slab b of the item: instruction q of matrix p covers rows 2q, 2q + 1 (16 lanes x 16 bytes each).
 template <int P>
-__device__ __forceinline__ void issue_step(RingStage<P>& st, const ItemSrc<P>& src, int s) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, c = 4 * s + t;
+__device__ __forceinline__ void issue_slab(RingStage<P>& st, const ItemSrc<P>& src, int b) {
+    const int lane = threadIdx.x & 31, half = lane >> 4, j = lane & 15;
 #pragma unroll
-    for (int i = 0; i < 2 * P; ++i) cp_async16(smem_u32(&st.w[i][lane]), src.w[i] + 16 * (size_t)c);
-    if (t == 0)
+    for (int p = 0; p < P; ++p) {
 #pragma unroll
-        for (int i = 0; i < 2 * P; ++i) cp_async8(smem_u32(&st.s[i][g]), src.s[i] + 8 * (size_t)s);
-    if (g == 0)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) cp_async16(smem_u32(&st.x[q][t]), src.x + 64 * (size_t)c + 16 * q);
-}
-
-template <int P>
-__device__ __forceinline__ void consume_step(const RingStage<P>& st, float (&acc)[P][4]) {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    uint4 w[2 * P], xv[4];
-    unsigned sc[2 * P];
-#pragma unroll
-    for (int i = 0; i < 2 * P; ++i) {
-        w[i] = st.w[i][lane];
-        sc[i] = ((const unsigned short*)&st.s[i][g])[t];
+        for (int q = 0; q < 8; ++q) {
+            const int r = 2 * q + half;
+            cp_async16(smem_u32(&st.w[p][r][swz(r, j)]), src.w[p] + (size_t)r * src.row_bytes + 256 * (size_t)b + 16 * j);
+        }
+        cp_async16(smem_u32(&st.s[p][lane >> 1][lane & 1]),
+                   src.s[p] + (size_t)(lane >> 1) * src.scale_row_bytes + 32 * (size_t)b + 16 * (lane & 1));
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q) xv[q] = g == 0 ? st.x[q][t] : make_uint4(0u, 0u, 0u, 0u);
-    mma_chunks<P>(w, sc, xv, acc);
+    for (int q = 0; q < 2; ++q) cp_async16(smem_u32(&st.x[32 * q + lane]), src.x + 1024 * (size_t)b + 16 * (32 * q + lane));
+}
+
+// The slab's 4 steps: lane (g, t) takes chunk 4 s + t of rows g, g + 8 and (quad 0) of x.
+template <int P>
+__device__ __forceinline__ void consume_slab(const RingStage<P>& st, float (&acc)[P][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int s = 0; s < SLAB_STEPS; ++s) {
+        const int c = 4 * s + t;
+        uint4 w[2 * P], xv[4];
+        unsigned sc[2 * P];
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            w[2 * p] = st.w[p][g][swz(g, c)];
+            w[2 * p + 1] = st.w[p][g + 8][swz(g + 8, c)];
+            sc[2 * p] = ((const unsigned short*)&st.s[p][g][0])[c];
+            sc[2 * p + 1] = ((const unsigned short*)&st.s[p][g + 8][0])[c];
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xv[q] = g == 0 ? st.x[4 * c + q] : make_uint4(0u, 0u, 0u, 0u);
+        mma_chunks<P>(w, sc, xv, acc);
+    }
 }
 
 // Outputs of one item (lanes t = 0 hold x row 0 of rows n0 + g, n0 + g + 8).
@@ -164,18 +173,18 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     u64_t wb[P], sb[P];
     float fb[P];
     const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb);
-    const int groups = N >> 4, steps = K >> 7, items = nlocal * groups;
+    const int groups = N >> 4, slabs = K >> 9, items = nlocal * groups;
     const int W = gridDim.x * RING_WARPS, w0 = blockIdx.x * RING_WARPS + (threadIdx.x >> 5);
-    const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * steps;  // this warp's steps
+    const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * slabs;  // this warp's slabs
     if (total == 0) return;
     RingStage<P>* ring = reinterpret_cast<RingStage<P>*>(dyn_smem) + (threadIdx.x >> 5) * D;
 
-    // producer: (item, step) of the next load, and where that item's bytes are
+    // producer: (item, slab) of the next load, and where that item's bytes are
     int p_item = w0, p_s = 0;
     ItemSrc<P> src;
     item_src<P>(p_item / groups, (p_item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
     auto advance = [&]() {
-        if (++p_s < steps) return;
+        if (++p_s < slabs) return;
         p_s = 0;
         p_item += W;
         if (p_item < items) item_src<P>(p_item / groups, (p_item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
@@ -183,7 +192,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
 #pragma unroll
     for (int d = 0; d < D - 1; ++d) {
         if (d < total) {
-            issue_step<P>(ring[d], src, p_s);
+            issue_slab<P>(ring[d], src, p_s);
             advance();
         }
         cp_async_commit();
@@ -196,17 +205,17 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[p][i] = 0.0f;
     for (int f = 0; f < total; ++f) {
-        cp_async_wait<D - 2>();  // step f has landed (this lane's copies)
-        __syncwarp();            // ... and every lane's; every lane is done with step f - 1's stage
+        cp_async_wait<D - 2>();  // slab f has landed (this lane's copies)
+        __syncwarp();            // ... and every lane's; every lane is done with slab f - 1's stage
         if (f + D - 1 < total) {
-            issue_step<P>(ring[fill], src, p_s);
+            issue_slab<P>(ring[fill], src, p_s);
             advance();
         }
         cp_async_commit();
         fill = fill + 1 == D ? 0 : fill + 1;
-        consume_step<P>(ring[stage], acc);
+        consume_slab<P>(ring[stage], acc);
         stage = stage + 1 == D ? 0 : stage + 1;
-        if (++c_s == steps) {  // warp-uniform
+        if (++c_s == slabs) {  // warp-uniform
             const int j = c_item / groups;
             float f2[P];
 #pragma unroll
@@ -246,6 +255,6 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         ring_moe<2, D>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K);                                             \
     }
 
+RING_ENTRIES(2)
+RING_ENTRIES(3)
 RING_ENTRIES(4)
-RING_ENTRIES(8)
-RING_ENTRIES(16)
