@@ -52,32 +52,36 @@ def gpu_moe(cp: Any, model: ModelConfig) -> MoeWeights:
     return MoeWeights(_bf16(cp, (e, h), h ** -0.5), bias, 0, experts, gpu_dense(cp, model.shared_intermediate, h))
 
 
-def _peer_sparse_us(model: ModelConfig, iters: int) -> float | None:
-    """An HF-style PyTorch sparse site (bf16 experts, eager loop over the chosen experts)."""
+def _peer_us(model: ModelConfig, iters: int) -> tuple[float, float] | None:
+    """HF-style PyTorch sites, 1 row: (sparse site us, dense site us); None without torch."""
     try:
         import torch
     except ImportError:
         return None
-    from glm_ep.bench_peer import HfStyleMoe
+    from glm_ep.bench_peer import HfStyleMlp, HfStyleMoe
 
-    peer = HfStyleMoe(model)
     x = torch.randn(1, model.hidden_size, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        for _ in range(5):
-            peer(x)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(7):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(max(iters // 10, 5)):
+    n = max(iters // 10, 5)
+    result = []
+    for make in (lambda: HfStyleMoe(model), lambda: HfStyleMlp(model, model.intermediate_size)):
+        peer = make()
+        with torch.no_grad():
+            for _ in range(5):
                 peer(x)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / max(iters // 10, 5))
-    del peer
-    torch.cuda.empty_cache()
-    return float(np.median(times))
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(7):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(n):
+                    peer(x)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3 / n)
+        result.append(float(np.median(times)))
+        del peer
+        torch.cuda.empty_cache()
+    return result[0], result[1]
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -86,7 +90,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from glm_ep.backend.cuda_backend import CudaBackend
 
     model, iters = glm_model(), args.iters
-    peer_us = _peer_sparse_us(model, iters) if args.peer else None
+    peer = _peer_us(model, iters) if args.peer else None
     be = CudaBackend(0)
     stream = be.stream
     device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -135,12 +139,15 @@ def run_bench(args: argparse.Namespace) -> int:
     us = time_median(cp, stream, replay, iters=max(iters // g, 5)) / g
     rows.append(Row("sparse site, 1 row (graph)", us, sparse_bytes(model, model.num_experts_per_tok), copy_gbs,
                     f"mean over {g} layers' distinct weights"))
-    if peer_us is not None:
-        rows.append(Row("PyTorch HF-style sparse site, 1 row", peer_us, sparse_bytes(model, 8), copy_gbs,
-                        f"peer (bf16 experts, eager); glm_ep is {peer_us / us:.1f}x faster"))
+    if peer is not None:
+        rows.append(Row("PyTorch HF-style sparse site, 1 row", peer[0], sparse_bytes(model, 8), copy_gbs,
+                        f"peer (bf16 experts, eager); glm_ep is {peer[0] / us:.1f}x faster"))
     replay = graph_of_sites(dense_sites, x1)
     us = time_median(cp, stream, replay, iters=max(iters // n_dense, 5)) / n_dense
     rows.append(Row("dense site, 1 row (graph)", us, dense_bytes(model), copy_gbs))
+    if peer is not None:
+        rows.append(Row("PyTorch HF-style dense site, 1 row", peer[1], dense_bytes(model), copy_gbs,
+                        f"peer (eager); glm_ep is {peer[1] / us:.1f}x faster"))
     for k in range(2, 9):
         xk = _bf16(cp, (k, model.hidden_size), 1.0)
         sizes = union_sizes(xk)[:g]
@@ -153,8 +160,11 @@ def run_bench(args: argparse.Namespace) -> int:
     step_bytes = n_dense * dense_bytes(model) + n_sparse * sparse_bytes(model, model.num_experts_per_tok)
     stack.step(x1)  # captures the decode graph
     us = time_median(cp, stream, lambda: stack.step(x1), iters=max(iters // 10, 5))
-    rows.append(Row(f"decode step, {n_dense + n_sparse}-layer stack", us, step_bytes, copy_gbs,
-                    f"{n_dense} dense + {n_sparse} sparse sites, residual adds"))
+    note = f"{n_dense} dense + {n_sparse} sparse sites, residual adds"
+    if peer is not None:
+        peer_step = n_dense * peer[1] + n_sparse * peer[0]
+        note += f"; the peer's sites add up to {peer_step / 1e3:.1f} ms: {peer_step / us:.1f}x slower"
+    rows.append(Row(f"decode step, {n_dense + n_sparse}-layer stack", us, step_bytes, copy_gbs, note))
     out_dir = Path(args.out)
     write_results(out_dir, rows, bench_meta(device, copy_gbs))
     plot_results(out_dir)

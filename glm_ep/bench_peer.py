@@ -11,6 +11,25 @@ from torch import nn
 from glm_ep.config import ModelConfig
 
 
+def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, lim: float) -> torch.Tensor:
+    return F.silu(g.clamp(max=lim)) * u.clamp(-lim, lim)
+
+
+class HfStyleMlp(nn.Module):
+    """A bf16 dense site as ``Glm5NextTextMLP`` runs it."""
+
+    def __init__(self, m: ModelConfig, width: int, device: str = "cuda"):
+        super().__init__()
+        h, bf = m.hidden_size, dict(dtype=torch.bfloat16, device=device)
+        self.lim = m.swiglu_limit
+        self.gate = nn.Parameter(torch.randn(width, h, **bf) * h ** -0.5, requires_grad=False)
+        self.up = nn.Parameter(torch.randn(width, h, **bf) * h ** -0.5, requires_grad=False)
+        self.down = nn.Parameter(torch.randn(h, width, **bf) * width ** -0.5, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(clamped_swiglu(F.linear(x, self.gate), F.linear(x, self.up), self.lim), self.down)
+
+
 class HfStyleMoe(nn.Module):
     def __init__(self, m: ModelConfig, device: str = "cuda"):
         super().__init__()
@@ -27,8 +46,7 @@ class HfStyleMoe(nn.Module):
         self.sh_down = nn.Parameter(torch.randn(h, s, **bf) * s ** -0.5, requires_grad=False)
 
     def act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        lim = self.cfg.swiglu_limit
-        return F.silu(g.clamp(max=lim)) * u.clamp(-lim, lim)
+        return clamped_swiglu(g, u, self.cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.cfg
