@@ -155,11 +155,12 @@ def main() -> int:
 
         default = K.RING
         for name, cfg in (("blocks", K.RingConfig(enabled=False)),
-                          ("ring d16/8 w8", K.RingConfig()),
-                          ("ring d8/4 w16", K.RingConfig(depth={1: 8, 2: 4}, warps_per_sm=16)),
-                          ("ring d8/8 w8", K.RingConfig(depth={1: 8, 2: 8})),
-                          ("ring d16/16 w4", K.RingConfig(depth={1: 16, 2: 16}, warps_per_sm=4)),
-                          ("ring d4/4 w8", K.RingConfig(depth={1: 4, 2: 4}))):
+                          ("ring t4 d2/2 w16 (default)", K.RingConfig()),
+                          ("ring t4 d4/3 w8", K.RingConfig(depth={1: 4, 2: 3}, warps_per_sm=8)),
+                          ("ring t4 d4/4 w8", K.RingConfig(depth={1: 4, 2: 4}, warps_per_sm=8)),
+                          ("ring t4 d3/3 w4", K.RingConfig(depth={1: 3, 2: 3}, warps_per_sm=4)),
+                          ("ring t8 d3/2 w8", K.RingConfig(slab={1: 8, 2: 8}, depth={1: 3, 2: 2}, warps_per_sm=8)),
+                          ("ring t8 d2/2 w16", K.RingConfig(slab={1: 8, 2: 8}, depth={1: 2, 2: 2}, warps_per_sm=16))):
             K.RING = cfg
             timed(glu_only, glu_mb, f"[{name}] routed glu, 1 row", L)
             timed(down_only, down_mb, f"[{name}] routed down, 1 row", L)

@@ -2,7 +2,7 @@
 
 | rows  | dense / shared MLP                         | router              | routed experts (NVFP4)                     |
 |-------|--------------------------------------------|---------------------|--------------------------------------------|
-| 1     | GEMV; gate + up + SwiGLU fused             | GEMV, fp32 + top-k  | tensor-core GEMV, all slots in one launch, through the pointer table; gate + up + SwiGLU fused |
+| 1     | GEMV; gate + up + SwiGLU fused             | GEMV, fp32 + top-k  | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
 | 2..8  | batch-M GEMV, one weight read for all rows | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns) |
 | > 8   | cuBLAS (bf16, fp32 accumulation)           | cuBLAS in fp32      | the dispatch's row groups of <= 8          |
 

@@ -35,8 +35,9 @@ MMA_ROWS = 16  # weight rows per warp group: the mma's 16-row A operand (MMA_ROW
 MMA_STEP_CHUNKS = 4  # 16-byte chunks per step of a lane quad (128 k)
 MMA_MAX_X_ROWS = 8  # x rows per launch: the mma's 8 B columns
 MMA_WORK_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM (16: fastest of 16/48/96 on H200)
-RING_WARPS = 4  # warps per block of the persistent decode kernels (gemv_nvfp4_ring.cu)
-RING_STEP_K = 128  # k per ring step: K must be a multiple for the ring path
+RING_WARPS = 2  # warps per block of the persistent decode kernels (gemv_nvfp4_ring.cu)
+RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T steps (K a multiple)
+SM_SMEM = 228 * 1024  # shared memory of one SM (sm_90), of which each resident block costs 1 KB more
 GEMV_WARPS = 8  # warps per bf16 GEMV block
 GEMV_ROWS_PER_WARP = 2  # rows per warp-group of a bf16 GEMV
 GEMV_CHUNK = 8  # k per 16-byte bf16 chunk: K must be a multiple
@@ -209,18 +210,21 @@ def nvfp4_gemv(x_1K: Any, packed_NK2: Any, scale_NG: Any, scale2: float, out_1N:
 
 
 # ---- the persistent decode kernels (gemv_nvfp4_ring.cu) ---------------------------------------
-RING_DEPTHS = (4, 8, 16)  # the ring depths gemv_nvfp4_ring.cu instantiates
+RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))  # the (T, D) gemv_nvfp4_ring.cu instantiates
 
 
 @dataclass
 class RingConfig:
     """How the one-row routed kernels run: the persistent ring (``enabled``) or gemv_nvfp4.cu's
-    block-per-tile kernels; ring depth per projection kind (stages of 128 k per warp) and the warps
-    per SM the grid aims at. ``max_warps`` caps the grid (tests: several items per warp)."""
+    block-per-tile kernels. By P, the matrices a warp sweeps (1: one projection, 2: gate + up): the
+    slab (T steps of 128 k per ring stage) and the ring depth D (stages per warp); the warps per SM
+    the grid aims at (fewer where the rings' shared memory does not fit). ``max_warps`` caps the grid
+    (tests: several items per warp)."""
 
     enabled: bool = True
-    depth: dict = field(default_factory=lambda: {1: 16, 2: 8})  # P (matrices per warp) -> depth
-    warps_per_sm: int = 8
+    slab: dict = field(default_factory=lambda: {1: 4, 2: 4})
+    depth: dict = field(default_factory=lambda: {1: 2, 2: 2})  # fastest on H200 (docs/perf/NOTES.md)
+    warps_per_sm: int = 16
     max_warps: int = 0
 
 
@@ -228,27 +232,31 @@ RING = RingConfig()
 _RING = "gemv_nvfp4_ring.cu"
 
 
-def ring_stage_bytes(p: int) -> int:
-    """One ring stage of one warp (RingStage<P>): 2P x 32 weight chunks, 2P x 8 scale words, x."""
-    return 2 * p * 32 * 16 + 2 * p * 8 * 8 + 4 * 4 * 16
+def ring_stage_bytes(p: int, t: int) -> int:
+    """One ring stage of one warp (RingStage<P, T>): P x 16 rows x 64 T weight bytes, P x 16 x 8 T
+    scale bytes, 256 T bytes of x."""
+    return p * 16 * 64 * t + p * 16 * 8 * t + 256 * t
 
 
-def _ring_ok(n: int, k: int) -> bool:
-    return RING.enabled and n % MMA_ROWS == 0 and k % RING_STEP_K == 0
+def _ring_ok(n: int, k: int, slots: int, p: int) -> bool:
+    return RING.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * RING.slab[p]) == 0 and slots <= 32
 
 
-def _ring_geometry(n: int, slots: int, p: int) -> tuple[int, int, int]:
-    """(blocks, dynamic smem bytes, depth): warps as even a share of the slots x row-group items
-    as the cap (warps_per_sm per SM) allows, RING_WARPS per block."""
-    depth = RING.depth[p]
-    if depth not in RING_DEPTHS:
-        raise ValueError(f"ring depth {depth}: gemv_nvfp4_ring.cu instantiates {RING_DEPTHS}")
+def _ring_geometry(n: int, slots: int, p: int) -> tuple[int, int, str]:
+    """(blocks, dynamic smem bytes, entry suffix): as even a share of the slots x row-group items per
+    warp as the cap allows (warps_per_sm per SM, or fewer where the rings do not fit), RING_WARPS per
+    block."""
+    t, depth = RING.slab[p], RING.depth[p]
+    if (t, depth) not in RING_KERNELS:
+        raise ValueError(f"ring slab {t}, depth {depth}: gemv_nvfp4_ring.cu instantiates (T, D) in {RING_KERNELS}")
+    smem = RING_WARPS * depth * ring_stage_bytes(p, t)
+    per_sm = min(RING.warps_per_sm, SM_SMEM // (smem + 1024) * RING_WARPS)
     items = max(1, slots * (n // MMA_ROWS))
-    cap = _device_attr(_current_device(), "MultiProcessorCount") * RING.warps_per_sm
+    cap = max(1, _device_attr(_current_device(), "MultiProcessorCount") * per_sm)
     if RING.max_warps:
         cap = min(cap, RING.max_warps)
     warps = _cdiv(items, _cdiv(items, cap))
-    return _cdiv(warps, RING_WARPS), RING_WARPS * depth * ring_stage_bytes(p), depth
+    return _cdiv(warps, RING_WARPS), smem, f"t{t}_d{depth}"
 
 
 def nvfp4_moe_gemv(x: Any, per_slot_input: bool, proj: ExpertPtrTable, ids_S: Any, start: int, count: int,
@@ -260,9 +268,9 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, proj: ExpertPtrTable, ids_S: An
     _check_shape("x", x, (s if per_slot_input else 1, proj.k))
     _check_shape("out", out_SN, (s, proj.n))
     x_stride = _i64(proj.k if per_slot_input else 0)
-    if _ring_ok(proj.n, proj.k) and s <= 32:
-        blocks, smem, depth = _ring_geometry(proj.n, s, 1)
-        _launch(_RING, f"nvfp4_ring_moe_gemv_d{depth}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
+    if _ring_ok(proj.n, proj.k, s, 1):
+        blocks, smem, suffix = _ring_geometry(proj.n, s, 1)
+        _launch(_RING, f"nvfp4_ring_moe_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                 (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, _i32(s), _i32(start),
                  _i32(count), out_SN, _i32(proj.n), _i32(proj.k)), smem=smem)
         return
@@ -280,9 +288,9 @@ def nvfp4_moe_glu(x_1K: Any, gate: ExpertPtrTable, up: ExpertPtrTable, ids_S: An
     _check_shape("x", x_1K, (1, k))
     for name, a in (("gate", gate_SN), ("up", up_SN), ("act", act_SN)):
         _check(name, a, BF16, 2), _check_shape(name, a, (s, n))
-    if _ring_ok(n, k) and s <= 32:
-        blocks, smem, depth = _ring_geometry(n, s, 2)
-        _launch(_RING, f"nvfp4_ring_moe_glu_d{depth}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
+    if _ring_ok(n, k, s, 2):
+        blocks, smem, suffix = _ring_geometry(n, s, 2)
+        _launch(_RING, f"nvfp4_ring_moe_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                 (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
                  ids_S, _i32(s), _i32(start), _i32(count), gate_SN, up_SN, act_SN, _i32(n), _i32(k),
                  np.float32(limit)), smem=smem)

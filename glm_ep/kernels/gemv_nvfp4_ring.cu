@@ -1,23 +1,24 @@
 // NVFP4 decode GEMV of ONE row for every top-k slot, as a persistent stream: a grid of a few warps
 // per SM (kernels.py) whose warps each own whole work items (local slot, sixteen weight rows) and
 // sweep their FULL K: no K split, no block reduction, no barrier. A warp streams its items through a
-// private ring of D shared-memory stages filled by cp.async, one stage per slab of 512 k: the 16
-// rows' 256 weight bytes per matrix (each copy instruction: two rows x 256 contiguous bytes, whole
-// 128-byte lines), their 32 scale bytes, and 1 KB of x. D - 1 slabs are in flight ACROSS item
+// private ring of D shared-memory stages filled by cp.async, one stage per slab of T 128-k steps:
+// per matrix the 16 rows' 64 T weight bytes (a copy instruction takes 32 consecutive 16-byte pieces:
+// whole 128-byte lines of 32 / (4 T) rows), their 8 T scale bytes, and 256 T bytes of x. The lanes
+// then read their mma fragments from shared memory. D - 1 slabs are in flight ACROSS item
 // boundaries: the next item's loads are issued while the current one is still being multiplied.
 // The ids and the pointer tables are read once per warp, up front: lane j holds local slot j's.
 //
 // Numerics are gemv_nvfp4.cu's: within a slab the lanes take the same chunks (lane (g, t): chunk
 // 4 s + t of rows n0 + g and n0 + g + 8 at step s), so every output sees the same mma chain over K
-// in the same order and the same final roundings. Requires K % 512 == 0 and N % 16 == 0 (kernels.py
-// sends other shapes to gemv_nvfp4.cu). Work item i of warp w: i = w, w + W, w + 2W, ... (W warps in
+// in the same order and the same final roundings. Requires K % (128 T) == 0 and N % 16 == 0
+// (kernels.py sends other shapes to gemv_nvfp4.cu). Work item i of warp w: i = w, w + W, w + 2W, ... (W warps in
 // the grid), local slot i / groups, rows 16 (i % groups) ..; a slot whose expert id is outside
 // [start, start + count) is not an item and its output is left untouched.
 //
-// Entry points, D = ring depth (grid (blocks), RING_WARPS warps per block, D stages of
-// ring_stage_bytes(P) per warp of dynamic shared memory; computed in kernels.py):
-//   nvfp4_ring_moe_gemv_d{D}   one projection, x[0] or x[slot]            P = 1
-//   nvfp4_ring_moe_glu_d{D}    gate + up + clamped SwiGLU fused            P = 2
+// Entry points, T = steps per slab, D = ring depth (grid (blocks), RING_WARPS warps per block, D
+// stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in kernels.py):
+//   nvfp4_ring_moe_gemv_t{T}_d{D}   one projection, x[0] or x[slot]            P = 1
+//   nvfp4_ring_moe_glu_t{T}_d{D}    gate + up + clamped SwiGLU fused            P = 2
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
 
@@ -43,18 +44,17 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-#define SLAB_STEPS 4  // 128-k steps per slab (one ring stage)
-
-// One slab (512 k) of one warp's item. Weight piece j (16 bytes, chunk j of the slab) of row r is
-// stored at piece j ^ 4 (r & 1), so the quads of rows g and g + 1 read disjoint banks.
-template <int P>
+// One slab (T steps of 128 k) of one warp's item. Weight piece j (16 bytes, chunk j of the slab) of
+// row r is stored at piece j ^ 4 (r & 1), so the quads of rows g and g + 1 read disjoint banks.
+template <int P, int T>
 struct RingStage {
-    uint4 w[P][16][16];      // [matrix][row - n0][piece]
-    uint4 s[P][16][2];       // [matrix][row - n0]: the slab's 32 scale bytes
-    uint4 x[64];             // the slab's 512 k of x
+    uint4 w[P][16][4 * T];  // [matrix][row - n0][piece]: the slab's 64 T bytes of the row
+    uint4 s[P][16][T / 2];  // [matrix][row - n0]: the slab's 8 T scale bytes
+    uint4 x[16 * T];        // the slab's 128 T k of x
 };
 
 __device__ __forceinline__ int swz(int row, int piece) { return piece ^ ((row & 1) << 2); }
+
 // Lane j: the j-th local slot (slot index, matrix base pointers, scale_2); returns the count.
 template <int P>
 __device__ __forceinline__ int local_slots(const int* ids, int S, int start, int count, const u64_t* const (&wp)[P],
@@ -103,30 +103,36 @@ __device__ __forceinline__ void item_src(int j, int n0, const u64_t (&wb)[P], co
     src.x = (const unsigned char*)(x + __shfl_sync(0xffffffffu, slot, j) * x_slot_stride);
 }
 
-// Copy slab b of the item: instruction q of matrix p covers rows 2q, 2q + 1 (16 lanes x 16 bytes each).
-template <int P>
-__device__ __forceinline__ void issue_slab(RingStage<P>& st, const ItemSrc<P>& src, int b) {
-    const int lane = threadIdx.x & 31, half = lane >> 4, j = lane & 15;
+// Copy slab b of the item: 32 consecutive 16-byte pieces per instruction (rows of 64 T contiguous bytes).
+template <int P, int T>
+__device__ __forceinline__ void issue_slab(RingStage<P, T>& st, const ItemSrc<P>& src, int b) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int p = 0; p < P; ++p) {
 #pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            const int r = 2 * q + half;
-            cp_async16(smem_u32(&st.w[p][r][swz(r, j)]), src.w[p] + (size_t)r * src.row_bytes + 256 * (size_t)b + 16 * j);
+        for (int q = 0; q < 2 * T; ++q) {
+            const int i = 32 * q + lane, r = i / (4 * T), j = i % (4 * T);
+            cp_async16(smem_u32(&st.w[p][r][swz(r, j)]),
+                       src.w[p] + (size_t)r * src.row_bytes + 64 * T * (size_t)b + 16 * j);
         }
-        cp_async16(smem_u32(&st.s[p][lane >> 1][lane & 1]),
-                   src.s[p] + (size_t)(lane >> 1) * src.scale_row_bytes + 32 * (size_t)b + 16 * (lane & 1));
+#pragma unroll
+        for (int q = 0; q < T / 4; ++q) {
+            const int i = 32 * q + lane, r = i / (T / 2), j = i % (T / 2);
+            cp_async16(smem_u32(&st.s[p][r][j]),
+                       src.s[p] + (size_t)r * src.scale_row_bytes + 8 * T * (size_t)b + 16 * j);
+        }
     }
 #pragma unroll
-    for (int q = 0; q < 2; ++q) cp_async16(smem_u32(&st.x[32 * q + lane]), src.x + 1024 * (size_t)b + 16 * (32 * q + lane));
+    for (int q = 0; q < T / 2; ++q)
+        cp_async16(smem_u32(&st.x[32 * q + lane]), src.x + 256 * T * (size_t)b + 16 * (32 * q + lane));
 }
 
-// The slab's 4 steps: lane (g, t) takes chunk 4 s + t of rows g, g + 8 and (quad 0) of x.
-template <int P>
-__device__ __forceinline__ void consume_slab(const RingStage<P>& st, float (&acc)[P][4]) {
+// The slab's T steps: lane (g, t) takes chunk 4 s + t of rows g, g + 8 and (quad 0) of x.
+template <int P, int T>
+__device__ __forceinline__ void consume_slab(const RingStage<P, T>& st, float (&acc)[P][4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int s = 0; s < SLAB_STEPS; ++s) {
+    for (int s = 0; s < T; ++s) {
         const int c = 4 * s + t;
         uint4 w[2 * P], xv[4];
         unsigned sc[2 * P];
@@ -165,7 +171,7 @@ __device__ __forceinline__ void store_item(const RingOut& o, int slot, int n0, i
     }
 }
 
-template <int P, int D>
+template <int P, int T, int D>
 __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_stride, const u64_t* const (&wp)[P],
                                          const u64_t* const (&sp)[P], const float* const (&s2)[P], const int* ids,
                                          int S, int start, int count, const RingOut& o, int N, int K) {
@@ -173,11 +179,11 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     u64_t wb[P], sb[P];
     float fb[P];
     const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb);
-    const int groups = N >> 4, slabs = K >> 9, items = nlocal * groups;
+    const int groups = N >> 4, slabs = K / (128 * T), items = nlocal * groups;
     const int W = gridDim.x * RING_WARPS, w0 = blockIdx.x * RING_WARPS + (threadIdx.x >> 5);
     const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * slabs;  // this warp's slabs
     if (total == 0) return;
-    RingStage<P>* ring = reinterpret_cast<RingStage<P>*>(dyn_smem) + (threadIdx.x >> 5) * D;
+    RingStage<P, T>* ring = reinterpret_cast<RingStage<P, T>*>(dyn_smem) + (threadIdx.x >> 5) * D;
 
     // producer: (item, slab) of the next load, and where that item's bytes are
     int p_item = w0, p_s = 0;
@@ -187,12 +193,13 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         if (++p_s < slabs) return;
         p_s = 0;
         p_item += W;
-        if (p_item < items) item_src<P>(p_item / groups, (p_item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
+        if (p_item < items)
+            item_src<P>(p_item / groups, (p_item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
     };
 #pragma unroll
     for (int d = 0; d < D - 1; ++d) {
         if (d < total) {
-            issue_slab<P>(ring[d], src, p_s);
+            issue_slab<P, T>(ring[d], src, p_s);
             advance();
         }
         cp_async_commit();
@@ -208,12 +215,12 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         cp_async_wait<D - 2>();  // slab f has landed (this lane's copies)
         __syncwarp();            // ... and every lane's; every lane is done with slab f - 1's stage
         if (f + D - 1 < total) {
-            issue_slab<P>(ring[fill], src, p_s);
+            issue_slab<P, T>(ring[fill], src, p_s);
             advance();
         }
         cp_async_commit();
         fill = fill + 1 == D ? 0 : fill + 1;
-        consume_slab<P>(ring[stage], acc);
+        consume_slab<P, T>(ring[stage], acc);
         stage = stage + 1 == D ? 0 : stage + 1;
         if (++c_s == slabs) {  // warp-uniform
             const int j = c_item / groups;
@@ -231,30 +238,32 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     }
 }
 
-#define RING_ENTRIES(D)                                                                                              \
-    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_gemv_d##D(                             \
-        const bf16_t* __restrict__ x, long long x_slot_stride, const u64_t* __restrict__ packed_ptrs,                \
-        const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, const int* __restrict__ ids, int S,  \
-        int start, int count, bf16_t* __restrict__ out, int N, int K) {                                              \
-        const u64_t* const wp[1] = {packed_ptrs};                                                                    \
-        const u64_t* const sp[1] = {scale_ptrs};                                                                     \
-        const float* const s2[1] = {scale2};                                                                         \
-        const RingOut o = {out, nullptr, nullptr, nullptr, 0.0f};                                                    \
-        ring_moe<1, D>(x, x_slot_stride, wp, sp, s2, ids, S, start, count, o, N, K);                                 \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_d##D(                              \
-        const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale,   \
-        const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,                                  \
-        const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2, const int* __restrict__ ids, int S, \
-        int start, int count, bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* __restrict__ act, int N,   \
-        int K, float limit) {                                                                                        \
-        const u64_t* const wp[2] = {gate_packed, up_packed};                                                         \
-        const u64_t* const sp[2] = {gate_scale, up_scale};                                                           \
-        const float* const s2[2] = {gate_scale2, up_scale2};                                                         \
-        const RingOut o = {nullptr, gate, up, act, limit};                                                           \
-        ring_moe<2, D>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K);                                             \
+#define RING_ENTRIES(T, D)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_gemv_t##T##_d##D(                       \
+        const bf16_t* __restrict__ x, long long x_slot_stride, const u64_t* __restrict__ packed_ptrs,                 \
+        const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, const int* __restrict__ ids, int S,   \
+        int start, int count, bf16_t* __restrict__ out, int N, int K) {                                               \
+        const u64_t* const wp[1] = {packed_ptrs};                                                                     \
+        const u64_t* const sp[1] = {scale_ptrs};                                                                      \
+        const float* const s2[1] = {scale2};                                                                          \
+        const RingOut o = {out, nullptr, nullptr, nullptr, 0.0f};                                                     \
+        ring_moe<1, T, D>(x, x_slot_stride, wp, sp, s2, ids, S, start, count, o, N, K);                               \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_t##T##_d##D(                        \
+        const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale,    \
+        const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,                                   \
+        const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2, const int* __restrict__ ids, int S,  \
+        int start, int count, bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* __restrict__ act, int N,    \
+        int K, float limit) {                                                                                         \
+        const u64_t* const wp[2] = {gate_packed, up_packed};                                                          \
+        const u64_t* const sp[2] = {gate_scale, up_scale};                                                            \
+        const float* const s2[2] = {gate_scale2, up_scale2};                                                          \
+        const RingOut o = {nullptr, gate, up, act, limit};                                                            \
+        ring_moe<2, T, D>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K);                                           \
     }
 
-RING_ENTRIES(2)
-RING_ENTRIES(3)
-RING_ENTRIES(4)
+RING_ENTRIES(4, 2)
+RING_ENTRIES(4, 3)
+RING_ENTRIES(4, 4)
+RING_ENTRIES(8, 2)
+RING_ENTRIES(8, 3)
