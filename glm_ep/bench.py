@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
 from glm_ep.footprint import nvfp4_bytes
@@ -76,7 +74,6 @@ def copy_bandwidth(cp: Any, stream: Any, nbytes: int = 4 << 30) -> float:
         dst = cp.empty_like(src)
     us = time_median(cp, stream, lambda: cp.cuda.runtime.memcpyAsync(
         dst.data.ptr, src.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr), iters=10)
-    del src, dst
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 

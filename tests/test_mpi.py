@@ -8,7 +8,6 @@ asserts on all of them: a failure on one rank never leaves the other waiting in 
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 

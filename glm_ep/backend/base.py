@@ -37,7 +37,7 @@ class Backend(ABC):
     def to_host(self, a: Any) -> np.ndarray:
         """A host copy (synchronises)."""
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027 - a backend that queues work overrides it
         """Wait for all queued work."""
 
     #: whether ``capture`` records a replayable graph (else the stack runs eagerly)

@@ -8,7 +8,6 @@ the expert-sorted order), so CI exercises the dispatch logic, not just the math.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import ml_dtypes
 import numpy as np
