@@ -38,6 +38,11 @@ class ExpertDispatch:
     levers: PathLevers
     _announced: set[tuple[str, int]] = field(default_factory=set)
 
+    @property
+    def group_cap(self) -> int:
+        """Widest row group of the union path: a union table holds ``union_max_ids`` ids."""
+        return max(1, min(self.levers.row_batch_max, self.levers.union_max_ids // self.cfg.top_k))
+
     def path_for(self, rows: int) -> str:
         lv, k = self.levers, self.cfg.top_k
         if lv.host_dispatch:
@@ -46,7 +51,7 @@ class ExpertDispatch:
             return "decode"
         if rows > 8 and lv.prefill_gemm and rows >= lv.prefill_gemm_min_rows and self.be.has_grouped_gemm:
             return "sorted"
-        groups = row_groups(rows, lv.row_batch_max)
+        groups = row_groups(rows, self.group_cap)
         if lv.row_batch and all(w >= 2 and w * k <= lv.union_max_ids for _, w in groups):
             return "union"
         return "decode"  # one grouped GEMV per row
@@ -78,7 +83,7 @@ class ExpertDispatch:
         t = x_TH.shape[0]
         gate_TKM, up_TKM, act_TKM = (ws.view(b, t, k, m) for b in ("a_gate", "a_up", "a_act"))
         routed_TKH = routed_SH.reshape(t, k, h)
-        for r0, w in row_groups(t, self.levers.row_batch_max):
+        for r0, w in row_groups(t, self.group_cap):
             rs = slice(r0, r0 + w)
             # the table is rebuilt per group; the previous group's sweeps are already queued
             u_eid, u_slot = ws.view("u_eid", w * k), ws.view("u_slot", w * k, w)

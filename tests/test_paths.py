@@ -41,10 +41,12 @@ def test_default_levers_choose_the_design_paths() -> None:
     d = build_stack(random_weights(model, seed=1), model, max_rows=300).sites[1].experts
     assert [d.path_for(r) for r in (1, 2, 8, 9, 127)] == ["decode", "union", "union", "union", "union"]
     assert [d.path_for(r) for r in (128, 300)] == ["sorted", "sorted"]
-    # a union table holds rows * top_k <= 64 ids: at top-16 a group is at most 4 rows wide
+    # a union table holds rows * top_k <= 64 ids: at top-16 a group is at most 4 rows wide, so
+    # 5 and 8 rows run as groups of 3 + 2 and 4 + 4
     wide = tiny_model(num_experts_per_tok=16)
     dw = build_stack(random_weights(wide, seed=1), wide).sites[1].experts
-    assert [dw.path_for(r) for r in (2, 4, 5, 8)] == ["union", "union", "decode", "decode"]
+    assert dw.group_cap == 4
+    assert [dw.path_for(r) for r in (2, 4, 5, 8)] == ["union", "union", "union", "union"]
     narrow = build_stack(random_weights(wide, seed=1), wide, levers=PathLevers(row_batch_max=4))
     assert [narrow.sites[1].experts.path_for(r) for r in (5, 8, 9)] == ["union", "union", "union"]
     tight = build_stack(random_weights(model, seed=1), model, levers=PathLevers(union_max_ids=16))
