@@ -6,8 +6,8 @@ Each figure is the median replay time of a CUDA graph over ``--layers`` distinct
 weights stream from HBM, not L2), divided by the layer count, with the bytes it must read and
 that over the measured device copy bandwidth. Weights are random NVFP4 bytes and bf16 values:
 timing only, no numerics. ``--ring-variants`` first times the one-row routed kernels (glu, down,
-both) under each variant of ``kernels.RING`` (gemv_nvfp4.cu's block kernels, ring depths, warps per
-SM), side by side in one run.
+both) under each variant of ``nvfp4_kernels.RING`` (gemv_nvfp4.cu's block kernels, ring depths, warps per
+SM, the bf16 / fp16 forms), side by side in one run.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def main() -> int:
             be.combine(routed[0], wts[:1], out[:1], out[:1])
 
     if args.ring_variants:
-        from glm_ep.backend import kernels as K
+        from glm_ep.backend import nvfp4_kernels as K
 
         glu_mb, down_mb = expert_mb * TOP_K * 2 // 3, expert_mb * TOP_K // 3
 
@@ -155,12 +155,13 @@ def main() -> int:
 
         default = K.RING
         for name, cfg in (("blocks", K.RingConfig(enabled=False)),
-                          ("ring t4 d2/2 w16 (default)", K.RingConfig()),
-                          ("ring t4 d4/3 w8", K.RingConfig(depth={1: 4, 2: 3}, warps_per_sm=8)),
-                          ("ring t4 d4/4 w8", K.RingConfig(depth={1: 4, 2: 4}, warps_per_sm=8)),
-                          ("ring t4 d3/3 w4", K.RingConfig(depth={1: 3, 2: 3}, warps_per_sm=4)),
-                          ("ring t8 d3/2 w8", K.RingConfig(slab={1: 8, 2: 8}, depth={1: 3, 2: 2}, warps_per_sm=8)),
-                          ("ring t8 d2/2 w16", K.RingConfig(slab={1: 8, 2: 8}, depth={1: 2, 2: 2}, warps_per_sm=16))):
+                          ("ring t4 d2/2 w16 bf16", K.RingConfig(f16=False)),
+                          ("ring t4 d2/2 w16 f16 (default: down only)", K.RingConfig(f16=True)),
+                          ("ring t4 d2/2 w16 f16 all", K.RingConfig(f16=True, f16_hidden=True)),
+                          ("ring t4 d4/3 w8 bf16", K.RingConfig(depth={1: 4, 2: 3}, warps_per_sm=8, f16=False)),
+                          ("ring t4 d4/3 w8 f16", K.RingConfig(depth={1: 4, 2: 3}, warps_per_sm=8, f16=True)),
+                          ("ring t4 d2/2 w16 bf16 (again)", K.RingConfig(f16=False)),
+                          ("ring t4 d2/2 w16 f16 (again)", K.RingConfig(f16=True))):
             K.RING = cfg
             timed(glu_only, glu_mb, f"[{name}] routed glu, 1 row", L)
             timed(down_only, down_mb, f"[{name}] routed down, 1 row", L)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend import kernels as K
+from glm_ep.backend import nvfp4_kernels as NV
 from glm_ep.backend.base import Backend
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
@@ -45,9 +46,9 @@ class CudaDense:
 class CudaExpertTable:
     """This rank's routed experts, one pointer table per projection; local id = global id - start."""
 
-    gate: K.ExpertPtrTable
-    up: K.ExpertPtrTable
-    down: K.ExpertPtrTable
+    gate: NV.ExpertPtrTable
+    up: NV.ExpertPtrTable
+    down: NV.ExpertPtrTable
     start: int
     count: int
 
@@ -130,17 +131,17 @@ class CudaBackend(Backend):
     def upload_dense(self, w: DenseWeights) -> CudaDense:
         return CudaDense(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
 
-    def _upload_proj(self, ws: list[Nvfp4Weight], what: str) -> K.ExpertPtrTable:
+    def _upload_proj(self, ws: list[Nvfp4Weight], what: str) -> NV.ExpertPtrTable:
         shapes = {w.shape for w in ws}
         if len(shapes) > 1:
             raise ConfigError(f"{what}: experts disagree on the projection shape: {sorted(shapes)}")
         n, k = shapes.pop() if shapes else (0, 0)
         if ws:
-            K.check_nvfp4_k(k, what)
+            NV.check_nvfp4_k(k, what)
         packed = tuple(self.asarray(w.packed) for w in ws)
         scale = tuple(self._bytes(w.scale) for w in ws)
         s2 = tuple(float(w.scale_2) for w in ws)
-        return K.ExpertPtrTable(
+        return NV.ExpertPtrTable(
             packed_ptrs=self.asarray(np.array([a.data.ptr for a in packed], dtype=np.uint64)),
             scale_ptrs=self.asarray(np.array([a.data.ptr for a in scale], dtype=np.uint64)),
             scale2=self.asarray(np.array(s2, dtype=np.float32)),
@@ -216,11 +217,11 @@ class CudaBackend(Backend):
     # ---- routed experts --------------------------------------------------------------------
     @_on_stream
     def moe_gemv(self, a, proj, table, ids_K, out_KN, per_slot_input):
-        K.nvfp4_moe_gemv(a, per_slot_input, proj, ids_K, table.start, table.count, out_KN)
+        NV.nvfp4_moe_gemv(a, per_slot_input, proj, ids_K, table.start, table.count, out_KN)
 
     @_on_stream
     def moe_gate_up_act(self, a_1K, table, ids_K, limit, gate_KM, up_KM, act_KM):
-        K.nvfp4_moe_glu(a_1K, table.gate, table.up, ids_K, table.start, table.count, limit, gate_KM, up_KM, act_KM)
+        NV.nvfp4_moe_glu(a_1K, table.gate, table.up, ids_K, table.start, table.count, limit, gate_KM, up_KM, act_KM)
 
     @_on_stream
     def union_table(self, ids_RK, u_eid_U, u_slot_UR):
@@ -228,11 +229,11 @@ class CudaBackend(Backend):
 
     @_on_stream
     def moe_gemv_union(self, a, proj, table, u_eid_U, u_slot_UR, out_RKN, per_slot_input):
-        K.nvfp4_moe_gemv_union(a, per_slot_input, proj, u_eid_U, u_slot_UR, table.start, table.count, out_RKN)
+        NV.nvfp4_moe_gemv_union(a, per_slot_input, proj, u_eid_U, u_slot_UR, table.start, table.count, out_RKN)
 
     @_on_stream
     def moe_gate_up_act_union(self, a_RK, table, u_eid_U, u_slot_UR, limit, gate_RKM, up_RKM, act_RKM):
-        K.nvfp4_moe_glu_union(a_RK, table.gate, table.up, u_eid_U, u_slot_UR, table.start, table.count, limit,
+        NV.nvfp4_moe_glu_union(a_RK, table.gate, table.up, u_eid_U, u_slot_UR, table.start, table.count, limit,
                               gate_RKM, up_RKM, act_RKM)
 
     @_on_stream
@@ -243,9 +244,9 @@ class CudaBackend(Backend):
 
     @_on_stream
     def moe_gemm_sorted(self, a, proj, table, sorted_token_ids_S, expert_offsets, out_SN, gather_rows):
-        K.nvfp4_sorted_gemv(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, proj,
+        NV.nvfp4_sorted_gemv(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, proj,
                             table.start, table.count, out_SN)
 
     @_on_stream
     def expert_linear(self, a_1K, proj, table, local, out_1N):
-        K.nvfp4_gemv(a_1K, proj.packed[local], proj.scale[local], proj.scale2_host[local], out_1N)
+        NV.nvfp4_gemv(a_1K, proj.packed[local], proj.scale[local], proj.scale2_host[local], out_1N)

@@ -1,5 +1,5 @@
 // NVFP4 decode GEMV of ONE row for every top-k slot, as a persistent stream: a grid of a few warps
-// per SM (kernels.py) whose warps each own whole work items (local slot, sixteen weight rows) and
+// per SM (nvfp4_kernels.py) whose warps each own whole work items (local slot, sixteen weight rows) and
 // sweep their FULL K: no K split, no block reduction, no barrier. A warp streams its items through a
 // private ring of D shared-memory stages filled by cp.async, one stage per slab of T 128-k steps:
 // per matrix the 16 rows' 64 T weight bytes (a copy instruction takes 32 consecutive 16-byte pieces:
@@ -8,17 +8,20 @@
 // boundaries: the next item's loads are issued while the current one is still being multiplied.
 // The ids and the pointer tables are read once per warp, up front: lane j holds local slot j's.
 //
-// Numerics are gemv_nvfp4.cu's: within a slab the lanes take the same chunks (lane (g, t): chunk
-// 4 s + t of rows n0 + g and n0 + g + 8 at step s), so every output sees the same mma chain over K
-// in the same order and the same final roundings. Requires K % (128 T) == 0 and N % 16 == 0
-// (kernels.py sends other shapes to gemv_nvfp4.cu). Work item i of warp w: i = w, w + W, w + 2W, ... (W warps in
-// the grid), local slot i / groups, rows 16 (i % groups) ..; a slot whose expert id is outside
-// [start, start + count) is not an item and its output is left untouched.
+// Numerics of the bf16 form are gemv_nvfp4.cu's (the fp16 form's: see consume_slab_f16): within a
+// slab the lanes take the same chunks (lane (g, t): chunk 4 s + t of rows n0 + g and n0 + g + 8 at
+// step s), so every output sees the same mma chain over K in the same order and the same final
+// roundings. Requires K % (128 T) == 0 and N % 16 == 0 (nvfp4_kernels.py sends other shapes to
+// gemv_nvfp4.cu). Work item i of warp w: i = w, w + W, w + 2W, ... (W warps in the grid), local
+// slot i / groups, rows 16 (i % groups) ..; a slot whose expert id is outside [start, start + count)
+// is not an item and its output is left untouched.
 //
 // Entry points, T = steps per slab, D = ring depth (grid (blocks), RING_WARPS warps per block, D
-// stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in kernels.py):
+// stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in nvfp4_kernels.py):
 //   nvfp4_ring_moe_gemv_t{T}_d{D}   one projection, x[0] or x[slot]            P = 1
 //   nvfp4_ring_moe_glu_t{T}_d{D}    gate + up + clamped SwiGLU fused            P = 2
+//   nvfp4_ring_moe_{gemv,glu}_f16_t{T}_d{D}   the same in the fp16 form (consume_slab_f16: fp16
+//       operands, x rounded to fp16, the block scale applied to each 16-k group's fp32 partial)
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
 
@@ -149,6 +152,65 @@ __device__ __forceinline__ void consume_slab(const RingStage<P, T>& st, float (&
     }
 }
 
+// The fp16 form of consume_slab (F = 1, nvfp4_mma.cuh): per step and matrix, 8 mmas with zero C
+// whose 8 B columns split the work: column 2t + j holds x only for lane t's chunk, 16-k group j
+// (lanes g = 2t + j carry it: b0 for j = 0, b1 for j = 1), so lane (g, t) gets back the partials of
+// ITS chunk per row and group (d0: row g group 0, d1: row g group 1, d2 / d3: row g + 8), scales
+// them by the chunk's own E4M3 scales and adds them to acc[p][0] (row g) and acc[p][1] (row g + 8).
+// The four lanes of a quad are summed at the end of an item (finish_item).
+template <int P, int T>
+__device__ __forceinline__ void consume_slab_f16(const RingStage<P, T>& st, float (&acc)[P][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, j = g & 1;
+    const unsigned keep = (g >> 1) == t ? 0xffffffffu : 0u, keep0 = j ? 0u : keep, keep1 = j ? keep : 0u;
+#pragma unroll
+    for (int s = 0; s < T; ++s) {
+        const int c = 4 * s + t;
+        const uint4 xa = st.x[4 * c + 2 * j], xb = st.x[4 * c + 2 * j + 1];  // k 16 j .. 16 j + 15 of the chunk
+        const unsigned xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        unsigned b0[8], b1[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const unsigned f = bf16x2_to_f16x2(xw[i]);
+            b0[i] = f & keep0;
+            b1[i] = f & keep1;
+        }
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            unsigned lo[16], hi[16];  // rows n0 + g and n0 + g + 8
+            decode_chunk_f16(st.w[p][g][swz(g, c)], lo);
+            decode_chunk_f16(st.w[p][g + 8][swz(g + 8, c)], hi);
+            float sg0, sg1, sh0, sh1;
+            chunk_scales_f32(((const unsigned short*)&st.s[p][g][0])[c], sg0, sg1);
+            chunk_scales_f32(((const unsigned short*)&st.s[p][g + 8][0])[c], sh0, sh1);
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < 8; ++i) mma_f16(d, lo[i], hi[i], lo[8 + i], hi[8 + i], b0[i], b1[i]);
+            acc[p][0] = fmaf(d[0], sg0, acc[p][0]);
+            acc[p][0] = fmaf(d[1], sg1, acc[p][0]);
+            acc[p][1] = fmaf(d[2], sh0, acc[p][1]);
+            acc[p][1] = fmaf(d[3], sh1, acc[p][1]);
+        }
+    }
+}
+
+// F = 1: sum the quad's per-chunk partials into the bf16 form's layout (acc[p][0]: row g,
+// acc[p][2]: row g + 8, on lanes t = 0).
+template <int P, int F>
+__device__ __forceinline__ void finish_item(float (&acc)[P][4]) {
+    if constexpr (F != 0) {
+#pragma unroll
+        for (int p = 0; p < P; ++p) {
+            float r0 = acc[p][0], r1 = acc[p][1];
+            r0 += __shfl_xor_sync(0xffffffffu, r0, 1);
+            r1 += __shfl_xor_sync(0xffffffffu, r1, 1);
+            r0 += __shfl_xor_sync(0xffffffffu, r0, 2);
+            r1 += __shfl_xor_sync(0xffffffffu, r1, 2);
+            acc[p][0] = r0;
+            acc[p][2] = r1;
+        }
+    }
+}
+
 // Outputs of one item (lanes t = 0 hold x row 0 of rows n0 + g, n0 + g + 8).
 struct RingOut {
     bf16_t* out;  // P = 1
@@ -171,7 +233,7 @@ __device__ __forceinline__ void store_item(const RingOut& o, int slot, int n0, i
     }
 }
 
-template <int P, int T, int D>
+template <int P, int T, int D, int F>
 __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_stride, const u64_t* const (&wp)[P],
                                          const u64_t* const (&sp)[P], const float* const (&s2)[P], const int* ids,
                                          int S, int start, int count, const RingOut& o, int N, int K) {
@@ -220,13 +282,15 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         }
         cp_async_commit();
         fill = fill + 1 == D ? 0 : fill + 1;
-        consume_slab<P, T>(ring[stage], acc);
+        if constexpr (F != 0) consume_slab_f16<P, T>(ring[stage], acc);
+        else consume_slab<P, T>(ring[stage], acc);
         stage = stage + 1 == D ? 0 : stage + 1;
         if (++c_s == slabs) {  // warp-uniform
             const int j = c_item / groups;
             float f2[P];
 #pragma unroll
             for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, fb[p], j);
+            finish_item<P, F>(acc);
             store_item<P>(o, __shfl_sync(0xffffffffu, my_slot, j), (c_item % groups) * 16, N, f2, acc);
 #pragma unroll
             for (int p = 0; p < P; ++p)
@@ -238,8 +302,8 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     }
 }
 
-#define RING_ENTRIES(T, D)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_gemv_t##T##_d##D(                       \
+#define RING_ENTRIES(T, D, F, TAG)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_gemv_##TAG##t##T##_d##D(                \
         const bf16_t* __restrict__ x, long long x_slot_stride, const u64_t* __restrict__ packed_ptrs,                 \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, const int* __restrict__ ids, int S,   \
         int start, int count, bf16_t* __restrict__ out, int N, int K) {                                               \
@@ -247,9 +311,9 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         const u64_t* const sp[1] = {scale_ptrs};                                                                      \
         const float* const s2[1] = {scale2};                                                                          \
         const RingOut o = {out, nullptr, nullptr, nullptr, 0.0f};                                                     \
-        ring_moe<1, T, D>(x, x_slot_stride, wp, sp, s2, ids, S, start, count, o, N, K);                               \
+        ring_moe<1, T, D, F>(x, x_slot_stride, wp, sp, s2, ids, S, start, count, o, N, K);                            \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_t##T##_d##D(                        \
+    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_##TAG##t##T##_d##D(                 \
         const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale,    \
         const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,                                   \
         const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2, const int* __restrict__ ids, int S,  \
@@ -259,11 +323,16 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         const u64_t* const sp[2] = {gate_scale, up_scale};                                                            \
         const float* const s2[2] = {gate_scale2, up_scale2};                                                          \
         const RingOut o = {nullptr, gate, up, act, limit};                                                            \
-        ring_moe<2, T, D>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K);                                           \
+        ring_moe<2, T, D, F>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K);                                        \
     }
 
-RING_ENTRIES(4, 2)
-RING_ENTRIES(4, 3)
-RING_ENTRIES(4, 4)
-RING_ENTRIES(8, 2)
-RING_ENTRIES(8, 3)
+RING_ENTRIES(4, 2, 0, )
+RING_ENTRIES(4, 2, 1, f16_)
+RING_ENTRIES(4, 3, 0, )
+RING_ENTRIES(4, 3, 1, f16_)
+RING_ENTRIES(4, 4, 0, )
+RING_ENTRIES(4, 4, 1, f16_)
+RING_ENTRIES(8, 2, 0, )
+RING_ENTRIES(8, 2, 1, f16_)
+RING_ENTRIES(8, 3, 0, )
+RING_ENTRIES(8, 3, 1, f16_)

@@ -80,6 +80,50 @@ __device__ __forceinline__ void mma_chunks(const uint4 (&w)[2 * P], const unsign
     }
 }
 
+// ---- the fp16 form (one-row ring kernels): unscaled e2m1 as fp16, the block scale on the fp32 side ----
+// A nibble's magnitude is looked up (PRMT) as the HIGH byte of the fp16 2 |e2m1| in {0, 1, 2, 3, 4, 6,
+// 8, 12} (low byte 0 for all eight), its sign ORed into bit 7 of that byte: 3 instructions per 4
+// nibbles, then one PRMT per pair spreads the bytes into an fp16 pair. No FMA: the E4M3 scale
+// (as e4m3 * 2^-8, exactly) multiplies an mma's fp32 partial of one 16-k group instead, so
+// partial * scale * (scale_2 * 128) is the same scaling as the bf16 form's.
+__device__ __forceinline__ void mma_f16(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                        unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A bf16 pair as an fp16 pair (round to nearest; exact for |v| in [2^-17, 65504] at bf16 precision).
+__device__ __forceinline__ unsigned bf16x2_to_f16x2(unsigned v) {
+    unsigned d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(bf16_hi(v)), "f"(bf16_lo(v)));
+    return d;
+}
+
+// The two E4M3 scales of a chunk (bytes 0 and 1 of s16) as fp32 e4m3 * 2^-8 (exact, subnormals too).
+__device__ __forceinline__ void chunk_scales_f32(unsigned s16, float& s0, float& s1) {
+    const unsigned x = prmt(s16, 0u, 0x5150u);  // [b0, 0, b1, 0]
+    f16x2_to_f32(((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 7), s0, s1);
+}
+
+// 32 nibbles (one 16-byte chunk) -> 16 fp16 pairs of 2 e2m1: b[i] holds k = 2i, 2i + 1 of the chunk.
+__device__ __forceinline__ void decode_chunk_f16(const uint4& w, unsigned (&b)[16]) {
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const unsigned wq = words[q], m = wq & 0x77777777u, sh = wq << 4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // nibbles 4h .. 4h + 3 of the word
+            const unsigned mag = prmt(0x42403c00u, 0x4a484644u, h ? m >> 16 : m);  // high bytes of fp16 2|v|
+            const unsigned sgn = prmt(wq, sh, h ? 0xbfaeu : 0x9d8cu);               // 0xff where negative
+            const unsigned sb = mag | (sgn & 0x80808080u);
+            b[4 * q + 2 * h] = prmt(sb, 0u, 0x1404u);      // [0, byte 0, 0, byte 1]
+            b[4 * q + 2 * h + 1] = prmt(sb, 0u, 0x3424u);  // [0, byte 2, 0, byte 3]
+        }
+    }
+}
+
 // The gate, up and clamped SwiGLU outputs of one element (each rounded once to bf16).
 __device__ __forceinline__ void glu_store(bf16_t* gate, bf16_t* up, bf16_t* act, int n, float g, float u,
                                           float limit) {
