@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+import ml_dtypes
+
 from glm_ep.backend.base import Backend
 from glm_ep.comm import Communicator
 from glm_ep.config import SiteConfig
@@ -31,7 +33,7 @@ class MlpStack:
         self.workspaces = [pool[0] if shared_workspace else pool[i] for i in range(len(sites))]
         self.workspace_bytes = ws_total_bytes(cfg, self.max_rows) * n_ws
         # static buffers: the chained state and one site's output, so a graph can be replayed
-        self.h_buf = be.xp.empty((self.max_rows, cfg.hidden), dtype=pool[0].view("shared_out", 1, 1).dtype)
+        self.h_buf = be.xp.empty((self.max_rows, cfg.hidden), dtype=ml_dtypes.bfloat16)
         self.out_buf = be.xp.empty_like(self.h_buf)
         self._graphs: dict[int, Callable[[], None]] = {}
 

@@ -174,12 +174,8 @@ def test_router_topk(rng, top_k, renormalize, ladder, e):
 
 
 # ---- routed experts ------------------------------------------------------------------------------
-@pytest.mark.parametrize("proj,per_slot", [("gate", False), ("down", True)])
-def test_moe_gemv_decode(rng, proj, per_slot):
-    start, count = 8, 16  # ids outside [8, 24) belong to another rank
-    cu, nu = both(moe_weights(rng, start=start, count=count))
-    ids = np.array([8, 30, 23, 0, 12, 17, 5, 9], dtype=np.int32)
-    local = (ids >= start) & (ids < start + count)
+def check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, label):
+    """One decode moe_gemv against NumPy: local slots within bf16 rounding, remote rows untouched."""
     pc, pn = getattr(cu, proj), getattr(nu, proj)
     kin, n = pn[0].shape[1], pn[0].shape[0]
     x = rand_bf16(rng, (TOP_K if per_slot else 1, kin))
@@ -188,26 +184,39 @@ def test_moe_gemv_decode(rng, proj, per_slot):
     out = poisoned((TOP_K, n), BF16)
     backend().moe_gemv(dev(x), pc, cu, dev(ids), out, per_slot)
     got = host(out)
-    assert unwritten(got[~local]).all(), "a remote slot's output was written"
-    assert_written(got[local], "local slots")
-    assert_close(got[local], ref[local], f"moe_gemv {proj}")
+    assert unwritten(got[~local]).all(), f"{label}: a remote slot's output was written"
+    assert_written(got[local], label)
+    assert_close(got[local], ref[local], label)
+
+
+def check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, label):
+    """Decode gate + up + SwiGLU against NumPy; act rows of remote slots are unspecified."""
+    x = rand_bf16(rng, (1, h), 3.0)
+    refs = [np.zeros((TOP_K, m), BF16) for _ in range(3)]
+    NP.moe_gate_up_act(x, nu, ids, 1.0, *refs)
+    outs = [poisoned((TOP_K, m), BF16) for _ in range(3)]
+    backend().moe_gate_up_act(dev(x), cu, dev(ids), 1.0, *outs)
+    for name, o, r in zip(("gate", "up", "act"), outs, refs):
+        got = host(o)
+        if name != "act":
+            assert unwritten(got[~local]).all(), f"{label} {name}: a remote slot was written"
+        assert_written(got[local], name)
+        assert_close(got[local], r[local], f"{label} {name}")
+
+
+@pytest.mark.parametrize("proj,per_slot", [("gate", False), ("down", True)])
+def test_moe_gemv_decode(rng, proj, per_slot):
+    start, count = 8, 16  # ids outside [8, 24) belong to another rank
+    cu, nu = both(moe_weights(rng, start=start, count=count))
+    ids = np.array([8, 30, 23, 0, 12, 17, 5, 9], dtype=np.int32)
+    local = (ids >= start) & (ids < start + count)
+    check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, f"moe_gemv {proj}")
 
 
 def test_moe_gate_up_act_decode(rng):
     cu, nu = both(moe_weights(rng, start=0, count=24))
     ids = rng.permutation(E)[:TOP_K].astype(np.int32)
-    local = ids < 24
-    x = rand_bf16(rng, (1, H), 3.0)
-    refs = [np.zeros((TOP_K, M), BF16) for _ in range(3)]
-    NP.moe_gate_up_act(x, nu, ids, 1.0, *refs)
-    outs = [poisoned((TOP_K, M), BF16) for _ in range(3)]
-    backend().moe_gate_up_act(dev(x), cu, dev(ids), 1.0, *outs)
-    for name, o, r in zip(("gate", "up", "act"), outs, refs):
-        got = host(o)
-        if name != "act":  # act rows of remote slots are unspecified
-            assert unwritten(got[~local]).all(), f"{name}: a remote slot was written"
-        assert_written(got[local], name)
-        assert_close(got[local], r[local], f"moe_gate_up_act {name}")
+    check_moe_gate_up_act(rng, cu, nu, ids, ids < 24, H, M, "moe_gate_up_act")
 
 
 def test_moe_decode_glm_shape(rng):
@@ -372,24 +381,6 @@ def test_moe_decode_ring(rng, monkeypatch, ring):
     cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count))
     ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
     local = (ids >= start) & (ids < start + count)
-    x = rand_bf16(rng, (1, h), 3.0)
-    refs = [np.zeros((TOP_K, m), BF16) for _ in range(3)]
-    NP.moe_gate_up_act(x, nu, ids, 1.0, *refs)
-    outs = [poisoned((TOP_K, m), BF16) for _ in range(3)]
-    backend().moe_gate_up_act(dev(x), cu, dev(ids), 1.0, *outs)
-    for name, o, r in zip(("gate", "up", "act"), outs, refs):
-        got = host(o)
-        if name != "act":
-            assert unwritten(got[~local]).all(), f"{name}: a remote slot was written"
-        assert_written(got[local], name)
-        assert_close(got[local], r[local], f"ring glu {name}")
-    for proj, per_slot, kin, n in (("gate", False, h, m), ("down", True, m, h)):
-        a = rand_bf16(rng, (TOP_K if per_slot else 1, kin))
-        ref = np.zeros((TOP_K, n), BF16)
-        NP.moe_gemv(a, getattr(nu, proj), nu, ids, ref, per_slot)
-        out = poisoned((TOP_K, n), BF16)
-        backend().moe_gemv(dev(a), getattr(cu, proj), cu, dev(ids), out, per_slot)
-        got = host(out)
-        assert unwritten(got[~local]).all(), f"{proj}: a remote slot was written"
-        assert_written(got[local], proj)
-        assert_close(got[local], ref[local], f"ring {proj}")
+    check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "ring glu")
+    for proj, per_slot in (("gate", False), ("down", True)):
+        check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, f"ring {proj}")
