@@ -101,9 +101,7 @@ class ExpertDispatch:
         perm_TK = ws.view("token_to_perm", t, k)
         be.sort_by_expert(ids_TK, self.cfg.num_experts, tok_S, eid_S, offsets, perm_TK)
         gate_SM, up_SM, act_SM = (ws.view(b, s, m) for b in ("a_gate", "a_up", "a_act"))
-        be.moe_gemm_sorted(x_TH, table.gate, table, tok_S, offsets, gate_SM, gather_rows=True)
-        be.moe_gemm_sorted(x_TH, table.up, table, tok_S, offsets, up_SM, gather_rows=True)
-        be.swiglu(gate_SM, up_SM, lim, act_SM)
+        be.moe_gate_up_act_sorted(x_TH, table, tok_S, offsets, lim, gate_SM, up_SM, act_SM)
         be.moe_gemm_sorted(act_SM, table.down, table, tok_S, offsets, routed_SH, gather_rows=False)
         return routed_SH, perm_TK
 

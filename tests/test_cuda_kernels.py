@@ -93,7 +93,7 @@ def test_combine(rng, t, with_shared, indexed):
 
 
 # ---- dense GEMV / cuBLAS ---------------------------------------------------------------------
-@pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 6, 7, 8, 20])
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 6, 7, 8, 20, 300])
 @pytest.mark.parametrize("n,k", [(200, 256), (64, 4096)])
 def test_linear(rng, t, n, k):
     x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
@@ -292,9 +292,11 @@ def test_moe_union(rng, r):
         assert_close(got[local], ref[local], f"union {proj} r={r}")
 
 
-@pytest.mark.parametrize("t", [1, 37])
+@pytest.mark.parametrize("t", [1, 37, 700, 4096])
 def test_sort_by_expert(rng, t):
+    """Stable and exact at every width: one chunk of slots, several, and a ragged last chunk."""
     ids = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(t)]).astype(np.int32)
+    ids[: t // 2, 0] = 5  # one expert far more popular than the rest
     ref = routing.sort_by_expert(ids, E)
     s = t * TOP_K
     bufs = [poisoned((s,), np.int32), poisoned((s,), np.int32), poisoned((E + 1,), np.int32),

@@ -1,8 +1,8 @@
 """Every dispatch path of the CUDA backend against the NumPy backend on the same weights.
 
-decode (1 row), each verify width 2..8 (union), prefill rows 20 and 300 (row groups of <= 8; the
-NumPy twin takes its grouped sorted path at 300), host dispatch, graph replay of a 1-row and a
-4-row stack step, two ranks on one GPU through the host-staged MPI communicator
+decode (1 row), each verify width 2..8 (union), prefill at 20 (row groups of <= 8), 300 and 2000
+rows (the grouped GEMM at or above the crossover lever, row groups below it), host dispatch, graph
+replay of a 1-row and a 4-row stack step, two ranks on one GPU through the host-staged MPI communicator
 (``mpiexec -n 2 python -m pytest -m "cuda and mpi" tests/test_cuda_paths.py``) and a 1-rank NCCL
 all-reduce.
 
@@ -114,12 +114,13 @@ def int_rows(rng, t):
     return rng.integers(-2, 3, (t, H)).astype(np.float32).astype(BF16)
 
 
-def single_rank(levers=PathLevers(), layer_types=("dense", "sparse"), router_dtype=np.float32, seed=7):
+def single_rank(levers=PathLevers(), layer_types=("dense", "sparse"), router_dtype=np.float32, seed=7,
+                max_rows=MAX_ROWS):
     m = model(layer_types)
     cfg = SiteConfig.for_rank(m, RankLayout(1, 0, 1, 1))
     weights = full_weights(seed, layer_types, router_dtype)
-    cuda = build_stack(backend(), SelfComm(), cfg, weights, levers)
-    ref = build_stack(NumpyBackend(), SelfComm(), cfg, weights, levers)
+    cuda = build_stack(backend(), SelfComm(), cfg, weights, levers, max_rows)
+    ref = build_stack(NumpyBackend(), SelfComm(), cfg, weights, levers, max_rows)
     return cuda, ref
 
 
@@ -136,6 +137,20 @@ def test_site_paths(stacks, rows, site):
     want = np.array(ref.site_output(site, x), copy=True)
     got = host(cuda.site_output(site, dev(x)))
     assert_close(got, want, f"site {site}, {rows} rows")
+
+
+@pytest.mark.parametrize("rows,min_rows", [(20, 9), (300, 128), (2000, 128), (2000, 10**6)],
+                         ids=["sorted-20", "sorted-300", "sorted-2000", "row-groups-2000"])
+def test_prefill_paths(rows, min_rows):
+    """Wide prefill through the grouped GEMM (sort by expert, one launch per projection, indexed
+    combine) at and above the crossover lever, and through row groups below it."""
+    levers = PathLevers(prefill_gemm_min_rows=min_rows)
+    cuda, ref = single_rank(levers, layer_types=("sparse",), seed=rows, max_rows=rows)
+    want_path = "sorted" if rows >= min_rows else "union"
+    assert cuda.sites[0].experts.path_for(rows) == want_path
+    x = int_rows(np.random.default_rng(rows), rows)
+    want = np.array(ref.site_output(0, x), copy=True)
+    assert_close(host(cuda.site_output(0, dev(x))), want, f"{rows} rows, {want_path} path")
 
 
 @pytest.mark.parametrize("rows", [1, 3])

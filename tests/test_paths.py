@@ -39,8 +39,9 @@ def _expected_paths(rows: int) -> dict[str, str]:
 def test_default_levers_choose_the_design_paths() -> None:
     model = tiny_model()
     d = build_stack(random_weights(model, seed=1), model, max_rows=300).sites[1].experts
-    assert [d.path_for(r) for r in (1, 2, 8, 9, 127)] == ["decode", "union", "union", "union", "union"]
-    assert [d.path_for(r) for r in (128, 300)] == ["sorted", "sorted"]
+    crossover = PathLevers().prefill_gemm_min_rows
+    assert [d.path_for(r) for r in (1, 2, 8, 9, crossover - 1)] == ["decode", "union", "union", "union", "union"]
+    assert [d.path_for(r) for r in (crossover, 300)] == ["sorted", "sorted"]
     # a union table holds rows * top_k <= 64 ids: at top-16 a group is at most 4 rows wide, so
     # 5 and 8 rows run as groups of 3 + 2 and 4 + 4
     wide = tiny_model(num_experts_per_tok=16)

@@ -143,3 +143,12 @@ class Backend(ABC):
         self.moe_gemv_union(a_RK, table.gate, table, u_eid_U, u_slot_UR, gate_RKM, per_slot_input=False)
         self.moe_gemv_union(a_RK, table.up, table, u_eid_U, u_slot_UR, up_RKM, per_slot_input=False)
         self.swiglu(gate_RKM, up_RKM, limit, act_RKM)
+
+    def moe_gate_up_act_sorted(self, x_TK: Any, table: Any, sorted_token_ids_S: Any, expert_offsets: Any,
+                               limit: float, gate_SM: Any, up_SM: Any, act_SM: Any) -> None:
+        """Prefill: gate, up and SwiGLU of the expert-sorted slots (token rows gathered through
+        ``sorted_token_ids``). ``act`` as the separate ops write it; ``gate``/``up`` are scratch a
+        fused backend may leave unwritten (each is still rounded to bf16 before the SwiGLU)."""
+        self.moe_gemm_sorted(x_TK, table.gate, table, sorted_token_ids_S, expert_offsets, gate_SM, gather_rows=True)
+        self.moe_gemm_sorted(x_TK, table.up, table, sorted_token_ids_S, expert_offsets, up_SM, gather_rows=True)
+        self.swiglu(gate_SM, up_SM, limit, act_SM)

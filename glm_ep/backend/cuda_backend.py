@@ -4,13 +4,13 @@
 |-------|--------------------------------------------|---------------------|--------------------------------------------|
 | 1     | GEMV; gate + up + SwiGLU fused             | GEMV, fp32 + top-k  | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
 | 2..8  | batch-M GEMV, one weight read for all rows | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns) |
-| > 8   | cuBLAS (bf16, fp32 accumulation)           | cuBLAS in fp32      | the dispatch's row groups of <= 8          |
+| > 8   | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | below the crossover: row groups of <= 8; at or above it: sort by expert, one grouped tensor-core GEMM per projection (gate + up + SwiGLU in one), indexed combine |
 
 Everything a step runs is queued on ``self.stream`` (non-blocking, made current at construction
 and around every op), writes into the caller's buffers, allocates nothing and never waits on the
 host for rows 1..8, so ``capture`` can record a whole decode or verify step as one CUDA graph.
-There is no grouped prefill GEMM yet (``has_grouped_gemm = False``): wide prefill runs the routed
-experts in row groups; ``moe_gemm_sorted`` is correct (one GEMV per sorted row) but slow.
+The wide prefill path (``sort_by_expert`` + ``moe_gemm_sorted``) sizes its grid from the slot
+count on the host and never reads device data back, like every other op.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _on_stream(op):
 
 class CudaBackend(Backend):
     name = "cuda"
-    has_grouped_gemm = False
+    has_grouped_gemm = True
     can_capture = True
 
     def __init__(self, device: int = 0):
@@ -164,21 +164,19 @@ class CudaBackend(Backend):
         if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
             K.gemv_bf16(x_TK, w_NK, out_TN)
         else:  # cuBLAS, bf16 operands, fp32 accumulation
-            self.xp.matmul(x_TK, w_NK.T, out=out_TN)
+            K.gemm_bf16(x_TK, w_NK, out_TN)
         return out_TN
 
     @_on_stream
     def router_logits(self, x_TH, router_EH, out_TE):
         if x_TH.shape[0] <= K.GEMV_MAX_ROWS:
             K.router_gemv(x_TH, router_EH, out_TE)
-        else:  # cuBLAS in fp32 (temporaries: the wide path is never captured)
+        elif router_EH.dtype == K.BF16:  # cuBLAS: bf16 products are exact in fp32, fp32 sums and out
+            K.gemm_bf16(x_TH, router_EH, out_TE)
+        else:  # an fp32 router: x upcast (a temporary: the wide path is never captured), fp32 GEMM
             x32 = self.xp.empty(x_TH.shape, dtype=np.float32)
             K.bf16_to_f32(x_TH, x32)
-            w32 = router_EH
-            if router_EH.dtype != K.F32:
-                w32 = self.xp.empty(router_EH.shape, dtype=np.float32)
-                K.bf16_to_f32(router_EH, w32)
-            self.xp.matmul(x32, w32.T, out=out_TE)
+            self.xp.matmul(x32, router_EH.T, out=out_TE)
         return out_TE
 
     @_on_stream
@@ -244,8 +242,13 @@ class CudaBackend(Backend):
 
     @_on_stream
     def moe_gemm_sorted(self, a, proj, table, sorted_token_ids_S, expert_offsets, out_SN, gather_rows):
-        NV.nvfp4_sorted_gemv(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, proj,
-                            table.start, table.count, out_SN)
+        NV.nvfp4_gemm_sorted(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, proj,
+                             table.start, table.count, out_SN)
+
+    @_on_stream
+    def moe_gate_up_act_sorted(self, x_TK, table, sorted_token_ids_S, expert_offsets, limit, gate_SM, up_SM, act_SM):
+        NV.nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, table.gate,
+                                 table.up, table.start, table.count, limit, act_SM)
 
     @_on_stream
     def expert_linear(self, a_1K, proj, table, local, out_1N):

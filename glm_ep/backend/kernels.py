@@ -53,6 +53,7 @@ DEFINES = {
     "COMBINE_THREADS": COMBINE_THREADS,
     "UNION_MAX_IDS": UNION_MAX_IDS,
     "ROUTER_MAX_TOP_K": ROUTER_MAX_TOP_K,
+    "SORT_THREADS": SORT_THREADS,
 }
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -150,6 +151,40 @@ def _i32(v: int) -> np.int32:
 
 def _i64(v: int) -> np.int64:
     return np.int64(v)
+
+
+# ---- cuBLAS GEMM (wider than the GEMV tiers) ---------------------------------------------------------
+_CUDA_R_32F, _CUDA_R_16BF = 0, 14  # cudaDataType_t
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta (pointer mode host)
+
+
+def _cublas() -> Any:
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError:  # older CuPy layouts
+        from cupy.cuda import cublas
+    return cublas
+
+
+def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any) -> None:
+    """``out = x @ w^T`` in ONE cuBLAS GemmEx call: bf16 operands (products exact in fp32), fp32
+    accumulation, ``out`` bf16 (rounded once) or fp32 (the router's logits), on the current stream.
+    Row-major as column-major: ``out^T [N, T] = w [N, K] @ x^T [K, T]``."""
+    import cupy
+
+    t, k = x_TK.shape
+    n = w_NK.shape[0]
+    _check("x", x_TK, BF16, 2), _check("w", w_NK, BF16, 2), _check_shape("w", w_NK, (n, k))
+    if out_TN.dtype not in (BF16, F32):
+        raise TypeError(f"out: dtype {out_TN.dtype}, expected bfloat16 or float32")
+    _check("out", out_TN, out_TN.dtype, 2), _check_shape("out", out_TN, (t, n))
+    if t == 0:
+        return
+    cb = _cublas()
+    cb.gemmEx(cupy.cuda.device.get_cublas_handle(), cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, t, k,
+              _ONE.ctypes.data, w_NK.data.ptr, _CUDA_R_16BF, k, x_TK.data.ptr, _CUDA_R_16BF, k,
+              _ZERO.ctypes.data, out_TN.data.ptr, _CUDA_R_16BF if out_TN.dtype == BF16 else _CUDA_R_32F, n,
+              cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
 
 
 # ---- bf16 GEMV (1..8 rows) -----------------------------------------------------------------------
@@ -307,4 +342,4 @@ def sort_by_expert(ids_TK: Any, num_experts: int, sorted_token_ids_S: Any, sorte
         _check(name, a, I32, 4), _check_shape(name, a, shape)
     _launch("moe_route.cu", "moe_sort_by_expert", (1, 1, 1), (SORT_THREADS, 1, 1),
             (ids_TK, _i32(t * k), _i32(k), _i32(num_experts), sorted_token_ids_S, sorted_expert_ids_S,
-             expert_offsets, token_to_perm_TK), smem=4 * num_experts)
+             expert_offsets, token_to_perm_TK), smem=4 * num_experts * (1 + SORT_THREADS // 32))

@@ -22,7 +22,6 @@
 //   nvfp4_mma_moe_glu           same, gate + up + clamped SwiGLU fused    grid (groups, slots)
 //   nvfp4_mma_moe_gemv_union    R = 2..8 rows, one sweep per union expert grid (groups, R*top_k)
 //   nvfp4_mma_moe_glu_union     same, gate + up + SwiGLU fused            grid (groups, R*top_k)
-//   nvfp4_mma_sorted_gemv       expert-sorted rows (prefill)              grid (groups, sorted)
 // A slot or union entry whose expert id is outside [start, start + count) leaves its output untouched.
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
@@ -287,25 +286,4 @@ nvfp4_mma_moe_glu_union(const bf16_t* __restrict__ x, long long x_row_stride, co
     mma_glu((const unsigned char*)gate_packed[e], (const unsigned char*)gate_scale[e], gate_scale2[e],
             (const unsigned char*)up_packed[e], (const unsigned char*)up_scale[e], up_scale2[e],
             sx >= 0 ? x + g * x_row_stride : nullptr, g2, u2, a2, N, K, ksplit, limit);
-}
-
-// Expert-sorted rows: row i belongs to the expert e with offsets[e] <= i < offsets[e + 1] and reads
-// x[sorted_token_ids[i]] (gather_rows) or x[i]; its output is out[i].
-extern "C" __global__ void __launch_bounds__(MMA_THREADS)
-nvfp4_mma_sorted_gemv(const bf16_t* __restrict__ x, int gather_rows, const int* __restrict__ sorted_token_ids,
-                      const int* __restrict__ expert_offsets, int num_experts, const u64_t* __restrict__ packed_ptrs,
-                      const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, int start, int count,
-                      bf16_t* __restrict__ out, int N, int K, int ksplit) {
-    const int i = blockIdx.y;
-    int lo = 0, hi = num_experts;  // the last expert whose range starts at or before i
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (expert_offsets[mid] <= i) lo = mid; else hi = mid - 1;
-    }
-    int e;
-    if (lo >= num_experts || !local_expert(lo, start, count, e)) return;
-    const size_t row = gather_rows ? (size_t)sorted_token_ids[i] : (size_t)i;
-    bf16_t* const o[2] = {writes_row0() ? out + (size_t)i * N : nullptr, nullptr};
-    mma_project((const unsigned char*)packed_ptrs[e], (const unsigned char*)scale_ptrs[e], scale2[e],
-                feeds_row0() ? x + row * K : nullptr, o, N, K, ksplit);
 }

@@ -24,28 +24,12 @@
 //       operands, x rounded to fp16, the block scale applied to each 16-k group's fp32 partial)
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
+#include "async_copy.cuh"
 
 #ifndef RING_WARPS
 #error "RING_WARPS is set by glm_ep/backend/kernels.py"
 #endif
 #define RING_THREADS (RING_WARPS * 32)
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned a;
-    asm("{\n\t.reg .u64 t;\n\tcvta.to.shared.u64 t, %1;\n\tcvt.u32.u64 %0, t;\n\t}" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // One slab (T steps of 128 k) of one warp's item. Weight piece j (16 bytes, chunk j of the slab) of
 // row r is stored at piece j ^ 4 (r & 1), so the quads of rows g and g + 1 read disjoint banks.

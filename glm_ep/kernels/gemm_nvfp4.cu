@@ -1,0 +1,352 @@
+// Grouped NVFP4 (W4A16) GEMM on the tensor cores: the prefill of the routed experts, every local
+// expert in ONE launch per projection, gate + up + clamped SwiGLU fused into one:
+//
+//   out[i, n] = bf16(scale_2[e] * sum_k x[row(i), k] * e2m1[n, k] * e4m3[n, k / 16])
+//
+// for the expert-sorted slots i of local expert e (expert_offsets[start + e] <= i < ...[start + e + 1]);
+// row(i) = sorted_token_ids[i] (gate/up gather the token rows) or i (down reads sorted activations).
+//
+// Tiles: a block computes BM sorted rows of ONE expert x BN weight rows (the fused GLU: BN / 2 gate
+// rows and the same BN / 2 up rows); BM = 16 MT, every warp covering all of them, BN = 32 per warp.
+// The variants (BM 16 / 32 / 64) let a width whose experts hold few rows each skip the mma work and
+// x staging of empty rows; the wrapper picks one from the expected rows per expert. blockIdx.x =
+// tile * n_blocks + n_block, so the blocks of one row tile sweep the weight rows back to back while
+// its x rows sit in L2. A block finds its (expert, row tile) by a scan of the local experts' tile
+// counts ceil(rows / BM); remote experts own no tiles, and blocks past the last tile return at once
+// (the grid is sized from the slot count on the host, so nothing waits on the device).
+//
+// Pipeline: STAGES shared-memory stages of BK k (x rows, packed weights, E4M3 scales)
+// filled by cp.async; x rows past the expert's last and weight rows past N are zero-filled.
+//
+// mma.sync m16n8k16 with A = x (16 rows) and B = weights (8 weight rows as the columns), fp32
+// accumulators. The k order inside an mma is free as long as A and B agree lane by lane: lane (g, t)
+// of a 32-k step takes the 8 consecutive k 8t .. 8t + 7 of its x rows (one 16-byte load per row) and
+// of its weight row (one 4-byte word of packed weights), the pairs (8t, 8t+1), (8t+2, 8t+3) feeding
+// the first mma and (8t+4, 8t+5), (8t+6, 8t+7) the second.
+//
+// Dequantization, exact: a nibble's sign goes to the bf16 sign bit and its three magnitude bits to
+// the two low exponent bits and the top mantissa bit, which reads e2m1 * 2^-126 (e2m1 0.5 lands on the
+// bf16 subnormal 2^-127); one bf16 multiply by the block scale held as e4m3 * 2^118 gives
+// e2m1 * e4m3 * 2^-8: at most 6 significant bits and inside bf16's normal range, so exact. The fp32
+// sums are scaled by scale_2 * 2^8 in the epilogue. No per-element float conversion.
+//
+// Entry points, one per GEMM_VARIANT below (grids computed in glm_ep/backend/nvfp4_kernels.py):
+//   nvfp4_gemm_sorted_m{BM}w{W}k{BK}       one projection                        grid (tiles * ceil(N / BN))
+//   nvfp4_gemm_sorted_glu_m{BM}w{W}k{BK}   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)))
+#include "common.cuh"
+#include "nvfp4_mma.cuh"
+#include "async_copy.cuh"
+
+#define GEMM_NT 4  // n8 tiles of a warp: 32 weight rows
+
+// One pipeline stage of a BM x BN tile, BK k. x chunk c (8 k) of row r sits at c ^ 4 (r & 1), so the
+// lane quads of rows g and g + 1 read disjoint banks; weight piece h (32 k, 16 bytes) of row n at
+// w_slot<BK>(n, h), so the 8 rows of an n8 tile read disjoint banks.
+template <int BM, int BN, int BK>
+struct GemmStage {
+    static_assert(BK == 64 || BK == 128, "a row's BK / 16 scale bytes are one 4- or 8-byte copy");
+    uint4 x[BM][BK / 8];
+    uint4 w[BN][BK / 32];
+    unsigned s[BN][BK / 64];  // the row's BK / 16 E4M3 scale bytes
+};
+
+// Rows per 128 bytes of packed weights: 256 / BK; rows n and n + that share banks, so their pieces rotate.
+template <int BK>
+__device__ __forceinline__ int w_slot(int n, int h) {
+    return h ^ ((n / (256 / BK)) % (BK / 32));
+}
+
+struct RowTile {
+    int e, row0, rows;  // local expert, first sorted row, rows (<= BM); e = -1: no tile
+};
+
+// Tile `tile` of the local experts' row tiles, in expert order (one warp scans, 32 experts a step;
+// no early exit, so the offset loads of every step are in flight together).
+template <int BM>
+__device__ __forceinline__ RowTile find_tile(const int* offsets, int start, int count, int tile) {
+    __shared__ RowTile found;
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        if (lane == 0) found.e = -1;
+        __syncwarp();
+        int before = 0;  // row tiles of the experts already scanned
+#pragma unroll 4
+        for (int base = 0; base < count; base += 32) {
+            const int e = base + lane;
+            int lo = 0, rows = 0;
+            if (e < count) {
+                lo = offsets[start + e];
+                rows = offsets[start + e + 1] - lo;
+            }
+            const int n = (rows + BM - 1) / BM;
+            int incl = n;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int v = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += v;
+            }
+            const int first = before + incl - n;
+            if (tile >= first && tile < first + n) {
+                const int r0 = (tile - first) * BM;
+                found = RowTile{e, lo + r0, min(BM, rows - r0)};
+            }
+            before += __shfl_sync(0xffffffffu, incl, 31);
+        }
+    }
+    __syncthreads();
+    return found;
+}
+
+// 8 nibbles (one word, k 2j in the low and 2j + 1 in the high nibble of byte j) times a block scale
+// held as a bf16 pair of e4m3 * 2^118: b[j] = (k 2j, k 2j + 1) as an exact bf16 pair.
+__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsigned (&b)[4]) {
+    const unsigned sh = q << 4;  // byte j's high nibble = q byte j's low nibble
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        // byte 1 <- sh byte j (element 2j in bits 12..15), byte 3 <- q byte j (element 2j + 1 in bits 28..31)
+        const unsigned r = prmt(q, sh, (unsigned)((4 + j) | ((4 + j) << 4) | (j << 8) | (j << 12)));
+        const unsigned v = (r & 0x80008000u) | ((r >> 6) & 0x01c001c0u);  // sign -> 15, magnitude -> 8..6
+        b[j] = fma_bf16x2(v, scale2x, 0x80008000u);                         // exact product (+ -0)
+    }
+}
+
+// An E4M3 byte as the bf16 pair (e4m3 * 2^118, e4m3 * 2^118): the bits shifted into an fp16 (e4m3 * 2^-8,
+// subnormals included), widened, scaled by 2^126 in fp32 (exact; zero stays zero).
+__device__ __forceinline__ unsigned scale_pair(unsigned byte) {
+    const unsigned h = ((byte & 0x80u) << 8) | ((byte & 0x7fu) << 7);
+    float lo, hi;
+    f16x2_to_f32(h, lo, hi);
+    return prmt(__float_as_uint(lo * 0x1p126f), 0u, 0x3232u);
+}
+
+// The block's K loop and its tile geometry: MT m16 tiles of x rows (BM = 16 MT, every warp covers
+// all of them), WARPS warps of 32 weight rows each (BN = 32 WARPS).
+template <int MT, int WARPS, int BK, int STAGES>
+struct Gemm {
+    static constexpr int BM = 16 * MT, BN = 32 * WARPS, THREADS = 32 * WARPS;
+    static constexpr int XC = BM * BK / 8 / THREADS;  // x copies per thread and stage
+    static constexpr int WC = BN * BK / 32 / THREADS;  // weight copies per thread and stage
+    static_assert(XC >= 1 && XC * THREADS == BM * BK / 8, "x copies split evenly");
+    static_assert(WC * THREADS == BN * BK / 32, "weight copies split evenly");
+    static_assert(STAGES >= 2, "a pipeline");
+    using Stage = GemmStage<BM, BN, BK>;
+
+    // Where this thread's copies come from (fixed for the block; k0 moves along).
+    const bf16_t* xsrc[XC];          // x row of each x copy (nullptr: zeros)
+    const unsigned char* wsrc[WC];   // weight row of each weight copy
+    const unsigned char* ssrc;       // scale row (THREADS == BN: one per thread)
+    static_assert(THREADS == BN, "one thread per weight row copies the stage's scales");
+
+    __device__ __forceinline__ void load_stage(Stage& st, const void* any, int k0) const {
+        const int tid = threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < XC; ++i) {
+            const int c = tid + i * THREADS, r = c / (BK / 8), ch = c % (BK / 8);
+            const bf16_t* p = xsrc[i];
+            cp_async16_zfill(smem_u32(&st.x[r][ch ^ ((r & 1) << 2)]), p ? p + k0 + 8 * ch : any, p != nullptr);
+        }
+#pragma unroll
+        for (int i = 0; i < WC; ++i) {
+            const int c = tid + i * THREADS, n = c / (BK / 32), h = c % (BK / 32);
+            const unsigned char* p = wsrc[i];
+            cp_async16_zfill(smem_u32(&st.w[n][w_slot<BK>(n, h)]), p ? p + k0 / 2 + 16 * h : any, p != nullptr);
+        }
+        if (BK == 64)
+            cp_async4_zfill(smem_u32(&st.s[tid][0]), ssrc ? ssrc + k0 / 16 : any, ssrc != nullptr);
+        else
+            cp_async8_zfill(smem_u32(&st.s[tid][0]), ssrc ? ssrc + k0 / 16 : any, ssrc != nullptr);
+    }
+
+    // One 32-k step of a warp: its 4 n8 tiles of weight rows wr[j] against all BM x rows.
+    static __device__ __forceinline__ void mma_step(const Stage& st, const int (&wr)[GEMM_NT], int kk,
+                                                    float (&acc)[MT][GEMM_NT][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        unsigned b[GEMM_NT][4];
+#pragma unroll
+        for (int j = 0; j < GEMM_NT; ++j) {
+            const int n = wr[j];
+            const unsigned q = reinterpret_cast<const unsigned*>(&st.w[n][w_slot<BK>(n, kk)])[t];
+            const int grp = 2 * kk + (t >> 1);  // the 16-k scale group of k 32 kk + 8 t
+            dequant_word(q, scale_pair((st.s[n][grp >> 2] >> (8 * (grp & 3))) & 0xffu), b[j]);
+        }
+        const int ch = (4 * kk + t) ^ ((g & 1) << 2);  // rows g and g + 8 share the swizzle
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const uint4 lo = st.x[16 * i + g][ch], hi = st.x[16 * i + g + 8][ch];
+#pragma unroll
+            for (int j = 0; j < GEMM_NT; ++j) {
+                mma_bf16(acc[i][j], lo.x, hi.x, lo.y, hi.y, b[j][0], b[j][1]);
+                mma_bf16(acc[i][j], lo.z, hi.z, lo.w, hi.w, b[j][2], b[j][3]);
+            }
+        }
+    }
+
+    // Tile row n of half h (n in [h BN/2, (h + 1) BN/2)) is weight row n - h BN/2 of wbase[h] /
+    // sbase[h]; rows at or past n_valid[h] of a half are zero-filled. x rows come through token_ids
+    // (nullptr: the sorted rows themselves).
+    __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
+                                        const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
+                                        const int (&n_valid)[2], int K, const int (&wr)[GEMM_NT],
+                                        float (&acc)[MT][GEMM_NT][4]) {
+        Stage* st = reinterpret_cast<Stage*>(dyn_smem);
+        const int tid = threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < XC; ++i) {
+            const int r = (tid + i * THREADS) / (BK / 8);
+            xsrc[i] = nullptr;
+            if (r < tile.rows)
+                xsrc[i] = x + (token_ids ? (size_t)token_ids[tile.row0 + r] : (size_t)(tile.row0 + r)) * K;
+        }
+#pragma unroll
+        for (int i = 0; i < WC; ++i) {
+            const int n = (tid + i * THREADS) / (BK / 32), rn = n % (BN / 2);
+            const bool hi = n >= BN / 2;  // selects, not an index: the pointers stay in registers
+            wsrc[i] = rn < (hi ? n_valid[1] : n_valid[0]) ? (hi ? wbase[1] : wbase[0]) + (size_t)rn * (K >> 1) : nullptr;
+        }
+        {
+            const int rn = tid % (BN / 2);
+            const bool hi = tid >= BN / 2;
+            ssrc = rn < (hi ? n_valid[1] : n_valid[0]) ? (hi ? sbase[1] : sbase[0]) + (size_t)rn * (K >> 4) : nullptr;
+        }
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < GEMM_NT; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
+        const int kblocks = K / BK;
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < kblocks) load_stage(st[s], x, s * BK);
+            cp_async_commit();
+        }
+        for (int kb = 0; kb < kblocks; ++kb) {
+            cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
+            __syncthreads();              // ... everyone's, and stage kb - 1 is free again
+            const int next = kb + STAGES - 1;
+            if (next < kblocks) load_stage(st[next % STAGES], x, next * BK);
+            cp_async_commit();
+            const Stage& cur = st[kb % STAGES];
+#pragma unroll
+            for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, acc);
+        }
+        cp_async_wait<0>();
+    }
+};
+
+template <int MT, int WARPS, int BK, int STAGES>
+__device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,
+                                            const int* __restrict__ expert_offsets, const u64_t* __restrict__ packed_ptrs,
+                                            const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2,
+                                            int start, int count, bf16_t* __restrict__ out, int N, int K, int n_blocks) {
+    using G = Gemm<MT, WARPS, BK, STAGES>;
+    const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks);
+    if (tile.e < 0) return;
+    const int half = G::BN / 2, n0 = (blockIdx.x % n_blocks) * G::BN;
+    const unsigned char* packed = (const unsigned char*)packed_ptrs[tile.e];
+    const unsigned char* scale = (const unsigned char*)scale_ptrs[tile.e];
+    const unsigned char* const wb[2] = {packed + (size_t)n0 * (K >> 1), packed + (size_t)(n0 + half) * (K >> 1)};
+    const unsigned char* const sb[2] = {scale + (size_t)n0 * (K >> 4), scale + (size_t)(n0 + half) * (K >> 4)};
+    const int valid[2] = {N - n0, N - n0 - half};
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int wr[GEMM_NT];
+#pragma unroll
+    for (int j = 0; j < GEMM_NT; ++j) wr[j] = 32 * warp + 8 * j + g;
+    float acc[MT][GEMM_NT][4];
+    G gemm;
+    gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, acc);
+    const float f = scale2[tile.e] * 256.0f;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of m16 tile i
+            const int r = 16 * i + g + 8 * h;
+            if (r >= tile.rows) continue;
+            bf16_t* o = out + (size_t)(tile.row0 + r) * N;
+#pragma unroll
+            for (int j = 0; j < GEMM_NT; ++j) {
+                const int n = n0 + 32 * warp + 8 * j + 2 * t;
+                if (n >= N) continue;
+                const unsigned pair = (unsigned)f32_to_bf16(acc[i][j][2 * h] * f) |
+                                      ((unsigned)f32_to_bf16(acc[i][j][2 * h + 1] * f) << 16);
+                *reinterpret_cast<unsigned*>(o + n) = pair;
+            }
+        }
+}
+
+template <int MT, int WARPS, int BK, int STAGES>
+__device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,
+                                                const int* __restrict__ expert_offsets,
+                                                const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale,
+                                                const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,
+                                                const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2,
+                                                int start, int count, bf16_t* __restrict__ act, int N, int K,
+                                                int n_blocks, float limit) {
+    using G = Gemm<MT, WARPS, BK, STAGES>;
+    const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks);
+    if (tile.e < 0) return;
+    const int half = G::BN / 2, n0 = (blockIdx.x % n_blocks) * half;  // tile rows [0, half): gate, then up
+    const unsigned char* const wb[2] = {(const unsigned char*)gate_packed[tile.e] + (size_t)n0 * (K >> 1),
+                                        (const unsigned char*)up_packed[tile.e] + (size_t)n0 * (K >> 1)};
+    const unsigned char* const sb[2] = {(const unsigned char*)gate_scale[tile.e] + (size_t)n0 * (K >> 4),
+                                        (const unsigned char*)up_scale[tile.e] + (size_t)n0 * (K >> 4)};
+    const int valid[2] = {N - n0, N - n0};
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int wr[GEMM_NT];  // n8 tiles 0, 1: gate rows; 2, 3: the same up rows
+#pragma unroll
+    for (int j = 0; j < GEMM_NT; ++j) wr[j] = (j >> 1) * half + 16 * warp + 8 * (j & 1) + g;
+    float acc[MT][GEMM_NT][4];
+    G gemm;
+    gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, acc);
+    const float fg = gate_scale2[tile.e] * 256.0f, fu = up_scale2[tile.e] * 256.0f;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = 16 * i + g + 8 * h;
+            if (r >= tile.rows) continue;
+            bf16_t* o = act + (size_t)(tile.row0 + r) * N;
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int n = n0 + 16 * warp + 8 * j + 2 * t;
+                if (n >= N) continue;
+                unsigned pair = 0;
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float gv = round_bf16(acc[i][j][2 * h + c] * fg), uv = round_bf16(acc[i][j + 2][2 * h + c] * fu);
+                    pair |= (unsigned)swiglu_one(gv, uv, limit) << (16 * c);
+                }
+                *reinterpret_cast<unsigned*>(o + n) = pair;
+            }
+        }
+}
+
+// The variants: nvfp4_gemm_sorted[_glu]_m{BM}w{WARPS}k{BK}, STAGES stages.
+#define GEMM_VARIANT(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS)                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) nvfp4_gemm_sorted_m##BM##w##WARPS##k##BK( \
+        const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,                                  \
+        const int* __restrict__ expert_offsets, const u64_t* __restrict__ packed_ptrs,                           \
+        const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, int start, int count,             \
+        bf16_t* __restrict__ out, int N, int K, int n_blocks) {                                                   \
+        gemm_sorted<MT, WARPS, BK, STAGES>(x, sorted_token_ids, expert_offsets, packed_ptrs, scale_ptrs, scale2,  \
+                                           start, count, out, N, K, n_blocks);                                    \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                                          \
+        nvfp4_gemm_sorted_glu_m##BM##w##WARPS##k##BK(                                                             \
+            const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,                              \
+            const int* __restrict__ expert_offsets, const u64_t* __restrict__ gate_packed,                       \
+            const u64_t* __restrict__ gate_scale, const float* __restrict__ gate_scale2,                          \
+            const u64_t* __restrict__ up_packed, const u64_t* __restrict__ up_scale,                             \
+            const float* __restrict__ up_scale2, int start, int count, bf16_t* __restrict__ act, int N, int K,    \
+            int n_blocks, float limit) {                                                                          \
+        gemm_sorted_glu<MT, WARPS, BK, STAGES>(x, sorted_token_ids, expert_offsets, gate_packed, gate_scale,     \
+                                               gate_scale2, up_packed, up_scale, up_scale2, start, count, act, N, \
+                                               K, n_blocks, limit);                                               \
+    }
+
+// Keep in step with GEMM_VARIANTS in glm_ep/backend/nvfp4_kernels.py.
+GEMM_VARIANT(16, 1, 4, 64, 4, 4)
+GEMM_VARIANT(32, 2, 4, 64, 4, 3)
+GEMM_VARIANT(64, 4, 4, 64, 4, 3)
+GEMM_VARIANT(64, 4, 8, 64, 4, 2)
+GEMM_VARIANT(64, 4, 4, 128, 3, 2)

@@ -1,0 +1,197 @@
+"""The grouped NVFP4 prefill GEMM (``gemm_nvfp4.cu``) against its NumPy twin.
+
+Fresh random inputs, poisoned outputs: every row of a local expert must be written, every row of
+a remote expert left untouched. Expert row counts are ragged on purpose (0, 1, 17, 300 rows and a
+random rest), the projection shapes are gate/up ``[M, H]`` and down ``[H, M]`` (the GLM-5.3-Flash
+shape too), and EP > 1 is a ``start``/``count`` window of the expert table. The dequantization is
+held bit-exact on one-hot rows over every nibble and E4M3 scale byte (zero and subnormal included).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+from _cuda import BF16, assert_close, assert_written, backend, dev, host, poisoned, requires_cuda, unwritten
+
+from glm_ep import routing
+from glm_ep.backend import nvfp4_kernels as nvk
+from glm_ep.backend.numpy_backend import NumpyBackend
+from glm_ep.nvfp4 import Nvfp4Weight
+from glm_ep.weights import ExpertWeights, MoeWeights
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+H, M, E, TOP_K = 256, 128, 32, 8
+NP = NumpyBackend()
+RAGGED = {3: 300, 11: 17, 20: 1, 27: 0}  # expert -> rows that choose it
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def rand_bf16(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(BF16)
+
+
+def random_nvfp4(rng, n, k):
+    """Random nibbles, E4M3 block scales in [2^-4, 2) (never NaN), scale_2 ~ 1/k."""
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scale = rng.integers(0x28, 0x40, (n, k // 16), dtype=np.uint8)
+    return Nvfp4Weight(packed, scale.view(E4M3), float(rng.uniform(0.5, 2.0) / k))
+
+
+def weights(rng, h=H, m=M, start=0, count=E):
+    experts = tuple(ExpertWeights(random_nvfp4(rng, m, h), random_nvfp4(rng, m, h), random_nvfp4(rng, h, m))
+                    for _ in range(count))
+    return MoeWeights(np.zeros((E, h), np.float32), np.zeros(E, np.float32), start, experts, None)
+
+
+def ragged_ids(rng, t=320):
+    """[t, TOP_K] distinct ids per row where expert e is chosen by exactly RAGGED[e] rows."""
+    rest = np.array([e for e in range(E) if e not in RAGGED])
+    rows = []
+    for r in range(t):
+        fixed = [e for e, n in RAGGED.items() if r < n]
+        fill = rng.choice(rest, TOP_K - len(fixed), replace=False)
+        rows.append(rng.permutation(np.concatenate([fixed, fill])))
+    ids = np.array(rows, dtype=np.int32)
+    counts = np.bincount(ids.ravel(), minlength=E)
+    assert all(counts[e] == n for e, n in RAGGED.items())
+    return ids
+
+
+def both(w):
+    return backend().upload_moe(w).experts, NP.upload_moe(w).experts
+
+
+def sorted_route(ids):
+    srt = routing.sort_by_expert(ids, E)
+    return srt, dev(srt.sorted_token_ids), dev(srt.expert_offsets)
+
+
+def check_rows(got, ref, local, what):
+    assert unwritten(got[~local]).all(), f"{what}: a row of a remote expert was written"
+    assert_written(got[local], what)
+    assert_close(got[local], ref[local], what)
+
+
+@pytest.mark.parametrize("start,count", [(0, E), (8, 16), (0, 4)], ids=["ep1", "ep-window", "ep-head"])
+@pytest.mark.parametrize("proj", ["gate", "up", "down"])
+def test_gemm_sorted_ragged(rng, start, count, proj):
+    cu, nu = both(weights(rng, start=start, count=count))
+    ids = ragged_ids(rng)
+    t, s = ids.shape[0], ids.size
+    srt, tok, offsets = sorted_route(ids)
+    local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
+    gather = proj != "down"
+    a = rand_bf16(rng, (t, H)) if gather else rand_bf16(rng, (s, M))
+    n = getattr(nu, proj)[0].shape[0]
+    ref = np.zeros((s, n), BF16)
+    NP.moe_gemm_sorted(a, getattr(nu, proj), nu, srt.sorted_token_ids, srt.expert_offsets, ref, gather)
+    out = poisoned((s, n), BF16)
+    backend().moe_gemm_sorted(dev(a), getattr(cu, proj), cu, tok, offsets, out, gather)
+    check_rows(host(out), ref, local, f"grouped {proj} [{start}, {start + count})")
+
+
+@pytest.mark.parametrize("start,count", [(0, E), (8, 16)], ids=["ep1", "ep-window"])
+def test_gemm_sorted_glu(rng, start, count):
+    cu, nu = both(weights(rng, start=start, count=count))
+    ids = ragged_ids(rng)
+    t, s = ids.shape[0], ids.size
+    srt, tok, offsets = sorted_route(ids)
+    local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
+    x = rand_bf16(rng, (t, H), 4.0)  # large enough that the swiglu limit clamps some values
+    gate, up, ref = (np.zeros((s, M), BF16) for _ in range(3))
+    NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, ref)
+    act = poisoned((s, M), BF16)
+    scratch = [poisoned((s, M), BF16) for _ in range(2)]
+    backend().moe_gate_up_act_sorted(dev(x), cu, tok, offsets, 2.0, *scratch, act)
+    check_rows(host(act), ref, local, "grouped gate + up + SwiGLU")
+
+
+def test_gemm_dequant_bit_exact(rng):
+    """One-hot rows pick single weights: out[i, n] must equal the NumPy dequantization of w[n, i]
+    rounded to bf16, bit for bit, over all 16 nibbles and all non-NaN E4M3 scale bytes."""
+    n, k = 128, 256
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scale = rng.choice(np.setdiff1d(np.arange(256), [0x7F, 0xFF]), (n, k // 16)).astype(np.uint8)
+    scale[:, :4] = np.arange(4 * n).reshape(n, 4) % 0x7F  # every positive byte: 0, subnormals, normals
+    w = Nvfp4Weight(packed, scale.view(E4M3), 3.0e-3)
+    table = MoeWeights(np.zeros((1, k), np.float32), np.zeros(1, np.float32), 0, (ExpertWeights(w, w, w),), None)
+    cu, nu = both(table)
+    x = np.eye(k, dtype=np.float32).astype(BF16)  # sorted row i = e_i
+    tok = np.arange(k, dtype=np.int32)
+    offsets = np.array([0, k], dtype=np.int32)
+    ref = np.zeros((k, n), BF16)
+    NP.moe_gemm_sorted(x, nu.gate, nu, tok, offsets, ref, False)
+    out = poisoned((k, n), BF16)
+    backend().moe_gemm_sorted(dev(x), cu.gate, cu, dev(tok), dev(offsets), out, False)
+    got = host(out)
+    assert_written(got, "one-hot rows")
+    bad = got.view(np.uint16) != ref.view(np.uint16)
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size} dequantized weights differ (first at {np.argwhere(bad)[0]})"
+
+
+def test_gemm_sorted_glm_shape(rng):
+    """The GLM-5.3-Flash projections (gate/up [2048, 4096], down [4096, 2048]): a few experts with
+    1, 70 and 0 rows, K past several pipeline wraps and N past many blocks."""
+    h, m, t = 4096, 2048, 71
+    cu, nu = both(weights(rng, h=h, m=m, start=0, count=3))
+    ids = np.full((t, TOP_K), 31, dtype=np.int32)  # expert 31: remote
+    ids[:70, 0] = 1
+    ids[70, 1] = 0
+    srt, tok, offsets = sorted_route(ids)
+    local = srt.sorted_expert_ids < 3
+    s = ids.size
+    x = rand_bf16(rng, (t, h))
+    gate, up, act_ref = (np.zeros((s, m), BF16) for _ in range(3))
+    NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 7.0, gate, up, act_ref)
+    act = poisoned((s, m), BF16)
+    backend().moe_gate_up_act_sorted(dev(x), cu, tok, offsets, 7.0, poisoned((s, m), BF16),
+                                     poisoned((s, m), BF16), act)
+    check_rows(host(act), act_ref, local, "GLM-shape gate + up + SwiGLU")
+    ref = np.zeros((s, h), BF16)
+    NP.moe_gemm_sorted(act_ref, nu.down, nu, srt.sorted_token_ids, srt.expert_offsets, ref, False)
+    out = poisoned((s, h), BF16)
+    backend().moe_gemm_sorted(dev(act_ref), cu.down, cu, tok, offsets, out, False)
+    check_rows(host(out), ref, local, "GLM-shape down")
+
+
+@pytest.mark.parametrize("variant", nvk.GEMM_VARIANTS, ids=lambda v: nvk.GemmGeometry.of(v).suffix)
+def test_gemm_variants(rng, variant):
+    """Every (rows per tile, warps) variant, whatever width would pick it: gate/up/SwiGLU fused and
+    down, ragged experts, an EP window."""
+    start, count = 4, 24
+    cu, nu = both(weights(rng, start=start, count=count))
+    ids = ragged_ids(rng)
+    t, s = ids.shape[0], ids.size
+    srt, tok, offsets = sorted_route(ids)
+    local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
+    x = rand_bf16(rng, (t, H), 4.0)
+    gate, up, act_ref = (np.zeros((s, M), BF16) for _ in range(3))
+    NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
+    act = poisoned((s, M), BF16)
+    with backend().stream:
+        nvk.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu.gate, cu.up, start, count, 2.0, act, variant=variant)
+    check_rows(host(act), act_ref, local, f"glu {variant}")
+    ref = np.zeros((s, H), BF16)
+    NP.moe_gemm_sorted(act_ref, nu.down, nu, srt.sorted_token_ids, srt.expert_offsets, ref, False)
+    out = poisoned((s, H), BF16)
+    with backend().stream:
+        nvk.nvfp4_gemm_sorted(dev(act_ref), False, tok, offsets, E, cu.down, start, count, out, variant=variant)
+    check_rows(host(out), ref, local, f"down {variant}")
+
+
+def test_gemm_variant_choice():
+    """Few rows per expert take the 16-row tiles, many the 64-row ones; every default is built."""
+    assert nvk.gemm_variant(16 * TOP_K, 288)[0] == 16
+    assert nvk.gemm_variant(4096 * TOP_K, 288)[0] == 64
+    assert set(nvk.GEMM_DEFAULT.values()) <= set(nvk.GEMM_VARIANTS)
+    with pytest.raises(ValueError, match="instantiates"):
+        nvk.GemmGeometry.of((48, 4, 64, 4))
