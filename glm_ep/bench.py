@@ -93,10 +93,14 @@ def dense_bytes(model: ModelConfig) -> int:
 
 
 def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
-    from glm_ep.bench_gpu import run_bench  # needs CuPy
-
     if mpi_comm.Get_size() != 1:
         raise ConfigError(f"glm-ep bench runs on one rank (world 1), got {mpi_comm.Get_size()}")
+    if args.prefill:
+        from glm_ep.bench_prefill import run_prefill_bench  # needs CuPy
+
+        return run_prefill_bench(args)
+    from glm_ep.bench_gpu import run_bench  # needs CuPy
+
     return run_bench(args)
 
 

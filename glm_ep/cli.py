@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=0, help="stack layers to time (0: as many as fit)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
+    p.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
+    p.add_argument("--rows", type=int, nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096)")
     _layout_flags(p)
     return ap
 

@@ -2,10 +2,10 @@
 # Everything the GPU issues ask for, in one call on the device machine (repository root):
 #   bash tools/device_check.sh [OUT_DIR] [--no-bench]
 # 1. the CUDA kernel/path tests and the 2-rank test (tools/cuda_check.sh);
-# 2. glm-ep forward --backend cuda against --backend cpu at 1, 5 and 300 rows, on one rank and on
+# 2. glm-ep forward --backend cuda against --backend cpu at 1, 5, 300 and 2000 rows, on one rank and on
 #    two ranks sharing the GPU (MPI all-reduce), on a synthetic checkpoint;
 # 3. glm-ep run --backend cuda (PASS/FAIL against float64);
-# 4. glm-ep bench -> docs/perf (copied to OUT_DIR).
+# 4. glm-ep bench (decode, verify) and glm-ep bench --prefill -> docs/perf (copied to OUT_DIR).
 set -uo pipefail
 OUT_DIR="${1:-./device_out}"; shift || true
 mkdir -p "$OUT_DIR"
@@ -18,7 +18,7 @@ bash tools/cuda_check.sh "$OUT_DIR" >"$OUT_DIR/cuda_check.log" 2>&1 || status=$?
 grep -E "^== |passed|failed|error" "$OUT_DIR/cuda_check.log" | tail -20
 W=$(mktemp -d)
 $PY -m glm_ep synth --preset tiny --out "$W/tiny" >/dev/null || status=1
-for rows in 1 5 300; do
+for rows in 1 5 300 2000; do
     $PY tools/make_input.py "$W/in$rows.safetensors" --rows $rows --hidden 128 --seed $rows
     $PY -m glm_ep forward --model "$W/tiny" --input "$W/in$rows.safetensors" --output "$W/cpu$rows.safetensors" \
         --backend cpu 2>>"$OUT_DIR/forward.log" || status=1
@@ -36,11 +36,15 @@ $PY -m glm_ep run --backend cuda --cache-dir "$W" --model "$W/tiny" 2>"$OUT_DIR/
 if [ "${1:-}" != "--no-bench" ]; then
     note "bench"
     $PY -m glm_ep bench --out docs/perf 2>"$OUT_DIR/bench.log" || status=1
-    cp docs/perf/* "$OUT_DIR/" 2>/dev/null
     tail -5 "$OUT_DIR/bench.log"
+    note "bench --prefill"
+    $PY -m glm_ep bench --prefill --out docs/perf 2>"$OUT_DIR/prefill.log" || status=1
+    tail -5 "$OUT_DIR/prefill.log"
+    cp docs/perf/* "$OUT_DIR/" 2>/dev/null
 fi
 note "exit $status"
 if [ -n "${OUT:-}" ]; then  # the device tool returns at most 8 files: pack the logs
-    tar czf "$OUT/logs.tgz" -C "$OUT_DIR" . && cp docs/perf/BENCH.md docs/perf/bench.json docs/perf/bench.png "$OUT/" 2>/dev/null
+    tar czf "$OUT/logs.tgz" -C "$OUT_DIR" . && cp docs/perf/BENCH.md docs/perf/bench.json docs/perf/bench.png \
+        docs/perf/PREFILL.md docs/perf/prefill.json docs/perf/prefill.png "$OUT/" 2>/dev/null
 fi
 exit $status

@@ -1,0 +1,268 @@
+"""``glm-ep bench --prefill``: wide calls (prefill) at the GLM-5.3-Flash shape, one H200, against the
+PyTorch peers measured in the SAME run (``bench_prefill_peer``).
+
+For each width: the sparse site (the path the dispatch picks; the row-group and grouped-GEMM paths
+forced), the routed-expert GEMMs alone (sort + grouped gate/up/SwiGLU + grouped down, in TFLOP/s
+next to the measured bf16 GEMM rate), the dense site, the shared expert and the router; the peers:
+HF transformers' ``Glm5NextTextMoE`` (fastest experts implementation), ``Glm5NextTextMLP``,
+``torch._grouped_mm`` on bf16 experts and the HF router. A sweep of the two routed paths gives the
+crossover the ``prefill_gemm_min_rows`` lever is set from. Synthetic weights made on the GPU;
+every figure a median over repeats after warm-up. Writes PREFILL.md, prefill.json, prefill.png.
+Shape suffixes: T rows, H hidden, K top-k, M moe width, S = T*K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import ml_dtypes
+
+from glm_ep.backend import nvfp4_kernels as NV
+from glm_ep.bench import bench_meta, copy_bandwidth, dense_bytes, glm_model, time_median, world1_cfg
+from glm_ep.bench_gpu import _bf16, gpu_dense, gpu_moe
+from glm_ep.comm import SelfComm
+from glm_ep.experts import ExpertDispatch
+from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
+from glm_ep.topology import PathLevers
+from glm_ep.workspace import Workspace
+
+log = logging.getLogger(__name__)
+BF16 = ml_dtypes.bfloat16
+WIDTHS = (16, 64, 128, 256, 1024, 4096)
+SWEEP = (9, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+UNION_MAX_TIMED = 1024  # the row-group path is timed up to this width (it is the slow one past it)
+
+
+def _iters(rows: int) -> int:
+    return max(2, min(40, 8192 // rows))
+
+
+def crossover(sweep: list[dict[str, Any]]) -> int | None:
+    """The smallest swept width from which the grouped GEMM is never slower than row groups."""
+    best = None
+    for r in reversed(sweep):
+        if r["sorted_us"] > r["union_us"]:
+            break
+        best = r["rows"]
+    return best
+
+
+def run_prefill_bench(args: argparse.Namespace) -> int:
+    import cupy as cp
+
+    from glm_ep.backend.cuda_backend import CudaBackend
+
+    model = glm_model()
+    cfg = world1_cfg(model)
+    widths = sorted(set(args.rows or WIDTHS))
+    max_rows = max(widths + list(SWEEP))
+    be = CudaBackend(0)
+    stream = be.stream
+    device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    copy_gbs = copy_bandwidth(cp, stream)
+    h, m, k = model.hidden_size, model.moe_intermediate_size, model.num_experts_per_tok
+    with stream:
+        moe = be.upload_moe(gpu_moe(cp, model))
+        dense = be.upload_dense(gpu_dense(cp, model.intermediate_size, h))
+    ws = Workspace(cp, cfg, max_rows)
+    out = cp.empty((max_rows, h), dtype=BF16)
+    comm = SelfComm()
+
+    def sparse(levers: PathLevers) -> MoeSite:
+        return MoeSite(be, comm, cfg, moe, ExpertDispatch(be, cfg, levers))
+
+    site, union_site, sorted_site = sparse(PathLevers()), sparse(PathLevers(prefill_gemm=False)), \
+        sparse(PathLevers(prefill_gemm_min_rows=9))
+    dense_site = DenseSite(be, comm, cfg, dense)
+
+    def t(fn: Callable[[], Any], rows: int) -> float:
+        return time_median(cp, stream, fn, iters=_iters(rows), warmup=2, repeats=5)
+
+    results: dict[str, Any] = {"widths": [], "sweep": []}
+    for rows in SWEEP:
+        x = _bf16(cp, (rows, h), 1.0)
+        o = out[:rows]
+        results["sweep"].append({"rows": rows, "union_us": t(lambda: union_site(x, ws, o), rows),
+                                 "sorted_us": t(lambda: sorted_site(x, ws, o), rows)})
+        log.info("sweep %s", results["sweep"][-1])
+    for rows in widths:
+        x = _bf16(cp, (rows, h), 1.0)
+        o = out[:rows]
+        r: dict[str, Any] = {"rows": rows, "path": site.experts.path_for(rows)}
+        r["variant"] = NV.GemmGeometry.of(NV.gemm_variant(rows * k, model.n_routed_experts)).suffix
+        r["sparse_us"] = t(lambda: site(x, ws, o), rows)
+        r["sparse_sorted_us"] = t(lambda: sorted_site(x, ws, o), rows)
+        if rows <= UNION_MAX_TIMED:
+            r["sparse_union_us"] = t(lambda: union_site(x, ws, o), rows)
+        # the routed-expert GEMMs alone, on this width's routing
+        ids_TK, _ = site.route(x, ws)
+        s = rows * k
+        tok, eid, offsets = ws.view("sorted_token_ids", s), ws.view("sorted_expert_ids", s), \
+            ws.view("expert_offsets", model.n_routed_experts + 1)
+        perm = ws.view("token_to_perm", rows, k)
+        gate, up, act = (ws.view(b, s, m) for b in ("a_gate", "a_up", "a_act"))
+        routed = ws.view("expert_out", s, h)
+        r["sort_us"] = t(lambda: be.sort_by_expert(ids_TK, model.n_routed_experts, tok, eid, offsets, perm), rows)
+        r["glu_us"] = t(lambda: be.moe_gate_up_act_sorted(x, moe.experts, tok, offsets, cfg.swiglu_limit, gate, up,
+                                                          act), rows)
+        r["down_us"] = t(lambda: be.moe_gemm_sorted(act, moe.experts.down, moe.experts, tok, offsets, routed, False),
+                         rows)
+        r["gemm_tflops"] = 6 * s * m * h / ((r["glu_us"] + r["down_us"]) * 1e-6) / 1e12
+        r["variants"] = {}
+        for v in NV.GEMM_VARIANTS:  # every tile shape on this width: the evidence for gemm_variant
+            with stream:
+                glu = t(lambda: NV.nvfp4_gemm_sorted_glu(x, tok, offsets, model.n_routed_experts, moe.experts.gate,
+                                                         moe.experts.up, 0, model.n_routed_experts,
+                                                         cfg.swiglu_limit, act, variant=v), rows)
+                down = t(lambda: NV.nvfp4_gemm_sorted(act, False, tok, offsets, model.n_routed_experts,
+                                                      moe.experts.down, 0, model.n_routed_experts, routed,
+                                                      variant=v), rows)
+            r["variants"][NV.GemmGeometry.of(v).suffix] = [glu, down]
+        r["dense_us"] = t(lambda: dense_site(x, ws, o), rows)
+        r["shared_us"] = t(lambda: clamped_swiglu_mlp(be, moe.shared, cfg.swiglu_limit, x, ws, o), rows)
+        r["router_us"] = t(lambda: site.route(x, ws), rows)
+        results["widths"].append(r)
+        log.info("glm_ep %s", r)
+    del ws, out
+    cp.get_default_memory_pool().free_all_blocks()
+    peers = _peer_rows(model, widths, args) if args.peer else {"note": "peers skipped (--no-peer)"}
+    meta = bench_meta(device, copy_gbs)
+    meta.update(gemm_tflops=peers.get("gemm_tflops"), dense_floor_us=dense_bytes(model) / (copy_gbs * 1e9) * 1e6,
+                crossover=crossover(results["sweep"]), peer_note=peers.get("note", ""))
+    for r in results["widths"]:
+        r.update(peers.get(r["rows"], {}))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "prefill.json").write_text(json.dumps({"meta": meta, **results}, indent=2) + "\n")
+    (out_dir / "PREFILL.md").write_text(render(meta, results))
+    plot(out_dir, meta, results)
+    print((out_dir / "PREFILL.md").read_text())
+    return 0
+
+
+def _peer_rows(model: Any, widths: list[int], args: argparse.Namespace) -> dict[Any, Any]:
+    """Peer timings by width (plus the measured bf16 GEMM rate); a note where a peer cannot run."""
+    try:
+        import torch
+
+        from glm_ep import bench_prefill_peer as P
+    except ImportError as e:
+        return {"note": f"no PyTorch peer ({e})"}
+    res: dict[Any, Any] = {"gemm_tflops": P.bf16_gemm_tflops()}
+    why = P.hf_available()
+    if why:
+        res["note"] = f"HF transformers' glm5_next is not importable here ({why})"
+        return res
+    h = model.hidden_size
+    mlp, shared, router = P.hf_mlp(model, model.intermediate_size), P.hf_mlp(model, model.shared_intermediate), \
+        P.torch_router(model)
+    moe = P.hf_moe(model)
+    for rows in widths:
+        x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
+        r: dict[str, Any] = {}
+        for impl, widest in P.EXPERTS_IMPLS.items():
+            if rows > widest:
+                continue
+            P.set_experts_impl(moe, impl)
+            try:
+                r[f"hf_moe_{impl}_us"] = P.torch_time_us(lambda: moe(x), iters=_iters(rows))
+            except torch.OutOfMemoryError:
+                r[f"hf_moe_{impl}_us"] = None
+            torch.cuda.empty_cache()
+        timed = {i: r[f"hf_moe_{i}_us"] for i in P.EXPERTS_IMPLS if r.get(f"hf_moe_{i}_us")}
+        r["hf_moe_best"] = min(timed, key=timed.get)
+        r["hf_moe_us"] = timed[r["hf_moe_best"]]
+        r["hf_mlp_us"] = P.torch_time_us(lambda: mlp(x), iters=_iters(rows))
+        r["hf_shared_us"] = P.torch_time_us(lambda: shared(x), iters=_iters(rows))
+        r["torch_router_us"] = P.torch_time_us(lambda: router(x), iters=_iters(rows))
+        r["grouped_mm_us"] = P.torch_time_us(P.grouped_mm_experts(moe, model, x), iters=_iters(rows))
+        res[rows] = r
+        log.info("peers %d rows: %s", rows, r)
+    return res
+
+
+def _f(v: Any, fmt: str = "{:.1f}") -> str:
+    return "—" if v is None else fmt.format(v)
+
+
+def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
+    w = res["widths"]
+    lines = [f"# glm-ep bench --prefill: {meta['device']}", "",
+             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
+             f"Measured copy bandwidth (read + write): **{meta['copy_gbs']:.0f} GB/s**; bf16 GEMM "
+             f"(torch.matmul 8192³): **{_f(meta['gemm_tflops'], '{:.0f}')} TFLOP/s**  ",
+             f"Shape: GLM-5.3-Flash (hidden 4096, 288 NVFP4 experts of width 2048, top-8, dense width 12288), "
+             f"world 1. Times in µs, medians after warm-up. {meta['peer_note']}", "",
+             "## Sparse site (router + routed experts + shared expert + combine)", "",
+             "| rows | glm_ep | path | row groups | grouped GEMM | HF `Glm5NextTextMoE` (fastest impl) | HF / glm_ep |",
+             "|---:|---:|---|---:|---:|---:|---:|"]
+    for r in w:
+        hf = r.get("hf_moe_us")
+        lines.append(f"| {r['rows']} | {r['sparse_us']:.1f} | {r['path']} | {_f(r.get('sparse_union_us'))} | "
+                     f"{r['sparse_sorted_us']:.1f} | {_f(hf)} ({r.get('hf_moe_best', '—')}) | "
+                     f"{_f(hf / r['sparse_us'] if hf else None, '{:.2f}x')} |")
+    lines += ["", "## Routed-expert GEMMs alone (grouped path)", "",
+              "| rows | sort | gate+up+SwiGLU | down | GEMMs TFLOP/s | `torch._grouped_mm` bf16 (gate_up + down) | its TFLOP/s |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in w:
+        flops = 6 * r["rows"] * 8 * 2048 * 4096
+        gm = r.get("grouped_mm_us")
+        lines.append(f"| {r['rows']} | {r['sort_us']:.1f} | {r['glu_us']:.1f} | {r['down_us']:.1f} | "
+                     f"{r['gemm_tflops']:.0f} | {_f(gm)} | {_f(flops / (gm * 1e-6) / 1e12 if gm else None, '{:.0f}')} |")
+    names = list(w[0]["variants"]) if w else []
+    lines += ["", "## Grouped-GEMM variants (m: rows per tile, w: warps, k: k per stage): gate+up+SwiGLU / down µs",
+              "",
+              "| rows | chosen | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
+    for r in w:
+        best = min(names, key=lambda n: sum(r["variants"][n]))
+        cells = [f"{a:.0f} / {b:.0f}" + (" ★" if n == best else "") for n, (a, b) in r["variants"].items()]
+        lines.append(f"| {r['rows']} | {r.get('variant', '')} | " + " | ".join(cells) + " |")
+    lines += ["", f"## Dense site, shared expert, router (dense byte floor {meta['dense_floor_us']:.1f} µs)", "",
+              "| rows | dense glm_ep | HF `Glm5NextTextMLP` | floor / dense | shared glm_ep | HF MLP (shared shape) "
+              "| router glm_ep | torch router |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in w:
+        lines.append(f"| {r['rows']} | {r['dense_us']:.1f} | {_f(r.get('hf_mlp_us'))} | "
+                     f"{meta['dense_floor_us'] / r['dense_us']:.2f} | {r['shared_us']:.1f} | {_f(r.get('hf_shared_us'))} | "
+                     f"{r['router_us']:.1f} | {_f(r.get('torch_router_us'))} |")
+    lines += ["", f"## Crossover sweep: row groups vs grouped GEMM (sparse site) — crossover at "
+                  f"**{meta['crossover']} rows**", "", "| rows | row groups | grouped GEMM |", "|---:|---:|---:|"]
+    for r in res["sweep"]:
+        lines.append(f"| {r['rows']} | {r['union_us']:.1f} | {r['sorted_us']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(out_dir: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib not installed: no plot (pip install glm_ep[bench])")
+        return
+    w = res["widths"]
+    rows = [r["rows"] for r in w]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    series = (("sparse site", [("glm_ep", "sparse_us"), ("HF Glm5NextTextMoE (fastest)", "hf_moe_us"),
+                               ("glm_ep routed GEMMs", None), ("torch._grouped_mm bf16 experts", "grouped_mm_us")]),
+              ("dense site", [("glm_ep", "dense_us"), ("HF Glm5NextTextMLP", "hf_mlp_us")]))
+    for ax, (title, lines) in zip(axes, series):
+        for label, key in lines:
+            ys = [r["glu_us"] + r["down_us"] for r in w] if key is None else [r.get(key) for r in w]
+            pts = [(x, y) for x, y in zip(rows, ys) if y]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rows")
+        ax.set_ylabel("µs")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"glm-ep bench --prefill, {meta['device']}")
+    fig.tight_layout()
+    fig.savefig(out_dir / "prefill.png", dpi=110)
