@@ -43,11 +43,11 @@ def agreed_topology(args: argparse.Namespace, ranks: Ranks) -> Topology:
 
 def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     topo = agreed_topology(args, ranks)
-    ckpt = open_checkpoint(args.model, topo, ranks)
+    ranks.agree("output check", lambda: check_output_path(args.output) if ranks.rank == 0 else None)
+    ckpt = open_checkpoint(args.model, topo, ranks)  # config and headers: the hidden size
     hidden = ckpt.config.hidden_size
     x = ranks.agree("input read", lambda: read_hidden_states(args.input, hidden, topo.allow_nonfinite_input))
     ranks.check_same("input fingerprint", "inputs", {"input": hashlib.sha256(x.tobytes()).hexdigest()})
-    ranks.agree("output check", lambda: check_output_path(args.output) if ranks.rank == 0 else None)
     rt = load_runtime(ckpt, topo, ranks)
     outputs = {}
     chunk = rt.stack.max_rows  # wider inputs run in workspace-sized chunks (rows are independent)

@@ -82,7 +82,7 @@ class Ranks:
         if differ:
             per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{n} {d.get(n, '-')[:12]}" for n in differ)
                                  for r, d in enumerate(every))
-            raise AgreedError(f"ranks hold different {what}: {' and '.join(differ)} differ ({per_rank}); "
+            raise AgreedError(f"ranks hold different {what} (differing: {', '.join(differ)}; {per_rank}); "
                               "expected every rank to read the same files with the same settings")
 
 
