@@ -23,12 +23,8 @@ def ckpt(tiny_checkpoint, tmp_path) -> Path:
     return copy_checkpoint(tiny_checkpoint, tmp_path / "tiny")
 
 
-@pytest.fixture
-def x_file(tmp_path) -> Path:
-    return save_hidden(tmp_path / "x.safetensors", random_x(0, 5, 128))
-
-
-def _forward(ckpt: Path, x_file: Path, tmp_path: Path, *extra: str):
+def _forward(ckpt: Path, tmp_path: Path, *extra: str, x_file: Path | None = None):
+    x_file = x_file or save_hidden(tmp_path / "x.safetensors", random_x(0, 5, 128))
     return glm_ep(2, "forward", "--model", str(ckpt), "--input", str(x_file), "--output",
                   str(tmp_path / "out.safetensors"), *extra)
 
@@ -56,21 +52,21 @@ WEIGHTS = {
 
 
 @pytest.mark.parametrize("case", list(WEIGHTS))
-def test_non_finite_weight_is_refused_at_load(ckpt, x_file, tmp_path, case: str) -> None:
+def test_non_finite_weight_is_refused_at_load(ckpt, tmp_path, case: str) -> None:
     key, index, bits, needles = WEIGHTS[case]
     shard = set_bits(ckpt, key, index, bits)
-    r = _forward(ckpt, x_file, tmp_path)
+    r = _forward(ckpt, tmp_path)
     fails(r, shard.name, f"'{key}'", *needles)
     if not any("(on rank" in n for n in needles):  # read on both ranks: both found it
         assert "(on rank" not in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "out.safetensors").exists()
 
 
-def test_check_weights_lever_loads_them_anyway(ckpt, x_file, tmp_path) -> None:
+def test_check_weights_lever_loads_them_anyway(ckpt, tmp_path) -> None:
     set_bits(ckpt, "model.layers.0.mlp.down_proj.weight", (5, 200), NAN_BF16)
     set_bits(ckpt, "model.layers.1.mlp.experts.3.up_proj.weight_scale_2", (...,), ZERO_F32)
     topo = write_topology(tmp_path / "lax.toml", world=2, tp=2, ep=2, check_weights=False)
-    r = _forward(ckpt, x_file, tmp_path, "--topology", str(topo))
+    r = _forward(ckpt, tmp_path, "--topology", str(topo))
     assert r.returncode == 0, r.stderr[-3000:]
     y0 = load_outputs(tmp_path / "out.safetensors")["layers.0"]
     assert nonfinite_mask(y0)[:, 5].all()  # output column 5 of the dense site sums the NaN weight
@@ -79,8 +75,7 @@ def test_check_weights_lever_loads_them_anyway(ckpt, x_file, tmp_path) -> None:
 def test_non_finite_input_rows_are_refused_before_the_load(ckpt, tmp_path) -> None:
     x = random_x(1, 6, 128)
     x[1, 17], x[4, 0] = np.nan, -np.inf
-    bad = save_hidden(tmp_path / "bad.safetensors", x)
-    r = _forward(ckpt, bad, tmp_path)
+    r = _forward(ckpt, tmp_path, x_file=save_hidden(tmp_path / "bad.safetensors", x))
     fails(r, "bad.safetensors", "2 of 6 rows holding NaN or Inf (rows [1, 4])", "allow_nonfinite_input")
     assert not loaded_weights(r)
 
