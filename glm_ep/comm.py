@@ -10,13 +10,12 @@ all-reduces of one site, so a wait that outlives the collective deadline says wh
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from glm_ep.deadline import Deadline
+from glm_ep.deadline import Deadline, guarded
 
 
 class Communicator(ABC):
@@ -85,7 +84,7 @@ class MpiComm(Communicator):
         host = self._to_host(buf) if self._to_host else buf
         bits = np.ascontiguousarray(host).view(np.uint16).reshape(-1)
         gathered = np.empty((self.size, bits.size), dtype=np.uint16)
-        with self._deadline.guard(site) if self._deadline else nullcontext():
+        with guarded(self._deadline, site):
             self.comm.Allgather(bits, gathered)
         summed = bf16_sum_in_rank_order(gathered.view(ml_dtypes.bfloat16)).reshape(host.shape)
         if self._from_host:

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Callable
 
@@ -86,3 +87,8 @@ class Guard:
                  tb: TracebackType | None) -> None:
         if self.deadline.size > 1:
             self.deadline._armed = self.previous
+
+
+def guarded(deadline: Deadline | None, site: str) -> AbstractContextManager[None]:
+    """``deadline.guard(site)``, or no bound where there is no deadline (a library caller, a test)."""
+    return deadline.guard(site) if deadline is not None else nullcontext()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 from glm_ep.comm import Communicator, MpiComm
-from glm_ep.deadline import Deadline
+from glm_ep.deadline import Deadline, guarded
 from glm_ep.errors import ConfigError
 
 
@@ -41,7 +40,7 @@ def make_comm(mpi_comm: Any, backend: Any, topology: Any, deadline: Deadline | N
     """
     if backend.name == "cpu":
         return MpiComm(mpi_comm, deadline=deadline)
-    with deadline.guard("GPU placement exchange") if deadline else nullcontext():
+    with guarded(deadline, "GPU placement exchange"):
         bus_ids = mpi_comm.allgather(backend.pci_bus_id)
     own_gpus = len(set(bus_ids)) == len(bus_ids)
     if topology.comm == "nccl" and not own_gpus:

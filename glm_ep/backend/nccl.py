@@ -12,11 +12,10 @@ the communicator, so kernels spinning on a stopped peer return before the MPI jo
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 from typing import Any
 
 from glm_ep.comm import Communicator
-from glm_ep.deadline import Deadline
+from glm_ep.deadline import Deadline, guarded
 
 
 class NcclComm(Communicator):
@@ -27,13 +26,10 @@ class NcclComm(Communicator):
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         from cupy.cuda import nccl
 
-        def bounded(site: str) -> Any:
-            return deadline.guard(site) if deadline else nullcontext()
-
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        with bounded("NCCL unique id broadcast"):
+        with guarded(deadline, "NCCL unique id broadcast"):
             uid = mpi_comm.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
-        with backend.device, bounded("NCCL communicator init"):
+        with backend.device, guarded(deadline, "NCCL communicator init"):
             self.comm = nccl.NcclCommunicator(self.size, uid, self.rank)
         if deadline:
             deadline.on_expiry(self.abort)
