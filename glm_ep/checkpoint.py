@@ -7,13 +7,19 @@ tensors, or row/column slices of them, only when asked. ``load_layer`` reads exa
 rank owns at one MLP site: its TP slices of the dense FFN / shared expert, its EP range of routed
 experts, and the (never sharded) router.
 
+With ``check_finite`` (the default) every bf16/fp32 tensor read must be finite, every E4M3 block
+scale not NaN, and every ``weight_scale_2`` finite and > 0: a scan of the bit patterns of the
+bytes just read (``glm_ep.finite``), in cache-sized chunks. ``fingerprint`` digests what the
+folder says (the parsed config, the index, every shard header), so ranks can check they opened
+the same checkpoint.
+
 Shapes are ``[out, in]`` as stored. Suffixes: H hidden, I dense/shared width (``Il`` this rank's
 slice), E routed experts.
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import math
 import struct
 from dataclasses import dataclass
@@ -26,8 +32,9 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
-from glm_ep.config import ModelConfig, SiteConfig
+from glm_ep.config import ModelConfig, SiteConfig, parse_json
 from glm_ep.errors import CheckpointError, ConfigError
+from glm_ep.finite import can_be_nonfinite, describe_nonfinite, first_nonfinite
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
@@ -50,8 +57,9 @@ class TensorInfo:
     nbytes: int
 
 
-def _parse_header(path: Path) -> dict[str, TensorInfo]:
-    """Read one shard's header; check it is well formed and the file holds all the data it names."""
+def _parse_header(path: Path) -> tuple[dict[str, TensorInfo], bytes]:
+    """Read one shard's header; check it is well formed and the file holds all the data it names.
+    Returns its tensors and the raw header bytes."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -63,10 +71,7 @@ def _parse_header(path: Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{path}: corrupt header: header length {hlen} does not fit a file "
                                   f"of {size} bytes")
         raw = f.read(hlen)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt header: not valid JSON ({e})") from None
+    header = parse_json(raw, f"{path}: corrupt header", CheckpointError)
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt header: expected a JSON object")
     infos: dict[str, TensorInfo] = {}
@@ -90,14 +95,15 @@ def _parse_header(path: Path) -> dict[str, TensorInfo]:
     if 8 + hlen + data_end > size:
         raise CheckpointError(f"{path}: truncated: header says {data_end} bytes of data, file has "
                               f"{size - 8 - hlen}")
-    return infos
+    return infos, raw
 
 
 class Checkpoint:
     """A model folder opened for lazy reads. Use as a context manager, or call ``close()``."""
 
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, check_finite: bool = True):
         self.dir = Path(model_dir)
+        self.check_finite = check_finite
         if not self.dir.is_dir():
             raise CheckpointError(f"{self.dir}: model folder not found (expected a folder with config.json "
                                   f"and {INDEX_FILE} or {SINGLE_FILE})")
@@ -113,20 +119,30 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir}: no weights: expected {INDEX_FILE} (with its shards) or "
                                   f"{SINGLE_FILE}")
         files = sorted(set(self._file_of.values())) if self._file_of is not None else [SINGLE_FILE]
-        self._headers = {name: _parse_header(self.dir / name) for name in files}
+        self._headers: dict[str, dict[str, TensorInfo]] = {}
+        digest = hashlib.sha256(repr(sorted(self._file_of.items())).encode() if self._file_of else b"")
+        for name in files:
+            self._headers[name], raw_header = _parse_header(self.dir / name)
+            digest.update(name.encode() + b"\0" + raw_header)
+        #: digests of the parsed config and of the index with every shard header: equal on ranks
+        #: that opened the same files
+        self.fingerprint = {"config": hashlib.sha256(repr(self.config).encode()).hexdigest(),
+                            "index": digest.hexdigest()}
         if self._file_of is None:
             self._file_of = {key: SINGLE_FILE for key in self._headers[SINGLE_FILE]}
         self._prefix = self._find_prefix()
         self._handles: dict[str, Any] = {}
 
     def _read_index(self, index: Path) -> dict[str, str]:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index (expected JSON with a 'weight_map'): "
-                                  f"{e!r}") from None
+        raw = parse_json(index.read_bytes(), str(index), CheckpointError)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
         if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: 'weight_map' is {type(weight_map).__name__}, expected an object")
+            raise CheckpointError(f"{index}: not a safetensors index: expected a JSON object whose 'weight_map' "
+                                  "maps tensor names to shard file names")
+        for key, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise CheckpointError(f"{index}: weight_map['{key}'] = {shard!r}, expected the file name of a "
+                                      "shard (a string)")
         for shard in sorted(set(weight_map.values())):
             if not (self.dir / shard).is_file():
                 raise CheckpointError(f"{self.dir / shard}: shard file not found (named in {index})")
@@ -186,7 +202,16 @@ class Checkpoint:
             out = self._handle(info.file).get_tensor(name)
         else:
             out = self._handle(info.file).get_slice(name)[index]
-        return np.ascontiguousarray(out)
+        out = np.ascontiguousarray(out)
+        if self.check_finite and can_be_nonfinite(out.dtype):
+            at = first_nonfinite(out)
+            if at is not None:
+                where = [s.indices(n)[0] + i * s.indices(n)[2] for s, n, i in zip(index, shape, at)]
+                kind = "a NaN block scale" if info.dtype == "F8_E4M3" else "a NaN or Inf"
+                raise CheckpointError(f"{info.file}: tensor '{name}' holds {kind}: "
+                                      f"{describe_nonfinite(out, at, where)}; expected finite {info.dtype} values "
+                                      "(check_weights = false in the topology skips this check)")
+        return out
 
     def read_scalar(self, name: str, dtypes: tuple[str, ...] = ("F32",)) -> float:
         """A scalar tensor stored with shape ``()`` or ``(1,)``."""
@@ -231,10 +256,15 @@ def _bf16_mlp(ckpt: Checkpoint, prefix: str, width: int, hidden: int, tp_rank: i
 
 def _nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int) -> Nvfp4Weight:
     """One ModelOpt NVFP4 projection ``[n, k]``; ``input_scale`` is not read (activations stay bf16)."""
+    scale_2 = ckpt.read_scalar(f"{prefix}.weight_scale_2")
+    if ckpt.check_finite and not scale_2 > 0:  # NaN and Inf are refused by the read
+        raise CheckpointError(f"{ckpt.info(prefix + '.weight_scale_2').file}: tensor '{prefix}.weight_scale_2' = "
+                              f"{scale_2}, expected a finite value > 0 (the projection's NVFP4 scale; "
+                              "check_weights = false in the topology skips this check)")
     return Nvfp4Weight(
         packed=ckpt.read(f"{prefix}.weight", (n, k // 2), ("U8",)),
         scale=ckpt.read(f"{prefix}.weight_scale", (n, k // 16), ("F8_E4M3",)),
-        scale_2=ckpt.read_scalar(f"{prefix}.weight_scale_2"),
+        scale_2=scale_2,
     )
 
 

@@ -4,6 +4,9 @@
     mpiexec -n 2 python -m glm_ep forward --model DIR --input IN.safetensors --output OUT.safetensors
     python -m glm_ep synth --preset tiny --out DIR
     python -m glm_ep footprint --preset glm-5.3-flash --tp 2 --ep 2 --rows 256
+
+Exit codes: 0 done (run: PASS), 1 internal error, 2 user error (config, topology, checkpoint,
+input, output), 3 run's check FAILed, 4 a rank waited past collective_timeout_s.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import argparse
 import sys
 from typing import Any
 
-from glm_ep.parallel import mpi_world, run_guarded, setup_logging
+from glm_ep.parallel import Ranks, mpi_world, run_guarded, setup_logging
 
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
@@ -24,7 +27,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="glm-ep", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="glm-ep", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[-1])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint in the real GLM-5.3 NVFP4 format")
@@ -115,13 +118,14 @@ def main(argv: list[str] | None = None) -> int:
         return run_guarded(lambda: {"synth": _synth, "footprint": _footprint}[args.cmd](args), None)
     comm: Any = mpi_world()
     setup_logging(comm.Get_rank(), getattr(args, "verbose", False))
-    if args.cmd == "forward":
-        from glm_ep.jobs import forward_job as job
-    elif args.cmd == "run":
-        from glm_ep.jobs import run_job as job
-    else:
-        from glm_ep.bench import bench_job as job
-    return run_guarded(lambda: job(args, comm), comm)
+    if args.cmd == "bench":
+        from glm_ep.bench import bench_job
+
+        return run_guarded(lambda: bench_job(args, comm), comm)
+    from glm_ep.jobs import forward_job, run_job
+
+    job = forward_job if args.cmd == "forward" else run_job
+    return run_guarded(lambda: job(args, Ranks(comm)), comm)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Every communicator sums bf16 buffers in place with NCCL's bf16 semantics: the partials are added
 in rank order and each addition is rounded to bf16, so every rank ends with identical bytes.
 ``MpiComm`` serves the NumPy backend (and CUDA ranks that share one GPU, host-staged);
-``glm_ep.backend.nccl.NcclComm`` serves CUDA ranks on their own GPUs.
+``glm_ep.backend.nccl.NcclComm`` serves CUDA ranks on their own GPUs. ``at(site)`` names the
+all-reduces of one site, so a wait that outlives the collective deadline says where it hung.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from glm_ep.deadline import Deadline, guarded
+
 
 class Communicator(ABC):
     rank: int
@@ -22,8 +25,24 @@ class Communicator(ABC):
     capturable: bool = False
 
     @abstractmethod
-    def all_reduce(self, buf: Any) -> Any:
-        """Sum ``buf`` (bf16, contiguous) over all ranks, in place; returns ``buf``."""
+    def all_reduce(self, buf: Any, site: str = "all-reduce") -> Any:
+        """Sum ``buf`` (bf16, contiguous) over all ranks, in place; returns ``buf``. ``site`` names
+        the call in a deadline message."""
+
+    def at(self, site: str) -> "Communicator":
+        """This communicator with its all-reduces named ``site`` (e.g. ``"layer 3 all-reduce"``)."""
+        return SiteComm(self, site)
+
+
+class SiteComm(Communicator):
+    """One site's view of a communicator: the same sums, named for the deadline message."""
+
+    def __init__(self, comm: Communicator, site: str):
+        self.comm, self.site = comm, site
+        self.rank, self.size, self.capturable = comm.rank, comm.size, comm.capturable
+
+    def all_reduce(self, buf: Any, site: str | None = None) -> Any:
+        return self.comm.all_reduce(buf, site or self.site)
 
 
 class SelfComm(Communicator):
@@ -31,7 +50,7 @@ class SelfComm(Communicator):
 
     rank, size, capturable = 0, 1, True
 
-    def all_reduce(self, buf: Any) -> Any:
+    def all_reduce(self, buf: Any, site: str = "all-reduce") -> Any:
         return buf
 
 
@@ -48,22 +67,25 @@ class MpiComm(Communicator):
 
     MPI has no bf16 type, so the bits travel as uint16 and the sum is done here, identically on
     every rank. Device arrays (``to_host`` / ``from_host`` given) are staged through the host.
+    With a ``deadline``, the wait for the other ranks' partials is bounded by it.
     """
 
-    def __init__(self, mpi_comm: Any, to_host=None, from_host=None):
+    def __init__(self, mpi_comm: Any, to_host=None, from_host=None, deadline: Deadline | None = None):
         self.comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self._to_host = to_host
         self._from_host = from_host
+        self._deadline = deadline
 
-    def all_reduce(self, buf: Any) -> Any:
+    def all_reduce(self, buf: Any, site: str = "all-reduce") -> Any:
         if self.size == 1:
             return buf
         host = self._to_host(buf) if self._to_host else buf
         bits = np.ascontiguousarray(host).view(np.uint16).reshape(-1)
         gathered = np.empty((self.size, bits.size), dtype=np.uint16)
-        self.comm.Allgather(bits, gathered)
+        with guarded(self._deadline, site):
+            self.comm.Allgather(bits, gathered)
         summed = bf16_sum_in_rank_order(gathered.view(ml_dtypes.bfloat16)).reshape(host.shape)
         if self._from_host:
             self._from_host(buf, summed)

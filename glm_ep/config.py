@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm_ep.errors import ConfigError
+from glm_ep.errors import ConfigError, GlmEpError
 
 #: Most experts the router kernel keeps in registers per row (``float best_w[16]``).
 KERNEL_MAX_TOP_K = 16
@@ -34,6 +34,18 @@ _REQUIRED = {
     "n_group": int,
     "swiglu_limit": (int, float),
 }
+
+
+def parse_json(raw: bytes, source: str, error: type[GlmEpError] = ConfigError) -> Any:
+    """The JSON value of a file's bytes; ``error`` naming ``source`` and the fault when it is not one."""
+    try:
+        return json.loads(raw)
+    except UnicodeDecodeError as e:
+        raise error(f"{source}: not UTF-8 text ({e}); expected a JSON file") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{source}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise error(f"{source}: JSON nested too deeply to parse; expected a flat JSON object") from None
 
 
 @dataclass(frozen=True)
@@ -71,11 +83,7 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: config.json not found (expected an HF config.json in the model folder)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(parse_json(path.read_bytes(), str(path)), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
@@ -153,6 +161,9 @@ def _check_quantization(quant: Any, source: str) -> None:
     if quant is None:
         raise ConfigError(f"{source}: no quantization_config; expected ModelOpt NVFP4 routed experts "
                           "(quant_method 'modelopt', quant_algo 'NVFP4', group_size 16)")
+    if not isinstance(quant, dict):
+        raise ConfigError(f"{source}: quantization_config = {quant!r} has type {type(quant).__name__}, expected "
+                          "an object with quant_method 'modelopt', quant_algo 'NVFP4', group_size 16")
     method = str(quant.get("quant_method", "")).lower()
     algo = quant.get("quant_algo", quant.get("quantization", {}).get("quant_algo") if isinstance(
         quant.get("quantization"), dict) else None)

@@ -1,8 +1,16 @@
-"""The project's exception types. Every message names the offending value and what was expected."""
+"""The project's exception types and exit codes. Every message names the offending value and what
+was expected."""
+
+#: Exit codes of every ``glm-ep`` command (README "Exit codes").
+EXIT_OK = 0  # done; for ``run`` with its check: PASS
+EXIT_INTERNAL = 1  # an unexpected exception (a bug): traceback printed, the MPI job aborted
+EXIT_USER = 2  # a bad config, topology, checkpoint, input or output: one clear message per rank
+EXIT_FAIL = 3  # ``run``'s check: FAIL (an error over the bound, a non-finite value, ranks disagree)
+EXIT_STALL = 4  # a rank waited on the others past ``collective_timeout_s``: the MPI job aborted
 
 
 class GlmEpError(Exception):
-    """Base class: a user-facing error that ends the job with a clear message and exit code 2."""
+    """Base class: a user-facing error that ends the job with a clear message and ``EXIT_USER``."""
 
 
 class ConfigError(GlmEpError):
@@ -10,8 +18,9 @@ class ConfigError(GlmEpError):
 
 
 class CheckpointError(GlmEpError):
-    """A checkpoint file or tensor is missing, truncated, or has the wrong shape or dtype."""
+    """A checkpoint file or tensor is missing, truncated, non-finite, or has the wrong shape or dtype."""
 
 
 class InputError(GlmEpError):
-    """A forward input does not fit the model or the workspace."""
+    """A job's input or output file is unusable: wrong shape, non-finite rows, an output path that
+    cannot be written or is not a regular file."""

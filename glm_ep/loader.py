@@ -1,11 +1,17 @@
-"""Load one rank's share of a checkpoint into an ``MlpStack`` and report the footprints.
+"""Open a checkpoint on every rank, then load one rank's share into an ``MlpStack``.
 
-Each rank reads only what it owns (its experts, its TP slices). Rank 0 prints the per-rank
-weight bytes and the workspace footprint, per workspace and for the stack, in decimal MB/GB.
+``open_checkpoint`` reads only headers and configs, and agrees across ranks that they opened the
+same checkpoint with the same topology. ``load_runtime`` builds the backend and communicator,
+allocates the workspace (checked against the free memory) and only then reads the weights, one
+agreed layer at a time: each rank reads only what it owns (its experts, its TP slices), and a bad
+tensor on any rank stops every rank at that layer. Rank 0 prints the per-rank weight bytes and the
+workspace footprint, per workspace and for the stack, in decimal MB/GB.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +23,12 @@ from glm_ep.checkpoint import Checkpoint, load_layer
 from glm_ep.comm import Communicator
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
 from glm_ep.experts import ExpertDispatch
-from glm_ep.parallel import agree
+from glm_ep.parallel import Ranks
 from glm_ep.site import DenseSite, MoeSite
 from glm_ep.stack import MlpStack
 from glm_ep.topology import Topology
 from glm_ep.weights import MoeWeights
-from glm_ep.workspace import fmt_bytes, footprint_lines
+from glm_ep.workspace import allocate_workspaces, fmt_bytes, footprint_lines
 
 log = logging.getLogger(__name__)
 
@@ -54,34 +60,47 @@ def report_lines(model: ModelConfig, cfg: SiteConfig, topo: Topology, weight_byt
     return lines
 
 
-def load_runtime(model_dir: str | Path, topo: Topology, mpi_comm: Any) -> Runtime:
-    rank = mpi_comm.Get_rank()
+def topology_digest(topo: Topology) -> str:
+    """Digest of every topology value but its name (two files saying the same are one layout)."""
+    return hashlib.sha256(repr(dataclasses.astuple(dataclasses.replace(topo, name=""))).encode()).hexdigest()
+
+
+def open_checkpoint(model_dir: str | Path, topo: Topology, ranks: Ranks) -> Checkpoint:
+    """The checkpoint's config and headers, opened on every rank; refused unless every rank opened
+    the same checkpoint (config, index, shard headers) under the same topology."""
     # agreed, not raised bare: every rank sees the mismatch, and an unagreed error takes the
     # MPI-abort path, where the first rank to abort can kill the others before they report
-    agree(mpi_comm, lambda: topo.check_world(mpi_comm.Get_size()))
-    ckpt = agree(mpi_comm, lambda: Checkpoint(model_dir))
-    model = ckpt.config
-    cfg = agree(mpi_comm, lambda: site_config(model, topo, rank))
-    be = agree(mpi_comm, lambda: make_backend(topo, rank))
-    comm = agree(mpi_comm, lambda: make_comm(mpi_comm, be, topo))
+    ranks.agree("world size check", lambda: topo.check_world(ranks.size))
+    ckpt = ranks.agree("checkpoint open", lambda: Checkpoint(model_dir, check_finite=topo.check_weights))
+    ranks.check_same("checkpoint fingerprint", "checkpoints or layouts",
+                     dict(ckpt.fingerprint, topology=topology_digest(topo)))
+    return ckpt
 
-    def read_all() -> list[Any]:
-        big = model.n_routed_experts * model.hidden_size * model.moe_intermediate_size > 50e6
-        return [load_layer(ckpt, cfg, i, progress=big and rank == 0)
-                for i in range(model.num_hidden_layers)]
 
-    host_weights = agree(mpi_comm, read_all)
-    ckpt.close()
+def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
+    """This rank's share of ``ckpt`` resident on its backend, as an ``MlpStack``; closes ``ckpt``."""
+    rank, model = ranks.rank, ckpt.config
+    cfg = ranks.agree("site geometry", lambda: site_config(model, topo, rank))
+    be = ranks.agree("backend", lambda: make_backend(topo, rank))
+    comm = ranks.agree("communicator", lambda: make_comm(ranks.comm, be, topo, ranks.deadline))
+    workspaces = ranks.agree("workspace allocation", lambda: allocate_workspaces(
+        be.xp, cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace))
+
+    progress = rank == 0 and model.n_routed_experts * model.hidden_size * model.moe_intermediate_size > 50e6
+    with ckpt:
+        host_weights = [ranks.agree(f"load of layer {i}", lambda i=i: load_layer(ckpt, cfg, i, progress))
+                        for i in range(model.num_hidden_layers)]
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
     dispatch = ExpertDispatch(be, cfg, topo.levers)
     sites: list[Any] = []
-    for w in host_weights:
+    for i, w in enumerate(host_weights):
+        site_comm = comm.at(f"layer {i} all-reduce")
         if isinstance(w, MoeWeights):
-            sites.append(MoeSite(be, comm, cfg, be.upload_moe(w), dispatch))
+            sites.append(MoeSite(be, site_comm, cfg, be.upload_moe(w), dispatch))
         else:
-            sites.append(DenseSite(be, comm, cfg, be.upload_dense(w) if w is not None else None))
-    stack = MlpStack(be, comm, cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace)
-    all_bytes = mpi_comm.allgather(weight_bytes)
+            sites.append(DenseSite(be, site_comm, cfg, be.upload_dense(w) if w is not None else None))
+    stack = MlpStack(be, comm, cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace, workspaces)
+    all_bytes = ranks.allgather("weight report", weight_bytes)
     if rank == 0:
         for line in report_lines(model, cfg, topo, all_bytes):
             log.info("%s", line)

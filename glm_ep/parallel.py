@@ -1,10 +1,11 @@
-"""MPI plumbing: rank-prefixed logging, errors agreed across ranks, and abort-on-failure.
+"""MPI plumbing: rank-prefixed logging, errors agreed across ranks, bounded waits, abort-on-failure.
 
 A failure that every rank can see at the same point (a bad config, a missing tensor on one
 rank's shard) is *agreed*: each rank runs the step, the ranks exchange their error messages,
 and every rank raises the same ``AgreedError`` and exits non-zero on its own. Anything that
 escapes an agreement point (an exception on one rank in the middle of a collective) aborts the
-whole MPI job, so the other ranks never hang.
+whole MPI job, so the other ranks never hang; so does a wait on the other ranks that outlives
+the collective deadline (``glm_ep.deadline``).
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import sys
 import traceback
 from typing import Any, Callable, TypeVar
 
-from glm_ep.errors import GlmEpError
+from glm_ep.deadline import DEFAULT_COLLECTIVE_TIMEOUT_S, Deadline, Guard
+from glm_ep.errors import EXIT_INTERNAL, EXIT_USER, GlmEpError
 
 T = TypeVar("T")
-EXIT_ERROR = 2
 
 
 class AgreedError(GlmEpError):
-    """An error every rank knows about (raised on all ranks by ``agree``)."""
+    """An error every rank knows about (raised on all ranks by ``Ranks.agree``)."""
 
 
 def mpi_world() -> Any:
@@ -39,24 +40,50 @@ def setup_logging(rank: int, verbose: bool = False) -> None:
     )
 
 
-def agree(comm: Any, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if it raised a ``GlmEpError`` on any rank, raise on all of them."""
-    result, msg = None, None
-    try:
-        result = fn()
-    except AgreedError:
-        raise
-    except GlmEpError as e:
-        msg = str(e)
-    msgs = comm.allgather(msg)
-    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
-    if failed:
-        distinct = {m for _, m in failed}
-        if len(distinct) == 1:
-            ranks = ",".join(str(r) for r, _ in failed)
-            raise AgreedError(f"{failed[0][1]} (on rank {ranks})" if len(failed) < len(msgs) else failed[0][1])
-        raise AgreedError("; ".join(f"rank {r}: {m}" for r, m in failed))
-    return result  # type: ignore[return-value]
+class Ranks:
+    """The MPI job as the runtime uses it: an mpi4py communicator and the deadline that bounds
+    every wait on the other ranks (``deadline.timeout_s`` is the topology's ``collective_timeout_s``)."""
+
+    def __init__(self, comm: Any, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.deadline = Deadline(self.rank, self.size, timeout_s, comm.Abort)
+
+    def guard(self, site: str) -> Guard:
+        return self.deadline.guard(site)
+
+    def allgather(self, site: str, value: T) -> list[T]:
+        with self.guard(site):
+            return self.comm.allgather(value)
+
+    def agree(self, site: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank; if it raised a ``GlmEpError`` on any rank, raise on all of them."""
+        result, msg = None, None
+        try:
+            result = fn()
+        except AgreedError:
+            raise
+        except GlmEpError as e:
+            msg = str(e)
+        msgs = self.allgather(site, msg)
+        failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+        if failed:
+            distinct = {m for _, m in failed}
+            if len(distinct) == 1:
+                ranks = ",".join(str(r) for r, _ in failed)
+                raise AgreedError(f"{failed[0][1]} (on rank {ranks})" if len(failed) < len(msgs) else failed[0][1])
+            raise AgreedError("; ".join(f"rank {r}: {m}" for r, m in failed))
+        return result  # type: ignore[return-value]
+
+    def check_same(self, site: str, what: str, digests: dict[str, str]) -> None:
+        """Refuse to go on unless every rank holds the same ``digests`` (name -> hex digest)."""
+        every = self.allgather(site, digests)
+        differ = [name for name in digests if len({d.get(name) for d in every}) > 1]
+        if differ:
+            per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{n} {d.get(n, '-')[:12]}" for n in differ)
+                                 for r, d in enumerate(every))
+            raise AgreedError(f"ranks hold different {what} (differing: {', '.join(differ)}; {per_rank}); "
+                              "expected every rank to read the same files with the same settings")
 
 
 def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
@@ -67,15 +94,15 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
         return main()
     except AgreedError as e:
         print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_ERROR
+        return EXIT_USER
     except GlmEpError as e:
         print(f"[rank {rank}] glm-ep: error: {e}", file=sys.stderr, flush=True)
-        code = EXIT_ERROR
+        code = EXIT_USER
     except KeyboardInterrupt:
         code = 130
     except BaseException:  # noqa: BLE001 - a crash on one rank must not leave the others hanging
         print(f"[rank {rank}] glm-ep: internal error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        code = 1
+        code = EXIT_INTERNAL
     if size > 1:
         print(f"[rank {rank}] glm-ep: aborting all {size} ranks", file=sys.stderr, flush=True)
         comm.Abort(code)

@@ -8,6 +8,7 @@ pipeline lands about 3e-3 relative (L2) from it; 1e-2 is the bound the run check
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -29,13 +30,15 @@ def mlp64(w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, limit: float
 
 
 class Reference:
-    """float64 sites of a checkpoint (all layers resident, dequantized lazily per expert)."""
+    """float64 sites of a checkpoint: ``layers`` resident (default all, whole, not sharded),
+    experts dequantized lazily. ``check_finite`` as in ``Checkpoint``."""
 
-    def __init__(self, model_dir: str | Path):
-        with Checkpoint(model_dir) as ckpt:
+    def __init__(self, model_dir: str | Path, layers: Iterable[int] | None = None, check_finite: bool = True):
+        with Checkpoint(model_dir, check_finite=check_finite) as ckpt:
             self.model: ModelConfig = ckpt.config
             cfg = SiteConfig.for_rank(self.model, RankLayout(1, 0, 1, 1))
-            self.layers = [load_layer(ckpt, cfg, i) for i in range(self.model.num_hidden_layers)]
+            wanted = range(self.model.num_hidden_layers) if layers is None else layers
+            self.layers = {i: load_layer(ckpt, cfg, i) for i in wanted}
         self._experts: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
 
     def _dense(self, w: DenseWeights) -> tuple[np.ndarray, ...]:
@@ -80,5 +83,7 @@ class Reference:
 
 
 def rel_l2(y: np.ndarray, ref: np.ndarray) -> float:
+    """``|y - ref| / |ref|``; NaN when either holds a NaN or Inf (never hidden by the zero guard)."""
     y, ref = _f64(y), _f64(ref)
-    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-300))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return float(np.linalg.norm(y - ref) / np.maximum(np.linalg.norm(ref), 1e-300))

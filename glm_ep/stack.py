@@ -18,19 +18,20 @@ from glm_ep.comm import Communicator
 from glm_ep.config import SiteConfig
 from glm_ep.errors import InputError
 from glm_ep.topology import PathLevers
-from glm_ep.workspace import Workspace, ws_total_bytes
+from glm_ep.workspace import Workspace, workspace_pool, ws_total_bytes
 
 log = logging.getLogger(__name__)
 
 
 class MlpStack:
     def __init__(self, be: Backend, comm: Communicator, cfg: SiteConfig, sites: list[Any],
-                 levers: PathLevers, max_rows: int, shared_workspace: bool = True):
+                 levers: PathLevers, max_rows: int, shared_workspace: bool = True,
+                 workspaces: list[Workspace] | None = None):
         self.be, self.comm, self.cfg, self.sites, self.levers = be, comm, cfg, sites, levers
         self.max_rows = max(max_rows, 1)
         n_ws = 1 if shared_workspace else len(sites)
-        pool = [Workspace(be.xp, cfg, self.max_rows) for _ in range(n_ws)]
-        self.workspaces = [pool[0] if shared_workspace else pool[i] for i in range(len(sites))]
+        # ``workspaces``: allocated beforehand (the loader does it before reading any weight)
+        self.workspaces = workspaces or workspace_pool(be.xp, cfg, self.max_rows, len(sites), shared_workspace)
         self.workspace_bytes = ws_total_bytes(cfg, self.max_rows) * n_ws
         # static buffers: the chained state and one site's output, so a graph can be replayed
         self.h_buf = be.xp.empty((self.max_rows, cfg.hidden), dtype=ml_dtypes.bfloat16)

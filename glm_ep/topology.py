@@ -1,21 +1,53 @@
 """Topology files (TOML): the rank layout, the backend, the workspace and the path levers.
 
-A topology is small, frozen and explicit. Command-line flags override its fields
+A topology is small, frozen and explicit. Every value is type-checked against its field (a TOML
+``"false"`` is a string, not a boolean). Command-line flags override its fields
 (``with_overrides``), and ``check_world`` refuses a file whose world does not match the MPI job.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glm_ep.deadline import DEFAULT_COLLECTIVE_TIMEOUT_S
 from glm_ep.errors import ConfigError
 
 BACKENDS = ("cpu", "cuda")
 COMMS = ("auto", "mpi", "nccl")
+_EXPECTED = {bool: "a boolean (true or false)", int: "an integer", float: "a number", str: "a string",
+             tuple[int, ...]: "a list of integers"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _has_type(v: Any, want: Any) -> bool:
+    if want is bool:
+        return isinstance(v, bool)
+    if want is int:
+        return _is_int(v)
+    if want is float:
+        return _is_int(v) or isinstance(v, float)
+    if want == tuple[int, ...]:
+        return isinstance(v, tuple) and all(_is_int(d) for d in v)
+    return isinstance(v, want)
+
+
+def _check_types(obj: Any, prefix: str) -> None:
+    """Each field of dataclass ``obj`` holds a value of its annotated type, else a ConfigError naming it."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        v, want = getattr(obj, f.name), hints[f.name]
+        if not _has_type(v, want):
+            got = f"{list(v)!r} holds a non-integer" if isinstance(v, tuple) else f"{v!r} has type {type(v).__name__}"
+            raise ConfigError(f"{prefix}{f.name} = {got}, expected {_EXPECTED.get(want, want.__name__)}")
 
 
 @dataclass(frozen=True)
@@ -32,6 +64,7 @@ class PathLevers:
     graph_verify: bool = True  # capture verify steps (2..8 rows) as CUDA graphs too
 
     def __post_init__(self) -> None:
+        _check_types(self, "levers.")
         if not 1 <= self.row_batch_max <= 8:
             raise ConfigError(f"levers.row_batch_max = {self.row_batch_max}, expected 1..8")
         if not 1 <= self.union_max_ids <= 64:
@@ -51,9 +84,13 @@ class Topology:
     devices: tuple[int, ...] = ()  # rank -> CUDA device; empty = rank % visible devices
     workspace_rows: int = 512
     shared_workspace: bool = True
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # bound on every wait on the other ranks
+    check_weights: bool = True  # refuse NaN/Inf weights at load (one vectorized scan of what a rank reads)
+    allow_nonfinite_input: bool = False  # forward: compute NaN/Inf input rows instead of refusing them
     levers: PathLevers = field(default_factory=PathLevers)
 
     def __post_init__(self) -> None:
+        _check_types(self, f"topology {self.name!r}: ")
         if self.world < 1:
             raise ConfigError(f"topology {self.name!r}: world = {self.world}, expected >= 1")
         for key in ("tp", "ep"):
@@ -69,6 +106,9 @@ class Topology:
                               f"world = {self.world}; expected one device per rank")
         if self.workspace_rows < 1:
             raise ConfigError(f"topology {self.name!r}: workspace_rows = {self.workspace_rows}, expected >= 1")
+        if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
+            raise ConfigError(f"topology {self.name!r}: collective_timeout_s = {self.collective_timeout_s}, "
+                              "expected a finite number of seconds > 0")
 
     @classmethod
     def load(cls, path: str | Path) -> "Topology":
@@ -76,27 +116,34 @@ class Topology:
         if not path.is_file():
             raise ConfigError(f"{path}: topology file not found")
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text ({e}); expected a TOML topology file") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: values nested too deeply to parse; expected a flat TOML topology "
+                              "file") from None
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "topology") -> "Topology":
         raw = dict(raw)
         levers_raw = raw.pop("levers", {})
+        if not isinstance(levers_raw, dict):
+            raise ConfigError(f"{source}: levers = {levers_raw!r}, expected a [levers] table")
         known = {f.name for f in dataclasses.fields(cls)} - {"levers"}
         lever_names = {f.name for f in dataclasses.fields(PathLevers)}
         unknown = sorted(set(raw) - known) + sorted(f"levers.{k}" for k in set(levers_raw) - lever_names)
         if unknown:
             raise ConfigError(f"{source}: unknown keys {unknown}; expected {sorted(known)} and "
                               f"[levers] {sorted(lever_names)}")
-        if "devices" in raw:
+        if isinstance(raw.get("devices"), list):
             raw["devices"] = tuple(raw["devices"])
         raw.setdefault("name", Path(source).stem)
         try:
             return cls(levers=PathLevers(**levers_raw), **raw)
-        except TypeError as e:
+        except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
     def with_overrides(self, tp: int | None = None, ep: int | None = None,

@@ -3,18 +3,22 @@
 One workspace serves the whole layer stack by default: every buffer is fully written before it
 is read inside one site call and one stream runs the stack, so a later layer never observes an
 earlier layer's bytes. ``shared = False`` gives each layer a private copy, so the saving can be
-measured. ``u_slot`` is QUADRATIC in rows: ``[rows * top_k, rows]``.
+measured. ``u_slot`` is QUADRATIC in rows: ``[rows * top_k, rows]``. ``allocate_workspaces`` checks
+the total against the free memory first, so an oversized ``workspace_rows`` is a clear error.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from glm_ep.config import SiteConfig
+from glm_ep.errors import ConfigError
 
 _I32, _F32, _BF16 = np.dtype(np.int32), np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
 
@@ -78,6 +82,46 @@ class Workspace:
         if n > buf.size:
             raise ValueError(f"workspace buffer {name!r} holds {buf.size} elements, asked for {shape}")
         return buf[:n].reshape(shape)
+
+
+def workspace_pool(xp: Any, cfg: SiteConfig, max_rows: int, layers: int, shared: bool) -> list[Workspace]:
+    """The workspace of each of ``layers`` sites: one object for all of them when ``shared``."""
+    if shared:
+        return [Workspace(xp, cfg, max_rows)] * layers
+    return [Workspace(xp, cfg, max_rows) for _ in range(layers)]
+
+
+def free_memory_bytes(xp: Any) -> int | None:
+    """What ``xp`` can still allocate: available host memory for NumPy, free device memory for
+    CuPy; None when the system does not say."""
+    if xp is not np:
+        return int(xp.cuda.runtime.memGetInfo()[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def allocate_workspaces(xp: Any, cfg: SiteConfig, max_rows: int, layers: int, shared: bool) -> list[Workspace]:
+    """``workspace_pool``, after checking that it fits the free memory (ConfigError if it does not)."""
+    need = ws_total_bytes(cfg, max_rows) * (1 if shared else layers)
+    what = (f"the {'shared' if shared else f'{layers} per-layer'} workspace for workspace_rows = {max_rows} "
+            f"needs {fmt_bytes(need)}")
+    hint = "lower workspace_rows in the topology" + ("" if shared else " or set shared_workspace = true")
+    free = free_memory_bytes(xp)
+    if free is not None and need > free:
+        raise ConfigError(f"{what}, but only {fmt_bytes(free)} of {'host' if xp is np else 'device'} memory "
+                          f"is free; {hint}")
+    try:
+        return workspace_pool(xp, cfg, max_rows, layers, shared)
+    except MemoryError as e:  # CuPy's OutOfMemoryError is a MemoryError too
+        raise ConfigError(f"{what}, and allocating it failed ({e}); {hint}") from None
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,10 @@ Shape suffixes: T rows, H hidden, I a projection width, E experts, K top-k.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ import numpy as np
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.comm import Communicator, SelfComm
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.errors import EXIT_USER
 from glm_ep.experts import ExpertDispatch
 from glm_ep.nvfp4 import Nvfp4Weight, quantize
 from glm_ep.presets import preset
@@ -302,3 +305,65 @@ def load_outputs(path: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return load_file(str(path))
+
+
+def glm_ep_per_rank(*per_rank: Sequence[str], timeout: float = MPI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """One ``glm-ep`` argument list per rank, as one MPI job (``mpiexec -n 1 .. : -n 1 ..``)."""
+    local = Path(sys.executable).parent / "mpiexec"
+    cmd = [str(local) if local.exists() else "mpiexec"]
+    for r, args in enumerate(per_rank):
+        cmd += ([":"] if r else []) + ["-n", "1", sys.executable, "-m", "glm_ep", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=REPO)
+
+
+def fails(r: subprocess.CompletedProcess, *needles: str, every_rank: bool = True, code: int = EXIT_USER) -> None:
+    """The job ended with ``code`` and a clear message holding each needle: on every rank for an
+    agreed error, and never a traceback."""
+    assert r.returncode == code, (f"exit {r.returncode}, expected {code}; stdout:\n{r.stdout[-1500:]}\n"
+                                  f"stderr:\n{r.stderr[-1500:]}")
+    for needle in needles:
+        assert needle in r.stderr, f"{needle!r} not in stderr:\n{r.stderr[-3000:]}"
+    if every_rank:  # an agreed error: each of the two ranks prints it
+        assert r.stderr.count("glm-ep: error:") >= 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]  # a clear message, not a crash
+
+
+def loaded_weights(r: subprocess.CompletedProcess) -> bool:
+    """Whether the job got as far as reading weights (rank 0 reports what each rank holds)."""
+    return "weights: rank 0 holds" in r.stderr
+
+
+# ---- checkpoint and topology files -------------------------------------------------------------
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    return Path(shutil.copytree(src, dst))
+
+
+def shard_of(ckpt: Path, key: str) -> Path:
+    return ckpt / json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][key]
+
+
+def set_bits(ckpt: Path, key: str, index: tuple[int, ...], bits: int) -> Path:
+    """Overwrite the raw bits of element ``index`` (``...`` slices allowed) of tensor ``key`` in place."""
+    from ckpt_writer import read_safetensors, write_safetensors
+
+    shard = shard_of(ckpt, key)
+    tensors = read_safetensors(shard)
+    dtype, shape, data = tensors[key]
+    view = {"BF16": np.uint16, "F32": np.uint32, "F8_E4M3": np.uint8, "U8": np.uint8}[dtype]
+    a = np.frombuffer(data, view).reshape(shape).copy()
+    a[index] = bits
+    tensors[key] = (dtype, shape, a.tobytes())
+    write_safetensors(shard, tensors)
+    return shard
+
+
+def write_topology(path: Path, levers: dict[str, Any] | None = None, **values: Any) -> Path:
+    """A topology TOML of plain values (json.dumps writes TOML strings, numbers and lists alike)."""
+    def line(k: str, v: Any) -> str:
+        return f"{k} = {str(v).lower() if isinstance(v, bool) else json.dumps(v)}"
+
+    text = [line(k, v) for k, v in values.items()]
+    if levers:
+        text += ["[levers]"] + [line(k, v) for k, v in levers.items()]
+    path.write_text("\n".join(text) + "\n")
+    return path

@@ -215,3 +215,61 @@ def test_topology_world_check_and_overrides() -> None:
         cpu2.with_overrides(ep=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cpu2.world = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("raw,named", [
+    ({"levers": {"host_dispatch": "false"}}, "levers.host_dispatch = 'false' has type str, expected a boolean"),
+    ({"levers": {"row_batch_max": True}}, "levers.row_batch_max = True has type bool, expected an integer"),
+    ({"shared_workspace": "no"}, "shared_workspace = 'no' has type str, expected a boolean"),
+    ({"world": "2"}, "world = '2' has type str, expected an integer"),
+    ({"tp": 1.0}, "tp = 1.0 has type float, expected an integer"),
+    ({"backend": 1}, "backend = 1 has type int, expected a string"),
+    ({"devices": "0,1"}, "devices = '0,1' has type str, expected a list of integers"),
+    ({"check_weights": 0}, "check_weights = 0 has type int, expected a boolean"),
+    ({"allow_nonfinite_input": "yes"}, "allow_nonfinite_input = 'yes' has type str, expected a boolean"),
+    ({"collective_timeout_s": float("nan")}, "collective_timeout_s = nan, expected a finite number of seconds"),
+    ({"collective_timeout_s": 0}, "collective_timeout_s = 0, expected a finite number of seconds > 0"),
+    ({"levers": 1}, r"levers = 1, expected a \[levers\] table"),
+])
+def test_topology_values_are_type_checked_by_name(raw: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        Topology.from_dict(raw, source="t.toml")
+
+
+def test_topology_defaults_and_new_keys(tmp_path: Path) -> None:
+    t = Topology()
+    assert (t.collective_timeout_s, t.check_weights, t.allow_nonfinite_input) == (300.0, True, False)
+    p = tmp_path / "t.toml"
+    p.write_text("world = 2\ncollective_timeout_s = 7.5\ncheck_weights = false\nallow_nonfinite_input = true\n")
+    t = Topology.load(p)
+    assert (t.collective_timeout_s, t.check_weights, t.allow_nonfinite_input) == (7.5, False, True)
+    assert Topology.from_dict({"collective_timeout_s": 5}).collective_timeout_s == 5  # an integer is a number
+
+
+def test_topology_file_not_utf8_or_nested_too_deeply(tmp_path: Path) -> None:
+    p = tmp_path / "t.toml"
+    p.write_bytes(b'name = "\xff"\n')
+    with pytest.raises(ConfigError, match="t.toml: not UTF-8 text"):
+        Topology.load(p)
+    p.write_text("devices = " + "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="t.toml: values nested too deeply"):
+        Topology.load(p)
+
+
+@pytest.mark.parametrize("raw,named", [
+    (b'{"hidden_size": "\xff"}', "not UTF-8 text"),
+    (b"[" * 100_000 + b"]" * 100_000, "JSON nested too deeply"),
+    (b"{not json", "not valid JSON"),
+])
+def test_config_file_that_is_not_json_text(tmp_path: Path, raw: bytes, named: str) -> None:
+    p = tmp_path / "config.json"
+    p.write_bytes(raw)
+    with pytest.raises(ConfigError, match=f"config.json: {named}"):
+        ModelConfig.from_file(p)
+
+
+@pytest.mark.parametrize("quant", ["nvfp4", ["NVFP4"], 16])
+def test_quantization_config_that_is_not_an_object(quant) -> None:
+    with pytest.raises(ConfigError, match=f"quantization_config = {quant!r}".replace("[", r"\[").replace("]", r"\]")
+                       + f" has type {type(quant).__name__}, expected an object"):
+        _parse(tiny_dict(quantization_config=quant))

@@ -161,12 +161,17 @@ def test_loaded_runtime_matches_one_rank(tiny_checkpoint, tp: int, ep: int) -> N
     """The same through the product's loader: each rank reads only its share of the checkpoint."""
     from mpi4py import MPI
 
-    from glm_ep.loader import load_runtime
+    from glm_ep.loader import load_runtime, open_checkpoint
+    from glm_ep.parallel import Ranks
     from glm_ep.topology import Topology
 
     comm = _world()
-    single = load_runtime(tiny_checkpoint, Topology(world=1), MPI.COMM_SELF)
-    multi = load_runtime(tiny_checkpoint, Topology(world=comm.Get_size(), tp=tp, ep=ep, workspace_rows=16), comm)
+
+    def load(topo: Topology, ranks: Ranks):
+        return load_runtime(open_checkpoint(tiny_checkpoint, topo, ranks), topo, ranks)
+
+    single = load(Topology(world=1), Ranks(MPI.COMM_SELF))
+    multi = load(Topology(world=comm.Get_size(), tp=tp, ep=ep, workspace_rows=16), Ranks(comm))
     x = random_x(55, 9, single.model.hidden_size)
     failures: list[str] = []
     bytes_each = comm.allgather(multi.weight_bytes)

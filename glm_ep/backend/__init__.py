@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from glm_ep.comm import Communicator, MpiComm
+from glm_ep.deadline import Deadline, guarded
 from glm_ep.errors import ConfigError
 
 
@@ -30,16 +31,17 @@ def make_backend(topology: Any, rank: int) -> Any:
     return CudaBackend(device)
 
 
-def make_comm(mpi_comm: Any, backend: Any, topology: Any) -> Communicator:
+def make_comm(mpi_comm: Any, backend: Any, topology: Any, deadline: Deadline | None = None) -> Communicator:
     """The site all-reduce for this rank, decided identically on every rank.
 
     CPU ranks sum over MPI. CUDA ranks use NCCL when every rank has a GPU of its own (NCCL refuses
     two ranks on one device) and the topology does not ask for ``comm = "mpi"``; otherwise MPI
-    with the buffers staged through the host.
+    with the buffers staged through the host. Waits on the other ranks are bounded by ``deadline``.
     """
     if backend.name == "cpu":
-        return MpiComm(mpi_comm)
-    bus_ids = mpi_comm.allgather(backend.pci_bus_id)
+        return MpiComm(mpi_comm, deadline=deadline)
+    with guarded(deadline, "GPU placement exchange"):
+        bus_ids = mpi_comm.allgather(backend.pci_bus_id)
     own_gpus = len(set(bus_ids)) == len(bus_ids)
     if topology.comm == "nccl" and not own_gpus:
         raise ConfigError(f"topology {topology.name!r} asks for comm = 'nccl', but ranks share GPUs "
@@ -47,5 +49,5 @@ def make_comm(mpi_comm: Any, backend: Any, topology: Any) -> Communicator:
     if own_gpus and topology.comm != "mpi":
         from glm_ep.backend.nccl import NcclComm
 
-        return NcclComm(mpi_comm, backend)
-    return MpiComm(mpi_comm, to_host=backend.to_host, from_host=backend.from_host)
+        return NcclComm(mpi_comm, backend, deadline)
+    return MpiComm(mpi_comm, to_host=backend.to_host, from_host=backend.from_host, deadline=deadline)

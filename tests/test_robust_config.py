@@ -1,0 +1,124 @@
+"""Malformed topologies, configs and indexes are clear errors on both ranks, never a traceback or a
+value silently taken as something else; an oversized workspace is refused before any weight is
+read; ranks that opened different checkpoints or layouts refuse to run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckpt_writer import read_safetensors, write_safetensors
+from helpers import (copy_checkpoint, fails, glm_ep, glm_ep_per_rank, loaded_weights, random_x, save_hidden,
+                     write_topology)
+
+INDEX = "model.safetensors.index.json"
+
+
+@pytest.fixture
+def ckpt(tiny_checkpoint, tmp_path) -> Path:
+    return copy_checkpoint(tiny_checkpoint, tmp_path / "tiny")
+
+
+def _forward_args(ckpt: Path, tmp_path: Path, *extra: str) -> list[str]:
+    x = save_hidden(tmp_path / "x.safetensors", random_x(0, 3, 128))
+    return ["forward", "--model", str(ckpt), "--input", str(x), "--output", str(tmp_path / "out.safetensors"),
+            *extra]
+
+
+def _forward(ckpt: Path, tmp_path: Path, *extra: str):
+    return glm_ep(2, *_forward_args(ckpt, tmp_path, *extra))
+
+
+@pytest.mark.parametrize("values,levers,needle", [
+    ({}, {"host_dispatch": "false"}, "levers.host_dispatch = 'false' has type str, expected a boolean"),
+    ({"shared_workspace": "no"}, None, "shared_workspace = 'no' has type str, expected a boolean"),
+    ({"world": "2"}, None, "world = '2' has type str, expected an integer"),
+    ({"workspace_rows": 64.0}, None, "workspace_rows = 64.0 has type float, expected an integer"),
+    ({"devices": ["0", "1"]}, None, "devices = ['0', '1'] holds a non-integer, expected a list of integers"),
+    ({"collective_timeout_s": "5"}, None, "collective_timeout_s = '5' has type str, expected a number"),
+    ({"collective_timeout_s": -1}, None, "collective_timeout_s = -1, expected a finite number of seconds > 0"),
+], ids=["lever-bool-string", "bool-string", "int-string", "int-float", "devices-strings", "timeout-string",
+        "timeout-negative"])
+def test_topology_values_are_type_checked(ckpt, tmp_path, values: dict, levers: dict | None, needle: str) -> None:
+    topo = write_topology(tmp_path / "t.toml", levers=levers, **dict(dict(world=2, tp=2, ep=2), **values))
+    fails(_forward(ckpt, tmp_path, "--topology", str(topo)), "t.toml", needle)
+
+
+def test_topology_not_utf8(ckpt, tmp_path) -> None:
+    topo = tmp_path / "t.toml"
+    topo.write_bytes(b'name = "caf\xe9"\nworld = 2\n')
+    fails(_forward(ckpt, tmp_path, "--topology", str(topo)), "t.toml: not UTF-8 text")
+
+
+def _edit_config(ckpt: Path, edit) -> None:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    edit(cfg)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("damage,needles", [
+    (lambda c: (c / "config.json").write_bytes(b'{"hidden_size": 128, "name": "caf\xe9"}'),
+     ["config.json: not UTF-8 text"]),
+    (lambda c: _edit_config(c, lambda d: d.update(quantization_config="nvfp4")),
+     ["config.json: quantization_config = 'nvfp4' has type str, expected an object"]),
+    (lambda c: (c / "config.json").write_text("[" * 100_000 + "]" * 100_000),
+     ["config.json: JSON nested too deeply"]),
+    (lambda c: (c / INDEX).write_text(json.dumps({"weight_map": {"model.layers.0.mlp.up_proj.weight": 3}})),
+     [INDEX, "weight_map['model.layers.0.mlp.up_proj.weight'] = 3, expected the file name of a shard"]),
+    (lambda c: (c / INDEX).write_text(json.dumps({"weight_map": {"model.layers.0.mlp.up_proj.weight": ["a"]}})),
+     [INDEX, "= ['a'], expected the file name of a shard"]),
+    (lambda c: (c / INDEX).write_text('{"weight_map": ' + "{\"a\": " * 50_000 + "1" + "}" * 50_001),
+     [INDEX, "JSON nested too deeply"]),
+], ids=["config-not-utf8", "quantization-config-string", "config-deeply-nested", "index-value-int",
+        "index-value-list", "index-deeply-nested"])
+def test_malformed_json_is_a_clear_error(ckpt, tmp_path, damage, needles: list[str]) -> None:
+    damage(ckpt)
+    fails(_forward(ckpt, tmp_path), *needles)
+
+
+def test_workspace_too_big_is_refused_before_any_weight_is_read(ckpt, tmp_path) -> None:
+    topo = write_topology(tmp_path / "huge.toml", world=2, tp=2, ep=2, workspace_rows=10_000_000,
+                          shared_workspace=False)
+    r = _forward(ckpt, tmp_path, "--topology", str(topo))
+    fails(r, "the 4 per-layer workspace for workspace_rows = 10000000 needs", "of host memory is free",
+          "lower workspace_rows in the topology or set shared_workspace = true")
+    assert not loaded_weights(r)
+
+
+def test_ranks_that_opened_different_checkpoints_refuse_to_run(ckpt, tiny_checkpoint, tmp_path) -> None:
+    _edit_config(ckpt, lambda d: d.update(routed_scaling_factor=2.0))
+    r = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path), _forward_args(ckpt, tmp_path))
+    fails(r, "ranks hold different checkpoints or layouts (differing: config;", "rank 0: config", "rank 1: config")
+    assert not loaded_weights(r)
+
+
+def test_ranks_with_different_shard_headers_refuse_to_run(ckpt, tiny_checkpoint, tmp_path) -> None:
+    shard = sorted(ckpt.glob("model-*.safetensors"))[0]
+    write_safetensors(shard, read_safetensors(shard))  # the same tensors under another writer's header
+    r = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path), _forward_args(ckpt, tmp_path))
+    fails(r, "ranks hold different checkpoints or layouts (differing: index;")
+
+
+def test_ranks_with_different_topologies_refuse_to_run(tiny_checkpoint, tmp_path) -> None:
+    a = write_topology(tmp_path / "a.toml", world=2, tp=2, ep=2)
+    b = write_topology(tmp_path / "b.toml", world=2, tp=2, ep=2, workspace_rows=256)
+    r = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path, "--topology", str(a)),
+                        _forward_args(tiny_checkpoint, tmp_path, "--topology", str(b)))
+    fails(r, "ranks hold different checkpoints or layouts (differing: topology;")
+    same = write_topology(tmp_path / "same.toml", world=2, tp=2, ep=2)  # another name, the same layout
+    ok = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path, "--topology", str(a)),
+                         _forward_args(tiny_checkpoint, tmp_path, "--topology", str(same)))
+    assert ok.returncode == 0, ok.stderr[-3000:]
+
+
+def test_ranks_that_read_different_inputs_refuse_to_run(tiny_checkpoint, tmp_path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    args0 = _forward_args(tiny_checkpoint, tmp_path)
+    args1 = _forward_args(tiny_checkpoint, other)  # its own x.safetensors ...
+    save_hidden(other / "x.safetensors", random_x(1, 3, 128))  # ... with other values
+    r = glm_ep_per_rank(args0, args1)
+    fails(r, "ranks hold different inputs (differing: input;")
+    assert not loaded_weights(r)

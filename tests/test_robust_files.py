@@ -1,0 +1,99 @@
+"""``forward``'s files are checked before any weight is read: an output whose folder is missing, or
+that names a folder, symbolic link, FIFO or device node, is refused on every rank and never
+replaced; an existing regular file is replaced; rank 0 writes the result under agreement."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from glm_ep.errors import InputError
+from glm_ep.files import check_output_path
+
+from helpers import fails, glm_ep, load_outputs, loaded_weights, random_x, save_hidden
+
+
+@pytest.fixture
+def x_file(tmp_path) -> Path:
+    return save_hidden(tmp_path / "x.safetensors", random_x(0, 3, 128))
+
+
+def _forward(model: Path, x_file: Path, out: Path | str):
+    return glm_ep(2, "forward", "--model", str(model), "--input", str(x_file), "--output", str(out))
+
+
+def test_output_in_a_missing_folder_is_refused_before_the_load(tiny_checkpoint, x_file, tmp_path) -> None:
+    out = tmp_path / "nowhere" / "out.safetensors"
+    r = _forward(tiny_checkpoint, x_file, out)
+    fails(r, str(out), "output folder", "does not exist", "(on rank 0)")
+    assert not loaded_weights(r)
+    assert not out.parent.exists()
+
+
+def _fifo(p: Path) -> Path:
+    os.mkfifo(p)
+    return p
+
+
+def _device_node(p: Path) -> Path:
+    """A private twin of /dev/null (char 1:3): a regression must never write over the real one."""
+    try:
+        os.mknod(p, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("cannot create a device node here")
+    return p
+
+
+def _symlink_to_a_file(p: Path) -> Path:
+    target = p.with_name("target.bin")
+    target.write_bytes(b"keep me")
+    p.symlink_to(target)
+    return p
+
+
+@pytest.mark.parametrize("make,kind", [
+    (lambda p: p.mkdir() or p, "a folder"),
+    (_fifo, "a FIFO"),
+    (_symlink_to_a_file, "a symbolic link"),
+    (_device_node, "a character device node"),
+], ids=["folder", "fifo", "symlink", "device-node"])
+def test_output_that_is_not_a_regular_file_is_refused_and_kept(tiny_checkpoint, x_file, tmp_path, make,
+                                                               kind: str) -> None:
+    out = make(tmp_path / "out.safetensors")
+    before = os.lstat(out)
+    r = _forward(tiny_checkpoint, x_file, out)
+    fails(r, f"{out}: the output path exists and is {kind}", "expected a new path or a regular file")
+    assert not loaded_weights(r)
+    after = os.lstat(out)
+    assert (stat.S_IFMT(after.st_mode), after.st_ino, after.st_rdev) == (
+        stat.S_IFMT(before.st_mode), before.st_ino, before.st_rdev)
+    if kind == "a symbolic link":
+        assert out.resolve().read_bytes() == b"keep me"
+
+
+def test_an_existing_regular_output_is_replaced(tiny_checkpoint, x_file, tmp_path) -> None:
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"old bytes")
+    r = _forward(tiny_checkpoint, x_file, out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(load_outputs(out)) == [f"layers.{i}" for i in range(4)]
+
+
+def test_output_folder_not_writable(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Root may write anywhere, so the permission answer is stubbed."""
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(InputError, match=f"output folder '{tmp_path}' is not writable"):
+        check_output_path(str(tmp_path / "out.safetensors"))
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda d: d / "missing.safetensors", "input file not found"),
+    (lambda d: d, "input is not a regular file"),
+], ids=["missing", "folder"])
+def test_input_is_read_before_the_load(tiny_checkpoint, tmp_path, make, needle: str) -> None:
+    r = _forward(tiny_checkpoint, make(tmp_path), tmp_path / "out.safetensors")
+    fails(r, needle)
+    assert not loaded_weights(r)

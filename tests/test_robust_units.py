@@ -1,0 +1,119 @@
+"""Units under the robustness checks: the bit-pattern NaN/Inf scan, the workspace's memory check,
+the deadline's guard, and the checkpoint fingerprint."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from glm_ep import finite, workspace
+from glm_ep.checkpoint import Checkpoint
+from glm_ep.config import RankLayout, SiteConfig
+from glm_ep.deadline import Deadline
+from glm_ep.errors import EXIT_STALL, ConfigError
+from glm_ep.workspace import allocate_workspaces, ws_total_bytes
+
+from helpers import copy_checkpoint, tiny_model
+
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_first_nonfinite_finds_the_first_across_chunks(dtype, bad: float) -> None:
+    n = 11 * (3 * finite._CHUNK // 11 + 7)  # a little over three chunks
+    a = np.linspace(-1e3, 1e3, n).astype(dtype).reshape(-1, 11)  # the extremes of each dtype stay finite
+    assert finite.first_nonfinite(a) is None
+    flat = a.reshape(-1)
+    for i in (n - 1, 2 * finite._CHUNK + 5, finite._CHUNK, 7):  # the last set is the first found
+        flat[i] = bad
+        assert finite.first_nonfinite(a) == np.unravel_index(i, a.shape)
+    assert finite.nonfinite_mask(a).sum() == 4
+
+
+def test_e4m3_nan_is_0x7f_and_0xff_only() -> None:
+    bits = np.arange(256, dtype=np.uint8)
+    mask = finite.nonfinite_mask(bits.view(E4M3))
+    assert np.flatnonzero(mask).tolist() == [0x7F, 0xFF]
+    assert np.array_equal(mask, np.isnan(bits.view(E4M3).astype(np.float32)))  # ml_dtypes agrees
+    assert finite.first_nonfinite(bits[:0x7F].view(E4M3)) is None  # 448 (0x7E) is the largest finite
+
+
+def _cfg() -> SiteConfig:
+    return SiteConfig.for_rank(tiny_model(), RankLayout(1, 0, 1, 1))
+
+
+def test_workspace_bigger_than_free_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _cfg()
+    need = ws_total_bytes(cfg, 64)
+    monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: need - 1)
+    with pytest.raises(ConfigError, match=r"shared workspace for workspace_rows = 64 needs .* but only .* of host "
+                                          r"memory is free; lower workspace_rows"):
+        allocate_workspaces(np, cfg, 64, 4, shared=True)
+    monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: need)
+    pool = allocate_workspaces(np, cfg, 64, 4, shared=True)
+    assert len(pool) == 4 and all(ws is pool[0] for ws in pool) and pool[0].nbytes == need
+    private = allocate_workspaces(np, cfg, 8, 4, shared=False)
+    assert len({id(ws) for ws in private}) == 4
+
+
+def test_workspace_allocation_failure_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate")
+
+    monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: None)
+    monkeypatch.setattr(workspace, "workspace_pool", no_memory)
+    with pytest.raises(ConfigError, match="allocating it failed .*Unable to allocate"):
+        allocate_workspaces(np, _cfg(), 64, 4, shared=False)
+
+
+def test_free_host_memory_is_known_here() -> None:
+    free = workspace.free_memory_bytes(np)
+    assert free is not None and 0 < free
+
+
+def test_deadline_guard_nests_and_expires_once(capsys: pytest.CaptureFixture) -> None:
+    aborted: list[int] = []
+    done = threading.Event()
+    hooks: list[str] = []
+
+    def abort(code: int) -> None:  # like MPI_Abort, never returns: the (daemon) watchdog stays parked
+        aborted.append(code)
+        done.set()
+        threading.Event().wait()
+
+    d = Deadline(rank=1, size=2, timeout_s=0.5, abort=abort)
+    d.on_expiry(lambda: hooks.append("nccl abort"))
+    with d.guard("outer"):
+        with d.guard("inner"):
+            assert d._armed[0] == "inner"
+        assert d._armed[0] == "outer"
+        assert done.wait(10), "the deadline never fired"
+    assert aborted == [EXIT_STALL] and hooks == ["nccl abort"]
+    err = capsys.readouterr().err
+    assert "[rank 1] glm-ep: error: rank 1 waited" in err and "at 'outer'" in err
+    assert "collective_timeout_s = 0.5" in err and "aborting all 2 ranks" in err
+
+
+def test_deadline_of_one_rank_never_arms() -> None:
+    d = Deadline(rank=0, size=1, timeout_s=0.01, abort=lambda code: pytest.fail("aborted a one-rank job"))
+    with d.guard("nothing to wait for"):
+        time.sleep(0.1)
+    assert d._watcher is None and d._armed is None
+
+
+def test_fingerprint_follows_config_and_headers_not_the_folder(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    copy = copy_checkpoint(tiny_checkpoint, tmp_path / "copy")
+    with Checkpoint(tiny_checkpoint) as a, Checkpoint(copy) as b:
+        assert a.fingerprint == b.fingerprint and set(a.fingerprint) == {"config", "index"}
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["swiglu_limit"] = 7.0
+    (copy / "config.json").write_text(json.dumps(cfg, indent=4))
+    with Checkpoint(tiny_checkpoint) as a, Checkpoint(copy) as b:
+        assert a.fingerprint["config"] != b.fingerprint["config"] and a.fingerprint["index"] == b.fingerprint["index"]
