@@ -92,8 +92,8 @@ def test_combine(rng, t, with_shared, indexed):
     assert_ulps(got, ref, "combine")
 
 
-# ---- dense GEMV / cuBLAS ---------------------------------------------------------------------
-@pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 6, 7, 8, 20, 300])
+# ---- dense: GEMV (1..8 rows), tensor-core GEMM (9..64), cuBLAS --------------------------------------
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 20, 33, 64, 65, 300])
 @pytest.mark.parametrize("n,k", [(200, 256), (64, 4096)])
 def test_linear(rng, t, n, k):
     x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
@@ -106,7 +106,7 @@ def test_linear(rng, t, n, k):
     assert_close(got, ref, f"linear t={t}")
 
 
-@pytest.mark.parametrize("t", [1, 2, 5, 8])
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 9, 20, 64, 65])
 def test_gate_up_act(rng, t):
     i = 200
     w = DenseWeights(rand_bf16(rng, (i, H), 2 * H ** -0.5), rand_bf16(rng, (i, H), 2 * H ** -0.5),
@@ -123,7 +123,7 @@ def test_gate_up_act(rng, t):
 
 
 # ---- router -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("t", [1, 3, 8, 20])
+@pytest.mark.parametrize("t", [1, 3, 8, 20, 64, 100])
 @pytest.mark.parametrize("router_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("h", [256, 4096])
 def test_router_logits(rng, t, router_dtype, h):

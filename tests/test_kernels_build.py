@@ -40,6 +40,16 @@ def test_mirrored_constants():
         assert re.search(rf"#define {const} {value}\b", text), f"{name}: {const} differs from the wrappers ({value})"
 
 
+def test_instantiated_variants():
+    """The kernel variants the wrappers launch are the ones the .cu files instantiate."""
+    gemm = (kernels.KERNEL_DIR / "gemm_nvfp4.cu").read_text()
+    rows = re.findall(r"^GEMM_VARIANT\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
+    assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
+    assert {(int(bm), int(w), int(bk), int(st)) for bm, _, w, bk, st in rows} == set(nvfp4_kernels.GEMM_VARIANTS)
+    mma = (kernels.KERNEL_DIR / "mma_bf16.cu").read_text()
+    assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == kernels.MMA_GEMM_TIERS
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_90", "sm_121"])
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)

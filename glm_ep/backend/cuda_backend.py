@@ -4,7 +4,8 @@
 |-------|--------------------------------------------|---------------------|--------------------------------------------|
 | 1     | GEMV; gate + up + SwiGLU fused             | GEMV, fp32 + top-k  | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
 | 2..8  | batch-M GEMV, one weight read for all rows | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns) |
-| > 8   | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | below the crossover: row groups of <= 8; at or above it: sort by expert, one grouped tensor-core GEMM per projection (gate + up + SwiGLU in one), indexed combine |
+| 9..64 | tensor-core GEMM (mma_bf16.cu), one weight read for all rows; gate + up + SwiGLU fused | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
+| > 64  | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | the grouped GEMM                           |
 
 Everything a step runs is queued on ``self.stream`` (non-blocking, made current at construction
 and around every op), writes into the caller's buffers, allocates nothing and never waits on the
@@ -161,17 +162,23 @@ class CudaBackend(Backend):
     # ---- dense ops -------------------------------------------------------------------------
     @_on_stream
     def linear(self, x_TK, w_NK, out_TN):
-        if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
+        t = x_TK.shape[0]
+        if t <= K.GEMV_MAX_ROWS:
             K.gemv_bf16(x_TK, w_NK, out_TN)
+        elif t <= K.MMA_GEMM_MAX_ROWS and x_TK.shape[1] % 32 == 0:
+            K.mma_gemm_bf16(x_TK, w_NK, out_TN)
         else:  # cuBLAS, bf16 operands, fp32 accumulation
             K.gemm_bf16(x_TK, w_NK, out_TN)
         return out_TN
 
     @_on_stream
     def router_logits(self, x_TH, router_EH, out_TE):
-        if x_TH.shape[0] <= K.GEMV_MAX_ROWS:
+        t = x_TH.shape[0]
+        if t <= K.GEMV_MAX_ROWS:
             K.router_gemv(x_TH, router_EH, out_TE)
-        elif router_EH.dtype == K.BF16:  # cuBLAS: bf16 products are exact in fp32, fp32 sums and out
+        elif router_EH.dtype == K.BF16 and t <= K.MMA_GEMM_MAX_ROWS and x_TH.shape[1] % 32 == 0:
+            K.mma_gemm_bf16(x_TH, router_EH, out_TE)  # bf16 products are exact in fp32: fp32 sums and out
+        elif router_EH.dtype == K.BF16:  # cuBLAS, likewise
             K.gemm_bf16(x_TH, router_EH, out_TE)
         else:  # an fp32 router: x upcast (a temporary: the wide path is never captured), fp32 GEMM
             x32 = self.xp.empty(x_TH.shape, dtype=np.float32)
@@ -207,9 +214,13 @@ class CudaBackend(Backend):
 
     @_on_stream
     def gate_up_act(self, x_TK, w, limit, gate_TI, up_TI, act_TI):
-        if x_TK.shape[0] > K.GEMV_MAX_ROWS:
+        t = x_TK.shape[0]
+        if t <= K.GEMV_MAX_ROWS:
+            K.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+        elif t <= K.MMA_GEMM_MAX_ROWS and x_TK.shape[1] % 32 == 0:
+            K.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+        else:
             return super().gate_up_act(x_TK, w, limit, gate_TI, up_TI, act_TI)
-        K.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
         return act_TI
 
     # ---- routed experts --------------------------------------------------------------------

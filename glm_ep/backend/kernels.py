@@ -35,6 +35,9 @@ GEMV_WARPS = 8  # warps per bf16 GEMV block
 GEMV_ROWS_PER_WARP = 2  # rows per warp-group of a bf16 GEMV
 GEMV_CHUNK = 8  # k per 16-byte bf16 chunk: K must be a multiple
 GEMV_MAX_ROWS = 8  # widest batch-M tier (bf16_gemv_r1 .. r8)
+MMA_GEMM_WARPS = 8  # warps per block of the 9..64-row tensor-core GEMM (mma_bf16.cu)
+MMA_GEMM_TIERS = (16, 32, 64)  # rows one launch covers (bf16_mma_*_t{T}); past the last: cuBLAS
+MMA_GEMM_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM
 ELEM_THREADS = 256
 COMBINE_THREADS = 128
 COMBINE_VEC = 8  # hidden elements per combine thread (mirrors COMBINE_VEC in elementwise.cu)
@@ -49,6 +52,7 @@ DEFINES = {
     "RING_WARPS": RING_WARPS,
     "GEMV_WARPS": GEMV_WARPS,
     "GEMV_ROWS_PER_WARP": GEMV_ROWS_PER_WARP,
+    "MMA_GEMM_WARPS": MMA_GEMM_WARPS,
     "ELEM_THREADS": ELEM_THREADS,
     "COMBINE_THREADS": COMBINE_THREADS,
     "UNION_MAX_IDS": UNION_MAX_IDS,
@@ -185,6 +189,68 @@ def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any) -> None:
               _ONE.ctypes.data, w_NK.data.ptr, _CUDA_R_16BF, k, x_TK.data.ptr, _CUDA_R_16BF, k,
               _ZERO.ctypes.data, out_TN.data.ptr, _CUDA_R_16BF if out_TN.dtype == BF16 else _CUDA_R_32F, n,
               cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
+
+
+# ---- bf16 tensor-core GEMM, 9..64 rows (mma_bf16.cu) ---------------------------------------------------
+_MMA = "mma_bf16.cu"
+MMA_GEMM_MAX_ROWS = MMA_GEMM_TIERS[-1]
+
+
+def _mma_tier(r: int, what: str) -> int:
+    if not 1 <= r <= MMA_GEMM_MAX_ROWS:
+        raise ValueError(f"{what}: {r} rows; the tensor-core tiers cover 1..{MMA_GEMM_MAX_ROWS} (wider goes to cuBLAS)")
+    return next(t for t in MMA_GEMM_TIERS if r <= t)
+
+
+def _mma_geometry(n: int, k: int, p: int, tier: int) -> tuple[int, int, int]:
+    """(grid.x, ksplit, dynamic smem): K split over 1..MMA_GEMM_WARPS warps of a block until the launch
+    holds MMA_GEMM_WARPS_PER_SM warps per SM, each slice keeping >= 16 steps of 32 k; the slices'
+    partial sums (p * tier / 2 floats per lane) meet in shared memory."""
+    groups, steps = _cdiv(n, 16), k // 32
+    sms = _device_attr(_current_device(), "MultiProcessorCount")
+    ks = 1
+    while ks < MMA_GEMM_WARPS and groups * ks < MMA_GEMM_WARPS_PER_SM * sms and steps >= 32 * ks:
+        ks *= 2
+    smem = MMA_GEMM_WARPS * p * (tier // 8) * 4 * 32 * 4 if ks > 1 else 0
+    return _cdiv(groups, MMA_GEMM_WARPS // ks), ks, smem
+
+
+def _mma_rows(x_RK: Any, what: str) -> tuple[int, int, int]:
+    r, k = x_RK.shape
+    tier = _mma_tier(r, what)
+    if k % 32:
+        raise ValueError(f"{what}: in width {k} is not a multiple of 32 (one tensor-core step)")
+    _check("x", x_RK, BF16)
+    return r, k, tier
+
+
+def mma_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any) -> None:
+    """``out = x @ w^T`` for R <= 64 rows on the tensor cores, every weight read once for all rows;
+    ``out`` bf16 (rounded once) or fp32 (router logits)."""
+    r, k, tier = _mma_rows(x_RK, "mma_gemm_bf16")
+    n = w_NK.shape[0]
+    _check("w", w_NK, BF16), _check_shape("w", w_NK, (n, k))
+    if out_RN.dtype not in (BF16, F32):
+        raise TypeError(f"out: dtype {out_RN.dtype}, expected bfloat16 or float32")
+    _check("out", out_RN, out_RN.dtype, 2), _check_shape("out", out_RN, (r, n))
+    grid_x, ks, smem = _mma_geometry(n, k, 1, tier)
+    entry = f"bf16_mma_gemm_{'f32_' if out_RN.dtype == F32 else ''}t{tier}"
+    _launch(_MMA, entry, (grid_x, 1, 1), (MMA_GEMM_WARPS * 32, 1, 1),
+            (x_RK, _i64(k), w_NK, out_RN, _i64(n), _i32(r), _i32(n), _i32(k), _i32(ks)), smem=smem)
+
+
+def mma_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any) -> None:
+    """gate, up and the clamped SwiGLU of a bf16 MLP for R <= 64 rows in ONE tensor-core launch."""
+    r, k, tier = _mma_rows(x_RK, "mma_glu_bf16")
+    n = wg_NK.shape[0]
+    for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
+        _check(name, w, BF16), _check_shape(name, w, (n, k))
+    for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
+        _check(name, a, BF16, 2), _check_shape(name, a, (r, n))
+    grid_x, ks, smem = _mma_geometry(n, k, 2, tier)
+    _launch(_MMA, f"bf16_mma_glu_t{tier}", (grid_x, 1, 1), (MMA_GEMM_WARPS * 32, 1, 1),
+            (x_RK, _i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, _i64(n), _i32(r), _i32(n), _i32(k), _i32(ks),
+             np.float32(limit)), smem=smem)
 
 
 # ---- bf16 GEMV (1..8 rows) -----------------------------------------------------------------------

@@ -348,5 +348,6 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
 GEMM_VARIANT(16, 1, 4, 64, 4, 4)
 GEMM_VARIANT(32, 2, 4, 64, 4, 3)
 GEMM_VARIANT(64, 4, 4, 64, 4, 3)
-GEMM_VARIANT(64, 4, 8, 64, 4, 2)
+GEMM_VARIANT(64, 4, 8, 64, 4, 1)
 GEMM_VARIANT(64, 4, 4, 128, 3, 2)
+GEMM_VARIANT(64, 4, 8, 128, 3, 1)
