@@ -18,6 +18,7 @@ from glm_ep.comm import Communicator
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
 from glm_ep.experts import ExpertDispatch
 from glm_ep.parallel import agree
+from glm_ep.placement import discover
 from glm_ep.site import DenseSite, MoeSite
 from glm_ep.stack import MlpStack
 from glm_ep.topology import Topology
@@ -62,8 +63,9 @@ def load_runtime(model_dir: str | Path, topo: Topology, mpi_comm: Any) -> Runtim
     ckpt = agree(mpi_comm, lambda: Checkpoint(model_dir))
     model = ckpt.config
     cfg = agree(mpi_comm, lambda: site_config(model, topo, rank))
-    be = agree(mpi_comm, lambda: make_backend(topo, rank))
-    comm = agree(mpi_comm, lambda: make_comm(mpi_comm, be, topo))
+    placement = discover(mpi_comm)  # collective, and it cannot fail on one rank alone
+    be = agree(mpi_comm, lambda: make_backend(topo, placement))
+    comm = agree(mpi_comm, lambda: make_comm(mpi_comm, be, topo, placement))
 
     def read_all() -> list[Any]:
         big = model.n_routed_experts * model.hidden_size * model.moe_intermediate_size > 50e6

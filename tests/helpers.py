@@ -302,3 +302,11 @@ def load_outputs(path: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return load_file(str(path))
+
+
+# ---- multi-rank assertions ---------------------------------------------------------------------
+def agreed(comm: Any, failures: list[str]) -> None:
+    """Assert on every rank that no rank failed (one failing rank never leaves another waiting)."""
+    every = comm.allgather(failures)
+    msgs = [f"rank {r}: {m}" for r, fs in enumerate(every) for m in fs]
+    assert not msgs, "\n".join(msgs)
