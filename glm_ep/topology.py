@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from glm_ep.errors import ConfigError
+from glm_ep.topologies import topology_path
 
 BACKENDS = ("cpu", "cuda")
 COMMS = ("auto", "mpi", "nccl")
@@ -72,9 +73,7 @@ class Topology:
 
     @classmethod
     def load(cls, path: str | Path) -> "Topology":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: topology file not found")
+        path = topology_path(path)  # a file, or a shipped topology by name (gb10-2)
         try:
             raw = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
