@@ -93,13 +93,13 @@ def from_backend(out: Any, like: Any, kind: str, be: Any) -> Any:
 
 @contextlib.contextmanager
 def runtime_stream(be: Any) -> Iterator[None]:
-    """CUDA: run the block on the runtime's stream, ordered after the caller's current stream, and
-    order the caller's stream after it. Other backends run the block as it is."""
+    """CUDA: run the block on the runtime's device and stream, ordered after the caller's current
+    stream, and order the caller's stream after it. Other backends run the block as it is."""
     if be.name != "cuda":
         yield
         return
-    caller = be.xp.cuda.get_current_stream()
+    caller = be.xp.cuda.get_current_stream()  # of the caller's current device, which may be another
     be.stream.wait_event(caller.record())
-    with be.stream:
+    with be.device, be.stream:
         yield
     caller.wait_event(be.stream.record())

@@ -13,6 +13,7 @@ import pytest
 import glm_ep
 from glm_ep import GlmEpError, InputError, Topology
 
+from _cuda import cupy, requires_cuda
 from ckpt_writer import read_f64
 from helpers import BF16, REPO, agreed, mpiexec, random_x, rel_l2, site64
 
@@ -138,6 +139,27 @@ def test_the_readme_example_runs_on_two_ranks(tiny_checkpoint, tmp_path) -> None
     r = mpiexec(2, "example.py", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("GlmMlp(4 layers, hidden 128; rank ") == 2, r.stdout
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_backend_takes_and_gives_numpy_cupy_and_torch(tiny_checkpoint, mlp) -> None:
+    gpu = glm_ep.load(tiny_checkpoint, topology=Topology(name="cuda-1", backend="cuda"), comm=_self_comm())
+    x = random_x(9, 5, mlp.hidden_size)
+    y = gpu.site(2, x)
+    assert type(y) is np.ndarray and rel_l2(y, mlp.site(2, x)) < 1e-2
+    y_cp = gpu.site(2, cupy.asarray(x))
+    assert isinstance(y_cp, cupy.ndarray) and y_cp.device.id == 0
+    assert np.array_equal(cupy.asnumpy(y_cp).view(np.uint16), y.view(np.uint16))
+    h, h_cp = gpu.step(x), gpu.step(cupy.asarray(x))
+    assert np.array_equal(cupy.asnumpy(h_cp).view(np.uint16), h.view(np.uint16))
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    t = torch.from_numpy(x.view(np.int16).copy()).cuda().view(torch.bfloat16)
+    y_t = gpu.site(2, t)
+    assert isinstance(y_t, torch.Tensor) and y_t.device == t.device and y_t.dtype == torch.bfloat16
+    assert np.array_equal(y_t.view(torch.int16).cpu().numpy(), y.view(np.int16))
 
 
 # ---- under mpiexec -n 2 ------------------------------------------------------------------------
