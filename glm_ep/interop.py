@@ -83,7 +83,10 @@ def from_backend(out: Any, like: Any, kind: str, be: Any) -> Any:
     if kind == "numpy":
         return out if isinstance(out, np.ndarray) else be.to_host(out)
     if kind == "cupy":
-        return out if be.name == "cuda" else sys.modules["cupy"].asarray(out)
+        if be.name == "cuda":
+            return out
+        with like.device:
+            return sys.modules["cupy"].asarray(out)
     torch = sys.modules["torch"]
     if be.name == "cuda" and like.is_cuda:
         return torch.from_dlpack(out.view(np.int16)).view(torch.bfloat16)

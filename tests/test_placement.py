@@ -99,10 +99,10 @@ def test_make_comm_takes_nccl_for_gb10_2_and_mpi_for_two_ranks_on_one_gpu(monkey
     made = []
     monkeypatch.setattr(nccl, "NcclComm", lambda mpi_comm, backend: made.append(mpi_comm) or "nccl-comm")
     gb10 = Topology.load("gb10-2")
-    world = _FakeWorld(1, [(g.node, g.host, g.bus_id) for g in TWO_GB10])
+    world = _FakeWorld(1, TWO_GB10)
     placement = Placement(rank=1, world=2, node=1, local_rank=0, local_size=1, host="spark-b")
     assert make_comm(world, _FakeCudaBackend(), gb10, placement) == "nccl-comm" and made == [world]
-    shared = _FakeWorld(1, [(g.node, g.host, g.bus_id) for g in ONE_GPU_TWO_RANKS])
+    shared = _FakeWorld(1, ONE_GPU_TWO_RANKS)
     one_host = Placement(rank=1, world=2, node=0, local_rank=1, local_size=2, host="h200")
     assert isinstance(make_comm(shared, _FakeCudaBackend(), Topology.load("h200-1x2"), one_host), MpiComm)
     with pytest.raises(ConfigError, match="ranks share a GPU"):

@@ -41,7 +41,7 @@ def make_comm(mpi_comm: Any, backend: Any, topology: Any, placement: Placement) 
     """
     if backend.name == "cpu":
         return MpiComm(mpi_comm)
-    gpus = [NodeGpu(*g) for g in mpi_comm.allgather((placement.node, placement.host, backend.pci_bus_id))]
+    gpus = mpi_comm.allgather(NodeGpu(placement.node, placement.host, backend.pci_bus_id))
     kind = choose_comm(topology.comm, gpus, topology.name)
     if placement.rank == 0:
         log.info("all-reduce: %s over %d rank(s) on %d node(s)", kind.upper(), len(gpus),
