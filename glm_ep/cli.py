@@ -15,11 +15,15 @@ import argparse
 import sys
 from typing import Any
 
+from glm_ep.errors import EXIT_USER
+from glm_ep.mpi_lib import MpiUnavailable
 from glm_ep.parallel import Ranks, mpi_world, run_guarded, setup_logging
+from glm_ep.topologies import shipped_names
 
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--topology", help="topology TOML (configs/*.toml); default: world = tp = ep = MPI size")
+    p.add_argument("--topology", help=f"a topology TOML file or a shipped name ({', '.join(shipped_names())}); "
+                   "default: world = tp = ep = MPI size, backend cpu")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (overrides the topology)")
     p.add_argument("--ep", type=int, help="expert-parallel degree (overrides the topology)")
     p.add_argument("--backend", choices=("cpu", "cuda"), help="overrides the topology's backend")
@@ -116,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("synth", "footprint"):
         setup_logging(0)
         return run_guarded(lambda: {"synth": _synth, "footprint": _footprint}[args.cmd](args), None)
-    comm: Any = mpi_world()
+    try:
+        comm: Any = mpi_world()
+    except MpiUnavailable as e:  # no MPI library: one clear line, not an import traceback
+        print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER
     setup_logging(comm.Get_rank(), getattr(args, "verbose", False))
     if args.cmd == "bench":
         from glm_ep.bench import bench_job

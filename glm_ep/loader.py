@@ -24,6 +24,7 @@ from glm_ep.comm import Communicator
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
 from glm_ep.experts import ExpertDispatch
 from glm_ep.parallel import Ranks
+from glm_ep.placement import discover
 from glm_ep.site import DenseSite, MoeSite
 from glm_ep.stack import MlpStack
 from glm_ep.topology import Topology
@@ -81,8 +82,9 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     """This rank's share of ``ckpt`` resident on its backend, as an ``MlpStack``; closes ``ckpt``."""
     rank, model = ranks.rank, ckpt.config
     cfg = ranks.agree("site geometry", lambda: site_config(model, topo, rank))
-    be = ranks.agree("backend", lambda: make_backend(topo, rank))
-    comm = ranks.agree("communicator", lambda: make_comm(ranks.comm, be, topo, ranks.deadline))
+    placement = discover(ranks.comm)  # collective, and it cannot fail on one rank alone
+    be = ranks.agree("backend", lambda: make_backend(topo, placement))
+    comm = ranks.agree("communicator", lambda: make_comm(ranks.comm, be, topo, placement, ranks.deadline))
     workspaces = ranks.agree("workspace allocation", lambda: allocate_workspaces(
         be.xp, cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace))
 

@@ -26,9 +26,9 @@ class AgreedError(GlmEpError):
 
 
 def mpi_world() -> Any:
-    from mpi4py import MPI
+    from glm_ep.mpi_lib import import_mpi  # a clear MpiUnavailable where no libmpi is installed
 
-    return MPI.COMM_WORLD
+    return import_mpi().COMM_WORLD
 
 
 def setup_logging(rank: int, verbose: bool = False) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from glm_ep.deadline import DEFAULT_COLLECTIVE_TIMEOUT_S
 from glm_ep.errors import ConfigError
+from glm_ep.topologies import topology_path
 
 BACKENDS = ("cpu", "cuda")
 COMMS = ("auto", "mpi", "nccl")
@@ -112,9 +113,7 @@ class Topology:
 
     @classmethod
     def load(cls, path: str | Path) -> "Topology":
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: topology file not found")
+        path = topology_path(path)  # a file, or a shipped topology by name (gb10-2)
         try:
             raw = tomllib.loads(path.read_bytes().decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -155,6 +154,3 @@ class Topology:
         if mpi_size != self.world:
             raise ConfigError(f"topology {self.name!r} is for world = {self.world} ranks, but the MPI job "
                               f"has {mpi_size}; launch with mpiexec -n {self.world} or pick another topology")
-
-    def device_of(self, rank: int, visible: int) -> int:
-        return self.devices[rank] if self.devices else rank % max(visible, 1)

@@ -283,11 +283,13 @@ def mpi_env() -> dict[str, str]:
     return env
 
 
-def mpiexec(n: int, *args: str, timeout: float = MPI_TIMEOUT_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def mpiexec(n: int, *args: str, timeout: float = MPI_TIMEOUT_S, cwd: Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``mpiexec -n n python <args>`` with a timeout (``subprocess.TimeoutExpired`` fails the test)."""
     local = Path(sys.executable).parent / "mpiexec"  # the venv's MPICH, also when it is not on PATH
     cmd = [str(local) if local.exists() else "mpiexec", "-n", str(n), sys.executable, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=cwd or REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or mpi_env(),
+                          cwd=cwd or REPO)
 
 
 def glm_ep(n: int, *args: str, timeout: float = MPI_TIMEOUT_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -367,3 +369,11 @@ def write_topology(path: Path, levers: dict[str, Any] | None = None, **values: A
         text += ["[levers]"] + [line(k, v) for k, v in levers.items()]
     path.write_text("\n".join(text) + "\n")
     return path
+
+
+# ---- multi-rank assertions ---------------------------------------------------------------------
+def agreed(comm: Any, failures: list[str]) -> None:
+    """Assert on every rank that no rank failed (one failing rank never leaves another waiting)."""
+    every = comm.allgather(failures)
+    msgs = [f"rank {r}: {m}" for r, fs in enumerate(every) for m in fs]
+    assert not msgs, "\n".join(msgs)

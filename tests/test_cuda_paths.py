@@ -179,9 +179,10 @@ def test_nccl_one_rank():
 
     from glm_ep.backend import make_comm
     from glm_ep.backend.nccl import NcclComm
+    from glm_ep.placement import discover
 
     be = backend()
-    comm = make_comm(MPI.COMM_SELF, be, Topology(backend="cuda"))
+    comm = make_comm(MPI.COMM_SELF, be, Topology(backend="cuda"), discover(MPI.COMM_SELF))
     assert isinstance(comm, NcclComm) and comm.capturable
     x = _bf16(np.random.default_rng(3), (4, H), 1.0)
     buf = dev(x)
@@ -199,6 +200,7 @@ def test_two_ranks_one_gpu():
     from mpi4py import MPI
 
     from glm_ep.backend import make_comm
+    from glm_ep.placement import discover
 
     world = MPI.COMM_WORLD
     if world.Get_size() != 2:
@@ -207,7 +209,7 @@ def test_two_ranks_one_gpu():
     cfg = SiteConfig.for_rank(model(layer_types), RankLayout(2, world.Get_rank(), 2, 2))
     weights = [shard(w, cfg) for w in full_weights(5, layer_types)]
     be = backend()
-    comm = make_comm(world, be, Topology(world=2, tp=2, ep=2, backend="cuda"))
+    comm = make_comm(world, be, Topology(world=2, tp=2, ep=2, backend="cuda"), discover(world))
     assert isinstance(comm, MpiComm), "two ranks on one GPU must use the MPI communicator"
     cuda = build_stack(be, comm, cfg, weights, PathLevers(), max_rows=20)
     ref = build_stack(NumpyBackend(), MpiComm(world), cfg, weights, PathLevers(), max_rows=20)

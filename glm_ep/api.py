@@ -1,0 +1,111 @@
+"""The library API: load a checkpoint across the ranks of a communicator, then call a site or a step.
+
+    # mpiexec -n 2 python engine.py
+    import glm_ep
+
+    mlp = glm_ep.load("/models/glm-5.3-flash-nvfp4", topology="h200-2")
+    y = mlp.site(3, x)   # layer 3's MLP applied to x: bf16 [rows, hidden] -> a fresh bf16 array
+    h = mlp.step(x)      # every layer chained, h = h + site(h)
+
+Every call is collective: each rank of the communicator makes the same calls in the same order
+with the same input, and each gets the same result. Inputs are NumPy or CuPy arrays or torch
+tensors (``glm_ep.interop``); a result has the input's kind and device and shares no memory with
+the runtime. Inputs wider than the workspace run in workspace-sized chunks (rows are independent).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import ml_dtypes
+
+from glm_ep import interop
+from glm_ep.config import ModelConfig
+from glm_ep.errors import ConfigError
+from glm_ep.loader import Runtime, load_runtime, open_checkpoint
+from glm_ep.parallel import Ranks, mpi_world
+from glm_ep.topology import Topology
+
+
+class GlmMlp:
+    """This rank's share of the MLP sites of a GLM-5.3-Flash checkpoint, loaded (``glm_ep.load``)."""
+
+    def __init__(self, runtime: Runtime):
+        self._rt = runtime
+
+    @property
+    def config(self) -> ModelConfig:
+        return self._rt.model
+
+    @property
+    def topology(self) -> Topology:
+        return self._rt.topo
+
+    @property
+    def num_layers(self) -> int:
+        return self._rt.model.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self._rt.model.hidden_size
+
+    @property
+    def max_rows(self) -> int:
+        """Rows one pass of the workspace takes; wider inputs run in chunks of this many."""
+        return self._rt.stack.max_rows
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds."""
+        return self._rt.weight_bytes
+
+    def site(self, i: int, x: Any) -> Any:
+        """Layer ``i``'s MLP applied to ``x`` (bf16 ``[rows, hidden]``), not chained."""
+        layer = interop.layer_index(i, self.num_layers)
+        return self._apply(lambda x_TH: self._rt.stack.site_output(layer, x_TH), x)
+
+    def step(self, x: Any) -> Any:
+        """Every layer's MLP, chained: ``h = h + site(h)`` from ``h = x``; returns the last ``h``."""
+        return self._apply(self._rt.stack.step, x)
+
+    def _apply(self, fn: Callable[[Any], Any], x: Any) -> Any:
+        kind = interop.check_input(x, self.hidden_size)
+        be, rows, chunk = self._rt.be, x.shape[0], self.max_rows
+        with interop.runtime_stream(be):
+            x_TH = interop.to_backend(x, kind, be)
+            out_TH = be.xp.empty((rows, self.hidden_size), dtype=ml_dtypes.bfloat16)
+            for r in range(0, rows, chunk):
+                out_TH[r:r + chunk] = fn(x_TH[r:r + chunk])  # fn's result is a view of the stack's buffer
+            return interop.from_backend(out_TH, x, kind, be)
+
+    def __repr__(self) -> str:
+        t = self.topology
+        return (f"GlmMlp({self.num_layers} layers, hidden {self.hidden_size}; rank {self._rt.cfg.rank} of "
+                f"{t.world}, tp {t.tp}, ep {t.ep}, backend {t.backend})")
+
+
+def _topology(spec: Topology | str | os.PathLike | None, world: int) -> Topology:
+    if spec is None:
+        return Topology(name="default", world=world, tp=world, ep=world)
+    if isinstance(spec, Topology):
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        return Topology.load(spec)
+    raise ConfigError(f"topology = {spec!r}: expected None, a Topology, a shipped topology name "
+                      "(e.g. 'h200-2') or the path of a TOML file")
+
+
+def load(model_dir: str | Path, topology: Topology | str | os.PathLike | None = None, comm: Any = None) -> GlmMlp:
+    """Load ``model_dir`` (HF ``config.json`` + safetensors) across the ranks of ``comm``.
+
+    ``topology``: a ``Topology``, a shipped name (``"gb10-2"``), a TOML path, or None for
+    world = tp = ep = the communicator's size on the NumPy backend. ``comm``: an mpi4py
+    communicator, ``MPI.COMM_WORLD`` by default. Collective; a bad checkpoint or topology raises
+    the same ``glm_ep.GlmEpError`` on every rank.
+    """
+    ranks = Ranks(comm if comm is not None else mpi_world())
+    topo = ranks.agree("topology", lambda: _topology(topology, ranks.size))
+    ranks.deadline.timeout_s = topo.collective_timeout_s  # waits on the other ranks bounded from here on
+    return GlmMlp(load_runtime(open_checkpoint(model_dir, topo, ranks), topo, ranks))

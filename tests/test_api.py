@@ -1,0 +1,188 @@
+"""The library API (``glm_ep.load``, ``site``, ``step``) on the NumPy backend: NumPy arrays and torch
+tensors (DLPack) in, fresh arrays of the same kind out, held against the tests' own float64 decoder;
+the README's example; two ranks under ``mpiexec -n 2`` (tests marked mpi).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import glm_ep
+from glm_ep import GlmEpError, InputError, Topology
+
+from _cuda import cupy, requires_cuda
+from ckpt_writer import read_f64
+from helpers import BF16, REPO, agreed, mpiexec, random_x, rel_l2, site64
+
+
+def _self_comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+@pytest.fixture(scope="module")
+def mlp(tiny_checkpoint):
+    return glm_ep.load(tiny_checkpoint, comm=_self_comm())
+
+
+def _chain(mlp, x: np.ndarray) -> np.ndarray:
+    """``h = bf16(h + site(h))`` through every layer, one API call per site."""
+    h = x
+    for i in range(mlp.num_layers):
+        h = (h.astype(np.float32) + mlp.site(i, h).astype(np.float32)).astype(BF16)
+    return h
+
+
+def test_site_matches_float64_and_step_is_the_chain_of_sites(mlp, tiny_checkpoint) -> None:
+    layers, p = read_f64(tiny_checkpoint)
+    x = random_x(11, 5, mlp.hidden_size, gain=1.5)
+    x_before = x.copy()
+    assert mlp.num_layers == len(layers) and mlp.max_rows == 512 and mlp.weight_bytes > 0
+    for i, layer in enumerate(layers):
+        y = mlp.site(i, x)
+        assert type(y) is np.ndarray and y.dtype == BF16 and y.shape == x.shape
+        assert rel_l2(y, site64(layer, p, x)) < 1e-2, (i, rel_l2(y, site64(layer, p, x)))
+    h = mlp.step(x)
+    assert type(h) is np.ndarray and h.dtype == BF16
+    assert np.array_equal(h.view(np.uint16), _chain(mlp, x).view(np.uint16))
+    assert np.array_equal(x.view(np.uint16), x_before.view(np.uint16)), "the input was written to"
+
+
+def test_results_are_fresh_arrays(mlp) -> None:
+    x1, x2 = random_x(1, 3, mlp.hidden_size), random_x(2, 3, mlp.hidden_size)
+    y1 = mlp.site(1, x1)
+    kept = y1.copy()
+    h1 = mlp.step(x1)
+    y2, h2 = mlp.site(1, x2), mlp.step(x2)
+    assert np.array_equal(y1.view(np.uint16), kept.view(np.uint16)), "a later call changed an earlier result"
+    assert not np.array_equal(y1.view(np.uint16), y2.view(np.uint16))
+    for a, b in ((y1, y2), (h1, h2), (y1, h1)):
+        assert not np.shares_memory(a, b)
+    y1[...] = 0  # the caller owns it: writing to it changes nothing the runtime holds
+    assert np.array_equal(mlp.site(1, x1).view(np.uint16), kept.view(np.uint16))
+
+
+def test_torch_tensors_in_and_out(mlp) -> None:
+    torch = pytest.importorskip("torch")
+    x = random_x(5, 6, mlp.hidden_size)
+    want_site, want_step = mlp.site(2, x), mlp.step(x)
+    t = torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+    wide = torch.empty(mlp.hidden_size, 6, dtype=torch.bfloat16).t()  # strided, not contiguous
+    wide.copy_(t)
+    for inp in (t, wide, t.clone().requires_grad_(True)):
+        for got, want in ((mlp.site(2, inp), want_site), (mlp.step(inp), want_step)):
+            assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16 and got.device == inp.device
+            assert tuple(got.shape) == x.shape
+            assert np.array_equal(got.view(torch.int16).numpy(), want.view(np.int16))
+            assert got.data_ptr() != inp.data_ptr()
+
+
+def test_wide_inputs_run_in_workspace_sized_chunks(tiny_checkpoint, mlp) -> None:
+    layers, p = read_f64(tiny_checkpoint)
+    narrow = glm_ep.load(tiny_checkpoint, topology=Topology(name="narrow", workspace_rows=4), comm=_self_comm())
+    assert narrow.max_rows == 4 and narrow.topology.name == "narrow"
+    x = random_x(3, 11, mlp.hidden_size)
+    y = narrow.site(3, x)
+    parts = [narrow.site(3, x[r:r + 4]) for r in range(0, 11, 4)]
+    assert y.shape == (11, mlp.hidden_size)
+    assert np.array_equal(y.view(np.uint16), np.concatenate(parts).view(np.uint16))
+    assert rel_l2(y, site64(layers[3], p, x)) < 1e-2
+    h = narrow.step(x)
+    steps = [narrow.step(x[r:r + 4]) for r in range(0, 11, 4)]
+    assert np.array_equal(h.view(np.uint16), np.concatenate(steps).view(np.uint16))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (np.zeros((5, 128), np.float32), r"input is float32 \[5, 128\], expected bfloat16 \[rows >= 1, 128\]"),
+    (np.zeros((5, 64), BF16), r"input is bfloat16 \[5, 64\], expected bfloat16 \[rows >= 1, 128\]"),
+    (np.zeros(128, BF16), r"input is bfloat16 \[128\], expected"),
+    (np.zeros((0, 128), BF16), r"input is bfloat16 \[0, 128\], expected bfloat16 \[rows >= 1"),
+    ([[0.0] * 128], r"input is a builtins.list; expected a NumPy or CuPy array or a torch tensor"),
+])
+def test_bad_inputs_name_what_was_expected(mlp, bad, message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        mlp.step(bad)
+
+
+@pytest.mark.parametrize("index", [4, -1, 1.0, True, "1"])
+def test_bad_site_index(mlp, index) -> None:
+    with pytest.raises(InputError, match=r"site index .* expected 0..3|the model has layers 0..3"):
+        mlp.site(index, random_x(0, 1, mlp.hidden_size))
+
+
+def test_bad_topology_or_model_is_a_clear_error(tiny_checkpoint, tmp_path) -> None:
+    with pytest.raises(GlmEpError, match=r"topology = 3: expected None, a Topology, a shipped topology name"):
+        glm_ep.load(tiny_checkpoint, topology=3, comm=_self_comm())
+    with pytest.raises(GlmEpError, match="gb10-9: topology file not found"):
+        glm_ep.load(tiny_checkpoint, topology="gb10-9", comm=_self_comm())
+    with pytest.raises(GlmEpError, match="topology .cpu-2. is for world = 2 ranks, but the MPI job has 1"):
+        glm_ep.load(tiny_checkpoint, topology="cpu-2", comm=_self_comm())
+    with pytest.raises(GlmEpError, match=re.escape(str(tmp_path / "none"))):
+        glm_ep.load(tmp_path / "none", comm=_self_comm())
+
+
+def _readme_example() -> str:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Library API"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_example_runs_on_two_ranks(tiny_checkpoint, tmp_path) -> None:
+    pytest.importorskip("torch")  # the example ends with a torch tensor
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "tiny").symlink_to(tiny_checkpoint)
+    (tmp_path / "example.py").write_text(_readme_example())
+    r = mpiexec(2, "example.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("GlmMlp(4 layers, hidden 128; rank ") == 2, r.stdout
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_backend_takes_and_gives_numpy_cupy_and_torch(tiny_checkpoint, mlp) -> None:
+    gpu = glm_ep.load(tiny_checkpoint, topology=Topology(name="cuda-1", backend="cuda"), comm=_self_comm())
+    x = random_x(9, 5, mlp.hidden_size)
+    y = gpu.site(2, x)
+    assert type(y) is np.ndarray and rel_l2(y, mlp.site(2, x)) < 1e-2
+    y_cp = gpu.site(2, cupy.asarray(x))
+    assert isinstance(y_cp, cupy.ndarray) and y_cp.device.id == 0
+    assert np.array_equal(cupy.asnumpy(y_cp).view(np.uint16), y.view(np.uint16))
+    h, h_cp = gpu.step(x), gpu.step(cupy.asarray(x))
+    assert np.array_equal(cupy.asnumpy(h_cp).view(np.uint16), h.view(np.uint16))
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    t = torch.from_numpy(x.view(np.int16).copy()).cuda().view(torch.bfloat16)
+    y_t = gpu.site(2, t)
+    assert isinstance(y_t, torch.Tensor) and y_t.device == t.device and y_t.dtype == torch.bfloat16
+    assert np.array_equal(y_t.view(torch.int16).cpu().numpy(), y.view(np.int16))
+
+
+# ---- under mpiexec -n 2 ------------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_two_ranks_agree_with_one(tiny_checkpoint) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    multi = glm_ep.load(tiny_checkpoint)  # the default: COMM_WORLD, world = tp = ep = its size
+    single = glm_ep.load(tiny_checkpoint, comm=MPI.COMM_SELF)
+    failures: list[str] = []
+    if (multi.topology.world, multi.topology.tp, multi.topology.ep) != (comm.Get_size(),) * 3:
+        failures.append(f"default topology {multi.topology}")
+    x = random_x(21, 7, multi.hidden_size)
+    for i in range(multi.num_layers):
+        got, want = multi.site(i, x), single.site(i, x)
+        blobs = comm.allgather(got.tobytes())
+        if any(b != blobs[0] for b in blobs):
+            failures.append(f"site {i} differs between ranks")
+        if not rel_l2(got, want) < 1e-2:
+            failures.append(f"site {i}: rel L2 {rel_l2(got, want):.3e} vs one rank")
+    # chained, routing near-ties may part from the one-rank chain: hold the step to its own sites
+    h = multi.step(x)
+    if not np.array_equal(h.view(np.uint16), _chain(multi, x).view(np.uint16)):
+        failures.append("step differs from the chain of its sites")
+    agreed(comm, failures)
