@@ -60,7 +60,7 @@ class PathLevers:
     row_batch_max: int = 8  # widest row group of the union path (<= 8)
     union_max_ids: int = 64  # rows * top_k a union table may hold (one 64-thread block)
     prefill_gemm: bool = True  # wide prefill: sort by expert + grouped GEMM
-    prefill_gemm_min_rows: int = 16  # measured crossover (docs/perf/PREFILL.md): below it, row groups of <= 8
+    prefill_gemm_min_rows: int = 24  # measured crossover (docs/perf/PREFILL.md): below it, row groups of <= 8
     graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
     graph_verify: bool = True  # capture verify steps (2..8 rows) as CUDA graphs too
 
