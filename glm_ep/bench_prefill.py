@@ -206,13 +206,15 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
                      f"{r['sparse_sorted_us']:.1f} | {_f(hf)} ({r.get('hf_moe_best', '—')}) | "
                      f"{_f(hf / r['sparse_us'] if hf else None, '{:.2f}x')} |")
     lines += ["", "## Routed-expert GEMMs alone (grouped path)", "",
-              "| rows | sort | gate+up+SwiGLU | down | GEMMs TFLOP/s | `torch._grouped_mm` bf16 (gate_up + down) | its TFLOP/s |",
+              "| rows | sort | gate+up+SwiGLU | down | GEMMs TFLOP/s | `torch._grouped_mm` bf16 (gate_up + down) "
+              "| its TFLOP/s |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in w:
         flops = 6 * r["rows"] * 8 * 2048 * 4096
         gm = r.get("grouped_mm_us")
+        gm_tflops = flops / (gm * 1e-6) / 1e12 if gm else None
         lines.append(f"| {r['rows']} | {r['sort_us']:.1f} | {r['glu_us']:.1f} | {r['down_us']:.1f} | "
-                     f"{r['gemm_tflops']:.0f} | {_f(gm)} | {_f(flops / (gm * 1e-6) / 1e12 if gm else None, '{:.0f}')} |")
+                     f"{r['gemm_tflops']:.0f} | {_f(gm)} | {_f(gm_tflops, '{:.0f}')} |")
     names = list(w[0]["variants"]) if w else []
     lines += ["", "## Grouped-GEMM variants (m: rows per tile, w: warps, k: k per stage): gate+up+SwiGLU / down µs",
               "",
@@ -226,7 +228,8 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
               "| router glm_ep | torch router |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in w:
         lines.append(f"| {r['rows']} | {r['dense_us']:.1f} | {_f(r.get('hf_mlp_us'))} | "
-                     f"{meta['dense_floor_us'] / r['dense_us']:.2f} | {r['shared_us']:.1f} | {_f(r.get('hf_shared_us'))} | "
+                     f"{meta['dense_floor_us'] / r['dense_us']:.2f} | {r['shared_us']:.1f} | "
+                     f"{_f(r.get('hf_shared_us'))} | "
                      f"{r['router_us']:.1f} | {_f(r.get('torch_router_us'))} |")
     lines += ["", f"## Crossover sweep: row groups vs grouped GEMM (sparse site) — crossover at "
                   f"**{meta['crossover']} rows**", "", "| rows | row groups | grouped GEMM |", "|---:|---:|---:|"]

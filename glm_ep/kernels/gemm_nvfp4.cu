@@ -201,7 +201,8 @@ struct Gemm {
         for (int i = 0; i < WC; ++i) {
             const int n = (tid + i * THREADS) / (BK / 32), rn = n % (BN / 2);
             const bool hi = n >= BN / 2;  // selects, not an index: the pointers stay in registers
-            wsrc[i] = rn < (hi ? n_valid[1] : n_valid[0]) ? (hi ? wbase[1] : wbase[0]) + (size_t)rn * (K >> 1) : nullptr;
+            const unsigned char* base = hi ? wbase[1] : wbase[0];
+            wsrc[i] = rn < (hi ? n_valid[1] : n_valid[0]) ? base + (size_t)rn * (K >> 1) : nullptr;
         }
         {
             const int rn = tid % (BN / 2);
@@ -236,9 +237,11 @@ struct Gemm {
 
 template <int MT, int WARPS, int BK, int STAGES>
 __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,
-                                            const int* __restrict__ expert_offsets, const u64_t* __restrict__ packed_ptrs,
+                                            const int* __restrict__ expert_offsets,
+                                            const u64_t* __restrict__ packed_ptrs,
                                             const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2,
-                                            int start, int count, bf16_t* __restrict__ out, int N, int K, int n_blocks) {
+                                            int start, int count, bf16_t* __restrict__ out, int N, int K,
+                                            int n_blocks) {
     using G = Gemm<MT, WARPS, BK, STAGES>;
     const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks);
     if (tile.e < 0) return;
@@ -277,8 +280,10 @@ __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const 
 template <int MT, int WARPS, int BK, int STAGES>
 __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,
                                                 const int* __restrict__ expert_offsets,
-                                                const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale,
-                                                const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,
+                                                const u64_t* __restrict__ gate_packed,
+                                                const u64_t* __restrict__ gate_scale,
+                                                const float* __restrict__ gate_scale2,
+                                                const u64_t* __restrict__ up_packed,
                                                 const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2,
                                                 int start, int count, bf16_t* __restrict__ act, int N, int K,
                                                 int n_blocks, float limit) {
@@ -313,7 +318,8 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                 unsigned pair = 0;
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
-                    const float gv = round_bf16(acc[i][j][2 * h + c] * fg), uv = round_bf16(acc[i][j + 2][2 * h + c] * fu);
+                    const float gv = round_bf16(acc[i][j][2 * h + c] * fg);
+                    const float uv = round_bf16(acc[i][j + 2][2 * h + c] * fu);
                     pair |= (unsigned)swiglu_one(gv, uv, limit) << (16 * c);
                 }
                 *reinterpret_cast<unsigned*>(o + n) = pair;
