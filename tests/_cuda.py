@@ -4,6 +4,7 @@ one backend per process, and the comparisons every CUDA test makes against its N
 from __future__ import annotations
 
 import functools
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -25,6 +26,16 @@ def _probe():
 
 
 cupy, _REASON = _probe()
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test's name: fresh inputs per test, the same on every run."""
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def rand_bf16(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(BF16)
 #: apply as ``pytestmark = [pytest.mark.cuda, requires_cuda]``
 requires_cuda = pytest.mark.skipif(cupy is None, reason=_REASON or "CUDA available")
 

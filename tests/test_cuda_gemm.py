@@ -9,12 +9,11 @@ held bit-exact on one-hot rows over every nibble and E4M3 scale byte (zero and s
 
 from __future__ import annotations
 
-import zlib
-
 import ml_dtypes
 import numpy as np
 import pytest
-from _cuda import BF16, assert_close, assert_written, backend, dev, host, poisoned, requires_cuda, unwritten
+from _cuda import (BF16, assert_close, assert_written, backend, dev, host, poisoned,  # noqa: F401
+                   rand_bf16, requires_cuda, rng, unwritten)  # rng: the shared fixture
 
 from glm_ep import routing
 from glm_ep.backend import nvfp4_kernels as nvk
@@ -28,15 +27,6 @@ H, M, E, TOP_K = 256, 128, 32, 8
 NP = NumpyBackend()
 RAGGED = {3: 300, 11: 17, 20: 1, 27: 0}  # expert -> rows that choose it
 E4M3 = ml_dtypes.float8_e4m3fn
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
-
-
-def rand_bf16(rng, shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(BF16)
 
 
 def random_nvfp4(rng, n, k):

@@ -8,12 +8,10 @@ GLM-5.3-Flash shape (H=4096, moe_inter=2048) for the decode GEMV.
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
-from _cuda import (BF16, assert_close, assert_ulps, assert_written, backend, dev, host, poisoned, requires_cuda,
-                   unwritten)
+from _cuda import (BF16, assert_close, assert_ulps, assert_written, backend, dev, host, poisoned,  # noqa: F401
+                   rand_bf16, requires_cuda, rng, unwritten)  # rng: the shared fixture
 
 from glm_ep import nvfp4, routing
 from glm_ep.backend.numpy_backend import NumpyBackend
@@ -24,15 +22,6 @@ pytestmark = [pytest.mark.cuda, requires_cuda]
 
 H, M, E, TOP_K = 256, 128, 32, 8
 NP = NumpyBackend()
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
-
-
-def rand_bf16(rng, shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(BF16)
 
 
 def quant(rng, n, k):
