@@ -176,12 +176,3 @@ def test_gemm_variants(rng, variant):
     with backend().stream:
         nvk.nvfp4_gemm_sorted(dev(act_ref), False, tok, offsets, E, cu.down, start, count, out, variant=variant)
     check_rows(host(out), ref, local, f"down {variant}")
-
-
-def test_gemm_variant_choice():
-    """Few rows per expert take the 16-row tiles, many the 64-row ones; every default is built."""
-    assert nvk.gemm_variant(16 * TOP_K, 288)[0] == 16
-    assert nvk.gemm_variant(4096 * TOP_K, 288)[0] == 64
-    assert set(nvk.GEMM_DEFAULT.values()) <= set(nvk.GEMM_VARIANTS)
-    with pytest.raises(ValueError, match="instantiates"):
-        nvk.GemmGeometry.of((48, 4, 64, 4))

@@ -50,6 +50,21 @@ def test_instantiated_variants():
     assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == kernels.MMA_GEMM_TIERS
 
 
+def test_gemm_variant_choice():
+    """Few rows per expert take the 16-row tiles, many the 64-row ones; every default is built, and
+    a variant's shared memory is its stages of x rows, packed weights and scales."""
+    nv = nvfp4_kernels
+    assert nv.gemm_variant(16 * 8, 288)[0] == 16
+    assert nv.gemm_variant(1024 * 8, 288)[0] == 32
+    assert nv.gemm_variant(4096 * 8, 288)[0] == 64
+    assert set(nv.GEMM_DEFAULT.values()) <= set(nv.GEMM_VARIANTS)
+    geo = nv.GemmGeometry.of((64, 4, 64, 4))
+    assert (geo.bn, geo.threads, geo.smem) == (128, 128, 4 * (64 * 64 * 2 + 128 * 32 + 128 * 4))
+    assert geo.tiles(slots=1000, count=16) == 16 + 16  # ceil(1000 / 64) row tiles + one partial per expert
+    with pytest.raises(ValueError, match="instantiates"):
+        nv.GemmGeometry.of((48, 4, 64, 4))
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_90", "sm_121"])
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
