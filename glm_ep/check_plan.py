@@ -29,6 +29,7 @@ MODES = ("auto", "full", "sampled", "none")
 MEMORY_FRACTION = 0.25  # of a node's physical memory, shared by the ranks on that node
 SAMPLED_EXTRA_LAYERS = 2  # seeded layers besides the first dense, first sparse and last sparse
 SAMPLED_ROWS = 4  # seeded rows of each call wider than one row (decode rows are all checked)
+HEADER_ENTRY_BYTES = 500  # Python memory of one parsed tensor header entry (the check opens the checkpoint)
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,11 @@ def sampled_rows(call_rows: Sequence[int], seed: int) -> tuple[tuple[int, ...], 
 
 def estimate_bytes(model: ModelConfig, mode: str, layers: Sequence[int], rows: Sequence[Sequence[int]],
                    world: int) -> int:
-    """The float64 memory of the check on the rank that needs most: the working set of its widest
-    call, plus, when full, the float64 size of its layers kept resident."""
-    working = working_bytes(model, max((len(r) for r in rows), default=0))
+    """The float64 memory of the check on the rank that needs most: the checkpoint's parsed headers,
+    the working set of its widest call, plus, when full, the float64 size of its layers kept resident."""
+    tensors = (3 * len(model.dense_layers)
+               + len(model.sparse_layers) * (2 + 3 * model.n_shared_experts + 4 * 3 * model.n_routed_experts))
+    working = tensors * HEADER_ENTRY_BYTES + working_bytes(model, max((len(r) for r in rows), default=0))
     if mode != "full":
         return working
     return working + max(sum(float64_layer_bytes(model, i) for i in layers[r::world]) for r in range(world))

@@ -74,6 +74,7 @@ def test_auto_checks_the_tiny_model_fully_and_none_skips(tiny_checkpoint) -> Non
     r = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--prefill", "9", "--decode", "2", "--verify", "3")
     assert r.returncode == EXIT_OK, r.stderr[-3000:]
     assert "check: float64 full: layers [0, 1, 2, 3] of 4, 14 of 14 rows over 4 calls (16 site calls)" in r.stdout
+    assert 0 < _bytes(r.stdout, "memory peak") <= _bytes(r.stdout, "memory estimate"), r.stdout  # an honest estimate
     assert r.stdout.strip().splitlines()[-1] == "PASS"
     for flag in (["--check", "none"], ["--no-check"]):
         skip = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--prefill", "9", "--decode", "2", "--verify", "3",
