@@ -92,9 +92,26 @@ def dense_bytes(model: ModelConfig) -> int:
     return 3 * model.intermediate_size * model.hidden_size * 2
 
 
+def require_gpu() -> None:
+    """Refuse, with what is missing, unless CuPy imports and sees a CUDA GPU."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise ConfigError(f"glm-ep bench needs CuPy and a CUDA GPU, but CuPy does not import ({e}); install "
+                          "it: pip install 'glm_ep[cuda12]' (or [cuda13])") from None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError without a driver or device
+        raise ConfigError(f"glm-ep bench needs a CUDA GPU, but CUDA reports none ({e})") from None
+    if count < 1:
+        raise ConfigError("glm-ep bench needs a CUDA GPU, but CUDA reports 0 devices "
+                          "(check CUDA_VISIBLE_DEVICES and the driver)")
+
+
 def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
     if mpi_comm.Get_size() != 1:
         raise ConfigError(f"glm-ep bench runs on one rank (world 1), got {mpi_comm.Get_size()}")
+    require_gpu()
     if args.prefill:
         from glm_ep.bench_prefill import run_prefill_bench  # needs CuPy
 

@@ -25,12 +25,11 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Callable
 
 import ml_dtypes  # noqa: F401  (registers 'bfloat16' with NumPy: safetensors looks it up by name)
 import numpy as np
 from safetensors import safe_open
-from tqdm import tqdm
 
 from glm_ep.config import ModelConfig, SiteConfig, parse_json
 from glm_ep.errors import CheckpointError, ConfigError
@@ -132,6 +131,8 @@ class Checkpoint:
             self._file_of = {key: SINGLE_FILE for key in self._headers[SINGLE_FILE]}
         self._prefix = self._find_prefix()
         self._handles: dict[str, Any] = {}
+        #: called with the byte count of every tensor (or slice) read: a progress bar's ``update``
+        self.on_read: Callable[[int], Any] | None = None
 
     def _read_index(self, index: Path) -> dict[str, str]:
         raw = parse_json(index.read_bytes(), str(index), CheckpointError)
@@ -203,6 +204,8 @@ class Checkpoint:
         else:
             out = self._handle(info.file).get_slice(name)[index]
         out = np.ascontiguousarray(out)
+        if self.on_read is not None:
+            self.on_read(out.nbytes)
         if self.check_finite and can_be_nonfinite(out.dtype):
             at = first_nonfinite(out)
             if at is not None:
@@ -254,16 +257,17 @@ def _bf16_mlp(ckpt: Checkpoint, prefix: str, width: int, hidden: int, tp_rank: i
     )
 
 
-def _nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int) -> Nvfp4Weight:
-    """One ModelOpt NVFP4 projection ``[n, k]``; ``input_scale`` is not read (activations stay bf16)."""
+def read_nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int, rows: slice | None = None) -> Nvfp4Weight:
+    """The ModelOpt NVFP4 projection ``prefix`` (e.g. ``{p}.mlp.experts.{e}.gate_proj``) of shape
+    ``[n, k]``, or its ``rows``; ``input_scale`` is not read (activations stay bf16)."""
     scale_2 = ckpt.read_scalar(f"{prefix}.weight_scale_2")
     if ckpt.check_finite and not scale_2 > 0:  # NaN and Inf are refused by the read
         raise CheckpointError(f"{ckpt.info(prefix + '.weight_scale_2').file}: tensor '{prefix}.weight_scale_2' = "
                               f"{scale_2}, expected a finite value > 0 (the projection's NVFP4 scale; "
                               "check_weights = false in the topology skips this check)")
     return Nvfp4Weight(
-        packed=ckpt.read(f"{prefix}.weight", (n, k // 2), ("U8",)),
-        scale=ckpt.read(f"{prefix}.weight_scale", (n, k // 16), ("F8_E4M3",)),
+        packed=ckpt.read(f"{prefix}.weight", (n, k // 2), ("U8",), rows=rows),
+        scale=ckpt.read(f"{prefix}.weight_scale", (n, k // 16), ("F8_E4M3",), rows=rows),
         scale_2=scale_2,
     )
 
@@ -276,14 +280,45 @@ def _check_site(model: ModelConfig, cfg: SiteConfig) -> None:
             raise ConfigError(f"site config {what} = {ours} does not match the checkpoint's {theirs}")
 
 
-def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int,
-               progress: bool = False) -> DenseWeights | MoeWeights | None:
+def expert_prefix(ckpt: Checkpoint, layer: int, e: int) -> str:
+    """Key prefix of routed expert ``e`` of layer ``layer``."""
+    return f"{ckpt.layer_prefix(layer)}.mlp.experts.{e}"
+
+
+def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> int:
+    """The bytes ``load_layer(ckpt, cfg, layer)`` reads, from the headers alone (a tensor missing
+    from them counts 0: the load names it)."""
+    def stored(name: str, part: int = 1, whole: int = 1) -> int:
+        try:
+            return ckpt.info(name).nbytes * part // whole
+        except CheckpointError:
+            return 0
+
+    model, p = ckpt.config, ckpt.layer_prefix(layer)
+    projections = ("gate_proj", "up_proj", "down_proj")
+    if model.mlp_layer_types[layer] == "dense":
+        if not cfg.tp_active(False):
+            return 0
+        return sum(stored(f"{p}.mlp.{w}.weight", cfg.local_dense_intermediate, model.intermediate_size)
+                   for w in projections)
+    total = stored(f"{p}.mlp.gate.weight") + stored(f"{p}.mlp.gate.e_score_correction_bias")
+    if cfg.ep_active():
+        total += sum(stored(f"{expert_prefix(ckpt, layer, e)}.{w}.{t}")
+                     for e in range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
+                     for w in projections for t in ("weight", "weight_scale", "weight_scale_2"))
+    if cfg.tp_active(True) and model.n_shared_experts > 0:
+        total += sum(stored(f"{p}.mlp.shared_experts.{w}.weight", cfg.local_shared_intermediate,
+                            model.shared_intermediate) for w in projections)
+    return total
+
+
+def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> DenseWeights | MoeWeights | None:
     """What this rank holds at MLP site ``layer``.
 
     Dense site: this rank's TP slice, or None on a replica that does not contribute it. Sparse
     site: the router and its fp32 bias (always), experts ``expert_start ..`` (empty on a
     non-contributing EP replica), the shared expert's TP slice (None on a non-contributing TP
-    replica or when the model has no shared expert). ``progress`` shows a bar over the experts.
+    replica or when the model has no shared expert).
     """
     model = ckpt.config
     _check_site(model, cfg)
@@ -309,11 +344,11 @@ def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int,
     experts: list[ExpertWeights] = []
     if cfg.ep_active():
         ids = range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
-        for e in tqdm(ids, desc=f"layer {layer} experts", unit="expert", disable=not progress, leave=False):
-            q = f"{p}.mlp.experts.{e}"
-            experts.append(ExpertWeights(gate=_nvfp4(ckpt, f"{q}.gate_proj", inter, h),
-                                         up=_nvfp4(ckpt, f"{q}.up_proj", inter, h),
-                                         down=_nvfp4(ckpt, f"{q}.down_proj", h, inter)))
+        for e in ids:
+            q = expert_prefix(ckpt, layer, e)
+            experts.append(ExpertWeights(gate=read_nvfp4(ckpt, f"{q}.gate_proj", inter, h),
+                                         up=read_nvfp4(ckpt, f"{q}.up_proj", inter, h),
+                                         down=read_nvfp4(ckpt, f"{q}.down_proj", h, inter)))
     shared = None
     if cfg.tp_active(True) and model.n_shared_experts > 0:
         shared = _bf16_mlp(ckpt, f"{p}.mlp.shared_experts", model.shared_intermediate, h, cfg.tp_rank,

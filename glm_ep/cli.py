@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", type=int, default=4, help="rows of the verify call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per row count before timing")
-    p.add_argument("--no-check", dest="check", action="store_false", help="skip the float64 reference")
+    p.add_argument("--check", choices=("auto", "full", "sampled", "none"), default="auto",
+                   help="the float64 check: full (every site of every call), sampled (chosen layers and rows, "
+                   "only the experts they route to), auto (full where its memory estimate fits, else sampled), "
+                   "none")
+    p.add_argument("--no-check", dest="check", action="store_const", const="none", help="the same as --check none")
     _layout_flags(p)
 
     p = sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)")
@@ -76,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
     p.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
     p.add_argument("--rows", type=int, nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096)")
-    _layout_flags(p)
+    p.add_argument("-v", "--verbose", action="store_true")
     return ap
 
 

@@ -4,7 +4,7 @@ was expected."""
 #: Exit codes of every ``glm-ep`` command (README "Exit codes").
 EXIT_OK = 0  # done; for ``run`` with its check: PASS
 EXIT_INTERNAL = 1  # an unexpected exception (a bug): traceback printed, the MPI job aborted
-EXIT_USER = 2  # a bad config, topology, checkpoint, input or output: one clear message per rank
+EXIT_USER = 2  # a bad config, topology, checkpoint, input or output: one clear message (rank 0's if agreed)
 EXIT_FAIL = 3  # ``run``'s check: FAIL (an error over the bound, a non-finite value, ranks disagree)
 EXIT_STALL = 4  # a rank waited on the others past ``collective_timeout_s``: the MPI job aborted
 

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from glm_ep.check import check_run
+from glm_ep.check_plan import memory_budget, plan_check
 from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError
 from glm_ep.files import check_output_path, read_hidden_states, write_outputs
 from glm_ep.loader import Runtime, load_runtime, open_checkpoint
@@ -112,10 +113,17 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     results = [(phase, x, *_timed(rt, ranks, x)) for phase, x in calls]
     if ranks.rank == 0:
         _print_timing(results, rt, args.warmup)
-    if not args.check:
+    if args.check == "none":
         return EXIT_OK
+    budget = memory_budget(ranks)
+    plan = ranks.agree("check plan", lambda: plan_check(rt.model, args.check, [x.shape[0] for _, x, _, _ in results],
+                                                        args.seed, ranks.size, budget))
+    if ranks.rank == 0:
+        print(plan.estimate_line(), flush=True)
+        if plan.estimate_bytes > plan.budget_bytes:
+            log.warning("the %s check's float64 memory estimate is over the budget", plan.mode)
     traces = [_eager_chain(rt, ranks, x) for _, x, _, _ in results]
-    verdict = check_run(args.model, [y for _, _, y, _ in results], traces, ranks, topo.check_weights)
+    verdict = check_run(args.model, plan, [y for _, _, y, _ in results], traces, ranks, topo.check_weights)
     if ranks.rank == 0:
         print("\n".join(verdict.lines()), flush=True)
     return EXIT_OK if verdict.ok else EXIT_FAIL

@@ -4,8 +4,10 @@
 same checkpoint with the same topology. ``load_runtime`` builds the backend and communicator,
 allocates the workspace (checked against the free memory) and only then reads the weights, one
 agreed layer at a time: each rank reads only what it owns (its experts, its TP slices), and a bad
-tensor on any rank stops every rank at that layer. Rank 0 prints the per-rank weight bytes and the
-workspace footprint, per workspace and for the stack, in decimal MB/GB.
+tensor on any rank stops every rank at that layer. Rank 0 shows one progress bar over the bytes
+it reads (its share, from the headers; each rank reads about as much), then logs the load time of
+the slowest rank with the throughput, the per-rank weight bytes and the workspace footprint, per
+workspace and for the stack, in decimal MB/GB.
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from glm_ep.backend import make_backend, make_comm
 from glm_ep.backend.base import Backend
-from glm_ep.checkpoint import Checkpoint, load_layer
+from glm_ep.checkpoint import Checkpoint, layer_read_bytes, load_layer
 from glm_ep.comm import Communicator
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
 from glm_ep.experts import ExpertDispatch
@@ -32,6 +37,7 @@ from glm_ep.weights import MoeWeights
 from glm_ep.workspace import allocate_workspaces, fmt_bytes, footprint_lines
 
 log = logging.getLogger(__name__)
+PROGRESS_MIN_BYTES = 256e6  # smaller loads take a moment: no bar
 
 
 @dataclass
@@ -61,6 +67,14 @@ def report_lines(model: ModelConfig, cfg: SiteConfig, topo: Topology, weight_byt
     return lines
 
 
+def load_line(read_bytes: list[int], seconds: list[float]) -> str:
+    """The load time (the slowest rank's) and the throughput of all ranks together."""
+    slowest = max(seconds)
+    rate = sum(read_bytes) / slowest if slowest > 0 else float("inf")
+    return (f"load: {fmt_bytes(sum(read_bytes))} read by {len(seconds)} rank(s) in {slowest:.2f} s "
+            f"(slowest rank), {fmt_bytes(rate)}/s")
+
+
 def topology_digest(topo: Topology) -> str:
     """Digest of every topology value but its name (two files saying the same are one layout)."""
     return hashlib.sha256(repr(dataclasses.astuple(dataclasses.replace(topo, name=""))).encode()).hexdigest()
@@ -88,10 +102,15 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     workspaces = ranks.agree("workspace allocation", lambda: allocate_workspaces(
         be.xp, cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace))
 
-    progress = rank == 0 and model.n_routed_experts * model.hidden_size * model.moe_intermediate_size > 50e6
-    with ckpt:
-        host_weights = [ranks.agree(f"load of layer {i}", lambda i=i: load_layer(ckpt, cfg, i, progress))
+    to_read = sum(layer_read_bytes(ckpt, cfg, i) for i in range(model.num_hidden_layers))
+    t0 = time.perf_counter()
+    with ckpt, tqdm(total=to_read, desc="loading weights", unit="B", unit_scale=True, dynamic_ncols=True,
+                    disable=rank != 0 or to_read < PROGRESS_MIN_BYTES) as bar:
+        ckpt.on_read = bar.update
+        host_weights = [ranks.agree(f"load of layer {i}", lambda i=i: load_layer(ckpt, cfg, i))
                         for i in range(model.num_hidden_layers)]
+        ckpt.on_read = None
+    load_s = time.perf_counter() - t0
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
     dispatch = ExpertDispatch(be, cfg, topo.levers)
     sites: list[Any] = []
@@ -102,8 +121,9 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
         else:
             sites.append(DenseSite(be, site_comm, cfg, be.upload_dense(w) if w is not None else None))
     stack = MlpStack(be, comm, cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace, workspaces)
-    all_bytes = ranks.allgather("weight report", weight_bytes)
+    every = ranks.allgather("weight report", (weight_bytes, to_read, load_s))
     if rank == 0:
-        for line in report_lines(model, cfg, topo, all_bytes):
+        log.info("%s", load_line([b for _, b, _ in every], [t for _, _, t in every]))
+        for line in report_lines(model, cfg, topo, [b for b, _, _ in every]):
             log.info("%s", line)
     return Runtime(model, cfg, topo, be, comm, stack, weight_bytes)

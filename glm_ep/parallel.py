@@ -1,8 +1,13 @@
 """MPI plumbing: rank-prefixed logging, errors agreed across ranks, bounded waits, abort-on-failure.
 
+Logging: every rank's lines carry ``[rank r]``; ranks other than 0 print only warnings and errors
+unless ``-v``, so a line every rank would print alike appears once, and a line that differs by
+rank is gathered to rank 0 and printed there (``Ranks.allgather``).
+
 A failure that every rank can see at the same point (a bad config, a missing tensor on one
 rank's shard) is *agreed*: each rank runs the step, the ranks exchange their error messages,
-and every rank raises the same ``AgreedError`` and exits non-zero on its own. Anything that
+and every rank raises the same ``AgreedError`` and exits non-zero on its own; rank 0 alone prints
+it, whole (one line per rank where the ranks' messages differ). Anything that
 escapes an agreement point (an exception on one rank in the middle of a collective) aborts the
 whole MPI job, so the other ranks never hang; so does a wait on the other ranks that outlives
 the collective deadline (``glm_ep.deadline``).
@@ -31,13 +36,25 @@ def mpi_world() -> Any:
     return import_mpi().COMM_WORLD
 
 
+class QuietRank(logging.Filter):
+    """Passes only warnings and errors: the filter of every rank but 0 (without ``-v``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING
+
+
 def setup_logging(rank: int, verbose: bool = False) -> None:
+    """``[rank r]``-prefixed lines on stderr; ranks other than 0 print only warnings and errors
+    unless ``verbose``."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
         force=True,
     )
+    if rank != 0 and not verbose:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(QuietRank())
 
 
 class Ranks:
@@ -72,7 +89,7 @@ class Ranks:
             if len(distinct) == 1:
                 ranks = ",".join(str(r) for r, _ in failed)
                 raise AgreedError(f"{failed[0][1]} (on rank {ranks})" if len(failed) < len(msgs) else failed[0][1])
-            raise AgreedError("; ".join(f"rank {r}: {m}" for r, m in failed))
+            raise AgreedError("the ranks failed differently:\n" + "\n".join(f"  rank {r}: {m}" for r, m in failed))
         return result  # type: ignore[return-value]
 
     def check_same(self, site: str, what: str, digests: dict[str, str]) -> None:
@@ -80,10 +97,10 @@ class Ranks:
         every = self.allgather(site, digests)
         differ = [name for name in digests if len({d.get(name) for d in every}) > 1]
         if differ:
-            per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{n} {d.get(n, '-')[:12]}" for n in differ)
-                                 for r, d in enumerate(every))
-            raise AgreedError(f"ranks hold different {what} (differing: {', '.join(differ)}; {per_rank}); "
-                              "expected every rank to read the same files with the same settings")
+            per_rank = "\n".join(f"  rank {r}: " + ", ".join(f"{n} {d.get(n, '-')[:12]}" for n in differ)
+                                  for r, d in enumerate(every))
+            raise AgreedError(f"ranks hold different {what} (differing: {', '.join(differ)}); expected every "
+                              f"rank to read the same files with the same settings:\n{per_rank}")
 
 
 def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
@@ -92,8 +109,9 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
     size = comm.Get_size() if comm is not None else 1
     try:
         return main()
-    except AgreedError as e:
-        print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
+    except AgreedError as e:  # every rank holds the same message: rank 0 prints it, every rank exits
+        if rank == 0:
+            print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER
     except GlmEpError as e:
         print(f"[rank {rank}] glm-ep: error: {e}", file=sys.stderr, flush=True)

@@ -318,15 +318,21 @@ def glm_ep_per_rank(*per_rank: Sequence[str], timeout: float = MPI_TIMEOUT_S) ->
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=REPO)
 
 
-def fails(r: subprocess.CompletedProcess, *needles: str, every_rank: bool = True, code: int = EXIT_USER) -> None:
-    """The job ended with ``code`` and a clear message holding each needle: on every rank for an
-    agreed error, and never a traceback."""
+def fails(r: subprocess.CompletedProcess, *needles: str, agreed: bool = True, code: int = EXIT_USER) -> None:
+    """The job ended with ``code`` and a clear message holding each needle, never a traceback. An
+    agreed error (every rank raised it) is printed exactly once, by rank 0, whole: every needle
+    sits in the one message."""
     assert r.returncode == code, (f"exit {r.returncode}, expected {code}; stdout:\n{r.stdout[-1500:]}\n"
                                   f"stderr:\n{r.stderr[-1500:]}")
     for needle in needles:
         assert needle in r.stderr, f"{needle!r} not in stderr:\n{r.stderr[-3000:]}"
-    if every_rank:  # an agreed error: each of the two ranks prints it
-        assert r.stderr.count("glm-ep: error:") >= 2, r.stderr[-3000:]
+    if agreed:
+        assert r.stderr.count("glm-ep: error:") == 1, r.stderr[-3000:]
+        at = r.stderr.index("glm-ep: error:")
+        assert at == 0 or r.stderr[at - 1] == "\n", r.stderr[-3000:]  # its own line, no rank prefix
+        message = r.stderr[at:]
+        for needle in needles:
+            assert needle in message, f"{needle!r} not in the error message:\n{message[:3000]}"
     assert "Traceback" not in r.stderr, r.stderr[-3000:]  # a clear message, not a crash
 
 

@@ -1,0 +1,128 @@
+"""``glm-ep run``'s float64 check, bounded: what each mode checks, the memory it takes on a
+medium checkpoint, and that a sampled check still catches one wrong expert (FAIL, exit 3)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from glm_ep import jobs as jobs_module
+from glm_ep import reference as reference_module
+from glm_ep.check_plan import plan_check, sampled_layers
+from glm_ep.cli import build_parser
+from glm_ep.config import ModelConfig
+from glm_ep.errors import EXIT_FAIL, EXIT_OK
+from glm_ep.parallel import Ranks
+from glm_ep.reference import Reference
+from glm_ep.synth import write_synthetic
+
+from ckpt_writer import read_f64
+from helpers import copy_checkpoint, glm_ep, random_x, set_bits, site64, tiny_dict
+
+MEDIUM = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=6,
+              n_routed_experts=64, num_experts_per_tok=4, mlp_layer_types=["dense"] + ["sparse"] * 5)
+SAMPLED_PEAK_BOUND = 32e6  # bytes of float64 memory a sampled check of the medium checkpoint may take
+MB = {"MB": 1e6, "GB": 1e9}
+
+
+@pytest.fixture(scope="module")
+def medium_checkpoint(tmp_path_factory) -> Path:
+    return write_synthetic(tmp_path_factory.mktemp("medium") / "medium", tiny_dict(**MEDIUM), seed=1,
+                           shard_bytes=8 * 2**20)
+
+
+def _bytes(text: str, what: str) -> float:
+    m = re.search(rf"{what} ([\d.]+) ([MG]B)", text)
+    assert m, text[-3000:]
+    return float(m[1]) * MB[m[2]]
+
+
+def test_sampled_check_stays_small_where_the_full_check_would_not(medium_checkpoint) -> None:
+    model = ModelConfig.from_file(medium_checkpoint / "config.json")
+    calls = [16, 1, 1, 1, 3]
+    full = plan_check(model, "full", calls, seed=0, world=2, budget_bytes=0)
+    assert full.estimate_bytes > 10 * SAMPLED_PEAK_BOUND  # resident float64 experts: ~600 MB per rank
+    r = glm_ep(2, "run", "--model", str(medium_checkpoint), "--check", "sampled", "--prefill", "16",
+               "--decode", "3", "--verify", "3", timeout=300)
+    assert r.returncode == EXIT_OK, r.stdout[-2000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert re.search(r"^check: float64 sampled: layers \[0, 1, (\d, )*5\] of 6, \d+ of 22 rows over 5 calls", out,
+                     re.M), out
+    estimate, peak = _bytes(out, "memory estimate"), _bytes(out, "memory peak")
+    assert 0 < peak <= estimate < SAMPLED_PEAK_BOUND, (peak, estimate)
+    assert out.strip().splitlines()[-1] == "PASS"
+
+
+def test_plan_modes() -> None:
+    model = ModelConfig.from_dict(tiny_dict(**MEDIUM), source="medium")
+    calls = [16, 1, 1, 3]
+    full = plan_check(model, "full", calls, seed=0, world=2, budget_bytes=0)
+    assert full.layers == tuple(range(6)) and full.rows == (tuple(range(16)), (0,), (0,), (0, 1, 2))
+    assert plan_check(model, "auto", calls, 0, 2, budget_bytes=full.estimate_bytes).mode == "full"
+    auto = plan_check(model, "auto", calls, 0, 2, budget_bytes=full.estimate_bytes - 1)
+    assert auto.mode == "sampled" and auto.estimate_bytes < full.estimate_bytes / 10
+    assert {0, 1, 5} <= set(auto.layers) and len(auto.layers) == 5  # first dense, first/last sparse, 2 more
+    assert len(auto.rows[0]) == 4 and auto.rows[1:] == ((0,), (0,), (0, 1, 2))  # every decode row
+    assert auto.layers_of(0) + auto.layers_of(1) == auto.layers[0::2] + auto.layers[1::2]
+    assert sampled_layers(model, 0) == sampled_layers(model, 0)  # seeded: the same on every rank
+
+
+def test_auto_checks_the_tiny_model_fully_and_none_skips(tiny_checkpoint) -> None:
+    r = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--prefill", "9", "--decode", "2", "--verify", "3")
+    assert r.returncode == EXIT_OK, r.stderr[-3000:]
+    assert "check: float64 full: layers [0, 1, 2, 3] of 4, 14 of 14 rows over 4 calls (16 site calls)" in r.stdout
+    assert 0 < _bytes(r.stdout, "memory peak") <= _bytes(r.stdout, "memory estimate"), r.stdout  # an honest estimate
+    assert r.stdout.strip().splitlines()[-1] == "PASS"
+    for flag in (["--check", "none"], ["--no-check"]):
+        skip = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--prefill", "9", "--decode", "2", "--verify", "3",
+                      *flag)
+        assert skip.returncode == EXIT_OK and "check:" not in skip.stdout and "PASS" not in skip.stdout, skip.stdout
+
+
+def test_sampled_reference_reads_only_the_chosen_experts(tiny_checkpoint, monkeypatch) -> None:
+    read: list[str] = []
+    real = reference_module.read_nvfp4
+    monkeypatch.setattr(reference_module, "read_nvfp4",
+                        lambda ck, prefix, *a: read.append(prefix) or real(ck, prefix, *a))
+    x = random_x(4, 3, 128)
+    with Reference(tiny_checkpoint, block_bytes=4096) as ref:  # blocks of 4 weight rows
+        y = ref.site(2, x)
+        ids, _ = ref.route(2, x)
+    chosen = {f"model.layers.2.mlp.experts.{e}.{p}" for e in ids.ravel()
+              for p in ("gate_proj", "up_proj", "down_proj")}
+    assert set(read) == chosen and len(chosen) < 3 * 32
+    layers, params = read_f64(tiny_checkpoint)  # the tests' own decoder and float64 site
+    np.testing.assert_allclose(y, site64(layers[2], params, x), rtol=1e-9, atol=1e-9)
+
+
+def test_sampled_check_fails_when_a_checked_expert_differs(tiny_checkpoint, tmp_path, monkeypatch) -> None:
+    """After the load, the scales of one expert a checked row chose change on disk: the float64
+    sites no longer match what the runtime computed, so the sampled check FAILs with exit 3."""
+    from mpi4py import MPI
+
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "tiny")
+    real = jobs_module.check_run
+    corrupted: list[str] = []
+
+    def corrupt_then_check(model_dir, plan, steps, traces, ranks, check_weights):
+        layer = next(i for i in plan.layers if plan_layer_is_sparse(model_dir, i))
+        rows = list(plan.rows[0])
+        with Reference(model_dir) as ref:
+            ids, _ = ref.route(layer, traces[0][layer][0][rows])
+        key = f"model.layers.{layer}.mlp.experts.{int(ids[0, 0])}.down_proj.weight_scale"
+        set_bits(Path(model_dir), key, (...,), 0x40)  # every block scale 2.0
+        corrupted.append(key)
+        return real(model_dir, plan, steps, traces, ranks, check_weights)
+
+    argv = ["run", "--model", str(ckpt), "--check", "sampled", "--prefill", "12", "--decode", "2", "--verify", "3"]
+    assert jobs_module.run_job(build_parser().parse_args(argv), Ranks(MPI.COMM_SELF)) == EXIT_OK  # untouched
+    monkeypatch.setattr(jobs_module, "check_run", corrupt_then_check)
+    assert jobs_module.run_job(build_parser().parse_args(argv), Ranks(MPI.COMM_SELF)) == EXIT_FAIL
+    assert corrupted
+
+
+def plan_layer_is_sparse(model_dir: str, layer: int) -> bool:
+    return ModelConfig.from_file(Path(model_dir) / "config.json").mlp_layer_types[layer] == "sparse"
