@@ -50,6 +50,16 @@ def test_instantiated_variants():
     assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == kernels.MMA_GEMM_TIERS
 
 
+def test_split_k():
+    """K is halved while the launch is short of warps and each slice keeps its minimum of steps."""
+    split = kernels._split_k
+    # GLM gate + up decode: 128 row groups x 16 slot-matrices, 32 steps: one split fills 132 SMs
+    assert split(128, 16, 32, 8, 16, 4, sms=132) == (32, 2)
+    assert split(128, 1, 32, 8, 16, 4, sms=132) == (128, 8)  # one copy: split to 8 warps of 4 steps
+    assert split(128, 1, 7, 8, 16, 4, sms=132) == (16, 1)  # too few steps to split at all
+    assert split(768, 1, 128, 8, 16, 16, sms=132) == (384, 4)  # the dense FFN at 9..64 rows
+
+
 def test_gemm_variant_choice():
     """Few rows per expert take the 16-row tiles, many the 64-row ones; every default is built, and
     a variant's shared memory is its stages of x rows, packed weights and scales."""

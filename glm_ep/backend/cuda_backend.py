@@ -162,10 +162,9 @@ class CudaBackend(Backend):
     # ---- dense ops -------------------------------------------------------------------------
     @_on_stream
     def linear(self, x_TK, w_NK, out_TN):
-        t = x_TK.shape[0]
-        if t <= K.GEMV_MAX_ROWS:
+        if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
             K.gemv_bf16(x_TK, w_NK, out_TN)
-        elif t <= K.MMA_GEMM_MAX_ROWS and x_TK.shape[1] % 32 == 0:
+        elif K.mma_gemm_takes(x_TK):
             K.mma_gemm_bf16(x_TK, w_NK, out_TN)
         else:  # cuBLAS, bf16 operands, fp32 accumulation
             K.gemm_bf16(x_TK, w_NK, out_TN)
@@ -173,10 +172,9 @@ class CudaBackend(Backend):
 
     @_on_stream
     def router_logits(self, x_TH, router_EH, out_TE):
-        t = x_TH.shape[0]
-        if t <= K.GEMV_MAX_ROWS:
+        if x_TH.shape[0] <= K.GEMV_MAX_ROWS:
             K.router_gemv(x_TH, router_EH, out_TE)
-        elif router_EH.dtype == K.BF16 and t <= K.MMA_GEMM_MAX_ROWS and x_TH.shape[1] % 32 == 0:
+        elif router_EH.dtype == K.BF16 and K.mma_gemm_takes(x_TH):
             K.mma_gemm_bf16(x_TH, router_EH, out_TE)  # bf16 products are exact in fp32: fp32 sums and out
         elif router_EH.dtype == K.BF16:  # cuBLAS, likewise
             K.gemm_bf16(x_TH, router_EH, out_TE)
@@ -214,10 +212,9 @@ class CudaBackend(Backend):
 
     @_on_stream
     def gate_up_act(self, x_TK, w, limit, gate_TI, up_TI, act_TI):
-        t = x_TK.shape[0]
-        if t <= K.GEMV_MAX_ROWS:
+        if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
             K.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
-        elif t <= K.MMA_GEMM_MAX_ROWS and x_TK.shape[1] % 32 == 0:
+        elif K.mma_gemm_takes(x_TK):
             K.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
         else:
             return super().gate_up_act(x_TK, w, limit, gate_TI, up_TI, act_TI)

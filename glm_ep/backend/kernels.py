@@ -149,6 +149,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _split_k(groups: int, copies: int, steps: int, block_warps: int, warps_per_sm: int, min_steps: int,
+             sms: int) -> tuple[int, int]:
+    """(grid.x, ksplit) of a tensor-core launch whose blocks hold ``block_warps`` warps and whose row
+    groups (``copies`` times over: slots, matrices) are each swept by ``ksplit`` consecutive warps:
+    K is halved while the launch holds fewer than ``warps_per_sm`` warps per SM and each slice
+    keeps at least ``min_steps`` steps."""
+    ks = 1
+    while ks < block_warps and groups * copies * ks < warps_per_sm * sms and steps >= 2 * min_steps * ks:
+        ks *= 2
+    return _cdiv(groups, block_warps // ks), ks
+
+
 def _i32(v: int) -> np.int32:
     return np.int32(v)
 
@@ -194,6 +206,7 @@ def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any) -> None:
 # ---- bf16 tensor-core GEMM, 9..64 rows (mma_bf16.cu) ---------------------------------------------------
 _MMA = "mma_bf16.cu"
 MMA_GEMM_MAX_ROWS = MMA_GEMM_TIERS[-1]
+MMA_GEMM_K_STEP = 32  # k of one step of a warp (two m16n8k16 mma): K must be a multiple
 
 
 def _mma_tier(r: int, what: str) -> int:
@@ -206,20 +219,22 @@ def _mma_geometry(n: int, k: int, p: int, tier: int) -> tuple[int, int, int]:
     """(grid.x, ksplit, dynamic smem): K split over 1..MMA_GEMM_WARPS warps of a block until the launch
     holds MMA_GEMM_WARPS_PER_SM warps per SM, each slice keeping >= 16 steps of 32 k; the slices'
     partial sums (p * tier / 2 floats per lane) meet in shared memory."""
-    groups, steps = _cdiv(n, 16), k // 32
     sms = _device_attr(_current_device(), "MultiProcessorCount")
-    ks = 1
-    while ks < MMA_GEMM_WARPS and groups * ks < MMA_GEMM_WARPS_PER_SM * sms and steps >= 32 * ks:
-        ks *= 2
+    grid_x, ks = _split_k(_cdiv(n, 16), 1, k // MMA_GEMM_K_STEP, MMA_GEMM_WARPS, MMA_GEMM_WARPS_PER_SM, 16, sms)
     smem = MMA_GEMM_WARPS * p * (tier // 8) * 4 * 32 * 4 if ks > 1 else 0
-    return _cdiv(groups, MMA_GEMM_WARPS // ks), ks, smem
+    return grid_x, ks, smem
+
+
+def mma_gemm_takes(x_RK: Any) -> bool:
+    """Whether the tensor-core GEMM serves these rows: at most MMA_GEMM_MAX_ROWS, K in whole steps."""
+    return x_RK.shape[0] <= MMA_GEMM_MAX_ROWS and x_RK.shape[1] % MMA_GEMM_K_STEP == 0
 
 
 def _mma_rows(x_RK: Any, what: str) -> tuple[int, int, int]:
     r, k = x_RK.shape
     tier = _mma_tier(r, what)
-    if k % 32:
-        raise ValueError(f"{what}: in width {k} is not a multiple of 32 (one tensor-core step)")
+    if k % MMA_GEMM_K_STEP:
+        raise ValueError(f"{what}: in width {k} is not a multiple of {MMA_GEMM_K_STEP} (one tensor-core step)")
     _check("x", x_RK, BF16)
     return r, k, tier
 

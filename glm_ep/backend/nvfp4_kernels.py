@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.kernels import (BF16, I32, NVFP4_WARPS, RING_WARPS, U8, UNION_MAX_IDS, _cdiv, _check,
-                                    _check_shape, _current_device, _device_attr, _i32, _i64, _launch)
+                                    _check_shape, _current_device, _device_attr, _i32, _i64, _launch, _split_k)
 from glm_ep.config import NVFP4_GROUP
 
 NVFP4_CHUNK = 32  # k per 16-byte packed chunk: K must be a multiple
@@ -54,12 +54,9 @@ _NVFP4 = "gemv_nvfp4.cu"
 def _mma_geometry(n: int, k: int, entries: int) -> tuple[int, int]:
     """(grid.x, ksplit) of a tensor-core launch: K is split over 1, 2, 4 or 8 warps of a block until
     the launch holds MMA_WORK_WARPS_PER_SM warps per SM, each slice keeping >= 4 steps."""
-    groups, steps = _cdiv(n, MMA_ROWS), _cdiv(k // NVFP4_CHUNK, MMA_STEP_CHUNKS)
-    sms = _device_attr(_current_device(), "MultiProcessorCount")
-    ks = 1
-    while ks < NVFP4_WARPS and groups * max(entries, 1) * ks < MMA_WORK_WARPS_PER_SM * sms and steps >= 8 * ks:
-        ks *= 2
-    return _cdiv(groups, NVFP4_WARPS // ks), ks
+    steps = _cdiv(k // NVFP4_CHUNK, MMA_STEP_CHUNKS)
+    return _split_k(_cdiv(n, MMA_ROWS), max(entries, 1), steps, NVFP4_WARPS, MMA_WORK_WARPS_PER_SM, 4,
+                    _device_attr(_current_device(), "MultiProcessorCount"))
 
 
 def nvfp4_gemv(x_1K: Any, packed_NK2: Any, scale_NG: Any, scale2: float, out_1N: Any) -> None:
