@@ -210,9 +210,8 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
               "| its TFLOP/s |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in w:
-        flops = 6 * r["rows"] * 8 * 2048 * 4096
-        gm = r.get("grouped_mm_us")
-        gm_tflops = flops / (gm * 1e-6) / 1e12 if gm else None
+        gm = r.get("grouped_mm_us")  # the same FLOPs as the routed GEMMs' measured rate
+        gm_tflops = r["gemm_tflops"] * (r["glu_us"] + r["down_us"]) / gm if gm else None
         lines.append(f"| {r['rows']} | {r['sort_us']:.1f} | {r['glu_us']:.1f} | {r['down_us']:.1f} | "
                      f"{r['gemm_tflops']:.0f} | {_f(gm)} | {_f(gm_tflops, '{:.0f}')} |")
     names = list(w[0]["variants"]) if w else []

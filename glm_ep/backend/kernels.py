@@ -174,6 +174,7 @@ _CUDA_R_32F, _CUDA_R_16BF = 0, 14  # cudaDataType_t
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta (pointer mode host)
 
 
+@functools.cache
 def _cublas() -> Any:
     try:
         from cupy_backends.cuda.libs import cublas
