@@ -222,6 +222,16 @@ def test_two_ranks_one_gpu():
                              f"rank {world.Get_rank()}: site {site}, {rows} rows")
             except AssertionError as e:
                 failures.append(str(e))
+    # back-to-back calls on fresh inputs: each all-reduce's host-staged copy back to the device must
+    # have read its (temporary) host buffer before the next call reuses that memory
+    rng = np.random.default_rng(11)
+    for call in range(6):
+        x = int_rows(rng, 20)
+        try:
+            assert_close(host(cuda.site_output(1, dev(x))), ref.site_output(1, x),
+                         f"rank {world.Get_rank()}: site 1, back-to-back call {call}")
+        except AssertionError as e:
+            failures.append(str(e))
     failures = sum(world.allgather(failures), [])
     assert not failures, "\n".join(failures)
 

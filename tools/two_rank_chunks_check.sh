@@ -17,6 +17,8 @@ $PY -m glm_ep forward --model "$W/tiny" --input "$W/in.safetensors" --output "$W
 cp configs/h200-1x2.toml "$W/chunks.toml"
 sed 's/^name = .*/name = "chunks-row-groups"/' configs/h200-1x2.toml >"$W/rowgroups.toml"
 printf '[levers]\nprefill_gemm = false\n' >>"$W/rowgroups.toml"
+sed -e 's/^name = .*/name = "chunks-tp-only"/' -e 's/^ep = 2/ep = 1/' configs/h200-1x2.toml >"$W/tponly.toml"
+sed -e 's/^name = .*/name = "chunks-ep-only"/' -e 's/^tp = 2/tp = 1/' configs/h200-1x2.toml >"$W/eponly.toml"
 run() {  # run NAME TOPOLOGY [mpirun flags...]
     local name=$1 topo=$2; shift 2
     mpirun --allow-run-as-root "$@" -n 2 $PY -m glm_ep forward --model "$W/tiny" --input "$W/in.safetensors" \
@@ -41,6 +43,8 @@ EOF
 }
 run chunks chunks
 run chunks-again chunks
+run tp-only tponly
+run ep-only eponly
 run row-groups rowgroups
 run launch-blocking chunks -x CUDA_LAUNCH_BLOCKING=1
 run no-single-copy chunks --mca btl_vader_single_copy_mechanism none

@@ -98,7 +98,17 @@ class CudaBackend(Backend):
         only made contiguous)."""
         if isinstance(host, self.xp.ndarray):
             return self.xp.ascontiguousarray(host)
-        return self.xp.asarray(np.ascontiguousarray(host))
+        src = np.ascontiguousarray(host)
+        return self._upload(self.xp.empty(src.shape, dtype=src.dtype), src)
+
+    def _upload(self, buf: Any, src: np.ndarray) -> Any:
+        """``buf`` <- ``src`` (host, same shape and dtype), complete on return. A copy from pageable
+        memory may still be reading ``src`` after the call that queued it returns (drivers that give
+        the GPU access to pageable memory skip the pinned staging), and ``src`` is often a
+        temporary: waiting for the stream here keeps it alive until the copy has read it."""
+        buf.set(src, stream=self.stream)
+        self.stream.synchronize()
+        return buf
 
     def _bytes(self, a: Any) -> Any:
         """The raw bytes of a one-byte dtype (E4M3 scales) as a resident uint8 array."""
@@ -110,9 +120,8 @@ class CudaBackend(Backend):
         return a.get(stream=self.stream, blocking=True)
 
     def from_host(self, buf: Any, host: np.ndarray) -> Any:
-        """Copy ``host`` into the resident ``buf`` (same shape and dtype)."""
-        buf.set(np.ascontiguousarray(host, dtype=buf.dtype), stream=self.stream)
-        return buf
+        """Copy ``host`` into the resident ``buf`` (same shape and dtype), complete on return."""
+        return self._upload(buf, np.ascontiguousarray(host, dtype=buf.dtype))
 
     def synchronize(self) -> None:
         self.stream.synchronize()

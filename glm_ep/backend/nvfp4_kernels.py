@@ -218,7 +218,8 @@ def nvfp4_moe_glu_union(x_RK: Any, gate: ExpertPtrTable, up: ExpertPtrTable, u_e
 _GEMM = "gemm_nvfp4.cu"
 #: the variants gemm_nvfp4.cu instantiates (its GEMM_VARIANT lines): (rows per tile BM, warps of 32
 #: weight rows each, k per stage BK, stages)
-GEMM_VARIANTS = ((16, 4, 64, 4), (32, 4, 64, 4), (64, 4, 64, 4), (64, 8, 64, 4), (64, 4, 128, 3), (64, 8, 128, 3))
+GEMM_VARIANTS = ((16, 4, 64, 4), (32, 4, 64, 4), (64, 4, 64, 4), (64, 8, 64, 4), (64, 4, 128, 3), (64, 8, 128, 3),
+                 (128, 4, 64, 3), (128, 8, 64, 3))
 GEMM_DEFAULT = {16: (16, 4, 64, 4), 32: (32, 4, 64, 4), 64: (64, 4, 64, 4)}  # by BM (docs/perf/NOTES.md)
 
 
