@@ -93,7 +93,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         x = _bf16(cp, (rows, h), 1.0)
         o = out[:rows]
         r: dict[str, Any] = {"rows": rows, "path": site.experts.path_for(rows)}
-        r["variant"] = NV.GemmGeometry.of(NV.gemm_variant(rows * k, model.n_routed_experts)).suffix
+        r["variant"] = NV.GemmGeometry.of(NV.gemm_variant(rows * k, model.n_routed_experts, h)).suffix
         r["sparse_us"] = t(lambda: site(x, ws, o), rows)
         r["sparse_sorted_us"] = t(lambda: sorted_site(x, ws, o), rows)
         if rows <= UNION_MAX_TIMED:

@@ -95,6 +95,30 @@ def test_linear(rng, t, n, k):
     assert_close(got, ref, f"linear t={t}")
 
 
+@pytest.mark.parametrize("t", [20, 300])
+def test_linear_large_weight_on_stream(rng, t):
+    """A weight past the tensor-core GEMM's size goes to cuBLAS at every width, and cuBLAS runs on
+    the backend's stream even when CuPy's shared handle was last bound to another (the legacy
+    default stream does not order against a non-blocking stream)."""
+    import cupy
+    from glm_ep.backend import kernels
+
+    be = backend()
+    n, k = 2 * kernels.MMA_GEMM_MAX_WEIGHT // 4096, 4096
+    x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
+    assert not kernels.mma_gemm_takes(x, w)
+    cb, handle = kernels._cublas(), cupy.cuda.device.get_cublas_handle()
+    cb.setStream(handle, 0)
+    ref = np.empty((t, n), BF16)
+    NP.linear(x, w, ref)
+    out = poisoned((t, n), BF16)
+    be.linear(dev(x), dev(w), out)
+    assert cb.getStream(handle) == be.stream.ptr, "cuBLAS was left on another stream"
+    got = host(out)
+    assert_written(got, "linear")
+    assert_close(got, ref, f"linear (cuBLAS) t={t}")
+
+
 @pytest.mark.parametrize("t", [1, 2, 5, 8, 9, 20, 64, 65])
 def test_gate_up_act(rng, t):
     i = 200
@@ -254,31 +278,84 @@ def test_moe_union(rng, r):
     start, count = 0, 20  # ids >= 20 are remote
     cu, nu = both(moe_weights(rng, start=start, count=count))
     ids = _union_ids(rng, r)
-    local = ids < count
+    check_moe_union(rng, cu, nu, ids, ids < count, H, M, "union")
+
+
+def check_moe_union(rng, cu, nu, ids, local, h, m, label):
+    """Union (verify) gate + up + SwiGLU and both projections against NumPy; remote slots untouched."""
+    r = ids.shape[0]
     u_eid, u_slot = routing.union_table(ids)
     d_eid, d_slot = dev(u_eid), dev(u_slot)
     be = backend()
-    x = rand_bf16(rng, (r, H), 2.0)
-    refs = [np.zeros((r, TOP_K, M), BF16) for _ in range(3)]
+    x = rand_bf16(rng, (r, h), 2.0)
+    refs = [np.zeros((r, TOP_K, m), BF16) for _ in range(3)]
     NP.moe_gate_up_act_union(x, nu, u_eid, u_slot, 1.0, *refs)
-    outs = [poisoned((r, TOP_K, M), BF16) for _ in range(3)]
+    outs = [poisoned((r, TOP_K, m), BF16) for _ in range(3)]
     be.moe_gate_up_act_union(dev(x), cu, d_eid, d_slot, 1.0, *outs)
     for name, o, ref in zip(("gate", "up", "act"), outs, refs):
         got = host(o)
         if name != "act":  # act rows of remote slots are unspecified
-            assert unwritten(got[~local]).all(), f"{name}: a remote slot was written"
-        assert_written(got[local], name)
-        assert_close(got[local], ref[local], f"union {name} r={r}")
-    for proj, per_slot, kin, n in (("gate", False, H, M), ("down", True, M, H)):
+            assert unwritten(got[~local]).all(), f"{label} {name}: a remote slot was written"
+        assert_written(got[local], f"{label} {name}")
+        assert_close(got[local], ref[local], f"{label} {name} r={r}")
+    for proj, per_slot, kin, n in (("gate", False, h, m), ("down", True, m, h)):
         a = rand_bf16(rng, (r, TOP_K, kin) if per_slot else (r, kin))
         ref = np.zeros((r, TOP_K, n), BF16)
         NP.moe_gemv_union(a, getattr(nu, proj), nu, u_eid, u_slot, ref, per_slot)
         out = poisoned((r, TOP_K, n), BF16)
         be.moe_gemv_union(dev(a), getattr(cu, proj), cu, d_eid, d_slot, out, per_slot)
         got = host(out)
-        assert unwritten(got[~local]).all()
-        assert_written(got[local], proj)
-        assert_close(got[local], ref[local], f"union {proj} r={r}")
+        assert unwritten(got[~local]).all(), f"{label} {proj}: a remote slot was written"
+        assert_written(got[local], f"{label} {proj}")
+        assert_close(got[local], ref[local], f"{label} {proj} r={r}")
+
+
+# ---- the union (verify) kernels on the ring (gemv_nvfp4_ring.cu) against NumPy -------------------------
+@pytest.mark.parametrize("ring", [
+    dict(union=False),  # gemv_nvfp4.cu's block-per-tile union kernels
+    dict(),  # the default union ring
+    dict(union_slab={1: 4, 2: 4}, union_depth={1: 2, 2: 2}),
+    dict(max_warps=3),  # several items per warp: the ring crosses entry boundaries
+    dict(union_slab={1: 4, 2: 4}, union_depth={1: 2, 2: 2}, max_warps=5),
+], ids=["blocks", "default", "t4d2", "t2d3-w3", "t4d2-w5"])
+@pytest.mark.parametrize("r", [2, 3, 5, 8])
+def test_moe_union_ring(rng, monkeypatch, ring, r):
+    from glm_ep.backend import nvfp4_kernels as kernels
+
+    monkeypatch.setattr(kernels, "RING", kernels.RingConfig(**ring))
+    h, m, start, count = 2048, 1024, 6, 20  # ids outside [6, 26) are remote; K = 1..8 slabs
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count))
+    ids = _union_ids(rng, r)
+    check_moe_union(rng, cu, nu, ids, (ids >= start) & (ids < start + count), h, m, f"union ring {ring}")
+
+
+def test_union_ring_rows_independent(rng, monkeypatch):
+    """The union ring runs each row through the same mma chain as the one-row ring (bf16 form): a
+    row's outputs are bit-identical whichever rows share its batch, and equal to its decode."""
+    from glm_ep.backend import nvfp4_kernels as kernels
+
+    monkeypatch.setattr(kernels, "RING", kernels.RingConfig(f16=False))
+    h, m = 2048, 1024
+    cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=E))
+    be = backend()
+    ids8 = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(8)]).astype(np.int32)
+    x8 = rand_bf16(rng, (8, h), 2.0)
+    act8 = rand_bf16(rng, (8, TOP_K, m))
+    results = {}
+    for r in (1, 2, 8):
+        glu = [poisoned((r, TOP_K, m), BF16) for _ in range(3)]
+        down = poisoned((r, TOP_K, h), BF16)
+        if r == 1:  # the decode ring
+            be.moe_gate_up_act(dev(x8[:1]), cu, dev(ids8[0]), 1.0, *(o[0] for o in glu))
+            be.moe_gemv(dev(act8[0]), cu.down, cu, dev(ids8[0]), down[0], True)
+        else:
+            u_eid, u_slot = (dev(a) for a in routing.union_table(ids8[:r]))
+            be.moe_gate_up_act_union(dev(x8[:r]), cu, u_eid, u_slot, 1.0, *glu)
+            be.moe_gemv_union(dev(act8[:r]), cu.down, cu, u_eid, u_slot, down, True)
+        results[r] = [host(o)[0].view(np.uint16) for o in (*glu, down)]
+    for r in (2, 8):
+        for name, got, want in zip(("gate", "up", "act", "down"), results[r], results[1]):
+            np.testing.assert_array_equal(got, want, err_msg=f"row 0 {name}: {r}-row union vs decode")
 
 
 @pytest.mark.parametrize("t", [1, 37, 700, 4096])

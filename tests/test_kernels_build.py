@@ -64,10 +64,13 @@ def test_gemm_variant_choice():
     """Few rows per expert take the 16-row tiles, many the 64-row ones; every default is built, and
     a variant's shared memory is its stages of x rows, packed weights and scales."""
     nv = nvfp4_kernels
-    assert nv.gemm_variant(16 * 8, 288)[0] == 16
-    assert nv.gemm_variant(1024 * 8, 288)[0] == 32
-    assert nv.gemm_variant(4096 * 8, 288)[0] == 64
-    assert set(nv.GEMM_DEFAULT.values()) <= set(nv.GEMM_VARIANTS)
+    assert nv.gemm_variant(16 * 8, 288, 4096)[0] == 16
+    assert nv.gemm_variant(1024 * 8, 288, 4096)[0] == 32
+    assert nv.gemm_variant(4096 * 8, 288, 4096) == (64, 4, 128, 3)
+    assert nv.gemm_variant(4096 * 8, 288, 4096 + 64) == (64, 4, 64, 4)  # a stage of 128 k does not divide K
+    assert set(nv.GEMM_DEFAULT.values()) | set(nv.GEMM_FALLBACK.values()) <= set(nv.GEMM_VARIANTS)
+    for v in nv.GEMM_DEFAULT.values():
+        assert 64 % v[2] == 0 or v in nv.GEMM_FALLBACK, f"{v}: no fallback for an in width of 64 k steps"
     geo = nv.GemmGeometry.of((64, 4, 64, 4))
     assert (geo.bn, geo.threads, geo.smem) == (128, 128, 4 * (64 * 64 * 2 + 128 * 32 + 128 * 4))
     assert geo.tiles(slots=1000, count=16) == 16 + 16  # ceil(1000 / 64) row tiles + one partial per expert

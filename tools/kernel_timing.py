@@ -7,7 +7,8 @@ weights stream from HBM, not L2), divided by the layer count, with the bytes it 
 that over the measured device copy bandwidth. Weights are random NVFP4 bytes and bf16 values:
 timing only, no numerics. ``--ring-variants`` first times the one-row routed kernels (glu, down,
 both) under each variant of ``nvfp4_kernels.RING`` (gemv_nvfp4.cu's block kernels, ring depths, warps per
-SM, the bf16 / fp16 forms), side by side in one run.
+SM, the bf16 / fp16 forms), then the 2- and 8-row union kernels (gemv_nvfp4.cu's blocks, the union
+ring's slabs), side by side in one run.
 """
 
 from __future__ import annotations
@@ -140,6 +141,18 @@ def main() -> int:
         for _ in moes:
             be.combine(routed[0], wts[:1], out[:1], out[:1])
 
+    def routed_union(r):  # union table, gate + up + SwiGLU, down of r rows, every layer
+        ue, us = v(u_eid, r * TOP_K), v(u_slot, r * TOP_K, r)
+
+        def run():
+            for m in moes:
+                t = m.experts
+                be.union_table(ids[:r], ue, us)
+                g, u, a = (v(b, r, TOP_K, M) for b in (gate, up, act))
+                be.moe_gate_up_act_union(x[:r], t, ue, us, 10.0, g, u, a)
+                be.moe_gemv_union(a, t.down, t, ue, us, routed[:r], per_slot_input=True)
+        return run
+
     if args.ring_variants:
         from glm_ep.backend import nvfp4_kernels as K
 
@@ -166,6 +179,15 @@ def main() -> int:
             timed(glu_only, glu_mb, f"[{name}] routed glu, 1 row", L)
             timed(down_only, down_mb, f"[{name}] routed down, 1 row", L)
             timed(routed_decode, expert_mb * TOP_K, f"[{name}] routed glu + down, 1 row", L)
+        for name, cfg in (("union blocks", K.RingConfig(union=False)),
+                          ("union ring t2 d3 w16 (default)", K.RingConfig()),
+                          ("union ring t4 d2 w16", K.RingConfig(union_slab={1: 4, 2: 4}, union_depth={1: 2, 2: 2})),
+                          ("union ring t2 d3 w8", K.RingConfig(warps_per_sm=8)),
+                          ("union ring t2 d3 w16 (again)", K.RingConfig())):
+            K.RING = cfg
+            for r in (2, 8):
+                uniq = len(np.unique(ids[:r].get()))
+                timed(routed_union(r), expert_mb * uniq, f"[{name}] routed, {r} rows (union of {uniq})", L)
         K.RING = default
     timed(routed_decode, expert_mb * TOP_K, "routed experts, 1 row (glu + down)", L)
     timed(shared_fused, shared_mb, "shared expert, 1 row (fused glu + down)", L)
@@ -176,22 +198,13 @@ def main() -> int:
 
     for r in (2, 4, 8):
         uniq = len(np.unique(ids[:r].get()))
-        ue, us = v(u_eid, r * TOP_K), v(u_slot, r * TOP_K, r)
-
-        def routed_union(r=r, ue=ue, us=us):
-            for m in moes:
-                t = m.experts
-                be.union_table(ids[:r], ue, us)
-                g, u, a = (v(b, r, TOP_K, M) for b in (gate, up, act))
-                be.moe_gate_up_act_union(x[:r], t, ue, us, 10.0, g, u, a)
-                be.moe_gemv_union(a, t.down, t, ue, us, routed[:r], per_slot_input=True)
 
         def dense_rows(r=r):
             for d in denses:
                 be.gate_up_act(x[:r], d, 10.0, *(v(b, r, I) for b in (gate, up, act)))
                 be.linear(v(act, r, I), d.down, out[:r])
 
-        timed(routed_union, expert_mb * uniq, f"routed experts, {r} rows (union of {uniq})", L)
+        timed(routed_union(r), expert_mb * uniq, f"routed experts, {r} rows (union of {uniq})", L)
         timed(dense_rows, 3 * I * H * 2, f"dense MLP, {r} rows (batch-M)", len(denses))
     return 0
 

@@ -4,7 +4,7 @@
 |-------|--------------------------------------------|---------------------|--------------------------------------------|
 | 1     | GEMV; gate + up + SwiGLU fused             | GEMV, fp32 + top-k  | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
 | 2..8  | batch-M GEMV, one weight read for all rows | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns) |
-| 9..64 | tensor-core GEMM (mma_bf16.cu), one weight read for all rows; gate + up + SwiGLU fused | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
+| 9..64 | weights up to 2048 x 4096 (shared expert): tensor-core GEMM (mma_bf16.cu), one weight read for all rows, gate + up + SwiGLU fused; larger (dense FFN): cuBLAS | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
 | > 64  | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | the grouped GEMM                           |
 
 Everything a step runs is queued on ``self.stream`` (non-blocking, made current at construction
@@ -173,7 +173,7 @@ class CudaBackend(Backend):
     def linear(self, x_TK, w_NK, out_TN):
         if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
             K.gemv_bf16(x_TK, w_NK, out_TN)
-        elif K.mma_gemm_takes(x_TK):
+        elif K.mma_gemm_takes(x_TK, w_NK):
             K.mma_gemm_bf16(x_TK, w_NK, out_TN)
         else:  # cuBLAS, bf16 operands, fp32 accumulation
             K.gemm_bf16(x_TK, w_NK, out_TN)
@@ -183,7 +183,7 @@ class CudaBackend(Backend):
     def router_logits(self, x_TH, router_EH, out_TE):
         if x_TH.shape[0] <= K.GEMV_MAX_ROWS:
             K.router_gemv(x_TH, router_EH, out_TE)
-        elif router_EH.dtype == K.BF16 and K.mma_gemm_takes(x_TH):
+        elif router_EH.dtype == K.BF16 and K.mma_gemm_takes(x_TH, router_EH):
             K.mma_gemm_bf16(x_TH, router_EH, out_TE)  # bf16 products are exact in fp32: fp32 sums and out
         elif router_EH.dtype == K.BF16:  # cuBLAS, likewise
             K.gemm_bf16(x_TH, router_EH, out_TE)
@@ -223,7 +223,7 @@ class CudaBackend(Backend):
     def gate_up_act(self, x_TK, w, limit, gate_TI, up_TI, act_TI):
         if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
             K.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
-        elif K.mma_gemm_takes(x_TK):
+        elif K.mma_gemm_takes(x_TK, w.gate):
             K.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
         else:
             return super().gate_up_act(x_TK, w, limit, gate_TI, up_TI, act_TI)

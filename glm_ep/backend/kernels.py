@@ -198,7 +198,11 @@ def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any) -> None:
     if t == 0:
         return
     cb = _cublas()
-    cb.gemmEx(cupy.cuda.device.get_cublas_handle(), cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, t, k,
+    handle = cupy.cuda.device.get_cublas_handle()
+    # CuPy's shared handle keeps whatever stream was last set on it (at first the legacy default
+    # stream, which does not order against the backend's non-blocking stream): bind it to ours
+    cb.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    cb.gemmEx(handle, cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, t, k,
               _ONE.ctypes.data, w_NK.data.ptr, _CUDA_R_16BF, k, x_TK.data.ptr, _CUDA_R_16BF, k,
               _ZERO.ctypes.data, out_TN.data.ptr, _CUDA_R_16BF if out_TN.dtype == BF16 else _CUDA_R_32F, n,
               cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
@@ -226,9 +230,17 @@ def _mma_geometry(n: int, k: int, p: int, tier: int) -> tuple[int, int, int]:
     return grid_x, ks, smem
 
 
-def mma_gemm_takes(x_RK: Any) -> bool:
-    """Whether the tensor-core GEMM serves these rows: at most MMA_GEMM_MAX_ROWS, K in whole steps."""
-    return x_RK.shape[0] <= MMA_GEMM_MAX_ROWS and x_RK.shape[1] % MMA_GEMM_K_STEP == 0
+MMA_GEMM_MAX_WEIGHT = 2048 * 4096  # elements of one weight matrix: larger ones go to cuBLAS at every width
+
+
+def mma_gemm_takes(x_RK: Any, w_NK: Any) -> bool:
+    """Whether the tensor-core GEMM serves this call: at most MMA_GEMM_MAX_ROWS rows, K in whole
+    steps, and a weight of at most MMA_GEMM_MAX_WEIGHT elements. Measured on H200 (docs/perf/NOTES.md,
+    "Dense widths"): it beats cuBLAS 2x on the shared expert's [2048, 4096] and on the router, where
+    cuBLAS leaves the GPU part idle at 9..64 rows; on the dense FFN's [12288, 4096] / [4096, 12288]
+    cuBLAS streams at ~3.2 TB/s and the GEMM, whose x operand every warp re-reads, does not."""
+    return (x_RK.shape[0] <= MMA_GEMM_MAX_ROWS and x_RK.shape[1] % MMA_GEMM_K_STEP == 0
+            and w_NK.size <= MMA_GEMM_MAX_WEIGHT)
 
 
 def _mma_rows(x_RK: Any, what: str) -> tuple[int, int, int]:

@@ -95,37 +95,62 @@ class RingConfig:
     max_warps: int = 0
     f16: bool = True  # gemv_nvfp4_ring.cu's consume_slab_f16 (docs/perf/NOTES.md, version 3)
     f16_hidden: bool = False
+    union: bool = True  # verify (2..8 rows) on the ring too: each union expert swept once (bf16 form)
+    union_slab: dict = field(default_factory=lambda: {1: 2, 2: 2})
+    union_depth: dict = field(default_factory=lambda: {1: 3, 2: 3})
 
 
 RING = RingConfig()
 _RING = "gemv_nvfp4_ring.cu"
 
 
-def ring_stage_bytes(p: int, t: int) -> int:
-    """One ring stage of one warp (RingStage<P, T>): P x 16 rows x 64 T weight bytes, P x 16 x 8 T
-    scale bytes, 256 T bytes of x."""
-    return p * 16 * 64 * t + p * 16 * 8 * t + 256 * t
+UNION_RING_KERNELS = ((2, 3), (4, 2))  # the (T, D) of its union entries
+UNION_RING_ROWS = (2, 4, 8)  # the x rows a union entry stages (a group's rows rounded up)
+
+
+def ring_stage_bytes(p: int, t: int, rows: int = 1) -> int:
+    """One ring stage of one warp (RingStage<P, T, R>): P x 16 rows x 64 T weight bytes, P x 16 x 8 T
+    scale bytes, 256 T bytes of each of the R x rows."""
+    return p * 16 * 64 * t + p * 16 * 8 * t + rows * 256 * t
 
 
 def _ring_ok(n: int, k: int, slots: int, p: int) -> bool:
     return RING.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * RING.slab[p]) == 0 and slots <= 32
 
 
+def _ring_grid(items: int, smem: int) -> int:
+    """Blocks for ``items`` work items: as even a share per warp as the cap allows (warps_per_sm per
+    SM, or fewer where the rings' ``smem`` per block does not fit), RING_WARPS per block."""
+    per_sm = min(RING.warps_per_sm, SM_SMEM // (smem + 1024) * RING_WARPS)
+    items = max(1, items)
+    cap = max(1, _device_attr(_current_device(), "MultiProcessorCount") * per_sm)
+    if RING.max_warps:
+        cap = min(cap, RING.max_warps)
+    return _cdiv(_cdiv(items, _cdiv(items, cap)), RING_WARPS)
+
+
 def _ring_geometry(n: int, slots: int, p: int, f16: bool) -> tuple[int, int, str]:
-    """(blocks, dynamic smem bytes, entry suffix): as even a share of the slots x row-group items per
-    warp as the cap allows (warps_per_sm per SM, or fewer where the rings do not fit), RING_WARPS per
-    block."""
+    """(blocks, dynamic smem bytes, entry suffix) of a one-row launch over slots x row groups."""
     t, depth = RING.slab[p], RING.depth[p]
     if (t, depth) not in RING_KERNELS:
         raise ValueError(f"ring slab {t}, depth {depth}: gemv_nvfp4_ring.cu instantiates (T, D) in {RING_KERNELS}")
     smem = RING_WARPS * depth * ring_stage_bytes(p, t)
-    per_sm = min(RING.warps_per_sm, SM_SMEM // (smem + 1024) * RING_WARPS)
-    items = max(1, slots * (n // MMA_ROWS))
-    cap = max(1, _device_attr(_current_device(), "MultiProcessorCount") * per_sm)
-    if RING.max_warps:
-        cap = min(cap, RING.max_warps)
-    warps = _cdiv(items, _cdiv(items, cap))
-    return _cdiv(warps, RING_WARPS), smem, f"{'f16_' if f16 else ''}t{t}_d{depth}"
+    return _ring_grid(slots * (n // MMA_ROWS), smem), smem, f"{'f16_' if f16 else ''}t{t}_d{depth}"
+
+
+def _union_ring_geometry(n: int, k: int, rows: int, entries: int, p: int) -> tuple[int, int, str] | None:
+    """(blocks, dynamic smem bytes, entry suffix) of a union launch over its entries x row groups,
+    or None where the union ring does not serve the shape."""
+    t, depth = RING.union_slab[p], RING.union_depth[p]
+    if (t, depth) not in UNION_RING_KERNELS:
+        raise ValueError(f"union ring slab {t}, depth {depth}: gemv_nvfp4_ring.cu instantiates (T, D) in "
+                         f"{UNION_RING_KERNELS}")
+    if not (RING.enabled and RING.union and n % MMA_ROWS == 0 and k % (RING_STEP_K * t) == 0
+            and rows <= UNION_RING_ROWS[-1]):
+        return None
+    r = next(r for r in UNION_RING_ROWS if rows <= r)
+    smem = RING_WARPS * depth * ring_stage_bytes(p, t, r)
+    return _ring_grid(entries * (n // MMA_ROWS), smem), smem, f"r{r}_t{t}_d{depth}"
 
 
 def nvfp4_moe_gemv(x: Any, per_slot_input: bool, proj: ExpertPtrTable, ids_S: Any, start: int, count: int,
@@ -192,6 +217,13 @@ def nvfp4_moe_gemv_union(x: Any, per_slot_input: bool, proj: ExpertPtrTable, u_e
     _check_shape("out", out_RKN, (r, k, proj.n))
     x_row = proj.k * (k if per_slot_input else 1)
     tables = (proj.packed_ptrs, proj.scale_ptrs, proj.scale2, u_eid_U, u_slot_UR)
+    ring = _union_ring_geometry(proj.n, proj.k, r, r * k, 1)
+    if ring:
+        blocks, smem, suffix = ring
+        _launch(_RING, f"nvfp4_ring_union_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
+                (x, _i64(x_row), _i64(proj.k if per_slot_input else 0), *tables, _i32(r * k), _i32(r),
+                 _i32(start), _i32(count), out_RKN, _i64(k * proj.n), _i32(proj.n), _i32(proj.k)), smem=smem)
+        return
     grid_x, ks = _mma_geometry(proj.n, proj.k, r * k)
     _launch(_NVFP4, "nvfp4_mma_moe_gemv_union", (grid_x, r * k, 1), _NVFP4_BLOCK,
             (x, _i64(x_row), _i64(proj.k if per_slot_input else 0), *tables, _i32(r), _i32(start), _i32(count),
@@ -208,6 +240,13 @@ def nvfp4_moe_glu_union(x_RK: Any, gate: ExpertPtrTable, up: ExpertPtrTable, u_e
         _check(name, a, BF16, 2), _check_shape(name, a, (r, k, n))
     tables = (gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
               u_eid_U, u_slot_UR)
+    ring = _union_ring_geometry(n, kin, r, r * k, 2)
+    if ring:
+        blocks, smem, suffix = ring
+        _launch(_RING, f"nvfp4_ring_union_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
+                (x_RK, _i64(kin), *tables, _i32(r * k), _i32(r), _i32(start), _i32(count), gate_RKN, up_RKN,
+                 act_RKN, _i64(k * n), _i32(n), _i32(kin), np.float32(limit)), smem=smem)
+        return
     grid_x, ks = _mma_geometry(n, kin, 2 * r * k)
     _launch(_NVFP4, "nvfp4_mma_moe_glu_union", (grid_x, r * k, 1), _NVFP4_BLOCK,
             (x_RK, _i64(kin), *tables, _i32(r), _i32(start), _i32(count), gate_RKN, up_RKN, act_RKN,
@@ -220,7 +259,10 @@ _GEMM = "gemm_nvfp4.cu"
 #: weight rows each, k per stage BK, stages)
 GEMM_VARIANTS = ((16, 4, 64, 4), (32, 4, 64, 4), (64, 4, 64, 4), (64, 8, 64, 4), (64, 4, 128, 3), (64, 8, 128, 3),
                  (128, 4, 64, 3), (128, 8, 64, 3))
-GEMM_DEFAULT = {16: (16, 4, 64, 4), 32: (32, 4, 64, 4), 64: (64, 4, 64, 4)}  # by BM (docs/perf/NOTES.md)
+#: by BM, the fastest variant measured on H200 (PREFILL.md's variant table); the 64-row tile takes
+#: 128-k stages where K allows (the 64-k one otherwise: GEMM_FALLBACK)
+GEMM_DEFAULT = {16: (16, 4, 64, 4), 32: (32, 4, 64, 4), 64: (64, 4, 128, 3)}
+GEMM_FALLBACK = {(64, 4, 128, 3): (64, 4, 64, 4)}
 
 
 @dataclass(frozen=True)
@@ -259,11 +301,13 @@ class GemmGeometry:
         return _cdiv(slots, self.bm) + min(count, slots)
 
 
-def gemm_variant(slots: int, num_experts: int) -> tuple[int, int, int, int]:
+def gemm_variant(slots: int, num_experts: int, k: int) -> tuple[int, int, int, int]:
     """The variant for a call: the smallest BM that holds the rows an expert gets on average (slots
-    spread over all experts), so few-row widths do not pay for empty tile rows."""
+    spread over all experts), so few-row widths do not pay for empty tile rows; a variant whose
+    stage does not divide the in width ``k`` gives way to its fallback."""
     per_expert = slots / max(num_experts, 1)
-    return GEMM_DEFAULT[next((bm for bm in sorted(GEMM_DEFAULT) if per_expert <= bm), max(GEMM_DEFAULT))]
+    v = GEMM_DEFAULT[next((bm for bm in sorted(GEMM_DEFAULT) if per_expert <= bm), max(GEMM_DEFAULT))]
+    return v if k % v[2] == 0 else GEMM_FALLBACK[v]
 
 
 def _gemm_checks(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
@@ -289,7 +333,7 @@ def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert
     """Every local expert's expert-sorted rows in ONE tensor-core launch: sorted row i of expert e
     reads ``x[sorted_token_ids[i]]`` (``gather_rows``) or ``x[i]``; rows of remote experts untouched.
     ``variant``: one of ``GEMM_VARIANTS`` (default: ``gemm_variant``'s)."""
-    geo = GemmGeometry.of(variant or gemm_variant(sorted_token_ids_S.size, num_experts))
+    geo = GemmGeometry.of(variant or gemm_variant(sorted_token_ids_S.size, num_experts, proj.k))
     s = _gemm_checks(x, gather_rows, sorted_token_ids_S, expert_offsets, num_experts, proj.k, out_SN, proj.n, geo,
                      "nvfp4_gemm_sorted")
     if s == 0 or count == 0:
@@ -309,7 +353,7 @@ def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: An
     each rounded to bf16 before the SwiGLU, as the separate ops round them)."""
     if (gate.n, gate.k) != (up.n, up.k):
         raise ValueError(f"nvfp4_gemm_sorted_glu: gate [{gate.n}, {gate.k}] and up [{up.n}, {up.k}] differ")
-    geo = GemmGeometry.of(variant or gemm_variant(sorted_token_ids_S.size, num_experts))
+    geo = GemmGeometry.of(variant or gemm_variant(sorted_token_ids_S.size, num_experts, gate.k))
     s = _gemm_checks(x_TK, True, sorted_token_ids_S, expert_offsets, num_experts, gate.k, act_SN, gate.n, geo,
                      "nvfp4_gemm_sorted_glu")
     if s == 0 or count == 0:
