@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER
     setup_logging(comm.Get_rank(), getattr(args, "verbose", False))
     if args.cmd == "bench":
-        from glm_ep.bench import bench_job
+        from glm_ep.bench.common import bench_job
 
         return run_guarded(lambda: bench_job(args, comm), comm)
     from glm_ep.jobs import forward_job, run_job

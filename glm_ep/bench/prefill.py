@@ -1,5 +1,5 @@
 """``glm-ep bench --prefill``: wide calls (prefill) at the GLM-5.3-Flash shape, one H200, against the
-PyTorch peers measured in the SAME run (``bench_prefill_peer``).
+PyTorch peers measured in the SAME run (``prefill_peer``).
 
 For each width: the sparse site (the path the dispatch picks; the row-group and grouped-GEMM paths
 forced), the routed-expert GEMMs alone (sort + grouped gate/up/SwiGLU + grouped down, in TFLOP/s
@@ -22,8 +22,8 @@ from typing import Any, Callable
 import ml_dtypes
 
 from glm_ep.backend import nvfp4_kernels as NV
-from glm_ep.bench import bench_meta, copy_bandwidth, dense_bytes, glm_model, time_median, world1_cfg
-from glm_ep.bench_gpu import _bf16, gpu_dense, gpu_moe
+from glm_ep.bench.common import bench_meta, copy_bandwidth, dense_bytes, glm_model, time_median, world1_cfg
+from glm_ep.bench.decode import _bf16, gpu_dense, gpu_moe
 from glm_ep.comm import SelfComm
 from glm_ep.experts import ExpertDispatch
 from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
@@ -149,7 +149,7 @@ def _peer_rows(model: Any, widths: list[int], args: argparse.Namespace) -> dict[
     try:
         import torch
 
-        from glm_ep import bench_prefill_peer as P
+        from glm_ep.bench import prefill_peer as P
     except ImportError as e:
         return {"note": f"no PyTorch peer ({e})"}
     res: dict[Any, Any] = {"gemm_tflops": P.bf16_gemm_tflops()}

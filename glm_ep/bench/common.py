@@ -113,10 +113,10 @@ def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
         raise ConfigError(f"glm-ep bench runs on one rank (world 1), got {mpi_comm.Get_size()}")
     require_gpu()
     if args.prefill:
-        from glm_ep.bench_prefill import run_prefill_bench  # needs CuPy
+        from glm_ep.bench.prefill import run_prefill_bench  # needs CuPy
 
         return run_prefill_bench(args)
-    from glm_ep.bench_gpu import run_bench  # needs CuPy
+    from glm_ep.bench.decode import run_bench  # needs CuPy
 
     return run_bench(args)
 

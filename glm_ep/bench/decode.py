@@ -13,8 +13,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from glm_ep.bench import (Row, bench_meta, copy_bandwidth, dense_bytes, glm_model, plot_results,
-                          sparse_bytes, time_median, world1_cfg, write_results)
+from glm_ep.bench.common import (Row, bench_meta, copy_bandwidth, dense_bytes, glm_model, plot_results,
+                                 sparse_bytes, time_median, world1_cfg, write_results)
 from glm_ep.comm import SelfComm
 from glm_ep.config import ModelConfig
 from glm_ep.experts import ExpertDispatch
@@ -58,7 +58,7 @@ def _peer_us(model: ModelConfig, iters: int) -> tuple[float, float] | None:
         import torch
     except ImportError:
         return None
-    from glm_ep.bench_peer import HfStyleMlp, HfStyleMoe
+    from glm_ep.bench.decode_peer import HfStyleMlp, HfStyleMoe
 
     x = torch.randn(1, model.hidden_size, device="cuda", dtype=torch.bfloat16)
     n = max(iters // 10, 5)
