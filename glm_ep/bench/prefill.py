@@ -19,11 +19,9 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-import ml_dtypes
-
 from glm_ep.backend import nvfp4_kernels as NV
-from glm_ep.bench.common import bench_meta, copy_bandwidth, dense_bytes, glm_model, time_median, world1_cfg
-from glm_ep.bench.decode import _bf16, gpu_dense, gpu_moe
+from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
+                                 gpu_moe, time_median, world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.experts import ExpertDispatch
 from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
@@ -31,7 +29,6 @@ from glm_ep.topology import PathLevers
 from glm_ep.workspace import Workspace
 
 log = logging.getLogger(__name__)
-BF16 = ml_dtypes.bfloat16
 WIDTHS = (16, 64, 128, 256, 1024, 4096)
 SWEEP = (9, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 UNION_MAX_TIMED = 1024  # the row-group path is timed up to this width (it is the slow one past it)
@@ -84,13 +81,13 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
 
     results: dict[str, Any] = {"widths": [], "sweep": []}
     for rows in SWEEP:
-        x = _bf16(cp, (rows, h), 1.0)
+        x = gpu_bf16(cp, (rows, h), 1.0)
         o = out[:rows]
         results["sweep"].append({"rows": rows, "union_us": t(lambda: union_site(x, ws, o), rows),
                                  "sorted_us": t(lambda: sorted_site(x, ws, o), rows)})
         log.info("sweep %s", results["sweep"][-1])
     for rows in widths:
-        x = _bf16(cp, (rows, h), 1.0)
+        x = gpu_bf16(cp, (rows, h), 1.0)
         o = out[:rows]
         r: dict[str, Any] = {"rows": rows, "path": site.experts.path_for(rows)}
         r["variant"] = NV.GemmGeometry.of(NV.gemm_variant(rows * k, model.n_routed_experts)).suffix
