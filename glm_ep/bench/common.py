@@ -1,7 +1,8 @@
-"""What ``glm-ep bench`` (decode, verify) and ``glm-ep bench --prefill`` share: CUDA-event timing, the
-measured copy bandwidth, the bytes a site must read, the run's metadata, the GLM-5.3-Flash shape
-at world 1 and synthetic weights made on the GPU. Imports neither CuPy nor PyTorch: the callers
-pass their ``cupy`` module in.
+"""What ``glm-ep bench`` (decode, verify) and ``glm-ep bench --prefill`` share: CUDA-event timing (CuPy,
+and PyTorch for the peers), the measured copy bandwidth, the bytes a site must read, the run's
+metadata and the results files' header, the plot module, the GLM-5.3-Flash shape at world 1 and
+synthetic weights made on the GPU. Imports neither CuPy, PyTorch nor matplotlib at import: the
+callers pass their ``cupy`` module in.
 """
 
 from __future__ import annotations
@@ -42,6 +43,27 @@ def time_median(cp: Any, stream: Any, fn: Callable[[], None], iters: int, warmup
     return statistics.median(per_call)
 
 
+def torch_time_us(fn: Callable[[], Any], iters: int, warmup: int = 3, repeats: int = 7) -> float:
+    """``time_median`` for the PyTorch peers: the median over ``repeats`` of the mean of ``iters``
+    calls, with torch's CUDA events on its current stream, under ``no_grad``; microseconds."""
+    import torch
+
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / iters)
+    return statistics.median(times)
+
+
 def copy_bandwidth(cp: Any, stream: Any, nbytes: int = 4 << 30) -> float:
     """Device-to-device copy, counting bytes read plus bytes written, in GB/s."""
     with stream:
@@ -74,6 +96,26 @@ def bench_meta(device: str, copy_gbs: float) -> dict[str, Any]:
     return {"device": device, "copy_gbs": copy_gbs, "command": "glm-ep " + " ".join(sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "python": platform.python_version()}
+
+
+def results_header(title: str, meta: dict[str, Any], rates: str = "") -> list[str]:
+    """The first lines of a results file: what and where, the command, the date, the measured copy
+    bandwidth (``rates`` continues that line)."""
+    return [f"# {title}: {meta['device']}", "", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
+            f"Measured copy bandwidth (read + write): **{meta['copy_gbs']:.0f} GB/s**{rates}"]
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` drawing to files, or None (with a warning) where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib not installed: no plot (pip install glm_ep[bench])")
+        return None
+    return plt
 
 
 def glm_model() -> ModelConfig:

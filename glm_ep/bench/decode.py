@@ -10,13 +10,15 @@ import argparse
 import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
-                                 gpu_moe, sparse_bytes, time_median, world1_cfg)
+                                 gpu_moe, pyplot, results_header, sparse_bytes, time_median, torch_time_us,
+                                 world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.config import ModelConfig
 from glm_ep.experts import ExpertDispatch
@@ -62,20 +64,7 @@ def _peer_us(model: ModelConfig, iters: int) -> tuple[float, float] | None:
     result = []
     for make in (lambda: HfStyleMoe(model), lambda: HfStyleMlp(model, model.intermediate_size)):
         peer = make()
-        with torch.no_grad():
-            for _ in range(5):
-                peer(x)
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(7):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(n):
-                    peer(x)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / n)
-        result.append(float(np.median(times)))
+        result.append(torch_time_us(partial(peer, x), iters=n, warmup=5))
         del peer
         torch.cuda.empty_cache()
     return result[0], result[1]
@@ -173,11 +162,9 @@ def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     data = {"meta": meta, "rows": [dict(r.__dict__, gbs=r.gbs, pct=r.pct, floor_us=r.floor_us) for r in rows]}
     (out_dir / "bench.json").write_text(json.dumps(data, indent=2) + "\n")
-    lines = [f"# glm-ep bench: {meta['device']}", "",
-             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
-             f"Measured copy bandwidth (read + write): **{meta['copy_gbs']:.0f} GB/s**", "",
-             "| what | median µs | bytes read (MB) | byte floor µs | GB/s | % of copy bw | note |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = results_header("glm-ep bench", meta) + [
+        "", "| what | median µs | bytes read (MB) | byte floor µs | GB/s | % of copy bw | note |",
+        "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r.name} | {r.median_us:.1f} | {r.bytes_read / 1e6:.1f} | {r.floor_us:.1f} | "
                      f"{r.gbs:.0f} | {r.pct:.1f} | {r.note} |")
@@ -186,13 +173,8 @@ def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> None:
 
 def plot_results(out_dir: Path) -> Path | None:
     """PNG of % of copy bandwidth per path, from ``bench.json`` (matplotlib, if installed)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib not installed: no plot (pip install glm_ep[bench])")
+    plt = pyplot()
+    if plt is None:
         return None
     data = json.loads((out_dir / "bench.json").read_text())
     rows = [r for r in data["rows"] if r["bytes_read"] > 0]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from glm_ep.backend import nvfp4_kernels as NV
 from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
-                                 gpu_moe, time_median, world1_cfg)
+                                 gpu_moe, pyplot, results_header, time_median, torch_time_us, world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.experts import ExpertDispatch
 from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
@@ -166,17 +166,17 @@ def _peer_rows(model: Any, widths: list[int], args: argparse.Namespace) -> dict[
                 continue
             P.set_experts_impl(moe, impl)
             try:
-                r[f"hf_moe_{impl}_us"] = P.torch_time_us(lambda: moe(x), iters=_iters(rows))
+                r[f"hf_moe_{impl}_us"] = torch_time_us(lambda: moe(x), iters=_iters(rows))
             except torch.OutOfMemoryError:
                 r[f"hf_moe_{impl}_us"] = None
             torch.cuda.empty_cache()
         timed = {i: r[f"hf_moe_{i}_us"] for i in P.EXPERTS_IMPLS if r.get(f"hf_moe_{i}_us")}
         r["hf_moe_best"] = min(timed, key=timed.get)
         r["hf_moe_us"] = timed[r["hf_moe_best"]]
-        r["hf_mlp_us"] = P.torch_time_us(lambda: mlp(x), iters=_iters(rows))
-        r["hf_shared_us"] = P.torch_time_us(lambda: shared(x), iters=_iters(rows))
-        r["torch_router_us"] = P.torch_time_us(lambda: router(x), iters=_iters(rows))
-        r["grouped_mm_us"] = P.torch_time_us(P.grouped_mm_experts(moe, model, x), iters=_iters(rows))
+        r["hf_mlp_us"] = torch_time_us(lambda: mlp(x), iters=_iters(rows))
+        r["hf_shared_us"] = torch_time_us(lambda: shared(x), iters=_iters(rows))
+        r["torch_router_us"] = torch_time_us(lambda: router(x), iters=_iters(rows))
+        r["grouped_mm_us"] = torch_time_us(P.grouped_mm_experts(moe, model, x), iters=_iters(rows))
         res[rows] = r
         log.info("peers %d rows: %s", rows, r)
     return res
@@ -188,15 +188,13 @@ def _f(v: Any, fmt: str = "{:.1f}") -> str:
 
 def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
     w = res["widths"]
-    lines = [f"# glm-ep bench --prefill: {meta['device']}", "",
-             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
-             f"Measured copy bandwidth (read + write): **{meta['copy_gbs']:.0f} GB/s**; bf16 GEMM "
-             f"(torch.matmul 8192³): **{_f(meta['gemm_tflops'], '{:.0f}')} TFLOP/s**  ",
-             f"Shape: GLM-5.3-Flash (hidden 4096, 288 NVFP4 experts of width 2048, top-8, dense width 12288), "
-             f"world 1. Times in µs, medians after warm-up. {meta['peer_note']}", "",
-             "## Sparse site (router + routed experts + shared expert + combine)", "",
-             "| rows | glm_ep | path | row groups | grouped GEMM | HF `Glm5NextTextMoE` (fastest impl) | HF / glm_ep |",
-             "|---:|---:|---|---:|---:|---:|---:|"]
+    gemm = f"; bf16 GEMM (torch.matmul 8192³): **{_f(meta['gemm_tflops'], '{:.0f}')} TFLOP/s**  "
+    lines = results_header("glm-ep bench --prefill", meta, gemm) + [
+        f"Shape: GLM-5.3-Flash (hidden 4096, 288 NVFP4 experts of width 2048, top-8, dense width 12288), "
+        f"world 1. Times in µs, medians after warm-up. {meta['peer_note']}", "",
+        "## Sparse site (router + routed experts + shared expert + combine)", "",
+        "| rows | glm_ep | path | row groups | grouped GEMM | HF `Glm5NextTextMoE` (fastest impl) | HF / glm_ep |",
+        "|---:|---:|---|---:|---:|---:|---:|"]
     for r in w:
         hf = r.get("hf_moe_us")
         lines.append(f"| {r['rows']} | {r['sparse_us']:.1f} | {r['path']} | {_f(r.get('sparse_union_us'))} | "
@@ -235,13 +233,8 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
 
 
 def plot(out_dir: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib not installed: no plot (pip install glm_ep[bench])")
+    plt = pyplot()
+    if plt is None:
         return
     w = res["widths"]
     rows = [r["rows"] for r in w]
