@@ -15,6 +15,7 @@ import argparse
 import sys
 from typing import Any
 
+from glm_ep import bench
 from glm_ep.errors import EXIT_USER
 from glm_ep.mpi_lib import MpiUnavailable
 from glm_ep.parallel import Ranks, mpi_world, run_guarded, setup_logging
@@ -73,14 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-check", dest="check", action="store_const", const="none", help="the same as --check none")
     _layout_flags(p)
 
-    p = sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)")
-    p.add_argument("--out", default="docs/perf", help="folder for the results table and plot")
-    p.add_argument("--layers", type=int, default=0, help="stack layers to time (0: as many as fit)")
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
-    p.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
-    p.add_argument("--rows", type=int, nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096)")
-    p.add_argument("-v", "--verbose", action="store_true")
+    bench.add_arguments(sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)"))
     return ap
 
 
@@ -131,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER
     setup_logging(comm.Get_rank(), getattr(args, "verbose", False))
     if args.cmd == "bench":
-        from glm_ep.bench import bench_job
-
-        return run_guarded(lambda: bench_job(args, comm), comm)
+        return run_guarded(lambda: bench.bench_job(args, comm), comm)
     from glm_ep.jobs import forward_job, run_job
 
     job = forward_job if args.cmd == "forward" else run_job

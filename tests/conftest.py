@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from glm_ep.presets import preset
@@ -15,3 +17,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The ``tiny`` preset, seed 0, in several shards. Read-only: copy it before changing files."""
     return write_synthetic(tmp_path_factory.mktemp("ckpt") / "tiny", preset("tiny"), seed=0,
                            shard_bytes=256 * 1024)
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """A generator seeded from the test's name: fresh inputs per test, the same on every run."""
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))

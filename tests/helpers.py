@@ -1,5 +1,6 @@
-"""Shared test helpers: small random in-memory weights, NumPy stacks for any rank layout, and a
-float64 reference that shares no code with ``glm_ep.reference`` or the backends.
+"""Shared test helpers: small random in-memory weights, NumPy stacks for any rank layout, a float64
+reference that shares no code with ``glm_ep.reference`` or the backends, and the comparisons every
+test makes (relative L2, bf16 steps). The CUDA tests' device side is in ``_cuda``.
 
 Shape suffixes: T rows, H hidden, I a projection width, E experts, K top-k.
 """
@@ -86,8 +87,12 @@ def random_weights(model: ModelConfig, seed: int, out_gain: float = 1.0, router_
     return layers
 
 
+def rand_bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(BF16)
+
+
 def random_x(seed: int, rows: int, hidden: int, gain: float = 1.0) -> np.ndarray:
-    return (np.random.default_rng(seed).standard_normal((rows, hidden)) * gain).astype(BF16)
+    return rand_bf16(np.random.default_rng(seed), (rows, hidden), gain)
 
 
 # ---- sharding (DESIGN §2, stated independently of SiteConfig / checkpoint.load_layer) ----------
@@ -259,20 +264,36 @@ def route_margins64(layers: Sequence[Ref64Layer], p: RefParams, x_TH: np.ndarray
 
 # ---- comparisons -------------------------------------------------------------------------------
 def rel_l2(y: np.ndarray, ref: np.ndarray) -> float:
+    """``|y - ref| / |ref|`` in float64; not finite where either holds a NaN or Inf (so ``< tol`` fails)."""
     y, ref = f64(y), f64(ref)
     return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
-def bf16_ulps(a: np.ndarray, b: np.ndarray) -> int:
-    """Largest distance between two bf16 arrays in units in the last place (bf16 has 8 bits of
-    precision), measured at the larger magnitude; 0 means bitwise equal values."""
-    a, b = f64(np.asarray(a, dtype=BF16)), f64(np.asarray(b, dtype=BF16))
-    diff = np.abs(a - b)
-    if not diff.any():
-        return 0
-    mag = np.maximum(np.maximum(np.abs(a), np.abs(b)), 2.0 ** -126)
-    ulp = 2.0 ** (np.floor(np.log2(mag)) - 7)
-    return int(np.ceil(np.max(diff / ulp)))
+def bf16_ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise distance in bf16 steps, both sides rounded to bf16 first: how many steps along the
+    ordered bf16 values lead from one to the other. 0 for equal values (+0 and -0 alike) and where
+    both are NaN, 2**20 where only one is. Never less than the gap in ulps of the larger magnitude;
+    more where the pair straddles a power of two or zero."""
+    def ordered(x: np.ndarray) -> np.ndarray:
+        u = x.astype(BF16).view(np.uint16).astype(np.int32)
+        return np.where(u & 0x8000, 0x8000 - u, u)  # -0 and +0 both map to 0
+
+    a, b = np.asarray(a), np.asarray(b)
+    d = np.abs(ordered(a) - ordered(b))
+    na, nb = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+    return np.where(na & nb, 0, np.where(na | nb, 1 << 20, d))
+
+
+def assert_close(got: np.ndarray, ref: np.ndarray, what: str, tol: float = 1e-2) -> None:
+    assert np.isfinite(np.asarray(got, np.float32)).all(), f"{what}: non-finite values"
+    err = rel_l2(got, ref)
+    assert err < tol, f"{what}: relative L2 error {err:.3e} >= {tol}"
+
+
+def assert_ulps(got: np.ndarray, ref: np.ndarray, what: str, ulps: int = 1) -> None:
+    d = bf16_ulps(got, ref)
+    assert d.max() <= ulps, (f"{what}: {int((d > ulps).sum())} elements more than {ulps} bf16 ulp apart "
+                             f"(max {int(d.max())})")
 
 
 # ---- subprocess MPI jobs -----------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from glm_ep.bench_prefill import crossover, render
+from glm_ep.bench.prefill import crossover, render
 
 RECORDED = Path(__file__).resolve().parent.parent / "docs" / "perf" / "prefill.json"
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from _cuda import (BF16, assert_close, assert_written, backend, dev, host, poisoned,  # noqa: F401
-                   rand_bf16, requires_cuda, rng, unwritten)  # rng: the shared fixture
 
 from glm_ep import routing
 from glm_ep.backend import nvfp4_kernels as nvk
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import ExpertWeights, MoeWeights
+
+from _cuda import assert_written, backend, both, dev, host, poisoned, requires_cuda, unwritten
+from helpers import BF16, assert_close, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -54,10 +55,6 @@ def ragged_ids(rng, t=320):
     counts = np.bincount(ids.ravel(), minlength=E)
     assert all(counts[e] == n for e, n in RAGGED.items())
     return ids
-
-
-def both(w):
-    return backend().upload_moe(w).experts, NP.upload_moe(w).experts
 
 
 def sorted_route(ids):

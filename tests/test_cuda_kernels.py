@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _cuda import (BF16, assert_close, assert_ulps, assert_written, backend, dev, host, poisoned,  # noqa: F401
-                   rand_bf16, requires_cuda, rng, unwritten)  # rng: the shared fixture
 
 from glm_ep import nvfp4, routing
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.routing import RouteParams
 from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+
+from _cuda import assert_written, backend, both, dev, host, poisoned, requires_cuda, unwritten
+from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -35,10 +36,6 @@ def moe_weights(rng, h=H, m=M, start=0, count=E, num_experts=E, router_dtype=np.
     router = (rng.standard_normal((num_experts, h)) / np.sqrt(h)).astype(router_dtype)
     bias = (7.0 + 0.01 * rng.standard_normal(num_experts)).astype(np.float32)
     return MoeWeights(router, bias, start, experts, shared)
-
-
-def both(w):
-    return backend().upload_moe(w).experts, NP.upload_moe(w).experts
 
 
 # ---- elementwise ------------------------------------------------------------------------------

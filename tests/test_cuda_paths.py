@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _cuda import BF16, assert_close, backend, dev, host, requires_cuda
 
 from glm_ep import nvfp4
 from glm_ep.backend.numpy_backend import NumpyBackend
@@ -26,6 +25,9 @@ from glm_ep.site import DenseSite, MoeSite
 from glm_ep.stack import MlpStack
 from glm_ep.topology import PathLevers, Topology
 from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+
+from _cuda import backend, dev, host, requires_cuda
+from helpers import BF16, assert_close, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -44,13 +46,9 @@ def model(layer_types=("dense", "sparse")) -> ModelConfig:
         "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})
 
 
-def _bf16(rng, shape, scale):
-    return (rng.standard_normal(shape) * scale).astype(BF16)
-
-
 def _dense(rng, width):
-    return DenseWeights(_bf16(rng, (width, H), H ** -0.5), _bf16(rng, (width, H), H ** -0.5),
-                        _bf16(rng, (H, width), width ** -0.5))
+    return DenseWeights(rand_bf16(rng, (width, H), H ** -0.5), rand_bf16(rng, (width, H), H ** -0.5),
+                        rand_bf16(rng, (H, width), width ** -0.5))
 
 
 def _router(rng):
@@ -184,7 +182,7 @@ def test_nccl_one_rank():
     be = backend()
     comm = make_comm(MPI.COMM_SELF, be, Topology(backend="cuda"), discover(MPI.COMM_SELF))
     assert isinstance(comm, NcclComm) and comm.capturable
-    x = _bf16(np.random.default_rng(3), (4, H), 1.0)
+    x = rand_bf16(np.random.default_rng(3), (4, H), 1.0)
     buf = dev(x)
     comm.all_reduce(buf)
     np.testing.assert_array_equal(host(buf).view(np.uint16), x.view(np.uint16))

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from glm_ep.bench.common import torch_time_us
 from glm_ep.config import ModelConfig
 
 #: transformers' experts implementations, with the widest rows each is tried at (batched_mm
@@ -106,26 +107,6 @@ def grouped_mm_experts(mod: Any, m: ModelConfig, x_TH: torch.Tensor) -> Callable
         return torch._grouped_mm(act, w_d, offs=offs)
 
     return run
-
-
-def torch_time_us(fn: Callable[[], Any], iters: int, warmup: int = 3, repeats: int = 7) -> float:
-    """Median over ``repeats`` of the mean of ``iters`` calls, CUDA events, microseconds."""
-    import statistics
-
-    with torch.no_grad():
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(iters):
-                fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / iters)
-    return statistics.median(times)
 
 
 def bf16_gemm_tflops(n: int = 8192) -> float:

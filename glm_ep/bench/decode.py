@@ -1,4 +1,5 @@
-"""The CUDA half of ``glm-ep bench``: synthetic GLM-5.3-Flash weights on the GPU, timed sites.
+"""``glm-ep bench``: decode and verify at the GLM-5.3-Flash shape on the GPU, timed sites against the
+measured copy bandwidth; writes BENCH.md, bench.json and bench.png.
 
 Shape suffixes: T rows, H hidden, E experts, M moe width, I dense width.
 """
@@ -6,50 +7,48 @@ Shape suffixes: T rows, H hidden, E experts, M moe width, I dense width.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from glm_ep.bench import (Row, bench_meta, copy_bandwidth, dense_bytes, glm_model, plot_results,
-                          sparse_bytes, time_median, world1_cfg, write_results)
+from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
+                                 gpu_moe, pyplot, results_header, sparse_bytes, time_median, torch_time_us,
+                                 world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.config import ModelConfig
 from glm_ep.experts import ExpertDispatch
-from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.site import DenseSite, MoeSite
 from glm_ep.stack import MlpStack
 from glm_ep.topology import PathLevers
-from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 from glm_ep.workspace import Workspace
 
 log = logging.getLogger(__name__)
-BF16 = ml_dtypes.bfloat16
 
 
-def _bf16(cp: Any, shape: tuple[int, ...], std: float) -> Any:
-    return (cp.random.standard_normal(shape, dtype=cp.float32) * std).astype(BF16)
+@dataclass
+class Row:
+    name: str
+    median_us: float
+    bytes_read: int
+    copy_gbs: float
+    note: str = ""
 
+    @property
+    def gbs(self) -> float:
+        return self.bytes_read / (self.median_us * 1e-6) / 1e9
 
-def _nvfp4(cp: Any, n: int, k: int) -> Nvfp4Weight:
-    packed = cp.random.randint(0, 256, size=(n, k // 2), dtype=cp.int32).astype(cp.uint8)
-    # E4M3 bytes 0x30..0x3b: block scales in [0.5, 1.375], never NaN
-    scale = cp.random.randint(0x30, 0x3C, size=(n, k // 16), dtype=cp.int32).astype(cp.uint8)
-    return Nvfp4Weight(packed, scale, 1.0 / (6.0 * 64.0))
+    @property
+    def pct(self) -> float:
+        return 100.0 * self.gbs / self.copy_gbs
 
-
-def gpu_dense(cp: Any, width: int, h: int) -> DenseWeights:
-    return DenseWeights(_bf16(cp, (width, h), h ** -0.5), _bf16(cp, (width, h), h ** -0.5),
-                        _bf16(cp, (h, width), width ** -0.5))
-
-
-def gpu_moe(cp: Any, model: ModelConfig) -> MoeWeights:
-    h, m, e = model.hidden_size, model.moe_intermediate_size, model.n_routed_experts
-    experts = tuple(ExpertWeights(_nvfp4(cp, m, h), _nvfp4(cp, m, h), _nvfp4(cp, h, m)) for _ in range(e))
-    bias = (7.0 + 0.02 * cp.random.standard_normal(e, dtype=cp.float32)).astype(cp.float32)
-    return MoeWeights(_bf16(cp, (e, h), h ** -0.5), bias, 0, experts, gpu_dense(cp, model.shared_intermediate, h))
+    @property
+    def floor_us(self) -> float:
+        return self.bytes_read / (self.copy_gbs * 1e9) * 1e6
 
 
 def _peer_us(model: ModelConfig, iters: int) -> tuple[float, float] | None:
@@ -58,27 +57,14 @@ def _peer_us(model: ModelConfig, iters: int) -> tuple[float, float] | None:
         import torch
     except ImportError:
         return None
-    from glm_ep.bench_peer import HfStyleMlp, HfStyleMoe
+    from glm_ep.bench.decode_peer import HfStyleMlp, HfStyleMoe
 
     x = torch.randn(1, model.hidden_size, device="cuda", dtype=torch.bfloat16)
     n = max(iters // 10, 5)
     result = []
     for make in (lambda: HfStyleMoe(model), lambda: HfStyleMlp(model, model.intermediate_size)):
         peer = make()
-        with torch.no_grad():
-            for _ in range(5):
-                peer(x)
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(7):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(n):
-                    peer(x)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3 / n)
-        result.append(float(np.median(times)))
+        result.append(torch_time_us(partial(peer, x), iters=n, warmup=5))
         del peer
         torch.cuda.empty_cache()
     return result[0], result[1]
@@ -134,7 +120,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return sizes
 
     g = min(len(sparse_sites), 16)
-    x1 = _bf16(cp, (1, model.hidden_size), 1.0)
+    x1 = gpu_bf16(cp, (1, model.hidden_size), 1.0)
     replay = graph_of_sites(sparse_sites[:g], x1)
     us = time_median(cp, stream, replay, iters=max(iters // g, 5)) / g
     rows.append(Row("sparse site, 1 row (graph)", us, sparse_bytes(model, model.num_experts_per_tok), copy_gbs,
@@ -149,7 +135,7 @@ def run_bench(args: argparse.Namespace) -> int:
         rows.append(Row("PyTorch HF-style dense site, 1 row", peer[1], dense_bytes(model), copy_gbs,
                         f"peer (eager); glm_ep is {peer[1] / us:.1f}x faster"))
     for k in range(2, 9):
-        xk = _bf16(cp, (k, model.hidden_size), 1.0)
+        xk = gpu_bf16(cp, (k, model.hidden_size), 1.0)
         sizes = union_sizes(xk)[:g]
         replay = graph_of_sites(sparse_sites[:g], xk)
         us = time_median(cp, stream, replay, iters=max(iters // g, 5)) / g
@@ -170,3 +156,34 @@ def run_bench(args: argparse.Namespace) -> int:
     plot_results(out_dir)
     print((out_dir / "BENCH.md").read_text())
     return 0
+
+
+def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta, "rows": [dict(r.__dict__, gbs=r.gbs, pct=r.pct, floor_us=r.floor_us) for r in rows]}
+    (out_dir / "bench.json").write_text(json.dumps(data, indent=2) + "\n")
+    lines = results_header("glm-ep bench", meta) + [
+        "", "| what | median µs | bytes read (MB) | byte floor µs | GB/s | % of copy bw | note |",
+        "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r.name} | {r.median_us:.1f} | {r.bytes_read / 1e6:.1f} | {r.floor_us:.1f} | "
+                     f"{r.gbs:.0f} | {r.pct:.1f} | {r.note} |")
+    (out_dir / "BENCH.md").write_text("\n".join(lines) + "\n")
+
+
+def plot_results(out_dir: Path) -> Path | None:
+    """PNG of % of copy bandwidth per path, from ``bench.json`` (matplotlib, if installed)."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    data = json.loads((out_dir / "bench.json").read_text())
+    rows = [r for r in data["rows"] if r["bytes_read"] > 0]
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
+    ax.barh([r["name"] for r in rows][::-1], [r["pct"] for r in rows][::-1], color="#4477aa")
+    ax.axvline(100, color="k", lw=0.8)
+    ax.set_xlabel(f"% of measured copy bandwidth ({data['meta']['copy_gbs']:.0f} GB/s)")
+    ax.set_title(f"glm-ep bench, {data['meta']['device']}")
+    fig.tight_layout()
+    path = out_dir / "bench.png"
+    fig.savefig(path, dpi=120)
+    return path

@@ -1,5 +1,5 @@
 """``glm-ep bench --prefill``: wide calls (prefill) at the GLM-5.3-Flash shape, one H200, against the
-PyTorch peers measured in the SAME run (``bench_prefill_peer``).
+PyTorch peers measured in the SAME run (``prefill_peer``).
 
 For each width: the sparse site (the path the dispatch picks; the row-group and grouped-GEMM paths
 forced), the routed-expert GEMMs alone (sort + grouped gate/up/SwiGLU + grouped down, in TFLOP/s
@@ -19,11 +19,9 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-import ml_dtypes
-
 from glm_ep.backend import nvfp4_kernels as NV
-from glm_ep.bench import bench_meta, copy_bandwidth, dense_bytes, glm_model, time_median, world1_cfg
-from glm_ep.bench_gpu import _bf16, gpu_dense, gpu_moe
+from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
+                                 gpu_moe, pyplot, results_header, time_median, torch_time_us, world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.experts import ExpertDispatch
 from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
@@ -31,7 +29,6 @@ from glm_ep.topology import PathLevers
 from glm_ep.workspace import Workspace
 
 log = logging.getLogger(__name__)
-BF16 = ml_dtypes.bfloat16
 WIDTHS = (16, 64, 128, 256, 1024, 4096)
 SWEEP = (9, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 UNION_MAX_TIMED = 1024  # the row-group path is timed up to this width (it is the slow one past it)
@@ -84,13 +81,13 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
 
     results: dict[str, Any] = {"widths": [], "sweep": []}
     for rows in SWEEP:
-        x = _bf16(cp, (rows, h), 1.0)
+        x = gpu_bf16(cp, (rows, h), 1.0)
         o = out[:rows]
         results["sweep"].append({"rows": rows, "union_us": t(lambda: union_site(x, ws, o), rows),
                                  "sorted_us": t(lambda: sorted_site(x, ws, o), rows)})
         log.info("sweep %s", results["sweep"][-1])
     for rows in widths:
-        x = _bf16(cp, (rows, h), 1.0)
+        x = gpu_bf16(cp, (rows, h), 1.0)
         o = out[:rows]
         r: dict[str, Any] = {"rows": rows, "path": site.experts.path_for(rows)}
         r["variant"] = NV.GemmGeometry.of(NV.gemm_variant(rows * k, model.n_routed_experts, h)).suffix
@@ -149,7 +146,7 @@ def _peer_rows(model: Any, widths: list[int], args: argparse.Namespace) -> dict[
     try:
         import torch
 
-        from glm_ep import bench_prefill_peer as P
+        from glm_ep.bench import prefill_peer as P
     except ImportError as e:
         return {"note": f"no PyTorch peer ({e})"}
     res: dict[Any, Any] = {"gemm_tflops": P.bf16_gemm_tflops()}
@@ -169,17 +166,17 @@ def _peer_rows(model: Any, widths: list[int], args: argparse.Namespace) -> dict[
                 continue
             P.set_experts_impl(moe, impl)
             try:
-                r[f"hf_moe_{impl}_us"] = P.torch_time_us(lambda: moe(x), iters=_iters(rows))
+                r[f"hf_moe_{impl}_us"] = torch_time_us(lambda: moe(x), iters=_iters(rows))
             except torch.OutOfMemoryError:
                 r[f"hf_moe_{impl}_us"] = None
             torch.cuda.empty_cache()
         timed = {i: r[f"hf_moe_{i}_us"] for i in P.EXPERTS_IMPLS if r.get(f"hf_moe_{i}_us")}
         r["hf_moe_best"] = min(timed, key=timed.get)
         r["hf_moe_us"] = timed[r["hf_moe_best"]]
-        r["hf_mlp_us"] = P.torch_time_us(lambda: mlp(x), iters=_iters(rows))
-        r["hf_shared_us"] = P.torch_time_us(lambda: shared(x), iters=_iters(rows))
-        r["torch_router_us"] = P.torch_time_us(lambda: router(x), iters=_iters(rows))
-        r["grouped_mm_us"] = P.torch_time_us(P.grouped_mm_experts(moe, model, x), iters=_iters(rows))
+        r["hf_mlp_us"] = torch_time_us(lambda: mlp(x), iters=_iters(rows))
+        r["hf_shared_us"] = torch_time_us(lambda: shared(x), iters=_iters(rows))
+        r["torch_router_us"] = torch_time_us(lambda: router(x), iters=_iters(rows))
+        r["grouped_mm_us"] = torch_time_us(P.grouped_mm_experts(moe, model, x), iters=_iters(rows))
         res[rows] = r
         log.info("peers %d rows: %s", rows, r)
     return res
@@ -191,15 +188,13 @@ def _f(v: Any, fmt: str = "{:.1f}") -> str:
 
 def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
     w = res["widths"]
-    lines = [f"# glm-ep bench --prefill: {meta['device']}", "",
-             f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
-             f"Measured copy bandwidth (read + write): **{meta['copy_gbs']:.0f} GB/s**; bf16 GEMM "
-             f"(torch.matmul 8192³): **{_f(meta['gemm_tflops'], '{:.0f}')} TFLOP/s**  ",
-             f"Shape: GLM-5.3-Flash (hidden 4096, 288 NVFP4 experts of width 2048, top-8, dense width 12288), "
-             f"world 1. Times in µs, medians after warm-up. {meta['peer_note']}", "",
-             "## Sparse site (router + routed experts + shared expert + combine)", "",
-             "| rows | glm_ep | path | row groups | grouped GEMM | HF `Glm5NextTextMoE` (fastest impl) | HF / glm_ep |",
-             "|---:|---:|---|---:|---:|---:|---:|"]
+    gemm = f"; bf16 GEMM (torch.matmul 8192³): **{_f(meta['gemm_tflops'], '{:.0f}')} TFLOP/s**  "
+    lines = results_header("glm-ep bench --prefill", meta, gemm) + [
+        f"Shape: GLM-5.3-Flash (hidden 4096, 288 NVFP4 experts of width 2048, top-8, dense width 12288), "
+        f"world 1. Times in µs, medians after warm-up. {meta['peer_note']}", "",
+        "## Sparse site (router + routed experts + shared expert + combine)", "",
+        "| rows | glm_ep | path | row groups | grouped GEMM | HF `Glm5NextTextMoE` (fastest impl) | HF / glm_ep |",
+        "|---:|---:|---|---:|---:|---:|---:|"]
     for r in w:
         hf = r.get("hf_moe_us")
         lines.append(f"| {r['rows']} | {r['sparse_us']:.1f} | {r['path']} | {_f(r.get('sparse_union_us'))} | "
@@ -238,13 +233,8 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
 
 
 def plot(out_dir: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib not installed: no plot (pip install glm_ep[bench])")
+    plt = pyplot()
+    if plt is None:
         return
     w = res["widths"]
     rows = [r["rows"] for r in w]

@@ -1,0 +1,59 @@
+"""``glm-ep bench``: GPU figures at the GLM-5.3-Flash shape, against the measured copy bandwidth.
+
+Synthetic weights are generated directly on the GPU (no disk). Every figure is the median over
+repeated timed runs after warm-up, with CUDA events on the backend's stream; each timed region
+walks several layers' DISTINCT weights so a site's bytes cannot be served from L2 (60 MB).
+Bytes are the fewest the site must read: the chosen (union of) experts' NVFP4 bytes, the
+bf16 shared expert, the router; a dense site its three bf16 matrices.
+
+This module is the command: its flags and the job. The measuring modules need CuPy and are
+imported only once the job runs: ``decode`` (decode and verify; PyTorch peer in ``decode_peer``)
+and ``prefill`` (``--prefill``; HF transformers' peers in ``prefill_peer``), both on ``common``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from glm_ep.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's flags (it takes no topology or layout flags: world 1, CUDA)."""
+    p.add_argument("--out", default="docs/perf", help="folder for the results table and plot")
+    p.add_argument("--layers", type=int, default=0, help="stack layers to time (0: as many as fit)")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
+    p.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
+    p.add_argument("--rows", type=int, nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096)")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def require_gpu() -> None:
+    """Refuse, with what is missing, unless CuPy imports and sees a CUDA GPU."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise ConfigError(f"glm-ep bench needs CuPy and a CUDA GPU, but CuPy does not import ({e}); install "
+                          "it: pip install 'glm_ep[cuda12]' (or [cuda13])") from None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # CUDARuntimeError without a driver or device
+        raise ConfigError(f"glm-ep bench needs a CUDA GPU, but CUDA reports none ({e})") from None
+    if count < 1:
+        raise ConfigError("glm-ep bench needs a CUDA GPU, but CUDA reports 0 devices "
+                          "(check CUDA_VISIBLE_DEVICES and the driver)")
+
+
+def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
+    if mpi_comm.Get_size() != 1:
+        raise ConfigError(f"glm-ep bench runs on one rank (world 1), got {mpi_comm.Get_size()}")
+    require_gpu()
+    if args.prefill:
+        from glm_ep.bench.prefill import run_prefill_bench  # needs CuPy
+
+        return run_prefill_bench(args)
+    from glm_ep.bench.decode import run_bench  # needs CuPy
+
+    return run_bench(args)

@@ -1,0 +1,149 @@
+"""What ``glm-ep bench`` (decode, verify) and ``glm-ep bench --prefill`` share: CUDA-event timing (CuPy,
+and PyTorch for the peers), the measured copy bandwidth, the bytes a site must read, the run's
+metadata and the results files' header, the plot module, the GLM-5.3-Flash shape at world 1 and
+synthetic weights made on the GPU. Imports neither CuPy, PyTorch nor matplotlib at import: the
+callers pass their ``cupy`` module in.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import sys
+from typing import Any, Callable
+
+import ml_dtypes
+
+from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.footprint import nvfp4_bytes
+from glm_ep.nvfp4 import Nvfp4Weight
+from glm_ep.presets import preset
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+
+log = logging.getLogger(__name__)
+BF16 = ml_dtypes.bfloat16
+
+
+def time_median(cp: Any, stream: Any, fn: Callable[[], None], iters: int, warmup: int = 10,
+                repeats: int = 7) -> float:
+    """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls, in microseconds."""
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    per_call = []
+    for _ in range(repeats):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(iters):
+            fn()
+        end.record(stream)
+        end.synchronize()
+        per_call.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / iters)
+    return statistics.median(per_call)
+
+
+def torch_time_us(fn: Callable[[], Any], iters: int, warmup: int = 3, repeats: int = 7) -> float:
+    """``time_median`` for the PyTorch peers: the median over ``repeats`` of the mean of ``iters``
+    calls, with torch's CUDA events on its current stream, under ``no_grad``; microseconds."""
+    import torch
+
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth(cp: Any, stream: Any, nbytes: int = 4 << 30) -> float:
+    """Device-to-device copy, counting bytes read plus bytes written, in GB/s."""
+    with stream:
+        src = cp.empty(nbytes // 4, dtype=cp.float32)
+        src.fill(1.0)
+        dst = cp.empty_like(src)
+    us = time_median(cp, stream, lambda: cp.cuda.runtime.memcpyAsync(
+        dst.data.ptr, src.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr), iters=10)
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def expert_bytes(model: ModelConfig) -> int:
+    h, m = model.hidden_size, model.moe_intermediate_size
+    return 2 * nvfp4_bytes(m, h) + nvfp4_bytes(h, m)
+
+
+def sparse_bytes(model: ModelConfig, n_experts: int) -> int:
+    h, e = model.hidden_size, model.n_routed_experts
+    shared = 3 * model.shared_intermediate * h * 2
+    return n_experts * expert_bytes(model) + shared + e * h * 2 + e * 4
+
+
+def dense_bytes(model: ModelConfig) -> int:
+    return 3 * model.intermediate_size * model.hidden_size * 2
+
+
+def bench_meta(device: str, copy_gbs: float) -> dict[str, Any]:
+    import datetime
+
+    return {"device": device, "copy_gbs": copy_gbs, "command": "glm-ep " + " ".join(sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "python": platform.python_version()}
+
+
+def results_header(title: str, meta: dict[str, Any], rates: str = "") -> list[str]:
+    """The first lines of a results file: what and where, the command, the date, the measured copy
+    bandwidth (``rates`` continues that line)."""
+    return [f"# {title}: {meta['device']}", "", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
+            f"Measured copy bandwidth (read + write): **{meta['copy_gbs']:.0f} GB/s**{rates}"]
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` drawing to files, or None (with a warning) where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib not installed: no plot (pip install glm_ep[bench])")
+        return None
+    return plt
+
+
+def glm_model() -> ModelConfig:
+    return ModelConfig.from_dict(preset("glm-5.3-flash"), source="preset glm-5.3-flash")
+
+
+def world1_cfg(model: ModelConfig) -> SiteConfig:
+    return SiteConfig.for_rank(model, RankLayout(1, 0, 1, 1))
+
+
+def gpu_bf16(cp: Any, shape: tuple[int, ...], std: float) -> Any:
+    return (cp.random.standard_normal(shape, dtype=cp.float32) * std).astype(BF16)
+
+
+def _nvfp4(cp: Any, n: int, k: int) -> Nvfp4Weight:
+    packed = cp.random.randint(0, 256, size=(n, k // 2), dtype=cp.int32).astype(cp.uint8)
+    # E4M3 bytes 0x30..0x3b: block scales in [0.5, 1.375], never NaN
+    scale = cp.random.randint(0x30, 0x3C, size=(n, k // 16), dtype=cp.int32).astype(cp.uint8)
+    return Nvfp4Weight(packed, scale, 1.0 / (6.0 * 64.0))
+
+
+def gpu_dense(cp: Any, width: int, h: int) -> DenseWeights:
+    return DenseWeights(gpu_bf16(cp, (width, h), h ** -0.5), gpu_bf16(cp, (width, h), h ** -0.5),
+                        gpu_bf16(cp, (h, width), width ** -0.5))
+
+
+def gpu_moe(cp: Any, model: ModelConfig) -> MoeWeights:
+    h, m, e = model.hidden_size, model.moe_intermediate_size, model.n_routed_experts
+    experts = tuple(ExpertWeights(_nvfp4(cp, m, h), _nvfp4(cp, m, h), _nvfp4(cp, h, m)) for _ in range(e))
+    bias = (7.0 + 0.02 * cp.random.standard_normal(e, dtype=cp.float32)).astype(cp.float32)
+    return MoeWeights(gpu_bf16(cp, (e, h), h ** -0.5), bias, 0, experts, gpu_dense(cp, model.shared_intermediate, h))
