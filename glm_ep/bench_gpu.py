@@ -87,7 +87,7 @@ def _peer_us(model: ModelConfig, iters: int) -> tuple[float, float] | None:
 def run_bench(args: argparse.Namespace) -> int:
     import cupy as cp
 
-    from glm_ep.backend.cuda_backend import CudaBackend
+    from glm_ep.backend.cuda import CudaBackend
 
     model, iters = glm_model(), args.iters
     peer = _peer_us(model, iters) if args.peer else None

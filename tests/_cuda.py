@@ -43,7 +43,7 @@ requires_cuda = pytest.mark.skipif(cupy is None, reason=_REASON or "CUDA availab
 @functools.cache
 def backend():
     """One CudaBackend per process: its stream is the current CuPy stream."""
-    from glm_ep.backend.cuda_backend import CudaBackend
+    from glm_ep.backend.cuda import CudaBackend
 
     return CudaBackend(0)
 

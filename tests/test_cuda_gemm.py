@@ -16,7 +16,7 @@ from _cuda import (BF16, assert_close, assert_written, backend, dev, host, poiso
                    rand_bf16, requires_cuda, rng, unwritten)  # rng: the shared fixture
 
 from glm_ep import routing
-from glm_ep.backend import nvfp4_kernels as nvk
+from glm_ep.backend.cuda import nvfp4 as nvk
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import ExpertWeights, MoeWeights

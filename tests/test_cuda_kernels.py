@@ -319,7 +319,7 @@ def test_moe_gemm_sorted(rng):
 @pytest.mark.parametrize("n,k", [(40, 352), (24, 96), (2048, 4096)])
 def test_nvfp4_gemv_shapes(rng, n, k):
     """Row and K tails: N not a multiple of a block's rows, K not a multiple of a 128-k step."""
-    from glm_ep.backend import nvfp4_kernels as kernels
+    from glm_ep.backend.cuda import nvfp4 as kernels
 
     w_nk = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
     w_nk[0, :16] = 0.0  # an all-zero block (scale 0)
@@ -365,7 +365,7 @@ def test_expert_linear(rng):
 ], ids=["blocks", "default", "t4d4-3-w8", "t4d2-w3", "t4d4-w5", "t8d3-w7", "t8d2-w16", "bf16", "f16", "f16-t4d2-w3",
         "f16-t4d4-3-w8", "f16-t8d3-w7"])
 def test_moe_decode_ring(rng, monkeypatch, ring):
-    from glm_ep.backend import nvfp4_kernels as kernels
+    from glm_ep.backend.cuda import nvfp4 as kernels
 
     monkeypatch.setattr(kernels, "RING", kernels.RingConfig(**ring))
     h, m, start, count = 2048, 1024, 4, 6  # ids outside [4, 10) are remote; K = 1..4 slabs

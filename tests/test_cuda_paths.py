@@ -178,7 +178,7 @@ def test_nccl_one_rank():
     from mpi4py import MPI
 
     from glm_ep.backend import make_comm
-    from glm_ep.backend.nccl import NcclComm
+    from glm_ep.backend.cuda.nccl import NcclComm
     from glm_ep.placement import discover
 
     be = backend()

@@ -1,7 +1,7 @@
 """Every kernel file compiles with nvcc for the H200 (sm_90) and the GB10 (sm_121).
 
 Runs without a GPU (CI). What is compiled is the exact text NVRTC gets at run time
-(``kernels.kernel_source``: local headers inlined, the loader's -D constants), so a failure here
+(``loader.kernel_source``: local headers inlined, the loader's -D constants), so a failure here
 is a failure there, reported with nvcc's own message.
 """
 
@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from glm_ep.backend import kernels, nvfp4_kernels
+from glm_ep.backend.cuda import loader, nvfp4
 
 NVCC = shutil.which("nvcc") or next((str(p) for p in [Path("/usr/local/cuda/bin/nvcc")] if p.is_file()), None)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (no CUDA toolkit on PATH or in /usr/local/cuda)")
-FILES = kernels.kernel_files()
+FILES = loader.kernel_files()
 
 
 def test_kernel_files_exist():
     assert {p.name for p in FILES} >= {"gemv_bf16.cu", "gemv_nvfp4.cu", "router.cu", "elementwise.cu", "moe_route.cu"}
 
 
-@pytest.mark.parametrize("path", sorted(kernels.KERNEL_DIR.glob("*.cu*")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(loader.KERNEL_DIR.glob("*.cu*")), ids=lambda p: p.name)
 def test_no_system_headers(path):
     """NVRTC compiles without the CUDA or system headers: only local "x.cuh" includes."""
     bad = [line for line in path.read_text().splitlines() if re.match(r"\s*#\s*include\s*<", line)]
@@ -34,25 +34,25 @@ def test_no_system_headers(path):
 
 def test_mirrored_constants():
     """Constants a .cu states itself must agree with the grid arithmetic of the wrappers."""
-    for name, const, value in (("elementwise.cu", "COMBINE_VEC", kernels.COMBINE_VEC),
-                               ("gemv_nvfp4.cu", "MMA_ROWS", nvfp4_kernels.MMA_ROWS)):
-        text = (kernels.KERNEL_DIR / name).read_text()
+    for name, const, value in (("elementwise.cu", "COMBINE_VEC", loader.COMBINE_VEC),
+                               ("gemv_nvfp4.cu", "MMA_ROWS", nvfp4.MMA_ROWS)):
+        text = (loader.KERNEL_DIR / name).read_text()
         assert re.search(rf"#define {const} {value}\b", text), f"{name}: {const} differs from the wrappers ({value})"
 
 
 def test_instantiated_variants():
     """The kernel variants the wrappers launch are the ones the .cu files instantiate."""
-    gemm = (kernels.KERNEL_DIR / "gemm_nvfp4.cu").read_text()
+    gemm = (loader.KERNEL_DIR / "gemm_nvfp4.cu").read_text()
     rows = re.findall(r"^GEMM_VARIANT\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
     assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
-    assert {(int(bm), int(w), int(bk), int(st)) for bm, _, w, bk, st in rows} == set(nvfp4_kernels.GEMM_VARIANTS)
-    mma = (kernels.KERNEL_DIR / "mma_bf16.cu").read_text()
-    assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == kernels.MMA_GEMM_TIERS
+    assert {(int(bm), int(w), int(bk), int(st)) for bm, _, w, bk, st in rows} == set(nvfp4.GEMM_VARIANTS)
+    mma = (loader.KERNEL_DIR / "mma_bf16.cu").read_text()
+    assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == loader.MMA_GEMM_TIERS
 
 
 def test_split_k():
     """K is halved while the launch is short of warps and each slice keeps its minimum of steps."""
-    split = kernels._split_k
+    split = loader._split_k
     # GLM gate + up decode: 128 row groups x 16 slot-matrices, 32 steps: one split fills 132 SMs
     assert split(128, 16, 32, 8, 16, 4, sms=132) == (32, 2)
     assert split(128, 1, 32, 8, 16, 4, sms=132) == (128, 8)  # one copy: split to 8 warps of 4 steps
@@ -63,7 +63,7 @@ def test_split_k():
 def test_gemm_variant_choice():
     """Few rows per expert take the 16-row tiles, many the 64-row ones; every default is built, and
     a variant's shared memory is its stages of x rows, packed weights and scales."""
-    nv = nvfp4_kernels
+    nv = nvfp4
     assert nv.gemm_variant(16 * 8, 288)[0] == 16
     assert nv.gemm_variant(1024 * 8, 288)[0] == 32
     assert nv.gemm_variant(4096 * 8, 288)[0] == 64
@@ -80,8 +80,8 @@ def test_gemm_variant_choice():
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_compiles(path: Path, arch: str, tmp_path: Path):
     src = tmp_path / path.name
-    src.write_text(kernels.kernel_source(path.name))
-    cmd = [NVCC, "--cubin", f"-arch={arch}", "-std=c++17", *kernels.define_options(), "-o",
+    src.write_text(loader.kernel_source(path.name))
+    cmd = [NVCC, "--cubin", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o",
            str(tmp_path / "out.cubin"), str(src)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"nvcc -arch={arch} failed on {path.name}:\n{r.stdout}{r.stderr}"

@@ -24,7 +24,7 @@ H, M, I, E_LOCAL, E_ROUTER, TOP_K = 4096, 2048, 12288, 32, 288, 8
 def main() -> int:
     import cupy as cp
 
-    from glm_ep.backend.cuda_backend import CudaBackend
+    from glm_ep.backend.cuda import CudaBackend
     from glm_ep.nvfp4 import Nvfp4Weight
     from glm_ep.routing import RouteParams
     from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
@@ -141,7 +141,7 @@ def main() -> int:
             be.combine(routed[0], wts[:1], out[:1], out[:1])
 
     if args.ring_variants:
-        from glm_ep.backend import nvfp4_kernels as K
+        from glm_ep.backend.cuda import nvfp4 as K
 
         glu_mb, down_mb = expert_mb * TOP_K * 2 // 3, expert_mb * TOP_K // 3
 

@@ -28,7 +28,7 @@ def make_backend(topology: Any, placement: Placement) -> Any:
         raise ConfigError(f"topology {topology.name!r} asks for backend = 'cuda', but CUDA is unusable on "
                           f"{placement.host} ({type(e).__name__}: {e}); install glm_ep[cuda13] (or "
                           "[cuda12]) or use backend = 'cpu'") from None
-    from glm_ep.backend.cuda_backend import CudaBackend
+    from glm_ep.backend.cuda import CudaBackend
 
     return CudaBackend(device_index(topology.devices, placement, visible))
 
@@ -51,7 +51,7 @@ def make_comm(mpi_comm: Any, backend: Any, topology: Any, placement: Placement,
         log.info("all-reduce: %s over %d rank(s) on %d node(s)", kind.upper(), len(gpus),
                  len({g.node for g in gpus}))
     if kind == "nccl":
-        from glm_ep.backend.nccl import NcclComm
+        from glm_ep.backend.cuda.nccl import NcclComm
 
         return NcclComm(mpi_comm, backend, deadline)
     return MpiComm(mpi_comm, to_host=backend.to_host, from_host=backend.from_host, deadline=deadline)

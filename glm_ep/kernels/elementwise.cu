@@ -7,10 +7,10 @@
 #include "common.cuh"
 
 #ifndef ELEM_THREADS
-#error "ELEM_THREADS is set by glm_ep/backend/kernels.py"
+#error "ELEM_THREADS is set by glm_ep/backend/cuda/loader.py"
 #endif
 #ifndef COMBINE_THREADS
-#error "COMBINE_THREADS is set by glm_ep/backend/kernels.py"
+#error "COMBINE_THREADS is set by glm_ep/backend/cuda/loader.py"
 #endif
 #define COMBINE_VEC 8  // hidden elements per combine thread (one 16-byte vector)
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.backend import kernels as K
-from glm_ep.backend import nvfp4_kernels as NV
+from glm_ep.backend.cuda import loader as K
+from glm_ep.backend.cuda import nvfp4 as NV
 from glm_ep.backend.base import Backend
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight

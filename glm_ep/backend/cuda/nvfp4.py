@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.backend.kernels import (BF16, I32, NVFP4_WARPS, RING_WARPS, U8, UNION_MAX_IDS, _cdiv, _check,
+from glm_ep.backend.cuda.loader import (BF16, I32, NVFP4_WARPS, RING_WARPS, U8, UNION_MAX_IDS, _cdiv, _check,
                                     _check_shape, _current_device, _device_attr, _i32, _i64, _launch, _split_k)
 from glm_ep.config import NVFP4_GROUP
 

@@ -1,5 +1,5 @@
 """The CUDA kernels of glm_ep: ONE cached loader and thin typed wrappers (bf16 GEMV, router,
-elementwise, routing tables; the NVFP4 expert kernels' wrappers are in ``nvfp4_kernels``).
+elementwise, routing tables; the NVFP4 expert kernels' wrappers are in ``nvfp4``).
 
 Every kernel lives in ``glm_ep/kernels/*.cu`` and is compiled by NVRTC (``cupy.RawModule``) for
 the device's own arch, once per (file, device); a ``#line`` marker in front of every inlined piece
@@ -26,7 +26,7 @@ import numpy as np
 from glm_ep.config import KERNEL_MAX_TOP_K
 from glm_ep.routing import RouteParams
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
 # ---- compile-time constants (-D) and the geometry they fix ------------------------------------
 NVFP4_WARPS = 8  # warps per NVFP4 GEMV block
