@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import ml_dtypes
 
-from glm_ep.backend.cuda import nvfp4 as NV
+from glm_ep.backend.cuda import grouped as NV
 from glm_ep.bench import bench_meta, copy_bandwidth, dense_bytes, glm_model, time_median, world1_cfg
 from glm_ep.bench_gpu import _bf16, gpu_dense, gpu_moe
 from glm_ep.comm import SelfComm

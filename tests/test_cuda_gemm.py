@@ -16,7 +16,7 @@ from _cuda import (BF16, assert_close, assert_written, backend, dev, host, poiso
                    rand_bf16, requires_cuda, rng, unwritten)  # rng: the shared fixture
 
 from glm_ep import routing
-from glm_ep.backend.cuda import nvfp4 as nvk
+from glm_ep.backend.cuda import grouped
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import ExpertWeights, MoeWeights
@@ -153,7 +153,7 @@ def test_gemm_sorted_glm_shape(rng):
     check_rows(host(out), ref, local, "GLM-shape down")
 
 
-@pytest.mark.parametrize("variant", nvk.GEMM_VARIANTS, ids=lambda v: nvk.GemmGeometry.of(v).suffix)
+@pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
 def test_gemm_variants(rng, variant):
     """Every (rows per tile, warps) variant, whatever width would pick it: gate/up/SwiGLU fused and
     down, ragged experts, an EP window."""
@@ -168,11 +168,11 @@ def test_gemm_variants(rng, variant):
     NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
     act = poisoned((s, M), BF16)
     with backend().stream:
-        nvk.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu.gate, cu.up, start, count, 2.0, act, variant=variant)
+        grouped.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu.gate, cu.up, start, count, 2.0, act, variant=variant)
     check_rows(host(act), act_ref, local, f"glu {variant}")
     ref = np.zeros((s, H), BF16)
     NP.moe_gemm_sorted(act_ref, nu.down, nu, srt.sorted_token_ids, srt.expert_offsets, ref, False)
     out = poisoned((s, H), BF16)
     with backend().stream:
-        nvk.nvfp4_gemm_sorted(dev(act_ref), False, tok, offsets, E, cu.down, start, count, out, variant=variant)
+        grouped.nvfp4_gemm_sorted(dev(act_ref), False, tok, offsets, E, cu.down, start, count, out, variant=variant)
     check_rows(host(out), ref, local, f"down {variant}")

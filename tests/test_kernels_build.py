@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from glm_ep.backend.cuda import loader, nvfp4
+from glm_ep.backend.cuda import grouped, loader, nvfp4
 
 NVCC = shutil.which("nvcc") or next((str(p) for p in [Path("/usr/local/cuda/bin/nvcc")] if p.is_file()), None)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (no CUDA toolkit on PATH or in /usr/local/cuda)")
@@ -45,14 +45,14 @@ def test_instantiated_variants():
     gemm = (loader.KERNEL_DIR / "gemm_nvfp4.cu").read_text()
     rows = re.findall(r"^GEMM_VARIANT\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
     assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
-    assert {(int(bm), int(w), int(bk), int(st)) for bm, _, w, bk, st in rows} == set(nvfp4.GEMM_VARIANTS)
+    assert {(int(bm), int(w), int(bk), int(st)) for bm, _, w, bk, st in rows} == set(grouped.GEMM_VARIANTS)
     mma = (loader.KERNEL_DIR / "mma_bf16.cu").read_text()
     assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == loader.MMA_GEMM_TIERS
 
 
 def test_split_k():
     """K is halved while the launch is short of warps and each slice keeps its minimum of steps."""
-    split = loader._split_k
+    split = loader.split_k
     # GLM gate + up decode: 128 row groups x 16 slot-matrices, 32 steps: one split fills 132 SMs
     assert split(128, 16, 32, 8, 16, 4, sms=132) == (32, 2)
     assert split(128, 1, 32, 8, 16, 4, sms=132) == (128, 8)  # one copy: split to 8 warps of 4 steps
@@ -63,7 +63,7 @@ def test_split_k():
 def test_gemm_variant_choice():
     """Few rows per expert take the 16-row tiles, many the 64-row ones; every default is built, and
     a variant's shared memory is its stages of x rows, packed weights and scales."""
-    nv = nvfp4
+    nv = grouped
     assert nv.gemm_variant(16 * 8, 288)[0] == 16
     assert nv.gemm_variant(1024 * 8, 288)[0] == 32
     assert nv.gemm_variant(4096 * 8, 288)[0] == 64

@@ -30,7 +30,7 @@
 // e2m1 * e4m3 * 2^-8: at most 6 significant bits and inside bf16's normal range, so exact. The fp32
 // sums are scaled by scale_2 * 2^8 in the epilogue. No per-element float conversion.
 //
-// Entry points, one per GEMM_VARIANT below (grids computed in glm_ep/backend/cuda/nvfp4.py):
+// Entry points, one per GEMM_VARIANT below (grids computed in glm_ep/backend/cuda/grouped.py):
 //   nvfp4_gemm_sorted_m{BM}w{W}k{BK}       one projection                        grid (tiles * ceil(N / BN))
 //   nvfp4_gemm_sorted_glu_m{BM}w{W}k{BK}   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)))
 #include "common.cuh"
@@ -350,7 +350,7 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                                                K, n_blocks, limit);                                               \
     }
 
-// Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/nvfp4.py.
+// Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/grouped.py.
 GEMM_VARIANT(16, 1, 4, 64, 4, 4)
 GEMM_VARIANT(32, 2, 4, 64, 4, 3)
 GEMM_VARIANT(64, 4, 4, 64, 4, 3)

@@ -8,7 +8,7 @@
 // loads); x is read from global memory in the same pattern (L1 serves all but the first warp).
 // K must be a multiple of 8.
 //
-// Entry points, R = 1..8 (grids computed in glm_ep/backend/cuda/loader.py):
+// Entry points, R = 1..8 (grids computed in glm_ep/backend/cuda/dense.py):
 //   bf16_gemv_r{R}          bf16 weights, bf16 out (the backend's `linear`)
 //   bf16_glu_r{R}           gate and up fused, writing gate, up and the clamped SwiGLU
 //   router_gemv_bf16w_r{R}  bf16 router weights, fp32 logits

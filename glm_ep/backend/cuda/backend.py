@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.backend.cuda import loader as K
+from glm_ep.backend.cuda import dense, elementwise, grouped, route
 from glm_ep.backend.cuda import nvfp4 as NV
+from glm_ep.backend.cuda.loader import BF16, F32, GEMV_MAX_ROWS
 from glm_ep.backend.base import Backend
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
@@ -158,7 +159,7 @@ class CudaBackend(Backend):
             n=n, k=k, packed=packed, scale=scale, scale2_host=s2)
 
     def upload_moe(self, w: MoeWeights) -> CudaMoe:
-        if w.router.dtype not in (K.BF16, K.F32):
+        if w.router.dtype not in (BF16, F32):
             raise ConfigError(f"router weight dtype {w.router.dtype}, expected bfloat16 or float32")
         experts = CudaExpertTable(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj"),
                                   self._upload_proj([e.up for e in w.experts], "experts.up_proj"),
@@ -171,45 +172,45 @@ class CudaBackend(Backend):
     # ---- dense ops -------------------------------------------------------------------------
     @_on_stream
     def linear(self, x_TK, w_NK, out_TN):
-        if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
-            K.gemv_bf16(x_TK, w_NK, out_TN)
-        elif K.mma_gemm_takes(x_TK):
-            K.mma_gemm_bf16(x_TK, w_NK, out_TN)
+        if x_TK.shape[0] <= GEMV_MAX_ROWS:
+            dense.gemv_bf16(x_TK, w_NK, out_TN)
+        elif dense.mma_gemm_takes(x_TK):
+            dense.mma_gemm_bf16(x_TK, w_NK, out_TN)
         else:  # cuBLAS, bf16 operands, fp32 accumulation
-            K.gemm_bf16(x_TK, w_NK, out_TN)
+            dense.gemm_bf16(x_TK, w_NK, out_TN)
         return out_TN
 
     @_on_stream
     def router_logits(self, x_TH, router_EH, out_TE):
-        if x_TH.shape[0] <= K.GEMV_MAX_ROWS:
-            K.router_gemv(x_TH, router_EH, out_TE)
-        elif router_EH.dtype == K.BF16 and K.mma_gemm_takes(x_TH):
-            K.mma_gemm_bf16(x_TH, router_EH, out_TE)  # bf16 products are exact in fp32: fp32 sums and out
-        elif router_EH.dtype == K.BF16:  # cuBLAS, likewise
-            K.gemm_bf16(x_TH, router_EH, out_TE)
+        if x_TH.shape[0] <= GEMV_MAX_ROWS:
+            dense.router_gemv(x_TH, router_EH, out_TE)
+        elif router_EH.dtype == BF16 and dense.mma_gemm_takes(x_TH):
+            dense.mma_gemm_bf16(x_TH, router_EH, out_TE)  # bf16 products are exact in fp32: fp32 sums and out
+        elif router_EH.dtype == BF16:  # cuBLAS, likewise
+            dense.gemm_bf16(x_TH, router_EH, out_TE)
         else:  # an fp32 router: x upcast (a temporary: the wide path is never captured), fp32 GEMM
             x32 = self.xp.empty(x_TH.shape, dtype=np.float32)
-            K.bf16_to_f32(x_TH, x32)
+            elementwise.bf16_to_f32(x_TH, x32)
             self.xp.matmul(x32, router_EH.T, out=out_TE)
         return out_TE
 
     @_on_stream
     def router_topk(self, logits_TE, bias_E, p, ids_TK, wts_TK):
-        K.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
+        route.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
 
     @_on_stream
     def swiglu(self, gate, up, limit, out):
-        K.swiglu(gate, up, limit, out)
+        elementwise.swiglu(gate, up, limit, out)
         return out
 
     @_on_stream
     def combine(self, routed_SH, wts_TK, shared_TH, out_TH, perm_TK=None):
-        K.combine(routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+        elementwise.combine(routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
         return out_TH
 
     @_on_stream
     def add(self, a, b, out):
-        K.add(a, b, out)
+        elementwise.add(a, b, out)
         return out
 
     def zero(self, a):
@@ -221,10 +222,10 @@ class CudaBackend(Backend):
 
     @_on_stream
     def gate_up_act(self, x_TK, w, limit, gate_TI, up_TI, act_TI):
-        if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
-            K.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
-        elif K.mma_gemm_takes(x_TK):
-            K.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+        if x_TK.shape[0] <= GEMV_MAX_ROWS:
+            dense.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+        elif dense.mma_gemm_takes(x_TK):
+            dense.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
         else:
             return super().gate_up_act(x_TK, w, limit, gate_TI, up_TI, act_TI)
         return act_TI
@@ -240,7 +241,7 @@ class CudaBackend(Backend):
 
     @_on_stream
     def union_table(self, ids_RK, u_eid_U, u_slot_UR):
-        K.union_table(ids_RK, u_eid_U, u_slot_UR)
+        route.union_table(ids_RK, u_eid_U, u_slot_UR)
 
     @_on_stream
     def moe_gemv_union(self, a, proj, table, u_eid_U, u_slot_UR, out_RKN, per_slot_input):
@@ -254,17 +255,17 @@ class CudaBackend(Backend):
     @_on_stream
     def sort_by_expert(self, ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
                        token_to_perm_TK):
-        K.sort_by_expert(ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
+        route.sort_by_expert(ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
                          token_to_perm_TK)
 
     @_on_stream
     def moe_gemm_sorted(self, a, proj, table, sorted_token_ids_S, expert_offsets, out_SN, gather_rows):
-        NV.nvfp4_gemm_sorted(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, proj,
+        grouped.nvfp4_gemm_sorted(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, proj,
                              table.start, table.count, out_SN)
 
     @_on_stream
     def moe_gate_up_act_sorted(self, x_TK, table, sorted_token_ids_S, expert_offsets, limit, gate_SM, up_SM, act_SM):
-        NV.nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, table.gate,
+        grouped.nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, table.gate,
                                  table.up, table.start, table.count, limit, act_SM)
 
     @_on_stream
