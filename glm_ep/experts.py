@@ -3,10 +3,13 @@
 | rows            | path      | what runs                                                        |
 |-----------------|-----------|------------------------------------------------------------------|
 | 1               | `decode`  | grouped GEMV: all top_k slots per launch, ids stay on device      |
-| 2..8            | `union`   | union table, each union expert swept once for the group           |
-| > 8, >= min     | `sorted`  | sort by expert, one grouped GEMM per projection, indexed combine  |
-| > 8, < min      | `union`   | even row groups of <= 8 (never a group of one)                    |
+| 2..G            | `union`   | union table, each union expert swept once for the group           |
+| > G, >= min     | `sorted`  | sort by expert, one grouped GEMM per projection, indexed combine  |
+| > G, < min      | `union`   | even row groups of <= G (never a group of one)                    |
 | lever           | `host`    | ids read to the host, one launch per (slot, projection)           |
+
+G is the backend's widest row group (``Capabilities.max_row_group``: 8 on both backends), capped
+by the levers (``group_cap``); min is the ``prefill_gemm_min_rows`` lever.
 
 Every path writes ``[T*K, H]`` routed outputs, remote slots exactly zero, and returns the
 permutation the combine must read them through (None when they are in ``(row, slot)`` order).
@@ -49,7 +52,8 @@ class ExpertDispatch:
             return "host"
         if rows == 1:
             return "decode"
-        if rows > 8 and lv.prefill_gemm and rows >= lv.prefill_gemm_min_rows and self.be.has_grouped_gemm:
+        caps = self.be.capabilities
+        if rows > caps.max_row_group and lv.prefill_gemm and rows >= lv.prefill_gemm_min_rows and caps.grouped_gemm:
             return "sorted"
         groups = row_groups(rows, self.group_cap)
         if lv.row_batch and all(w >= 2 and w * k <= lv.union_max_ids for _, w in groups):

@@ -97,7 +97,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     rank, model = ranks.rank, ckpt.config
     cfg = ranks.agree("site geometry", lambda: site_config(model, topo, rank))
     placement = discover(ranks.comm)  # collective, and it cannot fail on one rank alone
-    be = ranks.agree("backend", lambda: make_backend(topo, placement))
+    be = ranks.agree("backend", lambda: make_backend(topo, placement, cfg))
     comm = ranks.agree("communicator", lambda: make_comm(ranks.comm, be, topo, placement, ranks.deadline))
     workspaces = ranks.agree("workspace allocation", lambda: allocate_workspaces(
         be.xp, cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace))

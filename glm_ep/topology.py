@@ -53,25 +53,24 @@ def _check_types(obj: Any, prefix: str) -> None:
 
 @dataclass(frozen=True)
 class PathLevers:
-    """Every gate of the dispatch, as a value with its default (never an environment read)."""
+    """Every gate of the dispatch, as a value with its default (never an environment read). The
+    bounds a backend's kernels set (widest row group, union ids) are checked against its
+    ``Capabilities`` when the backend is built (``glm_ep.backend.make_backend``)."""
 
     host_dispatch: bool = False  # read ids to the host and loop experts (debugging)
-    row_batch: bool = True  # 2..8 rows: sweep each union expert once
-    row_batch_max: int = 8  # widest row group of the union path (<= 8)
-    union_max_ids: int = 64  # rows * top_k a union table may hold (one 64-thread block)
+    row_batch: bool = True  # 2 rows and wider: row groups, each union expert swept once per group
+    row_batch_max: int = 8  # widest row group of the union path (<= the backend's max_row_group)
+    union_max_ids: int = 64  # rows * top_k a union table may hold (<= the backend's max_union_ids)
     prefill_gemm: bool = True  # wide prefill: sort by expert + grouped GEMM
-    prefill_gemm_min_rows: int = 24  # measured crossover (docs/perf/PREFILL.md): below it, row groups of <= 8
+    prefill_gemm_min_rows: int = 24  # measured crossover (docs/perf/PREFILL.md): below it, row groups
     graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
-    graph_verify: bool = True  # capture verify steps (2..8 rows) as CUDA graphs too
+    graph_verify: bool = True  # capture verify steps (2..max_gemv_rows rows) as CUDA graphs too
 
     def __post_init__(self) -> None:
         _check_types(self, "levers.")
-        if not 1 <= self.row_batch_max <= 8:
-            raise ConfigError(f"levers.row_batch_max = {self.row_batch_max}, expected 1..8")
-        if not 1 <= self.union_max_ids <= 64:
-            raise ConfigError(f"levers.union_max_ids = {self.union_max_ids}, expected 1..64")
-        if self.prefill_gemm_min_rows < 9:
-            raise ConfigError(f"levers.prefill_gemm_min_rows = {self.prefill_gemm_min_rows}, expected >= 9")
+        for key in ("row_batch_max", "union_max_ids", "prefill_gemm_min_rows"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"levers.{key} = {getattr(self, key)}, expected >= 1")
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,7 @@ def test_host_dispatch(rows):
 def test_graph_replay(rows):
     """The captured step replays with new inputs and matches an eager NumPy stack."""
     cuda, ref = single_rank(layer_types=("dense", "sparse", "sparse"), seed=11)
-    assert backend().can_capture
+    assert backend().capabilities.capture
     rng = np.random.default_rng(rows)
     for step in range(3):  # capture on the first, replay on the rest
         x = (int_rows(rng, rows).astype(np.float32) * 0.5).astype(BF16)

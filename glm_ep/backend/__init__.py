@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from glm_ep.backend.base import Backend
 from glm_ep.comm import Communicator, MpiComm
+from glm_ep.config import SiteConfig
 from glm_ep.deadline import Deadline, guarded
 from glm_ep.errors import ConfigError
 from glm_ep.placement import NodeGpu, Placement, choose_comm, device_index
@@ -13,12 +15,14 @@ from glm_ep.placement import NodeGpu, Placement, choose_comm, device_index
 log = logging.getLogger(__name__)
 
 
-def make_backend(topology: Any, placement: Placement) -> Any:
+def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backend:
     """The topology's backend for this rank: NumPy, or CUDA on the rank's device (its node-local
-    rank unless the topology lists devices; ``glm_ep.placement.device_index``)."""
+    rank unless the topology lists devices; ``glm_ep.placement.device_index``). Refused with a
+    ConfigError where a lever or the model's top-k is past the backend's ``Capabilities``."""
     if topology.backend == "cpu":
         from glm_ep.backend.numpy_backend import NumpyBackend
 
+        NumpyBackend.capabilities.check("cpu", topology.levers, cfg.top_k)
         return NumpyBackend()
     try:
         import cupy
@@ -30,10 +34,11 @@ def make_backend(topology: Any, placement: Placement) -> Any:
                           "[cuda12]) or use backend = 'cpu'") from None
     from glm_ep.backend.cuda import CudaBackend
 
+    CudaBackend.capabilities.check("cuda", topology.levers, cfg.top_k)
     return CudaBackend(device_index(topology.devices, placement, visible))
 
 
-def make_comm(mpi_comm: Any, backend: Any, topology: Any, placement: Placement,
+def make_comm(mpi_comm: Any, backend: Backend, topology: Any, placement: Placement,
               deadline: Deadline | None = None) -> Communicator:
     """The site all-reduce for this rank, decided identically on every rank.
 

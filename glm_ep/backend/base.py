@@ -14,19 +14,50 @@ S slots (``T*K``), U union entries.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from glm_ep.errors import ConfigError
 from glm_ep.routing import RouteParams
+from glm_ep.topology import PathLevers
 from glm_ep.weights import DenseWeights, MoeWeights
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend's kernels can do. The dispatch, the stack and the checks of the levers and the
+    model read these instead of the kernels' numbers."""
+
+    max_row_group: int  # widest row group one union sweep serves; wider calls are prefill
+    max_union_ids: int  # rows * top_k one union table holds
+    max_gemv_rows: int  # widest batch-M GEMV: a step of up to this many rows never waits on the host
+    max_top_k: int  # most experts the router keeps per row
+    grouped_gemm: bool  # ``moe_gemm_sorted`` is one grouped GEMM launch (else prefill runs row groups)
+    capture: bool  # ``capture`` records a replayable graph of a step of up to ``max_gemv_rows`` rows
+
+    def check(self, backend: str, levers: PathLevers, top_k: int) -> None:
+        """A ConfigError naming the first lever or model value past these limits."""
+        on = f"on backend {backend!r}"
+        if top_k > self.max_top_k:
+            raise ConfigError(f"num_experts_per_tok = {top_k}, expected <= {self.max_top_k} {on} (the experts its "
+                              "router keeps per row)")
+        if levers.row_batch_max > self.max_row_group:
+            raise ConfigError(f"levers.row_batch_max = {levers.row_batch_max}, expected 1..{self.max_row_group} {on} "
+                              "(its widest row group)")
+        if levers.union_max_ids > self.max_union_ids:
+            raise ConfigError(f"levers.union_max_ids = {levers.union_max_ids}, expected 1..{self.max_union_ids} {on} "
+                              "(the ids one union table holds)")
+        if levers.prefill_gemm_min_rows <= self.max_row_group:
+            raise ConfigError(f"levers.prefill_gemm_min_rows = {levers.prefill_gemm_min_rows}, expected >= "
+                              f"{self.max_row_group + 1} {on} (rows up to {self.max_row_group} are one row group)")
 
 
 class Backend(ABC):
     name: str
     xp: Any  # numpy or cupy
-    #: whether ``moe_gemm_sorted`` is a real one-launch grouped GEMM (else prefill uses row groups)
-    has_grouped_gemm: bool = True
+    capabilities: Capabilities  # a class attribute: checked before the backend is built
 
     # ---- placement -------------------------------------------------------------------------
     @abstractmethod
@@ -39,9 +70,6 @@ class Backend(ABC):
 
     def synchronize(self) -> None:  # noqa: B027 - a backend that queues work overrides it
         """Wait for all queued work."""
-
-    #: whether ``capture`` records a replayable graph (else the stack runs eagerly)
-    can_capture: bool = False
 
     def capture(self, fn):
         """Record ``fn``'s device work once; returns a callable that replays it."""

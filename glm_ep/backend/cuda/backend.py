@@ -24,7 +24,7 @@ import numpy as np
 
 from glm_ep.backend.cuda import dense, elementwise, grouped, route
 from glm_ep.backend.cuda import nvfp4 as NV
-from glm_ep.backend.cuda.loader import BF16, F32, GEMV_MAX_ROWS
+from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS
 from glm_ep.backend.base import Backend
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
@@ -76,8 +76,7 @@ def _on_stream(op):
 
 class CudaBackend(Backend):
     name = "cuda"
-    has_grouped_gemm = True
-    can_capture = True
+    capabilities = CAPABILITIES
 
     def __init__(self, device: int = 0):
         import cupy

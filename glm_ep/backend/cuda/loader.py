@@ -21,7 +21,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from glm_ep.config import KERNEL_MAX_TOP_K
+from glm_ep.backend.base import Capabilities
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
@@ -37,7 +37,8 @@ ELEM_THREADS = 256
 COMBINE_THREADS = 128
 COMBINE_VEC = 8  # hidden elements per combine thread (mirrors COMBINE_VEC in elementwise.cu)
 UNION_MAX_IDS = 64  # rows * top_k of one union table: ONE block of that many threads
-ROUTER_MAX_TOP_K = KERNEL_MAX_TOP_K
+UNION_MAX_ROWS = 8  # rows of one union sweep (gemv_nvfp4.cu): the mma's 8 B columns
+ROUTER_MAX_TOP_K = 16  # experts the router kernel keeps per row (router.cu: float w[ROUTER_MAX_TOP_K])
 SORT_THREADS = 1024
 
 DEFINES = {
@@ -52,6 +53,10 @@ DEFINES = {
     "ROUTER_MAX_TOP_K": ROUTER_MAX_TOP_K,
     "SORT_THREADS": SORT_THREADS,
 }
+
+#: what these kernels can do, as the dispatch, the stack and the lever checks read it
+CAPABILITIES = Capabilities(max_row_group=UNION_MAX_ROWS, max_union_ids=UNION_MAX_IDS, max_gemv_rows=GEMV_MAX_ROWS,
+                            max_top_k=ROUTER_MAX_TOP_K, grouped_gemm=True, capture=True)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, I32, U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint8)

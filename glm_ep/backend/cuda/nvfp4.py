@@ -12,14 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.backend.cuda.loader import (BF16, I32, NVFP4_WARPS, RING_WARPS, U8, UNION_MAX_IDS, cdiv, check, check_shape,
-                                        i32, i64, launch, sm_count, split_k)
+from glm_ep.backend.cuda.loader import (BF16, I32, NVFP4_WARPS, RING_WARPS, U8, UNION_MAX_IDS, UNION_MAX_ROWS, cdiv, check,
+                                        check_shape, i32, i64, launch, sm_count, split_k)
 from glm_ep.config import NVFP4_GROUP
 
 NVFP4_CHUNK = 32  # k per 16-byte packed chunk: K must be a multiple
 MMA_ROWS = 16  # weight rows per warp group: the mma's 16-row A operand (MMA_ROWS in gemv_nvfp4.cu)
 MMA_STEP_CHUNKS = 4  # 16-byte chunks per step of a lane quad (128 k)
-MMA_MAX_X_ROWS = 8  # x rows per launch: the mma's 8 B columns
 MMA_WORK_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM (16: fastest of 16/48/96 on H200)
 RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T steps (K a multiple)
 SM_SMEM = 228 * 1024  # shared memory of one SM (sm_90), of which each resident block costs 1 KB more
@@ -172,8 +171,8 @@ def nvfp4_moe_glu(x_1K: Any, gate: ExpertPtrTable, up: ExpertPtrTable, ids_S: An
 
 def _union_dims(u_eid_U: Any, u_slot_UR: Any, out_RKN: Any, what: str) -> tuple[int, int]:
     r, k = out_RKN.shape[0], out_RKN.shape[1]
-    if not 1 <= r <= MMA_MAX_X_ROWS:
-        raise ValueError(f"{what}: {r} rows; one union launch covers 1..{MMA_MAX_X_ROWS} rows (the mma's B columns)")
+    if not 1 <= r <= UNION_MAX_ROWS:
+        raise ValueError(f"{what}: {r} rows; one union launch covers 1..{UNION_MAX_ROWS} rows (the mma's B columns)")
     if r * k > UNION_MAX_IDS:
         raise ValueError(f"{what}: rows * top_k = {r * k} exceeds the union table's {UNION_MAX_IDS} ids")
     check("u_eid", u_eid_U, I32, 4), check("u_slot", u_slot_UR, I32, 4)
