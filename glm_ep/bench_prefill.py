@@ -109,18 +109,15 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["sort_us"] = t(lambda: be.sort_by_expert(ids_TK, model.n_routed_experts, tok, eid, offsets, perm), rows)
         r["glu_us"] = t(lambda: be.moe_gate_up_act_sorted(x, moe.experts, tok, offsets, cfg.swiglu_limit, gate, up,
                                                           act), rows)
-        r["down_us"] = t(lambda: be.moe_gemm_sorted(act, moe.experts.down, moe.experts, tok, offsets, routed, False),
-                         rows)
+        r["down_us"] = t(lambda: be.moe_gemm_sorted(act, moe.experts.down, tok, offsets, routed, False), rows)
         r["gemm_tflops"] = 6 * s * m * h / ((r["glu_us"] + r["down_us"]) * 1e-6) / 1e12
         r["variants"] = {}
         for v in NV.GEMM_VARIANTS:  # every tile shape on this width: the evidence for gemm_variant
             with stream:
-                glu = t(lambda: NV.nvfp4_gemm_sorted_glu(x, tok, offsets, model.n_routed_experts, moe.experts.gate,
-                                                         moe.experts.up, 0, model.n_routed_experts,
+                glu = t(lambda: NV.nvfp4_gemm_sorted_glu(x, tok, offsets, model.n_routed_experts, moe.experts,
                                                          cfg.swiglu_limit, act, variant=v), rows)
                 down = t(lambda: NV.nvfp4_gemm_sorted(act, False, tok, offsets, model.n_routed_experts,
-                                                      moe.experts.down, 0, model.n_routed_experts, routed,
-                                                      variant=v), rows)
+                                                      moe.experts.down, routed, variant=v), rows)
             r["variants"][NV.GemmGeometry.of(v).suffix] = [glu, down]
         r["dense_us"] = t(lambda: dense_site(x, ws, o), rows)
         r["shared_us"] = t(lambda: clamped_swiglu_mlp(be, moe.shared, cfg.swiglu_limit, x, ws, o), rows)

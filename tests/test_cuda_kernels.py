@@ -166,12 +166,12 @@ def test_router_topk(rng, top_k, renormalize, ladder, e):
 def check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, label):
     """One decode moe_gemv against NumPy: local slots within bf16 rounding, remote rows untouched."""
     pc, pn = getattr(cu, proj), getattr(nu, proj)
-    kin, n = pn[0].shape[1], pn[0].shape[0]
+    kin, n = pn.weights[0].shape[1], pn.weights[0].shape[0]
     x = rand_bf16(rng, (TOP_K if per_slot else 1, kin))
     ref = np.zeros((TOP_K, n), BF16)
-    NP.moe_gemv(x, pn, nu, ids, ref, per_slot)
+    NP.moe_gemv(x, pn, ids, ref, per_slot)
     out = poisoned((TOP_K, n), BF16)
-    backend().moe_gemv(dev(x), pc, cu, dev(ids), out, per_slot)
+    backend().moe_gemv(dev(x), pc, dev(ids), out, per_slot)
     got = host(out)
     assert unwritten(got[~local]).all(), f"{label}: a remote slot's output was written"
     assert_written(got[local], label)
@@ -226,9 +226,9 @@ def test_moe_decode_glm_shape(rng):
             assert unwritten(got[1]).all()
         assert_close(got[[0, 2]], r[[0, 2]], f"glm-shape {name}")
     ref_down = np.zeros((k, h), BF16)
-    NP.moe_gemv(act, nu.down, nu, ids, ref_down, True)
+    NP.moe_gemv(act, nu.down, ids, ref_down, True)
     down = poisoned((k, h), BF16)
-    backend().moe_gemv(dev(act), cu.down, cu, dev(ids), down, True)
+    backend().moe_gemv(dev(act), cu.down, dev(ids), down, True)
     got = host(down)
     assert unwritten(got[1]).all()
     assert_close(got[[0, 2]], ref_down[[0, 2]], "glm-shape down")
@@ -272,9 +272,9 @@ def test_moe_union(rng, r):
     for proj, per_slot, kin, n in (("gate", False, H, M), ("down", True, M, H)):
         a = rand_bf16(rng, (r, TOP_K, kin) if per_slot else (r, kin))
         ref = np.zeros((r, TOP_K, n), BF16)
-        NP.moe_gemv_union(a, getattr(nu, proj), nu, u_eid, u_slot, ref, per_slot)
+        NP.moe_gemv_union(a, getattr(nu, proj), u_eid, u_slot, ref, per_slot)
         out = poisoned((r, TOP_K, n), BF16)
-        be.moe_gemv_union(dev(a), getattr(cu, proj), cu, d_eid, d_slot, out, per_slot)
+        be.moe_gemv_union(dev(a), getattr(cu, proj), d_eid, d_slot, out, per_slot)
         got = host(out)
         assert unwritten(got[~local]).all()
         assert_written(got[local], proj)
@@ -305,11 +305,11 @@ def test_moe_gemm_sorted(rng):
     local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
     tok, offsets = dev(srt.sorted_token_ids), dev(srt.expert_offsets)
     for proj, gather, a in (("gate", True, rand_bf16(rng, (t, H))), ("down", False, rand_bf16(rng, (t * TOP_K, M)))):
-        n = getattr(nu, proj)[0].shape[0]
+        n = getattr(nu, proj).weights[0].shape[0]
         ref = np.zeros((t * TOP_K, n), BF16)
-        NP.moe_gemm_sorted(a, getattr(nu, proj), nu, srt.sorted_token_ids, srt.expert_offsets, ref, gather)
+        NP.moe_gemm_sorted(a, getattr(nu, proj), srt.sorted_token_ids, srt.expert_offsets, ref, gather)
         out = poisoned((t * TOP_K, n), BF16)
-        backend().moe_gemm_sorted(dev(a), getattr(cu, proj), cu, tok, offsets, out, gather)
+        backend().moe_gemm_sorted(dev(a), getattr(cu, proj), tok, offsets, out, gather)
         got = host(out)
         assert unwritten(got[~local]).all()
         assert_written(got[local], proj)
@@ -340,9 +340,9 @@ def test_expert_linear(rng):
     for proj, kin, n in (("gate", H, M), ("down", M, H)):
         a = rand_bf16(rng, (1, kin))
         ref = np.empty((1, n), BF16)
-        NP.expert_linear(a, getattr(nu, proj), nu, 2, ref)
+        NP.expert_linear(a, getattr(nu, proj), 2, ref)
         out = poisoned((1, n), BF16)
-        backend().expert_linear(dev(a), getattr(cu, proj), cu, 2, out)
+        backend().expert_linear(dev(a), getattr(cu, proj), 2, out)
         got = host(out)
         assert_written(got, proj)
         assert_close(got, ref, f"expert_linear {proj}")

@@ -111,7 +111,7 @@ def main() -> int:
             t = m.experts
             g, u, a = (v(b, TOP_K, M) for b in (gate, up, act))
             be.moe_gate_up_act(x[:1], t, ids[0], 10.0, g, u, a)
-            be.moe_gemv(a, t.down, t, ids[0], routed[0], per_slot_input=True)
+            be.moe_gemv(a, t.down, ids[0], routed[0], per_slot_input=True)
 
     def shared_fused():
         for m in moes:
@@ -151,7 +151,7 @@ def main() -> int:
 
         def down_only():
             for m in moes:
-                be.moe_gemv(v(act, TOP_K, M), m.experts.down, m.experts, ids[0], routed[0], per_slot_input=True)
+                be.moe_gemv(v(act, TOP_K, M), m.experts.down, ids[0], routed[0], per_slot_input=True)
 
         default = K.RING
         for name, cfg in (("blocks", K.RingConfig(enabled=False)),
@@ -184,7 +184,7 @@ def main() -> int:
                 be.union_table(ids[:r], ue, us)
                 g, u, a = (v(b, r, TOP_K, M) for b in (gate, up, act))
                 be.moe_gate_up_act_union(x[:r], t, ue, us, 10.0, g, u, a)
-                be.moe_gemv_union(a, t.down, t, ue, us, routed[:r], per_slot_input=True)
+                be.moe_gemv_union(a, t.down, ue, us, routed[:r], per_slot_input=True)
 
         def dense_rows(r=r):
             for d in denses:

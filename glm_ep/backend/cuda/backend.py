@@ -17,50 +17,18 @@ count on the host and never reads device data back, like every other op.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
 from glm_ep.backend.cuda import dense, elementwise, grouped, route
 from glm_ep.backend.cuda import nvfp4 as NV
 from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS
-from glm_ep.backend.base import Backend
+from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import DenseWeights, MoeWeights
-
-
-@dataclass(frozen=True)
-class CudaDense:
-    """A resident bf16 MLP (this rank's TP shard)."""
-
-    gate: Any  # bf16 [I, H]
-    up: Any  # bf16 [I, H]
-    down: Any  # bf16 [H, I]
-
-    @property
-    def width(self) -> int:
-        return self.gate.shape[0]
-
-
-@dataclass(frozen=True)
-class CudaExpertTable:
-    """This rank's routed experts, one pointer table per projection; local id = global id - start."""
-
-    gate: NV.ExpertPtrTable
-    up: NV.ExpertPtrTable
-    down: NV.ExpertPtrTable
-    start: int
-    count: int
-
-
-@dataclass(frozen=True)
-class CudaMoe:
-    router: Any  # [E, H] bf16 or fp32, as stored
-    bias: Any  # fp32 [E]
-    experts: CudaExpertTable
-    shared: CudaDense | None
 
 
 def _on_stream(op):
@@ -74,7 +42,7 @@ def _on_stream(op):
     return run
 
 
-class CudaBackend(Backend):
+class CudaBackend(Backend[Any, Nvfp4Pointers]):
     name = "cuda"
     capabilities = CAPABILITIES
 
@@ -138,10 +106,10 @@ class CudaBackend(Backend):
         stream = self.stream
         return lambda: graph.launch(stream)
 
-    def upload_dense(self, w: DenseWeights) -> CudaDense:
-        return CudaDense(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
+    def upload_dense(self, w: DenseWeights) -> DenseResident[Any]:
+        return DenseResident(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
 
-    def _upload_proj(self, ws: list[Nvfp4Weight], what: str) -> NV.ExpertPtrTable:
+    def _upload_proj(self, ws: list[Nvfp4Weight], what: str) -> Nvfp4Pointers:
         shapes = {w.shape for w in ws}
         if len(shapes) > 1:
             raise ConfigError(f"{what}: experts disagree on the projection shape: {sorted(shapes)}")
@@ -151,22 +119,22 @@ class CudaBackend(Backend):
         packed = tuple(self.asarray(w.packed) for w in ws)
         scale = tuple(self._bytes(w.scale) for w in ws)
         s2 = tuple(float(w.scale_2) for w in ws)
-        return NV.ExpertPtrTable(
+        return Nvfp4Pointers(
             packed_ptrs=self.asarray(np.array([a.data.ptr for a in packed], dtype=np.uint64)),
             scale_ptrs=self.asarray(np.array([a.data.ptr for a in scale], dtype=np.uint64)),
             scale2=self.asarray(np.array(s2, dtype=np.float32)),
             n=n, k=k, packed=packed, scale=scale, scale2_host=s2)
 
-    def upload_moe(self, w: MoeWeights) -> CudaMoe:
+    def upload_moe(self, w: MoeWeights) -> MoeResident[Any, Nvfp4Pointers]:
         if w.router.dtype not in (BF16, F32):
             raise ConfigError(f"router weight dtype {w.router.dtype}, expected bfloat16 or float32")
-        experts = CudaExpertTable(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj"),
-                                  self._upload_proj([e.up for e in w.experts], "experts.up_proj"),
-                                  self._upload_proj([e.down for e in w.experts], "experts.down_proj"),
-                                  w.expert_start, len(w.experts))
+        experts = RoutedExperts.of(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj"),
+                                   self._upload_proj([e.up for e in w.experts], "experts.up_proj"),
+                                   self._upload_proj([e.down for e in w.experts], "experts.down_proj"),
+                                   w.expert_start, len(w.experts))
         bias = self.asarray(w.bias).astype(np.float32, copy=False)
-        return CudaMoe(self.asarray(w.router), bias, experts,
-                       self.upload_dense(w.shared) if w.shared is not None else None)
+        return MoeResident(self.asarray(w.router), bias, experts,
+                           self.upload_dense(w.shared) if w.shared is not None else None)
 
     # ---- dense ops -------------------------------------------------------------------------
     @_on_stream
@@ -231,42 +199,45 @@ class CudaBackend(Backend):
 
     # ---- routed experts --------------------------------------------------------------------
     @_on_stream
-    def moe_gemv(self, a, proj, table, ids_K, out_KN, per_slot_input):
-        NV.nvfp4_moe_gemv(a, per_slot_input, proj, ids_K, table.start, table.count, out_KN)
+    def moe_gemv(self, a, table: ExpertTable[Nvfp4Pointers], ids_K, out_KN, per_slot_input):
+        NV.nvfp4_moe_gemv(a, per_slot_input, table, ids_K, out_KN)
 
     @_on_stream
-    def moe_gate_up_act(self, a_1K, table, ids_K, limit, gate_KM, up_KM, act_KM):
-        NV.nvfp4_moe_glu(a_1K, table.gate, table.up, ids_K, table.start, table.count, limit, gate_KM, up_KM, act_KM)
+    def moe_gate_up_act(self, a_1K, experts: RoutedExperts[Nvfp4Pointers], ids_K, limit, gate_KM, up_KM, act_KM):
+        NV.nvfp4_moe_glu(a_1K, experts, ids_K, limit, gate_KM, up_KM, act_KM)
 
     @_on_stream
     def union_table(self, ids_RK, u_eid_U, u_slot_UR):
         route.union_table(ids_RK, u_eid_U, u_slot_UR)
 
     @_on_stream
-    def moe_gemv_union(self, a, proj, table, u_eid_U, u_slot_UR, out_RKN, per_slot_input):
-        NV.nvfp4_moe_gemv_union(a, per_slot_input, proj, u_eid_U, u_slot_UR, table.start, table.count, out_RKN)
+    def moe_gemv_union(self, a, table: ExpertTable[Nvfp4Pointers], u_eid_U, u_slot_UR, out_RKN, per_slot_input):
+        NV.nvfp4_moe_gemv_union(a, per_slot_input, table, u_eid_U, u_slot_UR, out_RKN)
 
     @_on_stream
-    def moe_gate_up_act_union(self, a_RK, table, u_eid_U, u_slot_UR, limit, gate_RKM, up_RKM, act_RKM):
-        NV.nvfp4_moe_glu_union(a_RK, table.gate, table.up, u_eid_U, u_slot_UR, table.start, table.count, limit,
-                              gate_RKM, up_RKM, act_RKM)
+    def moe_gate_up_act_union(self, a_RK, experts: RoutedExperts[Nvfp4Pointers], u_eid_U, u_slot_UR, limit, gate_RKM,
+                              up_RKM, act_RKM):
+        NV.nvfp4_moe_glu_union(a_RK, experts, u_eid_U, u_slot_UR, limit, gate_RKM, up_RKM, act_RKM)
 
     @_on_stream
     def sort_by_expert(self, ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
                        token_to_perm_TK):
         route.sort_by_expert(ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
-                         token_to_perm_TK)
+                             token_to_perm_TK)
 
     @_on_stream
-    def moe_gemm_sorted(self, a, proj, table, sorted_token_ids_S, expert_offsets, out_SN, gather_rows):
-        grouped.nvfp4_gemm_sorted(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, proj,
-                             table.start, table.count, out_SN)
+    def moe_gemm_sorted(self, a, table: ExpertTable[Nvfp4Pointers], sorted_token_ids_S, expert_offsets, out_SN,
+                        gather_rows):
+        grouped.nvfp4_gemm_sorted(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, table,
+                                  out_SN)
 
     @_on_stream
-    def moe_gate_up_act_sorted(self, x_TK, table, sorted_token_ids_S, expert_offsets, limit, gate_SM, up_SM, act_SM):
-        grouped.nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, table.gate,
-                                 table.up, table.start, table.count, limit, act_SM)
+    def moe_gate_up_act_sorted(self, x_TK, experts: RoutedExperts[Nvfp4Pointers], sorted_token_ids_S, expert_offsets,
+                               limit, gate_SM, up_SM, act_SM):
+        grouped.nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, experts,
+                                      limit, act_SM)
 
     @_on_stream
-    def expert_linear(self, a_1K, proj, table, local, out_1N):
-        NV.nvfp4_gemv(a_1K, proj.packed[local], proj.scale[local], proj.scale2_host[local], out_1N)
+    def expert_linear(self, a_1K, table: ExpertTable[Nvfp4Pointers], local, out_1N):
+        w = table.weights
+        NV.nvfp4_gemv(a_1K, w.packed[local], w.scale[local], w.scale2_host[local], out_1N)

@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
+from glm_ep.backend.base import ExpertTable, RoutedExperts
 from glm_ep.backend.cuda.loader import BF16, I32, cdiv, check, check_shape, i32, launch
-from glm_ep.backend.cuda.nvfp4 import ExpertPtrTable
+from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
 #: the variants gemm_nvfp4.cu instantiates (its GEMM_VARIANT lines): (rows per tile BM, warps of 32
@@ -84,11 +85,12 @@ def _gemm_checks(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offs
 
 
 def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
-                      proj: ExpertPtrTable, start: int, count: int, out_SN: Any,
+                      table: ExpertTable[Nvfp4Pointers], out_SN: Any,
                       variant: tuple[int, int, int, int] | None = None) -> None:
     """Every local expert's expert-sorted rows in ONE tensor-core launch: sorted row i of expert e
     reads ``x[sorted_token_ids[i]]`` (``gather_rows``) or ``x[i]``; rows of remote experts untouched.
     ``variant``: one of ``GEMM_VARIANTS`` (default: ``gemm_variant``'s)."""
+    proj, start, count = table.weights, table.start, table.count
     geo = GemmGeometry.of(variant or gemm_variant(sorted_token_ids_S.size, num_experts))
     s = _gemm_checks(x, gather_rows, sorted_token_ids_S, expert_offsets, num_experts, proj.k, out_SN, proj.n, geo,
                      "nvfp4_gemm_sorted")
@@ -102,11 +104,12 @@ def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert
 
 
 def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
-                          gate: ExpertPtrTable, up: ExpertPtrTable, start: int, count: int, limit: float,
-                          act_SN: Any, variant: tuple[int, int, int, int] | None = None) -> None:
+                          experts: RoutedExperts[Nvfp4Pointers], limit: float, act_SN: Any,
+                          variant: tuple[int, int, int, int] | None = None) -> None:
     """Gate, up and the clamped SwiGLU of every local expert's sorted rows in ONE launch (the token
     rows gathered through ``sorted_token_ids``); writes only ``act`` (gate and up stay in registers,
     each rounded to bf16 before the SwiGLU, as the separate ops round them)."""
+    gate, up, start, count = experts.gate.weights, experts.up.weights, experts.start, experts.count
     if (gate.n, gate.k) != (up.n, up.k):
         raise ValueError(f"nvfp4_gemm_sorted_glu: gate [{gate.n}, {gate.k}] and up [{up.n}, {up.k}] differ")
     geo = GemmGeometry.of(variant or gemm_variant(sorted_token_ids_S.size, num_experts))

@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.backend.cuda.loader import (BF16, I32, NVFP4_WARPS, RING_WARPS, U8, UNION_MAX_IDS, UNION_MAX_ROWS, cdiv, check,
-                                        check_shape, i32, i64, launch, sm_count, split_k)
+from glm_ep.backend.base import ExpertTable, RoutedExperts
+from glm_ep.backend.cuda.loader import (BF16, I32, NVFP4_WARPS, RING_WARPS, U8, UNION_MAX_IDS, UNION_MAX_ROWS, cdiv,
+                                        check, check_shape, i32, i64, launch, sm_count, split_k)
 from glm_ep.config import NVFP4_GROUP
 
 NVFP4_CHUNK = 32  # k per 16-byte packed chunk: K must be a multiple
@@ -26,10 +27,11 @@ SM_SMEM = 228 * 1024  # shared memory of one SM (sm_90), of which each resident 
 
 # ---- routed experts: NVFP4 pointer tables -------------------------------------------------------
 @dataclass(frozen=True)
-class ExpertPtrTable:
-    """One projection of every local expert, as the grouped kernels index it: device arrays of the
-    experts' packed / scale base pointers (uint64) and their fp32 ``scale_2``, by local id. The
-    arrays the pointers point at are kept alive in ``packed`` / ``scale``."""
+class Nvfp4Pointers:
+    """One projection of every local expert, as the grouped kernels index it (the CUDA backend's
+    form of an ``ExpertTable``'s weights): device arrays of the experts' packed / scale base
+    pointers (uint64) and their fp32 ``scale_2``, by local id. The arrays the pointers point at are
+    kept alive in ``packed`` / ``scale``."""
 
     packed_ptrs: Any  # uint64 [count]
     scale_ptrs: Any  # uint64 [count]
@@ -126,11 +128,11 @@ def _ring_geometry(n: int, slots: int, p: int, f16: bool) -> tuple[int, int, str
     return cdiv(warps, RING_WARPS), smem, f"{'f16_' if f16 else ''}t{t}_d{depth}"
 
 
-def nvfp4_moe_gemv(x: Any, per_slot_input: bool, proj: ExpertPtrTable, ids_S: Any, start: int, count: int,
+def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointers], ids_S: Any,
                    out_SN: Any) -> None:
     """Every slot of ONE row in one launch: slot s runs expert ``ids[s]`` on ``x[0]`` or,
     ``per_slot_input``, on ``x[s]``; a remote slot's output row is left untouched."""
-    s = ids_S.size
+    s, proj, start, count = ids_S.size, table.weights, table.start, table.count
     check("x", x, BF16), check("ids", ids_S, I32, 4), check("out", out_SN, BF16)
     check_shape("x", x, (s if per_slot_input else 1, proj.k))
     check_shape("out", out_SN, (s, proj.n))
@@ -148,9 +150,10 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, proj: ExpertPtrTable, ids_S: An
     launch(_NVFP4, "nvfp4_mma_moe_gemv", (grid_x, s, 1), _NVFP4_BLOCK, head + (i32(ks),))
 
 
-def nvfp4_moe_glu(x_1K: Any, gate: ExpertPtrTable, up: ExpertPtrTable, ids_S: Any, start: int, count: int,
-                  limit: float, gate_SN: Any, up_SN: Any, act_SN: Any) -> None:
+def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, limit: float, gate_SN: Any,
+                  up_SN: Any, act_SN: Any) -> None:
     """Decode gate, up and the clamped SwiGLU of every slot of one row in ONE launch."""
+    gate, up, start, count = experts.gate.weights, experts.up.weights, experts.start, experts.count
     s, n, k = ids_S.size, gate.n, gate.k
     check("x", x_1K, BF16), check("ids", ids_S, I32, 4)
     check_shape("x", x_1K, (1, k))
@@ -180,10 +183,11 @@ def _union_dims(u_eid_U: Any, u_slot_UR: Any, out_RKN: Any, what: str) -> tuple[
     return r, k
 
 
-def nvfp4_moe_gemv_union(x: Any, per_slot_input: bool, proj: ExpertPtrTable, u_eid_U: Any, u_slot_UR: Any,
-                         start: int, count: int, out_RKN: Any) -> None:
+def nvfp4_moe_gemv_union(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointers], u_eid_U: Any,
+                         u_slot_UR: Any, out_RKN: Any) -> None:
     """R = 2..8 rows (grid.y = union entry): each union expert's weights swept once for every row
     that chose it. ``x`` is ``[R, Kin]`` or, ``per_slot_input``, ``[R, K, Kin]``."""
+    proj, start, count = table.weights, table.start, table.count
     r, k = _union_dims(u_eid_U, u_slot_UR, out_RKN, "nvfp4_moe_gemv_union")
     check("x", x, BF16), check("out", out_RKN, BF16)
     check_shape("x", x, (r, k, proj.k) if per_slot_input else (r, proj.k))
@@ -196,9 +200,10 @@ def nvfp4_moe_gemv_union(x: Any, per_slot_input: bool, proj: ExpertPtrTable, u_e
             out_RKN, i64(k * proj.n), i32(proj.n), i32(proj.k), i32(ks)))
 
 
-def nvfp4_moe_glu_union(x_RK: Any, gate: ExpertPtrTable, up: ExpertPtrTable, u_eid_U: Any, u_slot_UR: Any,
-                        start: int, count: int, limit: float, gate_RKN: Any, up_RKN: Any, act_RKN: Any) -> None:
+def nvfp4_moe_glu_union(x_RK: Any, experts: RoutedExperts[Nvfp4Pointers], u_eid_U: Any, u_slot_UR: Any, limit: float,
+                        gate_RKN: Any, up_RKN: Any, act_RKN: Any) -> None:
     """The union twin of ``nvfp4_moe_glu``: gate, up and SwiGLU of R = 2..8 rows in ONE launch."""
+    gate, up, start, count = experts.gate.weights, experts.up.weights, experts.start, experts.count
     r, k = _union_dims(u_eid_U, u_slot_UR, act_RKN, "nvfp4_moe_glu_union")
     n, kin = gate.n, gate.k
     check("x", x_RK, BF16), check_shape("x", x_RK, (r, kin))

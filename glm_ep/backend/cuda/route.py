@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.backend.cuda.loader import (F32, I32, ROUTER_MAX_TOP_K, SORT_THREADS, UNION_MAX_IDS, check, check_shape, i32,
-                                        launch)
+from glm_ep.backend.cuda.loader import (F32, I32, ROUTER_MAX_TOP_K, SORT_THREADS, UNION_MAX_IDS, check, check_shape,
+                                        i32, launch)
 from glm_ep.routing import RouteParams
 
 ROUTER_THREADS = 32  # one warp per row
