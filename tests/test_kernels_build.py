@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from glm_ep.backend.cuda import grouped, loader, nvfp4
+from glm_ep.backend.cuda import grouped, loader
 
 NVCC = shutil.which("nvcc") or next((str(p) for p in [Path("/usr/local/cuda/bin/nvcc")] if p.is_file()), None)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (no CUDA toolkit on PATH or in /usr/local/cuda)")
@@ -32,12 +32,31 @@ def test_no_system_headers(path):
     assert not bad, f"{path.name} includes system headers: {bad}"
 
 
-def test_mirrored_constants():
-    """Constants a .cu states itself must agree with the grid arithmetic of the wrappers."""
-    for name, const, value in (("elementwise.cu", "COMBINE_VEC", loader.COMBINE_VEC),
-                               ("gemv_nvfp4.cu", "MMA_ROWS", nvfp4.MMA_ROWS)):
-        text = (loader.KERNEL_DIR / name).read_text()
-        assert re.search(rf"#define {const} {value}\b", text), f"{name}: {const} differs from the wrappers ({value})"
+def test_every_define_a_kernel_needs_is_passed():
+    """Each name a .cu refuses to compile without (``#ifndef X`` + ``#error``) is a -D of the loader."""
+    passed = {opt[2:].split("=")[0] for opt in loader.define_options()}
+    for path in loader.KERNEL_DIR.glob("*.cu*"):
+        needed = set(re.findall(r"^#ifndef (\w+)\s*\n#error", path.read_text(), re.M))
+        needed |= {n for a, b in re.findall(r"^#if !defined\((\w+)\) \|\| !defined\((\w+)\)", path.read_text(), re.M)
+                   for n in (a, b)}
+        assert needed <= passed, f"{path.name} needs {sorted(needed - passed)}, which the loader does not pass"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,file", [("COMBINE_VEC", "elementwise.cu"), ("MMA_ROWS", "gemv_nvfp4.cu"),
+                                       ("RING_STAGE_BYTES_P2_T8", "gemv_nvfp4_ring.cu"),
+                                       ("GEMM_SMEM_M64W8K128", "gemm_nvfp4.cu")])
+def test_a_constant_that_differs_from_the_kernel_does_not_compile(name: str, file: str, tmp_path: Path):
+    """The .cu files static_assert the values and layouts the wrappers size their launches by: a
+    loader that disagreed with the kernel by one would fail the build, not corrupt memory."""
+    opts = [o if not o.startswith(f"-D{name}=") else f"-D{name}={int(o.split('=')[1]) + 1}"
+            for o in loader.define_options()]
+    assert opts != list(loader.define_options())
+    src = tmp_path / file
+    src.write_text(loader.kernel_source(file))
+    r = subprocess.run([NVCC, "--cubin", "-arch=sm_90", "-std=c++17", *opts, "-o", str(tmp_path / "out.cubin"),
+                        str(src)], capture_output=True, text=True)
+    assert r.returncode != 0 and "static assertion failed" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_instantiated_variants():
@@ -45,7 +64,11 @@ def test_instantiated_variants():
     gemm = (loader.KERNEL_DIR / "gemm_nvfp4.cu").read_text()
     rows = re.findall(r"^GEMM_VARIANT\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
     assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
-    assert {(int(bm), int(w), int(bk), int(st)) for bm, _, w, bk, st in rows} == set(grouped.GEMM_VARIANTS)
+    assert {(int(bm), int(w), int(bk), int(st)) for bm, _, w, bk, st in rows} == set(loader.GEMM_VARIANTS)
+    ring = (loader.KERNEL_DIR / "gemv_nvfp4_ring.cu").read_text()
+    for form in ("0, ", "1, f16_"):
+        found = re.findall(rf"^RING_ENTRIES\((\d+), (\d+), {form}\)", ring, re.M)
+        assert {(int(t), int(d)) for t, d in found} == set(loader.RING_KERNELS), (form, found)
     mma = (loader.KERNEL_DIR / "mma_bf16.cu").read_text()
     assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == loader.MMA_GEMM_TIERS
 

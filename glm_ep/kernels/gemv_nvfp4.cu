@@ -30,7 +30,10 @@
 #error "NVFP4_WARPS is set by glm_ep/backend/cuda/loader.py"
 #endif
 #define MMA_THREADS (NVFP4_WARPS * 32)
-#define MMA_ROWS 16  // weight rows per warp group
+#ifndef MMA_ROWS
+#error "MMA_ROWS is set by glm_ep/backend/cuda/loader.py"
+#endif
+static_assert(MMA_ROWS == 16, "a warp group's weight rows are the m16n8k16 mma's A operand");
 
 // Issue the loads of step s (4 chunks: lane t takes chunk 4 s + t) of the lane's 2P weight rows
 // (row 2p: n0 + g, row 2p + 1: n0 + g + 8 of matrix p); zeros past the slice, past K, or for a row

@@ -286,7 +286,11 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     }
 }
 
+// Each slab's stage is the size the loader gives it (RING_STAGE_BYTES_P{P}_T{T}, from ring_stage_bytes).
 #define RING_ENTRIES(T, D, F, TAG)                                                                                    \
+    static_assert(sizeof(RingStage<1, T>) == RING_STAGE_BYTES_P1_T##T &&                                              \
+                      sizeof(RingStage<2, T>) == RING_STAGE_BYTES_P2_T##T,                                            \
+                  "a ring stage differs from ring_stage_bytes in glm_ep/backend/cuda/loader.py");                     \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_gemv_##TAG##t##T##_d##D(                \
         const bf16_t* __restrict__ x, long long x_slot_stride, const u64_t* __restrict__ packed_ptrs,                 \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, const int* __restrict__ ids, int S,   \

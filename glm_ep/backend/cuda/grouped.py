@@ -13,14 +13,12 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.loader import BF16, I32, cdiv, check, check_shape, i32, launch
+from glm_ep.backend.cuda.loader import (BF16, GEMM_VARIANTS, I32, cdiv, check, check_shape, gemm_stage_bytes, i32,
+                                        launch)
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
-#: the variants gemm_nvfp4.cu instantiates (its GEMM_VARIANT lines): (rows per tile BM, warps of 32
-#: weight rows each, k per stage BK, stages)
-GEMM_VARIANTS = ((16, 4, 64, 4), (32, 4, 64, 4), (64, 4, 64, 4), (64, 8, 64, 4), (64, 4, 128, 3), (64, 8, 128, 3),
-                 (128, 4, 64, 3), (128, 8, 64, 3))
+# the variants (loader.GEMM_VARIANTS) gemm_nvfp4.cu instantiates; the default of each BM:
 GEMM_DEFAULT = {16: (16, 4, 64, 4), 32: (32, 4, 64, 4), 64: (64, 4, 64, 4)}  # by BM (docs/perf/NOTES.md)
 
 
@@ -48,7 +46,7 @@ class GemmGeometry:
 
     @property
     def smem(self) -> int:  # dynamic shared memory: stages x GemmStage<BM, BN, BK>
-        return self.stages * (self.bm * self.bk * 2 + self.bn * self.bk // 2 + self.bn * self.bk // 16)
+        return self.stages * gemm_stage_bytes(self.bm, self.bn, self.bk)
 
     @property
     def suffix(self) -> str:

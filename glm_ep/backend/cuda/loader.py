@@ -4,11 +4,14 @@ the launch and argument checks every wrapper module (``dense``, ``elementwise``,
 
 Every kernel lives in ``glm_ep/kernels/*.cu`` and is compiled by NVRTC (``cupy.RawModule``) for
 the device's own arch, once per (file, device); a ``#line`` marker in front of every inlined piece
-makes compiler errors name the ``.cu`` file and line. The constants that couple a kernel to its
-launch geometry are defined HERE, passed to every file as ``-D``, and used by the grid arithmetic
-of the wrappers. Wrappers check dtype, contiguity and 16-byte alignment (``check``), pass scalars
-as ``np.int32`` / ``np.int64`` / ``np.float32``, and launch on the current CuPy stream (the
-backend makes its own stream current around every op).
+makes compiler errors name the ``.cu`` file and line. Every number a kernel and its wrappers must
+agree on is defined HERE and passed to every file as ``-D``: the constants (``DEFINES``; a ``.cu``
+that uses one ``#error``s without it, and ``static_assert``s the value its code is written for),
+and the shared-memory layouts the wrappers size launches by (``layout_defines``: each
+``static_assert``ed against the ``sizeof`` of the kernel's own stage struct). Limits of the device
+(SMs, shared memory) are read from it. Wrappers check dtype, contiguity and 16-byte alignment
+(``check``), pass scalars as ``np.int32`` / ``np.int64`` / ``np.float32``, and launch on the
+current CuPy stream (the backend makes its own stream current around every op).
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ RING_WARPS = 2  # warps per block of the persistent decode kernels (gemv_nvfp4_r
 GEMV_WARPS = 8  # warps per bf16 GEMV block
 GEMV_ROWS_PER_WARP = 2  # rows per warp-group of a bf16 GEMV
 GEMV_MAX_ROWS = 8  # widest batch-M tier (bf16_gemv_r1 .. r8)
+MMA_ROWS = 16  # weight rows per warp group of the NVFP4 kernels: the m16n8k16 mma's A operand
 MMA_GEMM_WARPS = 8  # warps per block of the 9..64-row tensor-core GEMM (mma_bf16.cu)
 MMA_GEMM_TIERS = (16, 32, 64)  # rows one launch covers (bf16_mma_*_t{T}); past the last: cuBLAS
 ELEM_THREADS = 256
 COMBINE_THREADS = 128
-COMBINE_VEC = 8  # hidden elements per combine thread (mirrors COMBINE_VEC in elementwise.cu)
+COMBINE_VEC = 8  # hidden elements per combine thread: one 16-byte vector of bf16
 UNION_MAX_IDS = 64  # rows * top_k of one union table: ONE block of that many threads
 UNION_MAX_ROWS = 8  # rows of one union sweep (gemv_nvfp4.cu): the mma's 8 B columns
 ROUTER_MAX_TOP_K = 16  # experts the router kernel keeps per row (router.cu: float w[ROUTER_MAX_TOP_K])
@@ -49,10 +53,41 @@ DEFINES = {
     "MMA_GEMM_WARPS": MMA_GEMM_WARPS,
     "ELEM_THREADS": ELEM_THREADS,
     "COMBINE_THREADS": COMBINE_THREADS,
+    "COMBINE_VEC": COMBINE_VEC,
+    "MMA_ROWS": MMA_ROWS,
     "UNION_MAX_IDS": UNION_MAX_IDS,
     "ROUTER_MAX_TOP_K": ROUTER_MAX_TOP_K,
     "SORT_THREADS": SORT_THREADS,
 }
+
+# ---- the kernel variants and the shared-memory layouts the launches are sized by ----------------
+#: gemm_nvfp4.cu's GEMM_VARIANT lines: (rows per tile BM, warps of 32 weight rows each, k per stage BK,
+#: stages)
+GEMM_VARIANTS = ((16, 4, 64, 4), (32, 4, 64, 4), (64, 4, 64, 4), (64, 8, 64, 4), (64, 4, 128, 3), (64, 8, 128, 3),
+                 (128, 4, 64, 3), (128, 8, 64, 3))
+#: gemv_nvfp4_ring.cu's RING_ENTRIES lines: (steps of 128 k per slab T, ring depth D)
+RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
+
+
+def gemm_stage_bytes(bm: int, bn: int, bk: int) -> int:
+    """One pipeline stage of the grouped GEMM (``GemmStage<BM, BN, BK>``): BM x rows of BK bf16, BN
+    weight rows of BK / 2 packed bytes and BK / 16 scale bytes."""
+    return bm * bk * 2 + bn * bk // 2 + bn * bk // 16
+
+
+def ring_stage_bytes(p: int, t: int) -> int:
+    """One ring stage of one warp (``RingStage<P, T>``): P x 16 rows x 64 T weight bytes, P x 16 x 8 T
+    scale bytes, 256 T bytes of x."""
+    return p * MMA_ROWS * 64 * t + p * MMA_ROWS * 8 * t + 256 * t
+
+
+def layout_defines() -> dict[str, int]:
+    """The dynamic shared memory of every grouped-GEMM variant (``GEMM_SMEM_M{BM}W{warps}K{BK}``) and
+    the bytes of every ring stage (``RING_STAGE_BYTES_P{P}_T{T}``), as the wrappers compute them."""
+    out = {f"GEMM_SMEM_M{bm}W{w}K{bk}": st * gemm_stage_bytes(bm, 32 * w, bk) for bm, w, bk, st in GEMM_VARIANTS}
+    for t in sorted({t for t, _ in RING_KERNELS}):
+        out.update({f"RING_STAGE_BYTES_P{p}_T{t}": ring_stage_bytes(p, t) for p in (1, 2)})
+    return out
 
 #: what these kernels can do, as the dispatch, the stack and the lever checks read it
 CAPABILITIES = Capabilities(max_row_group=UNION_MAX_ROWS, max_union_ids=UNION_MAX_IDS, max_gemv_rows=GEMV_MAX_ROWS,
@@ -60,11 +95,11 @@ CAPABILITIES = Capabilities(max_row_group=UNION_MAX_ROWS, max_union_ids=UNION_MA
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, I32, U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint8)
-_DEFAULT_SMEM = 48 * 1024
 
 
 def define_options() -> tuple[str, ...]:
-    return tuple(f"-D{k}={v}" for k, v in DEFINES.items())
+    """The ``-D`` options every kernel file is compiled with (NVRTC here, nvcc in the build check)."""
+    return tuple(f"-D{k}={v}" for k, v in {**DEFINES, **layout_defines()}.items())
 
 
 def kernel_files() -> list[Path]:
@@ -124,13 +159,20 @@ def sm_count() -> int:
     return device_attr(current_device(), "MultiProcessorCount")
 
 
+def smem_per_sm() -> tuple[int, int]:
+    """(shared memory of one SM, what each resident block reserves of it besides its own) of the
+    current device: 228 KB and 1 KB on sm_90."""
+    dev = current_device()
+    return device_attr(dev, "MaxSharedMemoryPerMultiprocessor"), device_attr(dev, "ReservedSharedMemoryPerBlock")
+
+
 def launch(file: str, entry: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
            smem: int = 0) -> None:
     """Launch ``entry`` of ``file`` on the current stream; ``smem`` bytes of dynamic shared memory
-    (opted into past the default limit, refused past the device's)."""
+    (opted into past the device's default per block, refused past its opt-in limit)."""
     dev = current_device()
     fn = _function(file, entry, dev)
-    if smem > _DEFAULT_SMEM and fn.max_dynamic_shared_size_bytes < smem:
+    if smem > device_attr(dev, "MaxSharedMemoryPerBlock") and fn.max_dynamic_shared_size_bytes < smem:
         limit = device_attr(dev, "MaxSharedMemoryPerBlockOptin")
         if smem > limit:
             raise ValueError(f"{entry}: needs {smem} bytes of shared memory, the device allows {limit}")

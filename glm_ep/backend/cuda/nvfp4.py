@@ -13,16 +13,15 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.loader import (BF16, I32, NVFP4_WARPS, RING_WARPS, U8, UNION_MAX_IDS, UNION_MAX_ROWS, cdiv,
-                                        check, check_shape, i32, i64, launch, sm_count, split_k)
+from glm_ep.backend.cuda.loader import (BF16, I32, MMA_ROWS, NVFP4_WARPS, RING_KERNELS, RING_WARPS, U8, UNION_MAX_IDS,
+                                        UNION_MAX_ROWS, cdiv, check, check_shape, i32, i64, launch, ring_stage_bytes,
+                                        sm_count, smem_per_sm, split_k)
 from glm_ep.config import NVFP4_GROUP
 
 NVFP4_CHUNK = 32  # k per 16-byte packed chunk: K must be a multiple
-MMA_ROWS = 16  # weight rows per warp group: the mma's 16-row A operand (MMA_ROWS in gemv_nvfp4.cu)
 MMA_STEP_CHUNKS = 4  # 16-byte chunks per step of a lane quad (128 k)
 MMA_WORK_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM (16: fastest of 16/48/96 on H200)
 RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T steps (K a multiple)
-SM_SMEM = 228 * 1024  # shared memory of one SM (sm_90), of which each resident block costs 1 KB more
 
 
 # ---- routed experts: NVFP4 pointer tables -------------------------------------------------------
@@ -73,9 +72,6 @@ def nvfp4_gemv(x_1K: Any, packed_NK2: Any, scale_NG: Any, scale2: float, out_1N:
 
 
 # ---- the persistent decode kernels (gemv_nvfp4_ring.cu) ---------------------------------------
-RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))  # the (T, D) gemv_nvfp4_ring.cu instantiates
-
-
 @dataclass
 class RingConfig:
     """How the one-row routed kernels run: the persistent ring (``enabled``) or gemv_nvfp4.cu's
@@ -101,12 +97,6 @@ RING = RingConfig()
 _RING = "gemv_nvfp4_ring.cu"
 
 
-def ring_stage_bytes(p: int, t: int) -> int:
-    """One ring stage of one warp (RingStage<P, T>): P x 16 rows x 64 T weight bytes, P x 16 x 8 T
-    scale bytes, 256 T bytes of x."""
-    return p * 16 * 64 * t + p * 16 * 8 * t + 256 * t
-
-
 def _ring_ok(n: int, k: int, slots: int, p: int) -> bool:
     return RING.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * RING.slab[p]) == 0 and slots <= 32
 
@@ -119,7 +109,8 @@ def _ring_geometry(n: int, slots: int, p: int, f16: bool) -> tuple[int, int, str
     if (t, depth) not in RING_KERNELS:
         raise ValueError(f"ring slab {t}, depth {depth}: gemv_nvfp4_ring.cu instantiates (T, D) in {RING_KERNELS}")
     smem = RING_WARPS * depth * ring_stage_bytes(p, t)
-    per_sm = min(RING.warps_per_sm, SM_SMEM // (smem + 1024) * RING_WARPS)
+    sm_smem, reserved = smem_per_sm()  # each resident block costs its own smem and the reserved part
+    per_sm = min(RING.warps_per_sm, sm_smem // (smem + reserved) * RING_WARPS)
     items = max(1, slots * (n // MMA_ROWS))
     cap = max(1, sm_count() * per_sm)
     if RING.max_warps:
