@@ -112,7 +112,7 @@ def run_bench(args: argparse.Namespace) -> int:
         dense_sites = [DenseSite(be, comm, cfg, be.upload_dense(gpu_dense(cp, model.intermediate_size,
                                                                              model.hidden_size)))
                        for _ in range(n_dense)]
-        sparse_sites = [MoeSite(be, comm, cfg, be.upload_moe(gpu_moe(cp, model)), dispatch)
+        sparse_sites = [MoeSite(be, comm, cfg, be.upload_moe(gpu_moe(cp, model), model.swiglu_limit), dispatch)
                         for _ in range(n_sparse)]
     stack = MlpStack(be, comm, cfg, dense_sites + sparse_sites, levers, max_rows=8)
     ws = Workspace(cp, cfg, 8)

@@ -66,7 +66,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     copy_gbs = copy_bandwidth(cp, stream)
     h, m, k = model.hidden_size, model.moe_intermediate_size, model.num_experts_per_tok
     with stream:
-        moe = be.upload_moe(gpu_moe(cp, model))
+        moe = be.upload_moe(gpu_moe(cp, model), model.swiglu_limit)
         dense = be.upload_dense(gpu_dense(cp, model.intermediate_size, h))
     ws = Workspace(cp, cfg, max_rows)
     out = cp.empty((max_rows, h), dtype=BF16)

@@ -117,7 +117,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     for i, w in enumerate(host_weights):
         site_comm = comm.at(f"layer {i} all-reduce")
         if isinstance(w, MoeWeights):
-            sites.append(MoeSite(be, site_comm, cfg, be.upload_moe(w), dispatch))
+            sites.append(MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch))
         else:
             sites.append(DenseSite(be, site_comm, cfg, be.upload_dense(w) if w is not None else None))
     stack = MlpStack(be, comm, cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace, workspaces)

@@ -65,12 +65,30 @@ class PathLevers:
     prefill_gemm_min_rows: int = 24  # measured crossover (docs/perf/PREFILL.md): below it, row groups
     graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
     graph_verify: bool = True  # capture verify steps (2..max_gemv_rows rows) as CUDA graphs too
+    # the one-row routed kernels of the CUDA backend (glm_ep/backend/cuda/ring.py)
+    ring: bool = True  # the persistent ring kernels (false: gemv_nvfp4.cu's block-per-tile kernels)
+    ring_slab: tuple[int, ...] = (4, 4)  # 128-k steps per ring stage: (one projection, gate + up)
+    ring_depth: tuple[int, ...] = (2, 2)  # ring stages per warp, likewise
+    ring_warps_per_sm: int = 16  # warps per SM the ring grid aims at (fewer where its rings do not fit)
+    ring_max_warps: int = 0  # cap on the ring grid's warps (0: none)
+    ring_f16: bool = True  # the down projection in the fp16-operand form: refused unless swiglu_limit bounds it
+    ring_f16_hidden: bool = False  # gate and up too: the hidden state is unbounded (past 65504: inf); opt-in
 
     def __post_init__(self) -> None:
         _check_types(self, "levers.")
-        for key in ("row_batch_max", "union_max_ids", "prefill_gemm_min_rows"):
+        for key in ("row_batch_max", "union_max_ids", "prefill_gemm_min_rows", "ring_warps_per_sm"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"levers.{key} = {getattr(self, key)}, expected >= 1")
+        for key in ("ring_slab", "ring_depth"):
+            v = getattr(self, key)
+            if len(v) != 2 or min(v) < 1:
+                raise ConfigError(f"levers.{key} = {list(v)}, expected two positive integers (one projection, "
+                                  "gate + up)")
+        if self.ring_max_warps < 0:
+            raise ConfigError(f"levers.ring_max_warps = {self.ring_max_warps}, expected >= 0 (0: no cap)")
+        if self.ring_f16_hidden and not self.ring_f16:
+            raise ConfigError("levers.ring_f16_hidden = true needs ring_f16 = true (the fp16 form of gate and up "
+                              "comes with the down projection's)")
 
 
 @dataclass(frozen=True)
@@ -138,6 +156,7 @@ class Topology:
                               f"[levers] {sorted(lever_names)}")
         if isinstance(raw.get("devices"), list):
             raw["devices"] = tuple(raw["devices"])
+        levers_raw = {k: tuple(v) if isinstance(v, list) else v for k, v in levers_raw.items()}
         raw.setdefault("name", Path(source).stem)
         try:
             return cls(levers=PathLevers(**levers_raw), **raw)

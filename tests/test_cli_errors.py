@@ -128,6 +128,15 @@ def test_lever_past_the_backend_limit(ckpt, x_file, tmp_path) -> None:
           "levers.union_max_ids = 128, expected 1..64 on backend 'cpu'")
 
 
+def test_fp16_form_the_swiglu_limit_does_not_bound(ckpt, x_file, tmp_path) -> None:
+    """Refused on every rank before any device is touched (so also where no GPU is)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["swiglu_limit"] = 300.0
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    fails(_forward(ckpt, x_file, tmp_path, "--backend", "cuda"), "levers.ring_f16 = true", "swiglu_limit = 300",
+          "set ring_f16 = false")
+
+
 def test_topology_world_differs_from_mpi_size(ckpt, x_file, tmp_path) -> None:
     r = _forward(ckpt, x_file, tmp_path, "--topology", str(REPO / "configs" / "single.toml"))
     fails(r, "'single' is for world = 1 ranks, but the MPI job has 2")

@@ -5,17 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from pathlib import Path
 
 import pytest
 
-from glm_ep.backend import make_backend
-from glm_ep.backend.cuda import CudaBackend
-from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
-from glm_ep.placement import Placement
 from glm_ep.topology import PathLevers, Topology
 
 from helpers import REPO, tiny_dict
@@ -207,27 +202,6 @@ def test_topology_unknown_keys_bad_toml_and_bad_levers(tmp_path: Path) -> None:
         Topology.from_dict({"world": 2, "devices": [0]})
     with pytest.raises(ConfigError, match="backend = 'tpu'"):
         Topology.from_dict({"backend": "tpu"})
-
-
-@pytest.mark.parametrize("levers,top_k,named", [
-    ({"row_batch_max": 9}, 8, "levers.row_batch_max = 9, expected 1..8 on backend '{}' (its widest row group)"),
-    ({"union_max_ids": 65}, 8, "levers.union_max_ids = 65, expected 1..64 on backend '{}'"),
-    ({"prefill_gemm_min_rows": 8}, 8, "levers.prefill_gemm_min_rows = 8, expected >= 9 on backend '{}'"),
-    ({}, 17, "num_experts_per_tok = 17, expected <= 16 on backend '{}'"),
-], ids=["row-batch-max", "union-max-ids", "prefill-min-rows", "top-k"])
-def test_levers_and_top_k_past_the_backend_capabilities_are_refused(levers: dict, top_k: int, named: str) -> None:
-    """Checked when the backend is built, against its own limits (the CUDA one without a GPU: its
-    capabilities are a class attribute, read before any device is touched)."""
-    topo = Topology.from_dict({"levers": levers})
-    cfg = SiteConfig.for_rank(_parse(tiny_dict(num_experts_per_tok=top_k, n_routed_experts=32)), RankLayout(1, 0, 1, 1))
-    placement = Placement(rank=0, world=1, node=0, local_rank=0, local_size=1, host="here")
-    with pytest.raises(ConfigError, match=re.escape(named.format("cpu"))):
-        make_backend(topo, placement, cfg)
-    with pytest.raises(ConfigError, match=re.escape(named.format("cuda"))):
-        CudaBackend.capabilities.check("cuda", topo.levers, top_k)
-    ok = SiteConfig.for_rank(_parse(tiny_dict(num_experts_per_tok=16, n_routed_experts=32)), RankLayout(1, 0, 1, 1))
-    assert isinstance(make_backend(Topology(), placement, ok), NumpyBackend)
-    CudaBackend.capabilities.check("cuda", PathLevers(), 16)
 
 
 def test_topology_world_check_and_overrides() -> None:

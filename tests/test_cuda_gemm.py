@@ -56,8 +56,8 @@ def ragged_ids(rng, t=320):
     return ids
 
 
-def both(w):
-    return backend().upload_moe(w).experts, NP.upload_moe(w).experts
+def both(w, limit=7.0):
+    return backend().upload_moe(w, limit).experts, NP.upload_moe(w, limit).experts
 
 
 def sorted_route(ids):

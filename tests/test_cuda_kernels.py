@@ -37,8 +37,9 @@ def moe_weights(rng, h=H, m=M, start=0, count=E, num_experts=E, router_dtype=np.
     return MoeWeights(router, bias, start, experts, shared)
 
 
-def both(w):
-    return backend().upload_moe(w).experts, NP.upload_moe(w).experts
+def both(w, be=None, limit=10.0):
+    """The routed experts of ``w`` on the CUDA backend (``be``, default the shared one) and NumPy."""
+    return (be or backend()).upload_moe(w, limit).experts, NP.upload_moe(w, limit).experts
 
 
 # ---- elementwise ------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def test_router_topk(rng, top_k, renormalize, ladder, e):
 
 
 # ---- routed experts ------------------------------------------------------------------------------
-def check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, label):
+def check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, label, be=None):
     """One decode moe_gemv against NumPy: local slots within bf16 rounding, remote rows untouched."""
     pc, pn = getattr(cu, proj), getattr(nu, proj)
     kin, n = pn.weights[0].shape[1], pn.weights[0].shape[0]
@@ -171,20 +172,20 @@ def check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, label):
     ref = np.zeros((TOP_K, n), BF16)
     NP.moe_gemv(x, pn, ids, ref, per_slot)
     out = poisoned((TOP_K, n), BF16)
-    backend().moe_gemv(dev(x), pc, dev(ids), out, per_slot)
+    (be or backend()).moe_gemv(dev(x), pc, dev(ids), out, per_slot)
     got = host(out)
     assert unwritten(got[~local]).all(), f"{label}: a remote slot's output was written"
     assert_written(got[local], label)
     assert_close(got[local], ref[local], label)
 
 
-def check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, label):
+def check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, label, be=None):
     """Decode gate + up + SwiGLU against NumPy; act rows of remote slots are unspecified."""
     x = rand_bf16(rng, (1, h), 3.0)
     refs = [np.zeros((TOP_K, m), BF16) for _ in range(3)]
     NP.moe_gate_up_act(x, nu, ids, 1.0, *refs)
     outs = [poisoned((TOP_K, m), BF16) for _ in range(3)]
-    backend().moe_gate_up_act(dev(x), cu, dev(ids), 1.0, *outs)
+    (be or backend()).moe_gate_up_act(dev(x), cu, dev(ids), 1.0, *outs)
     for name, o, r in zip(("gate", "up", "act"), outs, refs):
         got = host(o)
         if name != "act":
@@ -352,26 +353,28 @@ def test_expert_linear(rng):
 @pytest.mark.parametrize("ring", [
     dict(enabled=False),  # gemv_nvfp4.cu's block-per-tile kernels
     dict(),  # the default ring
-    dict(depth={1: 4, 2: 3}, warps_per_sm=8),
-    dict(depth={1: 2, 2: 2}, max_warps=3),  # several items per warp: the ring crosses item boundaries
-    dict(depth={1: 4, 2: 4}, max_warps=5),  # a ring deeper than an item's slabs
-    dict(slab={1: 8, 2: 8}, depth={1: 3, 2: 2}, max_warps=7),
-    dict(slab={1: 8, 2: 8}, depth={1: 2, 2: 2}, warps_per_sm=16),
+    dict(depth=(4, 3), warps_per_sm=8),
+    dict(depth=(2, 2), max_warps=3),  # several items per warp: the ring crosses item boundaries
+    dict(depth=(4, 4), max_warps=5),  # a ring deeper than an item's slabs
+    dict(slab=(8, 8), depth=(3, 2), max_warps=7),
+    dict(slab=(8, 8), depth=(2, 2), warps_per_sm=16),
     dict(f16=False),  # the bf16 form, whatever the default
     dict(f16=True, f16_hidden=True),  # the fp16 form (consume_slab_f16) on every projection
-    dict(f16=True, f16_hidden=True, depth={1: 2, 2: 2}, max_warps=3),
-    dict(f16=True, f16_hidden=True, depth={1: 4, 2: 3}, warps_per_sm=8),
-    dict(f16=True, f16_hidden=True, slab={1: 8, 2: 8}, depth={1: 3, 2: 2}, max_warps=7),
+    dict(f16=True, f16_hidden=True, depth=(2, 2), max_warps=3),
+    dict(f16=True, f16_hidden=True, depth=(4, 3), warps_per_sm=8),
+    dict(f16=True, f16_hidden=True, slab=(8, 8), depth=(3, 2), max_warps=7),
 ], ids=["blocks", "default", "t4d4-3-w8", "t4d2-w3", "t4d4-w5", "t8d3-w7", "t8d2-w16", "bf16", "f16", "f16-t4d2-w3",
         "f16-t4d4-3-w8", "f16-t8d3-w7"])
-def test_moe_decode_ring(rng, monkeypatch, ring):
-    from glm_ep.backend.cuda import nvfp4 as kernels
+def test_moe_decode_ring(rng, ring):
+    """A backend built with each ring config, on the shared backend's stream (the helpers' buffers)."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    monkeypatch.setattr(kernels, "RING", kernels.RingConfig(**ring))
+    be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
     h, m, start, count = 2048, 1024, 4, 6  # ids outside [4, 10) are remote; K = 1..4 slabs
-    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count))
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
+    assert cu.down.weights.f16 == (ring.get("f16", True) and ring.get("enabled", True))
     ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
     local = (ids >= start) & (ids < start + count)
-    check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "ring glu")
+    check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "ring glu", be)
     for proj, per_slot in (("gate", False), ("down", True)):
-        check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, f"ring {proj}")
+        check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, f"ring {proj}", be)

@@ -104,7 +104,8 @@ def build_stack(be, comm, cfg, weights, levers, max_rows=MAX_ROWS):
     sites = []
     for w in weights:
         if isinstance(w, MoeWeights):
-            sites.append(MoeSite(be, comm, cfg, be.upload_moe(w), ExpertDispatch(be, cfg, levers)))
+            moe = be.upload_moe(w, cfg.swiglu_limit)
+            sites.append(MoeSite(be, comm, cfg, moe, ExpertDispatch(be, cfg, levers)))
         else:
             sites.append(DenseSite(be, comm, cfg, None if w is None else be.upload_dense(w)))
     return MlpStack(be, comm, cfg, sites, levers, max_rows)

@@ -18,12 +18,19 @@ log = logging.getLogger(__name__)
 def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backend:
     """The topology's backend for this rank: NumPy, or CUDA on the rank's device (its node-local
     rank unless the topology lists devices; ``glm_ep.placement.device_index``). Refused with a
-    ConfigError where a lever or the model's top-k is past the backend's ``Capabilities``."""
+    ConfigError, before any device is touched, where a lever or the model's top-k is past the
+    backend's ``Capabilities``, or (CUDA) where the ring levers ask for a kernel that is not built
+    or an fp16 form the site's ``swiglu_limit`` does not bound."""
     if topology.backend == "cpu":
         from glm_ep.backend.numpy_backend import NumpyBackend
 
         NumpyBackend.capabilities.check("cpu", topology.levers, cfg.top_k)
         return NumpyBackend()
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    CudaBackend.capabilities.check("cuda", topology.levers, cfg.top_k)
+    ring = RingConfig.from_levers(topology.levers)
+    ring.forms(cfg.swiglu_limit)  # the check the upload repeats, here on every rank before any weight is read
     try:
         import cupy
 
@@ -32,10 +39,7 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
         raise ConfigError(f"topology {topology.name!r} asks for backend = 'cuda', but CUDA is unusable on "
                           f"{placement.host} ({type(e).__name__}: {e}); install glm_ep[cuda13] (or "
                           "[cuda12]) or use backend = 'cpu'") from None
-    from glm_ep.backend.cuda import CudaBackend
-
-    CudaBackend.capabilities.check("cuda", topology.levers, cfg.top_k)
-    return CudaBackend(device_index(topology.devices, placement, visible))
+    return CudaBackend(device_index(topology.devices, placement, visible), ring)
 
 
 def make_comm(mpi_comm: Any, backend: Backend, topology: Any, placement: Placement,

@@ -153,9 +153,10 @@ class Backend(ABC, Generic[A, P]):
         """Resident form of a bf16 MLP (each matrix usable by ``linear``)."""
 
     @abstractmethod
-    def upload_moe(self, w: MoeWeights) -> MoeResident[A, P]:
+    def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[A, P]:
         """Resident router, bias and expert tables of a routed site; the shared expert via
-        ``upload_dense``."""
+        ``upload_dense``. ``swiglu_limit`` (the site's) bounds the routed activations: a backend may
+        choose a narrower operand form for the down projection from it."""
 
     # ---- dense ops -------------------------------------------------------------------------
     @abstractmethod

@@ -43,7 +43,8 @@ class NumpyBackend(Backend[np.ndarray, Projection]):
     def upload_dense(self, w: DenseWeights) -> DenseResident[np.ndarray]:
         return DenseResident(w.gate, w.up, w.down)
 
-    def upload_moe(self, w: MoeWeights) -> MoeResident[np.ndarray, Projection]:
+    def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[np.ndarray, Projection]:
+        # fp32 everywhere: no operand form to choose from the limit
         experts = RoutedExperts.of(tuple(e.gate for e in w.experts), tuple(e.up for e in w.experts),
                                    tuple(e.down for e in w.experts), w.expert_start, len(w.experts))
         shared = self.upload_dense(w.shared) if w.shared is not None else None

@@ -1,5 +1,5 @@
 // NVFP4 decode GEMV of ONE row for every top-k slot, as a persistent stream: a grid of a few warps
-// per SM (cuda/nvfp4.py) whose warps each own whole work items (local slot, sixteen weight rows) and
+// per SM (cuda/ring.py) whose warps each own whole work items (local slot, sixteen weight rows) and
 // sweep their FULL K: no K split, no block reduction, no barrier. A warp streams its items through a
 // private ring of D shared-memory stages filled by cp.async, one stage per slab of T 128-k steps:
 // per matrix the 16 rows' 64 T weight bytes (a copy instruction takes 32 consecutive 16-byte pieces:
@@ -11,13 +11,13 @@
 // Numerics of the bf16 form are gemv_nvfp4.cu's (the fp16 form's: see consume_slab_f16): within a
 // slab the lanes take the same chunks (lane (g, t): chunk 4 s + t of rows n0 + g and n0 + g + 8 at
 // step s), so every output sees the same mma chain over K in the same order and the same final
-// roundings. Requires K % (128 T) == 0 and N % 16 == 0 (cuda/nvfp4.py sends other shapes to
+// roundings. Requires K % (128 T) == 0 and N % 16 == 0 (cuda/ring.py sends other shapes to
 // gemv_nvfp4.cu). Work item i of warp w: i = w, w + W, w + 2W, ... (W warps in the grid), local
 // slot i / groups, rows 16 (i % groups) ..; a slot whose expert id is outside [start, start + count)
 // is not an item and its output is left untouched.
 //
 // Entry points, T = steps per slab, D = ring depth (grid (blocks), RING_WARPS warps per block, D
-// stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in cuda/nvfp4.py):
+// stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in cuda/ring.py):
 //   nvfp4_ring_moe_gemv_t{T}_d{D}   one projection, x[0] or x[slot]            P = 1
 //   nvfp4_ring_moe_glu_t{T}_d{D}    gate + up + clamped SwiGLU fused            P = 2
 //   nvfp4_ring_moe_{gemv,glu}_f16_t{T}_d{D}   the same in the fp16 form (consume_slab_f16: fp16

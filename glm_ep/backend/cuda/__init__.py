@@ -8,6 +8,7 @@
 | `elementwise` | clamped SwiGLU, residual add, bf16 upcast, the routed + shared combine       |
 | `route`       | router top-k, the union table of a row group, the sort by expert             |
 | `nvfp4`       | the NVFP4 routed-expert GEMVs: pointer tables, decode ring, union sweeps     |
+| `ring`        | `RingConfig`: the decode ring's frozen levers, its geometry, the fp16 check  |
 | `grouped`     | the grouped NVFP4 prefill GEMM over expert-sorted rows, its tile variants    |
 | `nccl`        | the NCCL all-reduce for ranks that each own a GPU                            |
 
@@ -15,5 +16,6 @@ The kernel sources stay in ``glm_ep/kernels/*.cu``. Nothing here imports CuPy at
 """
 
 from glm_ep.backend.cuda.backend import CudaBackend
+from glm_ep.backend.cuda.ring import RingConfig
 
-__all__ = ["CudaBackend"]
+__all__ = ["CudaBackend", "RingConfig"]

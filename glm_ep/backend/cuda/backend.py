@@ -11,7 +11,9 @@ Everything a step runs is queued on ``self.stream`` (non-blocking, made current 
 and around every op), writes into the caller's buffers, allocates nothing and never waits on the
 host for rows 1..8, so ``capture`` can record a whole decode or verify step as one CUDA graph.
 The wide prefill path (``sort_by_expert`` + ``moe_gemm_sorted``) sizes its grid from the slot
-count on the host and never reads device data back, like every other op.
+count on the host and never reads device data back, like every other op. How the one-row routed
+kernels run is the frozen ``RingConfig`` the backend is built with (the topology's ring levers);
+the operand form of each projection is fixed when its experts are uploaded.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from glm_ep.backend.cuda import dense, elementwise, grouped, route
 from glm_ep.backend.cuda import nvfp4 as NV
 from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
+from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import DenseWeights, MoeWeights
@@ -46,13 +49,16 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     name = "cuda"
     capabilities = CAPABILITIES
 
-    def __init__(self, device: int = 0):
+    def __init__(self, device: int = 0, ring: RingConfig = RingConfig(), stream: Any = None):
+        """``ring``: the one-row routed kernels' levers. ``stream``: the stream to queue on (default: a
+        new non-blocking one; another backend's, to share its order)."""
         import cupy
 
         self.xp = cupy
+        self.ring = ring
         self.device = cupy.cuda.Device(device)
         self.device.use()
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
         self.stream.use()  # plain CuPy ops of the caller (buffer copies) queue here too
 
     @property
@@ -109,7 +115,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     def upload_dense(self, w: DenseWeights) -> DenseResident[Any]:
         return DenseResident(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
 
-    def _upload_proj(self, ws: list[Nvfp4Weight], what: str) -> Nvfp4Pointers:
+    def _upload_proj(self, ws: list[Nvfp4Weight], what: str, f16: bool) -> Nvfp4Pointers:
         shapes = {w.shape for w in ws}
         if len(shapes) > 1:
             raise ConfigError(f"{what}: experts disagree on the projection shape: {sorted(shapes)}")
@@ -123,14 +129,17 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             packed_ptrs=self.asarray(np.array([a.data.ptr for a in packed], dtype=np.uint64)),
             scale_ptrs=self.asarray(np.array([a.data.ptr for a in scale], dtype=np.uint64)),
             scale2=self.asarray(np.array(s2, dtype=np.float32)),
-            n=n, k=k, packed=packed, scale=scale, scale2_host=s2)
+            n=n, k=k, packed=packed, scale=scale, scale2_host=s2, f16=f16)
 
-    def upload_moe(self, w: MoeWeights) -> MoeResident[Any, Nvfp4Pointers]:
+    def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[Any, Nvfp4Pointers]:
+        """The ring's operand form of each projection is fixed here, from ``swiglu_limit``
+        (``RingConfig.forms``: a ConfigError where the levers ask for an fp16 form it does not bound)."""
         if w.router.dtype not in (BF16, F32):
             raise ConfigError(f"router weight dtype {w.router.dtype}, expected bfloat16 or float32")
-        experts = RoutedExperts.of(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj"),
-                                   self._upload_proj([e.up for e in w.experts], "experts.up_proj"),
-                                   self._upload_proj([e.down for e in w.experts], "experts.down_proj"),
+        f16_hidden, f16_act = self.ring.forms(swiglu_limit)
+        experts = RoutedExperts.of(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj", f16_hidden),
+                                   self._upload_proj([e.up for e in w.experts], "experts.up_proj", f16_hidden),
+                                   self._upload_proj([e.down for e in w.experts], "experts.down_proj", f16_act),
                                    w.expert_start, len(w.experts))
         bias = self.asarray(w.bias).astype(np.float32, copy=False)
         return MoeResident(self.asarray(w.router), bias, experts,
@@ -200,11 +209,11 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     # ---- routed experts --------------------------------------------------------------------
     @_on_stream
     def moe_gemv(self, a, table: ExpertTable[Nvfp4Pointers], ids_K, out_KN, per_slot_input):
-        NV.nvfp4_moe_gemv(a, per_slot_input, table, ids_K, out_KN)
+        NV.nvfp4_moe_gemv(a, per_slot_input, table, ids_K, out_KN, self.ring)
 
     @_on_stream
     def moe_gate_up_act(self, a_1K, experts: RoutedExperts[Nvfp4Pointers], ids_K, limit, gate_KM, up_KM, act_KM):
-        NV.nvfp4_moe_glu(a_1K, experts, ids_K, limit, gate_KM, up_KM, act_KM)
+        NV.nvfp4_moe_glu(a_1K, experts, ids_K, limit, gate_KM, up_KM, act_KM, self.ring)
 
     @_on_stream
     def union_table(self, ids_RK, u_eid_U, u_slot_UR):

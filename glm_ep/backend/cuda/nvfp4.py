@@ -1,27 +1,25 @@
 """Wrappers of the NVFP4 routed-expert GEMV kernels (``gemv_nvfp4.cu``, ``gemv_nvfp4_ring.cu``): the
-expert pointer tables, the tensor-core launch geometry and the persistent decode ring's
-configuration (``RING``, read at every launch, so it may be swapped at run time). The grouped
-prefill GEMM's wrappers are in ``grouped``. Compiled and launched through ``loader``'s one cached
-loader; the ``-D`` constants stay there.
+expert pointer tables and the tensor-core launch geometry. The one-row wrappers take the backend's
+``RingConfig`` (``ring``); the grouped prefill GEMM's wrappers are in ``grouped``. Compiled and
+launched through ``loader``'s one cached loader; the ``-D`` constants stay there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.loader import (BF16, I32, MMA_ROWS, NVFP4_WARPS, RING_KERNELS, RING_WARPS, U8, UNION_MAX_IDS,
-                                        UNION_MAX_ROWS, cdiv, check, check_shape, i32, i64, launch, ring_stage_bytes,
-                                        sm_count, smem_per_sm, split_k)
+from glm_ep.backend.cuda.loader import (BF16, I32, MMA_ROWS, NVFP4_WARPS, RING_WARPS, U8, UNION_MAX_IDS, UNION_MAX_ROWS,
+                                        cdiv, check, check_shape, i32, i64, launch, sm_count, split_k)
+from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.config import NVFP4_GROUP
 
 NVFP4_CHUNK = 32  # k per 16-byte packed chunk: K must be a multiple
 MMA_STEP_CHUNKS = 4  # 16-byte chunks per step of a lane quad (128 k)
 MMA_WORK_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM (16: fastest of 16/48/96 on H200)
-RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T steps (K a multiple)
 
 
 # ---- routed experts: NVFP4 pointer tables -------------------------------------------------------
@@ -30,7 +28,8 @@ class Nvfp4Pointers:
     """One projection of every local expert, as the grouped kernels index it (the CUDA backend's
     form of an ``ExpertTable``'s weights): device arrays of the experts' packed / scale base
     pointers (uint64) and their fp32 ``scale_2``, by local id. The arrays the pointers point at are
-    kept alive in ``packed`` / ``scale``."""
+    kept alive in ``packed`` / ``scale``. ``f16``: the ring reads this projection's input in the
+    fp16 form (``RingConfig.forms``, decided at upload)."""
 
     packed_ptrs: Any  # uint64 [count]
     scale_ptrs: Any  # uint64 [count]
@@ -40,6 +39,7 @@ class Nvfp4Pointers:
     packed: tuple[Any, ...]  # uint8 [n, k/2] per expert
     scale: tuple[Any, ...]  # uint8 (E4M3 bits) [n, k/16] per expert
     scale2_host: tuple[float, ...]
+    f16: bool = False
 
 
 def check_nvfp4_k(k: int, what: str) -> None:
@@ -71,56 +71,12 @@ def nvfp4_gemv(x_1K: Any, packed_NK2: Any, scale_NG: Any, scale2: float, out_1N:
            (x_1K, packed_NK2, scale_NG, np.float32(scale2), out_1N, i32(n), i32(k), i32(ks)))
 
 
-# ---- the persistent decode kernels (gemv_nvfp4_ring.cu) ---------------------------------------
-@dataclass
-class RingConfig:
-    """How the one-row routed kernels run: the persistent ring (``enabled``) or gemv_nvfp4.cu's
-    block-per-tile kernels. By P, the matrices a warp sweeps (1: one projection, 2: gate + up): the
-    slab (T steps of 128 k per ring stage) and the ring depth D (stages per warp); the warps per SM
-    the grid aims at (fewer where the rings' shared memory does not fit). ``max_warps`` caps the grid
-    (tests: several items per warp). ``f16``: the fp16 form (the input rounded to fp16; fastest on
-    H200) instead of the bf16 form (exact for any bf16 input), for inputs that are activations:
-    the clamped SwiGLU is bounded by swiglu_limit^2, inside fp16's range (65504) for limits up to
-    255. ``f16_hidden`` also uses it for gate/up, which read the hidden state: off by default,
-    since a hidden value past 65504 would become inf there."""
-
-    enabled: bool = True
-    slab: dict = field(default_factory=lambda: {1: 4, 2: 4})
-    depth: dict = field(default_factory=lambda: {1: 2, 2: 2})  # fastest on H200 (docs/perf/NOTES.md)
-    warps_per_sm: int = 16
-    max_warps: int = 0
-    f16: bool = True  # gemv_nvfp4_ring.cu's consume_slab_f16 (docs/perf/NOTES.md, version 3)
-    f16_hidden: bool = False
-
-
-RING = RingConfig()
+# ---- one row, every slot: the persistent ring (gemv_nvfp4_ring.cu) or the block kernels ----------
 _RING = "gemv_nvfp4_ring.cu"
 
 
-def _ring_ok(n: int, k: int, slots: int, p: int) -> bool:
-    return RING.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * RING.slab[p]) == 0 and slots <= 32
-
-
-def _ring_geometry(n: int, slots: int, p: int, f16: bool) -> tuple[int, int, str]:
-    """(blocks, dynamic smem bytes, entry suffix): as even a share of the slots x row-group items per
-    warp as the cap allows (warps_per_sm per SM, or fewer where the rings do not fit), RING_WARPS per
-    block."""
-    t, depth = RING.slab[p], RING.depth[p]
-    if (t, depth) not in RING_KERNELS:
-        raise ValueError(f"ring slab {t}, depth {depth}: gemv_nvfp4_ring.cu instantiates (T, D) in {RING_KERNELS}")
-    smem = RING_WARPS * depth * ring_stage_bytes(p, t)
-    sm_smem, reserved = smem_per_sm()  # each resident block costs its own smem and the reserved part
-    per_sm = min(RING.warps_per_sm, sm_smem // (smem + reserved) * RING_WARPS)
-    items = max(1, slots * (n // MMA_ROWS))
-    cap = max(1, sm_count() * per_sm)
-    if RING.max_warps:
-        cap = min(cap, RING.max_warps)
-    warps = cdiv(items, cdiv(items, cap))
-    return cdiv(warps, RING_WARPS), smem, f"{'f16_' if f16 else ''}t{t}_d{depth}"
-
-
-def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointers], ids_S: Any,
-                   out_SN: Any) -> None:
+def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointers], ids_S: Any, out_SN: Any,
+                   ring: RingConfig) -> None:
     """Every slot of ONE row in one launch: slot s runs expert ``ids[s]`` on ``x[0]`` or,
     ``per_slot_input``, on ``x[s]``; a remote slot's output row is left untouched."""
     s, proj, start, count = ids_S.size, table.weights, table.start, table.count
@@ -128,9 +84,8 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointer
     check_shape("x", x, (s if per_slot_input else 1, proj.k))
     check_shape("out", out_SN, (s, proj.n))
     x_stride = i64(proj.k if per_slot_input else 0)
-    if _ring_ok(proj.n, proj.k, s, 1):
-        f16 = RING.f16 and (per_slot_input or RING.f16_hidden)  # per-slot input: the activation
-        blocks, smem, suffix = _ring_geometry(proj.n, s, 1, f16)
+    if ring.takes(proj.n, proj.k, s, 1):
+        blocks, smem, suffix = ring.geometry(proj.n, s, 1, proj.f16)
         launch(_RING, f"nvfp4_ring_moe_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, i32(s), i32(start),
                 i32(count), out_SN, i32(proj.n), i32(proj.k)), smem=smem)
@@ -142,7 +97,7 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointer
 
 
 def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, limit: float, gate_SN: Any,
-                  up_SN: Any, act_SN: Any) -> None:
+                  up_SN: Any, act_SN: Any, ring: RingConfig) -> None:
     """Decode gate, up and the clamped SwiGLU of every slot of one row in ONE launch."""
     gate, up, start, count = experts.gate.weights, experts.up.weights, experts.start, experts.count
     s, n, k = ids_S.size, gate.n, gate.k
@@ -150,8 +105,8 @@ def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, 
     check_shape("x", x_1K, (1, k))
     for name, a in (("gate", gate_SN), ("up", up_SN), ("act", act_SN)):
         check(name, a, BF16, 2), check_shape(name, a, (s, n))
-    if _ring_ok(n, k, s, 2):
-        blocks, smem, suffix = _ring_geometry(n, s, 2, RING.f16 and RING.f16_hidden)
+    if ring.takes(n, k, s, 2):
+        blocks, smem, suffix = ring.geometry(n, s, 2, gate.f16)
         launch(_RING, f"nvfp4_ring_moe_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
                 ids_S, i32(s), i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k),
