@@ -30,7 +30,6 @@ from glm_ep.routing import RouteParams
 from glm_ep.topology import PathLevers
 from glm_ep.weights import DenseWeights, MoeWeights
 
-
 A = TypeVar("A")  # the backend's array type
 P = TypeVar("P")  # the backend's form of one projection of every local expert
 

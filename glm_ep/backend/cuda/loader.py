@@ -60,6 +60,10 @@ DEFINES = {
     "SORT_THREADS": SORT_THREADS,
 }
 
+#: what these kernels can do, as the dispatch, the stack and the lever checks read it
+CAPABILITIES = Capabilities(max_row_group=UNION_MAX_ROWS, max_union_ids=UNION_MAX_IDS, max_gemv_rows=GEMV_MAX_ROWS,
+                            max_top_k=ROUTER_MAX_TOP_K, grouped_gemm=True, capture=True)
+
 # ---- the kernel variants and the shared-memory layouts the launches are sized by ----------------
 #: gemm_nvfp4.cu's GEMM_VARIANT lines: (rows per tile BM, warps of 32 weight rows each, k per stage BK,
 #: stages)
@@ -70,8 +74,8 @@ RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
 
 
 def gemm_stage_bytes(bm: int, bn: int, bk: int) -> int:
-    """One pipeline stage of the grouped GEMM (``GemmStage<BM, BN, BK>``): BM x rows of BK bf16, BN
-    weight rows of BK / 2 packed bytes and BK / 16 scale bytes."""
+    """One pipeline stage of the grouped GEMM (``GemmStage<BM, BN, BK>``): BM rows of x (BK bf16 each),
+    BN weight rows of BK / 2 packed bytes and BK / 16 scale bytes."""
     return bm * bk * 2 + bn * bk // 2 + bn * bk // 16
 
 
@@ -89,9 +93,6 @@ def layout_defines() -> dict[str, int]:
         out.update({f"RING_STAGE_BYTES_P{p}_T{t}": ring_stage_bytes(p, t) for p in (1, 2)})
     return out
 
-#: what these kernels can do, as the dispatch, the stack and the lever checks read it
-CAPABILITIES = Capabilities(max_row_group=UNION_MAX_ROWS, max_union_ids=UNION_MAX_IDS, max_gemv_rows=GEMV_MAX_ROWS,
-                            max_top_k=ROUTER_MAX_TOP_K, grouped_gemm=True, capture=True)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, I32, U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint8)
