@@ -3,7 +3,7 @@
 Every communicator sums bf16 buffers in place with NCCL's bf16 semantics: the partials are added
 in rank order and each addition is rounded to bf16, so every rank ends with identical bytes.
 ``MpiComm`` serves the NumPy backend (and CUDA ranks that share one GPU, host-staged);
-``glm_ep.backend.nccl.NcclComm`` serves CUDA ranks on their own GPUs. ``at(site)`` names the
+``glm_ep.backend.cuda.nccl.NcclComm`` serves CUDA ranks on their own GPUs. ``at(site)`` names the
 all-reduces of one site, so a wait that outlives the collective deadline says where it hung.
 """
 

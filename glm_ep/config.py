@@ -16,8 +16,6 @@ from typing import Any
 
 from glm_ep.errors import ConfigError, GlmEpError
 
-#: Most experts the router kernel keeps in registers per row (``float best_w[16]``).
-KERNEL_MAX_TOP_K = 16
 #: NVFP4 block size: one E4M3 scale per 16 consecutive k.
 NVFP4_GROUP = 16
 
@@ -129,10 +127,9 @@ class ModelConfig:
         if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
             raise bad(f"swiglu_limit = {self.swiglu_limit}, expected a finite value > 0 "
                       "(a zero limit is not 'no clamp', it forces the gate to <= 0)")
-        if not 1 <= self.num_experts_per_tok <= min(KERNEL_MAX_TOP_K, self.n_routed_experts):
-            raise bad(f"num_experts_per_tok = {self.num_experts_per_tok}, expected 1..="
-                      f"{min(KERNEL_MAX_TOP_K, self.n_routed_experts)} (<= n_routed_experts and "
-                      f"<= {KERNEL_MAX_TOP_K})")
+        if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:  # the backend's own limit: make_backend
+            raise bad(f"num_experts_per_tok = {self.num_experts_per_tok}, expected 1..={self.n_routed_experts} "
+                      "(n_routed_experts)")
         for key in ("hidden_size", "moe_intermediate_size"):
             if getattr(self, key) % NVFP4_GROUP:
                 raise bad(f"{key} = {getattr(self, key)} is not a multiple of the NVFP4 group size "

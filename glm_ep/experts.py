@@ -3,10 +3,13 @@
 | rows            | path      | what runs                                                        |
 |-----------------|-----------|------------------------------------------------------------------|
 | 1               | `decode`  | grouped GEMV: all top_k slots per launch, ids stay on device      |
-| 2..8            | `union`   | union table, each union expert swept once for the group           |
-| > 8, >= min     | `sorted`  | sort by expert, one grouped GEMM per projection, indexed combine  |
-| > 8, < min      | `union`   | even row groups of <= 8 (never a group of one)                    |
+| 2..G            | `union`   | union table, each union expert swept once for the group           |
+| > G, >= min     | `sorted`  | sort by expert, one grouped GEMM per projection, indexed combine  |
+| > G, < min      | `union`   | even row groups of <= G (never a group of one)                    |
 | lever           | `host`    | ids read to the host, one launch per (slot, projection)           |
+
+G is the backend's widest row group (``Capabilities.max_row_group``: 8 on both backends), capped
+by the levers (``group_cap``); min is the ``prefill_gemm_min_rows`` lever.
 
 Every path writes ``[T*K, H]`` routed outputs, remote slots exactly zero, and returns the
 permutation the combine must read them through (None when they are in ``(row, slot)`` order).
@@ -19,7 +22,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from glm_ep.backend.base import Backend
+from glm_ep.backend.base import Backend, RoutedExperts
 from glm_ep.config import SiteConfig
 from glm_ep.errors import InputError
 from glm_ep.routing import row_groups
@@ -49,14 +52,15 @@ class ExpertDispatch:
             return "host"
         if rows == 1:
             return "decode"
-        if rows > 8 and lv.prefill_gemm and rows >= lv.prefill_gemm_min_rows and self.be.has_grouped_gemm:
+        caps = self.be.capabilities
+        if rows > caps.max_row_group and lv.prefill_gemm and rows >= lv.prefill_gemm_min_rows and caps.grouped_gemm:
             return "sorted"
         groups = row_groups(rows, self.group_cap)
         if lv.row_batch and all(w >= 2 and w * k <= lv.union_max_ids for _, w in groups):
             return "union"
         return "decode"  # one grouped GEMV per row
 
-    def __call__(self, x_TH: Any, ids_TK: Any, table: Any, ws: Workspace) -> tuple[Any, Any | None]:
+    def __call__(self, x_TH: Any, ids_TK: Any, experts: RoutedExperts[Any], ws: Workspace) -> tuple[Any, Any | None]:
         t, k, h = x_TH.shape[0], self.cfg.top_k, self.cfg.hidden
         routed_SH = ws.view("expert_out", t * k, h)
         self.be.zero(routed_SH)  # remote slots must add exactly zero
@@ -64,20 +68,20 @@ class ExpertDispatch:
         if (path, t) not in self._announced:
             self._announced.add((path, t))
             log.info("routed experts: %d rows -> %s path", t, path)
-        if table.count == 0:  # this rank contributes no routed experts
+        if experts.count == 0:  # this rank contributes no routed experts
             return routed_SH, None
-        return getattr(self, f"_{path}")(x_TH, ids_TK, table, ws, routed_SH)
+        return getattr(self, f"_{path}")(x_TH, ids_TK, experts, ws, routed_SH)
 
-    def _decode(self, x_TH, ids_TK, table, ws, routed_SH):
+    def _decode(self, x_TH, ids_TK, experts, ws, routed_SH):
         be, k, m, lim = self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.swiglu_limit
         gate_KM, up_KM, act_KM = (ws.view(b, k, m) for b in ("a_gate", "a_up", "a_act"))
         for r in range(x_TH.shape[0]):
             x_1H, ids_K = x_TH[r:r + 1], ids_TK[r]
-            be.moe_gate_up_act(x_1H, table, ids_K, lim, gate_KM, up_KM, act_KM)  # remote rows: unread
-            be.moe_gemv(act_KM, table.down, table, ids_K, routed_SH[r * k:(r + 1) * k], per_slot_input=True)
+            be.moe_gate_up_act(x_1H, experts, ids_K, lim, gate_KM, up_KM, act_KM)  # remote rows: unread
+            be.moe_gemv(act_KM, experts.down, ids_K, routed_SH[r * k:(r + 1) * k], per_slot_input=True)
         return routed_SH, None
 
-    def _union(self, x_TH, ids_TK, table, ws, routed_SH):
+    def _union(self, x_TH, ids_TK, experts, ws, routed_SH):
         be, k, m, h, lim = (self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.hidden,
                             self.cfg.swiglu_limit)
         t = x_TH.shape[0]
@@ -88,11 +92,11 @@ class ExpertDispatch:
             # the table is rebuilt per group; the previous group's sweeps are already queued
             u_eid, u_slot = ws.view("u_eid", w * k), ws.view("u_slot", w * k, w)
             be.union_table(ids_TK[rs], u_eid, u_slot)
-            be.moe_gate_up_act_union(x_TH[rs], table, u_eid, u_slot, lim, gate_TKM[rs], up_TKM[rs], act_TKM[rs])
-            be.moe_gemv_union(act_TKM[rs], table.down, table, u_eid, u_slot, routed_TKH[rs], per_slot_input=True)
+            be.moe_gate_up_act_union(x_TH[rs], experts, u_eid, u_slot, lim, gate_TKM[rs], up_TKM[rs], act_TKM[rs])
+            be.moe_gemv_union(act_TKM[rs], experts.down, u_eid, u_slot, routed_TKH[rs], per_slot_input=True)
         return routed_SH, None
 
-    def _sorted(self, x_TH, ids_TK, table, ws, routed_SH):
+    def _sorted(self, x_TH, ids_TK, experts, ws, routed_SH):
         be, k, m, lim = self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.swiglu_limit
         t = x_TH.shape[0]
         s = t * k
@@ -101,11 +105,11 @@ class ExpertDispatch:
         perm_TK = ws.view("token_to_perm", t, k)
         be.sort_by_expert(ids_TK, self.cfg.num_experts, tok_S, eid_S, offsets, perm_TK)
         gate_SM, up_SM, act_SM = (ws.view(b, s, m) for b in ("a_gate", "a_up", "a_act"))
-        be.moe_gate_up_act_sorted(x_TH, table, tok_S, offsets, lim, gate_SM, up_SM, act_SM)
-        be.moe_gemm_sorted(act_SM, table.down, table, tok_S, offsets, routed_SH, gather_rows=False)
+        be.moe_gate_up_act_sorted(x_TH, experts, tok_S, offsets, lim, gate_SM, up_SM, act_SM)
+        be.moe_gemm_sorted(act_SM, experts.down, tok_S, offsets, routed_SH, gather_rows=False)
         return routed_SH, perm_TK
 
-    def _host(self, x_TH, ids_TK, table, ws, routed_SH):
+    def _host(self, x_TH, ids_TK, experts, ws, routed_SH):
         be, cfg = self.be, self.cfg
         m, k, lim = cfg.moe_intermediate, cfg.top_k, cfg.swiglu_limit
         gate_1M, up_1M, act_1M = (ws.view(b, 1, m) for b in ("a_gate", "a_up", "a_act"))
@@ -118,8 +122,8 @@ class ExpertDispatch:
                 if local is None:
                     continue  # another rank owns it; its zero row is in place
                 x_1H = x_TH[r:r + 1]
-                be.expert_linear(x_1H, table.gate, table, local, gate_1M)
-                be.expert_linear(x_1H, table.up, table, local, up_1M)
+                be.expert_linear(x_1H, experts.gate, local, gate_1M)
+                be.expert_linear(x_1H, experts.up, local, up_1M)
                 be.swiglu(gate_1M, up_1M, lim, act_1M)
-                be.expert_linear(act_1M, table.down, table, local, routed_SH[r * k + slot:r * k + slot + 1])
+                be.expert_linear(act_1M, experts.down, local, routed_SH[r * k + slot:r * k + slot + 1])
         return routed_SH, None

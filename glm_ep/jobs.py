@@ -152,4 +152,5 @@ def _print_timing(results: list[tuple[str, np.ndarray, np.ndarray, float]], rt: 
               f"{rows / total if total else float('inf'):>10.1f}")
     print(f"(backend {rt.be.name}, world {rt.topo.world}, tp {rt.topo.tp}, ep {rt.topo.ep}; "
           f"{rt.model.num_hidden_layers} sites per step; timed after {warmup} warm-up step(s) per row count; "
-          f"steps of 1..8 rows replay a captured graph where the backend captures)", flush=True)
+          f"steps of 1..{rt.be.capabilities.max_gemv_rows} rows replay a captured graph where the backend captures)",
+          flush=True)

@@ -97,7 +97,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     rank, model = ranks.rank, ckpt.config
     cfg = ranks.agree("site geometry", lambda: site_config(model, topo, rank))
     placement = discover(ranks.comm)  # collective, and it cannot fail on one rank alone
-    be = ranks.agree("backend", lambda: make_backend(topo, placement))
+    be = ranks.agree("backend", lambda: make_backend(topo, placement, cfg))
     comm = ranks.agree("communicator", lambda: make_comm(ranks.comm, be, topo, placement, ranks.deadline))
     workspaces = ranks.agree("workspace allocation", lambda: allocate_workspaces(
         be.xp, cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace))
@@ -117,7 +117,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     for i, w in enumerate(host_weights):
         site_comm = comm.at(f"layer {i} all-reduce")
         if isinstance(w, MoeWeights):
-            sites.append(MoeSite(be, site_comm, cfg, be.upload_moe(w), dispatch))
+            sites.append(MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch))
         else:
             sites.append(DenseSite(be, site_comm, cfg, be.upload_dense(w) if w is not None else None))
     stack = MlpStack(be, comm, cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace, workspaces)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from glm_ep.backend.base import Backend
+from glm_ep.backend.base import Backend, DenseResident, MoeResident
 from glm_ep.comm import Communicator
 from glm_ep.config import SiteConfig
 from glm_ep.experts import ExpertDispatch
@@ -19,9 +19,10 @@ from glm_ep.routing import RouteParams
 from glm_ep.workspace import Workspace
 
 
-def clamped_swiglu_mlp(be: Backend, w: Any, limit: float, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
+def clamped_swiglu_mlp(be: Backend, w: DenseResident[Any], limit: float, x_TH: Any, ws: Workspace,
+                       out_TH: Any) -> Any:
     """``down(act(gate(x), up(x)))`` over this rank's TP shard (a partial sum when tp > 1)."""
-    t, width = x_TH.shape[0], w.gate.shape[0]
+    t, width = x_TH.shape[0], w.width
     gate_TI, up_TI, act_TI = (ws.view(b, t, width) for b in ("a_gate", "a_up", "a_act"))
     be.gate_up_act(x_TH, w, limit, gate_TI, up_TI, act_TI)
     return be.linear(act_TI, w.down, out_TH)
@@ -32,7 +33,7 @@ class DenseSite:
     be: Backend
     comm: Communicator
     cfg: SiteConfig
-    mlp: Any | None  # resident DenseWeights; None on a replica that does not contribute
+    mlp: DenseResident[Any] | None  # None on a replica that does not contribute
 
     sparse = False
 
@@ -53,7 +54,7 @@ class MoeSite:
     be: Backend
     comm: Communicator
     cfg: SiteConfig
-    moe: Any  # resident router, bias, expert tables; .shared may be None
+    moe: MoeResident[Any, Any]  # router, bias, expert tables; .shared may be None
     experts: ExpertDispatch
 
     sparse = True

@@ -3,7 +3,7 @@
 ``site_output(i, x)`` applies site i alone (``glm-ep forward``); ``step(h)`` runs the chained
 stack ``h = h + site(h)`` in place. A backend that can capture (CUDA) records the decode step
 (rows = 1, all layers, all-reduces included) once as a graph and replays it; verify widths too
-when the ``graph_verify`` lever is on.
+(up to the backend's ``max_gemv_rows``) when the ``graph_verify`` lever is on.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class MlpStack:
             self.be.add(h_TH, out_TH, h_TH)
 
     def _capturable(self, t: int) -> bool:
-        lv = self.levers
-        wanted = (t == 1 and lv.graph_decode) or (2 <= t <= 8 and lv.graph_verify)
-        return wanted and not lv.host_dispatch and self.be.can_capture and (
+        lv, caps = self.levers, self.be.capabilities
+        wanted = (t == 1 and lv.graph_decode) or (2 <= t <= caps.max_gemv_rows and lv.graph_verify)
+        return wanted and not lv.host_dispatch and caps.capture and (
             self.comm.capturable or not any(s.reduces for s in self.sites))
 
     def step(self, x_TH: Any) -> Any:

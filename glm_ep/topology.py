@@ -53,25 +53,47 @@ def _check_types(obj: Any, prefix: str) -> None:
 
 @dataclass(frozen=True)
 class PathLevers:
-    """Every gate of the dispatch, as a value with its default (never an environment read)."""
+    """Every gate of the dispatch, as a value with its default (never an environment read). The
+    bounds a backend's kernels set (widest row group, union ids) are checked against its
+    ``Capabilities`` when the backend is built (``glm_ep.backend.make_backend``)."""
 
     host_dispatch: bool = False  # read ids to the host and loop experts (debugging)
-    row_batch: bool = True  # 2..8 rows: sweep each union expert once
-    row_batch_max: int = 8  # widest row group of the union path (<= 8)
-    union_max_ids: int = 64  # rows * top_k a union table may hold (one 64-thread block)
+    row_batch: bool = True  # 2 rows and wider: row groups, each union expert swept once per group
+    row_batch_max: int = 8  # widest row group of the union path (<= the backend's max_row_group)
+    union_max_ids: int = 64  # rows * top_k a union table may hold (<= the backend's max_union_ids)
     prefill_gemm: bool = True  # wide prefill: sort by expert + grouped GEMM
-    prefill_gemm_min_rows: int = 24  # measured crossover (docs/perf/PREFILL.md): below it, row groups of <= 8
+    prefill_gemm_min_rows: int = 24  # measured crossover (docs/perf/PREFILL.md): below it, row groups
     graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
-    graph_verify: bool = True  # capture verify steps (2..8 rows) as CUDA graphs too
+    graph_verify: bool = True  # capture verify steps (2..max_gemv_rows rows) as CUDA graphs too
+    # the one-row routed kernels of the CUDA backend (glm_ep/backend/cuda/ring.py)
+    ring: bool = True  # the persistent ring kernels (false: gemv_nvfp4.cu's block-per-tile kernels)
+    ring_slab: tuple[int, ...] = (4, 4)  # 128-k steps per ring stage: (one projection, gate + up)
+    ring_depth: tuple[int, ...] = (2, 2)  # ring stages per warp, likewise
+    ring_warps_per_sm: int = 16  # warps per SM the ring grid aims at (fewer where its rings do not fit)
+    ring_max_warps: int = 0  # cap on the ring grid's warps (0: none)
+    ring_f16: bool = True  # the down projection in the fp16-operand form: refused unless swiglu_limit bounds it
+    ring_f16_hidden: bool = False  # gate and up too: the hidden state is unbounded (past 65504: inf); opt-in
+    ring_union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (0: block kernels)
+    ring_union_slab: tuple[int, ...] = (2, 2)  # the union ring's slab and depth: (one projection, gate + up)
+    ring_union_depth: tuple[int, ...] = (3, 3)
 
     def __post_init__(self) -> None:
         _check_types(self, "levers.")
-        if not 1 <= self.row_batch_max <= 8:
-            raise ConfigError(f"levers.row_batch_max = {self.row_batch_max}, expected 1..8")
-        if not 1 <= self.union_max_ids <= 64:
-            raise ConfigError(f"levers.union_max_ids = {self.union_max_ids}, expected 1..64")
-        if self.prefill_gemm_min_rows < 9:
-            raise ConfigError(f"levers.prefill_gemm_min_rows = {self.prefill_gemm_min_rows}, expected >= 9")
+        for key in ("row_batch_max", "union_max_ids", "prefill_gemm_min_rows", "ring_warps_per_sm"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"levers.{key} = {getattr(self, key)}, expected >= 1")
+        for key in ("ring_slab", "ring_depth", "ring_union_slab", "ring_union_depth"):
+            v = getattr(self, key)
+            if len(v) != 2 or min(v) < 1:
+                raise ConfigError(f"levers.{key} = {list(v)}, expected two positive integers (one projection, "
+                                  "gate + up)")
+        if self.ring_union_max_rows < 0:
+            raise ConfigError(f"levers.ring_union_max_rows = {self.ring_union_max_rows}, expected >= 0 (0: off)")
+        if self.ring_max_warps < 0:
+            raise ConfigError(f"levers.ring_max_warps = {self.ring_max_warps}, expected >= 0 (0: no cap)")
+        if self.ring_f16_hidden and not self.ring_f16:
+            raise ConfigError("levers.ring_f16_hidden = true needs ring_f16 = true (the fp16 form of gate and up "
+                              "comes with the down projection's)")
 
 
 @dataclass(frozen=True)
@@ -139,6 +161,7 @@ class Topology:
                               f"[levers] {sorted(lever_names)}")
         if isinstance(raw.get("devices"), list):
             raw["devices"] = tuple(raw["devices"])
+        levers_raw = {k: tuple(v) if isinstance(v, list) else v for k, v in levers_raw.items()}
         raw.setdefault("name", Path(source).stem)
         try:
             return cls(levers=PathLevers(**levers_raw), **raw)

@@ -35,7 +35,7 @@ requires_cuda = pytest.mark.skipif(cupy is None, reason=_REASON or "CUDA availab
 @functools.cache
 def backend():
     """One CudaBackend per process: its stream is the current CuPy stream."""
-    from glm_ep.backend.cuda_backend import CudaBackend
+    from glm_ep.backend.cuda import CudaBackend
 
     return CudaBackend(0)
 
@@ -48,9 +48,10 @@ def host(a) -> np.ndarray:
     return backend().to_host(a)
 
 
-def both(w: MoeWeights):
-    """The routed-expert tables of ``w`` on the CUDA backend and on NumPy: (cuda, numpy)."""
-    return backend().upload_moe(w).experts, NumpyBackend().upload_moe(w).experts
+def both(w: MoeWeights, be=None, limit: float = 10.0):
+    """The routed-expert tables of ``w`` on the CUDA backend (``be``, default the shared one; the
+    ring's operand forms chosen for ``swiglu_limit = limit``) and on NumPy: (cuda, numpy)."""
+    return (be or backend()).upload_moe(w, limit).experts, NumpyBackend().upload_moe(w, limit).experts
 
 
 def poisoned(shape, dtype):

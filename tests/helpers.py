@@ -133,7 +133,7 @@ def build_stack(full: Sequence[DenseWeights | MoeWeights], model: ModelConfig, l
     for w in full:
         mine = shard_layer(w, layout)
         if isinstance(w, MoeWeights):
-            sites.append(MoeSite(be, comm, cfg, be.upload_moe(mine), dispatch))
+            sites.append(MoeSite(be, comm, cfg, be.upload_moe(mine, cfg.swiglu_limit), dispatch))
         else:
             sites.append(DenseSite(be, comm, cfg, be.upload_dense(mine) if mine is not None else None))
     return MlpStack(be, comm, cfg, sites, levers, max_rows, shared_workspace)

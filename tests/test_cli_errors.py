@@ -108,7 +108,8 @@ def test_bias_stored_bf16_is_refused(ckpt, x_file, tmp_path) -> None:
     (lambda c: c.pop("swiglu_limit"), ["config.json", "swiglu_limit"]),
     (lambda c: c.update(n_group=2), ["config.json", "n_group = 2"]),
     (lambda c: c.update(intermediate_size=255), ["intermediate_size 255 does not divide over tp = 2"]),
-], ids=["no-swiglu-limit", "n-group-2", "odd-intermediate"])
+    (lambda c: c.update(num_experts_per_tok=17), ["num_experts_per_tok = 17, expected <= 16 on backend 'cpu'"]),
+], ids=["no-swiglu-limit", "n-group-2", "odd-intermediate", "top-k-past-the-router"])
 def test_bad_config(ckpt, x_file, tmp_path, edit, needles: list[str]) -> None:
     cfg = json.loads((ckpt / "config.json").read_text())
     edit(cfg)
@@ -118,6 +119,22 @@ def test_bad_config(ckpt, x_file, tmp_path, edit, needles: list[str]) -> None:
 
 def test_ep_not_dividing_world(ckpt, x_file, tmp_path) -> None:
     fails(_forward(ckpt, x_file, tmp_path, "--ep", "3"), "ep = 3 does not divide world = 2")
+
+
+def test_lever_past_the_backend_limit(ckpt, x_file, tmp_path) -> None:
+    topo = tmp_path / "wide.toml"
+    topo.write_text("world = 2\ntp = 2\nep = 2\n[levers]\nunion_max_ids = 128\n")
+    fails(_forward(ckpt, x_file, tmp_path, "--topology", str(topo)),
+          "levers.union_max_ids = 128, expected 1..64 on backend 'cpu'")
+
+
+def test_fp16_form_the_swiglu_limit_does_not_bound(ckpt, x_file, tmp_path) -> None:
+    """Refused on every rank before any device is touched (so also where no GPU is)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["swiglu_limit"] = 300.0
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    fails(_forward(ckpt, x_file, tmp_path, "--backend", "cuda"), "levers.ring_f16 = true", "swiglu_limit = 300",
+          "set ring_f16 = false")
 
 
 def test_topology_world_differs_from_mpi_size(ckpt, x_file, tmp_path) -> None:

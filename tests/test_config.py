@@ -118,7 +118,7 @@ def test_missing_swiglu_limit_is_refused_never_defaulted() -> None:
 @pytest.mark.parametrize("overrides,named", [
     (dict(n_group=2), "n_group = 2"),
     (dict(num_experts_per_tok=33), "num_experts_per_tok = 33"),
-    (dict(num_experts_per_tok=17, n_routed_experts=64), "num_experts_per_tok = 17"),
+    (dict(num_experts_per_tok=0), "num_experts_per_tok = 0"),
     (dict(hidden_size=120), "hidden_size = 120"),
     (dict(moe_intermediate_size=40), "moe_intermediate_size = 40"),
     (dict(norm_topk_prob="yes"), "norm_topk_prob"),
@@ -194,10 +194,10 @@ def test_topology_unknown_keys_bad_toml_and_bad_levers(tmp_path: Path) -> None:
         Topology.load(bad)
     with pytest.raises(ConfigError, match="missing.toml: topology file not found"):
         Topology.load(tmp_path / "missing.toml")
-    with pytest.raises(ConfigError, match="row_batch_max = 9"):
-        Topology.from_dict({"levers": {"row_batch_max": 9}})
-    with pytest.raises(ConfigError, match="prefill_gemm_min_rows = 8"):
-        Topology.from_dict({"levers": {"prefill_gemm_min_rows": 8}})
+    with pytest.raises(ConfigError, match=r"levers.row_batch_max = 0, expected >= 1"):
+        Topology.from_dict({"levers": {"row_batch_max": 0}})
+    with pytest.raises(ConfigError, match=r"levers.prefill_gemm_min_rows = -1, expected >= 1"):
+        Topology.from_dict({"levers": {"prefill_gemm_min_rows": -1}})
     with pytest.raises(ConfigError, match="devices lists 1 entries for world = 2"):
         Topology.from_dict({"world": 2, "devices": [0]})
     with pytest.raises(ConfigError, match="backend = 'tpu'"):

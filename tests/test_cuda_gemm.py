@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from glm_ep import routing
-from glm_ep.backend import nvfp4_kernels as nvk
+from glm_ep.backend.cuda import grouped
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import ExpertWeights, MoeWeights
@@ -78,11 +78,11 @@ def test_gemm_sorted_ragged(rng, start, count, proj):
     local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
     gather = proj != "down"
     a = rand_bf16(rng, (t, H)) if gather else rand_bf16(rng, (s, M))
-    n = getattr(nu, proj)[0].shape[0]
+    n = getattr(nu, proj).weights[0].shape[0]
     ref = np.zeros((s, n), BF16)
-    NP.moe_gemm_sorted(a, getattr(nu, proj), nu, srt.sorted_token_ids, srt.expert_offsets, ref, gather)
+    NP.moe_gemm_sorted(a, getattr(nu, proj), srt.sorted_token_ids, srt.expert_offsets, ref, gather)
     out = poisoned((s, n), BF16)
-    backend().moe_gemm_sorted(dev(a), getattr(cu, proj), cu, tok, offsets, out, gather)
+    backend().moe_gemm_sorted(dev(a), getattr(cu, proj), tok, offsets, out, gather)
     check_rows(host(out), ref, local, f"grouped {proj} [{start}, {start + count})")
 
 
@@ -116,9 +116,9 @@ def test_gemm_dequant_bit_exact(rng):
     tok = np.arange(k, dtype=np.int32)
     offsets = np.array([0, k], dtype=np.int32)
     ref = np.zeros((k, n), BF16)
-    NP.moe_gemm_sorted(x, nu.gate, nu, tok, offsets, ref, False)
+    NP.moe_gemm_sorted(x, nu.gate, tok, offsets, ref, False)
     out = poisoned((k, n), BF16)
-    backend().moe_gemm_sorted(dev(x), cu.gate, cu, dev(tok), dev(offsets), out, False)
+    backend().moe_gemm_sorted(dev(x), cu.gate, dev(tok), dev(offsets), out, False)
     got = host(out)
     assert_written(got, "one-hot rows")
     bad = got.view(np.uint16) != ref.view(np.uint16)
@@ -144,13 +144,13 @@ def test_gemm_sorted_glm_shape(rng):
                                      poisoned((s, m), BF16), act)
     check_rows(host(act), act_ref, local, "GLM-shape gate + up + SwiGLU")
     ref = np.zeros((s, h), BF16)
-    NP.moe_gemm_sorted(act_ref, nu.down, nu, srt.sorted_token_ids, srt.expert_offsets, ref, False)
+    NP.moe_gemm_sorted(act_ref, nu.down, srt.sorted_token_ids, srt.expert_offsets, ref, False)
     out = poisoned((s, h), BF16)
-    backend().moe_gemm_sorted(dev(act_ref), cu.down, cu, tok, offsets, out, False)
+    backend().moe_gemm_sorted(dev(act_ref), cu.down, tok, offsets, out, False)
     check_rows(host(out), ref, local, "GLM-shape down")
 
 
-@pytest.mark.parametrize("variant", nvk.GEMM_VARIANTS, ids=lambda v: nvk.GemmGeometry.of(v).suffix)
+@pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
 def test_gemm_variants(rng, variant):
     """Every (rows per tile, warps) variant, whatever width would pick it: gate/up/SwiGLU fused and
     down, ragged experts, an EP window."""
@@ -165,11 +165,11 @@ def test_gemm_variants(rng, variant):
     NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
     act = poisoned((s, M), BF16)
     with backend().stream:
-        nvk.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu.gate, cu.up, start, count, 2.0, act, variant=variant)
+        grouped.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu, 2.0, act, variant=variant)
     check_rows(host(act), act_ref, local, f"glu {variant}")
     ref = np.zeros((s, H), BF16)
-    NP.moe_gemm_sorted(act_ref, nu.down, nu, srt.sorted_token_ids, srt.expert_offsets, ref, False)
+    NP.moe_gemm_sorted(act_ref, nu.down, srt.sorted_token_ids, srt.expert_offsets, ref, False)
     out = poisoned((s, H), BF16)
     with backend().stream:
-        nvk.nvfp4_gemm_sorted(dev(act_ref), False, tok, offsets, E, cu.down, start, count, out, variant=variant)
+        grouped.nvfp4_gemm_sorted(dev(act_ref), False, tok, offsets, E, cu.down, out, variant=variant)
     check_rows(host(out), ref, local, f"down {variant}")

@@ -98,13 +98,13 @@ def test_linear_large_weight_on_stream(rng, t):
     the backend's stream even when CuPy's shared handle was last bound to another (the legacy
     default stream does not order against a non-blocking stream)."""
     import cupy
-    from glm_ep.backend import kernels
+    from glm_ep.backend.cuda import dense
 
     be = backend()
-    n, k = 2 * kernels.MMA_GEMM_MAX_WEIGHT // 4096, 4096
+    n, k = 2 * dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096
     x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
-    assert not kernels.mma_gemm_takes(x, w)
-    cb, handle = kernels._cublas(), cupy.cuda.device.get_cublas_handle()
+    assert not dense.mma_gemm_takes(x, w)
+    cb, handle = dense._cublas(), cupy.cuda.device.get_cublas_handle()
     cb.setStream(handle, 0)
     ref = np.empty((t, n), BF16)
     NP.linear(x, w, ref)
@@ -184,28 +184,28 @@ def test_router_topk(rng, top_k, renormalize, ladder, e):
 
 
 # ---- routed experts ------------------------------------------------------------------------------
-def check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, label):
+def check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, label, be=None):
     """One decode moe_gemv against NumPy: local slots within bf16 rounding, remote rows untouched."""
     pc, pn = getattr(cu, proj), getattr(nu, proj)
-    kin, n = pn[0].shape[1], pn[0].shape[0]
+    kin, n = pn.weights[0].shape[1], pn.weights[0].shape[0]
     x = rand_bf16(rng, (TOP_K if per_slot else 1, kin))
     ref = np.zeros((TOP_K, n), BF16)
-    NP.moe_gemv(x, pn, nu, ids, ref, per_slot)
+    NP.moe_gemv(x, pn, ids, ref, per_slot)
     out = poisoned((TOP_K, n), BF16)
-    backend().moe_gemv(dev(x), pc, cu, dev(ids), out, per_slot)
+    (be or backend()).moe_gemv(dev(x), pc, dev(ids), out, per_slot)
     got = host(out)
     assert unwritten(got[~local]).all(), f"{label}: a remote slot's output was written"
     assert_written(got[local], label)
     assert_close(got[local], ref[local], label)
 
 
-def check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, label):
+def check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, label, be=None):
     """Decode gate + up + SwiGLU against NumPy; act rows of remote slots are unspecified."""
     x = rand_bf16(rng, (1, h), 3.0)
     refs = [np.zeros((TOP_K, m), BF16) for _ in range(3)]
     NP.moe_gate_up_act(x, nu, ids, 1.0, *refs)
     outs = [poisoned((TOP_K, m), BF16) for _ in range(3)]
-    backend().moe_gate_up_act(dev(x), cu, dev(ids), 1.0, *outs)
+    (be or backend()).moe_gate_up_act(dev(x), cu, dev(ids), 1.0, *outs)
     for name, o, r in zip(("gate", "up", "act"), outs, refs):
         got = host(o)
         if name != "act":
@@ -247,9 +247,9 @@ def test_moe_decode_glm_shape(rng):
             assert unwritten(got[1]).all()
         assert_close(got[[0, 2]], r[[0, 2]], f"glm-shape {name}")
     ref_down = np.zeros((k, h), BF16)
-    NP.moe_gemv(act, nu.down, nu, ids, ref_down, True)
+    NP.moe_gemv(act, nu.down, ids, ref_down, True)
     down = poisoned((k, h), BF16)
-    backend().moe_gemv(dev(act), cu.down, cu, dev(ids), down, True)
+    backend().moe_gemv(dev(act), cu.down, dev(ids), down, True)
     got = host(down)
     assert unwritten(got[1]).all()
     assert_close(got[[0, 2]], ref_down[[0, 2]], "glm-shape down")
@@ -278,12 +278,12 @@ def test_moe_union(rng, r):
     check_moe_union(rng, cu, nu, ids, ids < count, H, M, "union")
 
 
-def check_moe_union(rng, cu, nu, ids, local, h, m, label):
+def check_moe_union(rng, cu, nu, ids, local, h, m, label, be=None):
     """Union (verify) gate + up + SwiGLU and both projections against NumPy; remote slots untouched."""
     r = ids.shape[0]
     u_eid, u_slot = routing.union_table(ids)
     d_eid, d_slot = dev(u_eid), dev(u_slot)
-    be = backend()
+    be = be or backend()
     x = rand_bf16(rng, (r, h), 2.0)
     refs = [np.zeros((r, TOP_K, m), BF16) for _ in range(3)]
     NP.moe_gate_up_act_union(x, nu, u_eid, u_slot, 1.0, *refs)
@@ -298,9 +298,9 @@ def check_moe_union(rng, cu, nu, ids, local, h, m, label):
     for proj, per_slot, kin, n in (("gate", False, h, m), ("down", True, m, h)):
         a = rand_bf16(rng, (r, TOP_K, kin) if per_slot else (r, kin))
         ref = np.zeros((r, TOP_K, n), BF16)
-        NP.moe_gemv_union(a, getattr(nu, proj), nu, u_eid, u_slot, ref, per_slot)
+        NP.moe_gemv_union(a, getattr(nu, proj), u_eid, u_slot, ref, per_slot)
         out = poisoned((r, TOP_K, n), BF16)
-        be.moe_gemv_union(dev(a), getattr(cu, proj), cu, d_eid, d_slot, out, per_slot)
+        be.moe_gemv_union(dev(a), getattr(cu, proj), d_eid, d_slot, out, per_slot)
         got = host(out)
         assert unwritten(got[~local]).all(), f"{label} {proj}: a remote slot was written"
         assert_written(got[local], f"{label} {proj}")
@@ -309,32 +309,32 @@ def check_moe_union(rng, cu, nu, ids, local, h, m, label):
 
 # ---- the union (verify) kernels on the ring (gemv_nvfp4_ring.cu) against NumPy -------------------------
 @pytest.mark.parametrize("ring", [
-    dict(union=False),  # gemv_nvfp4.cu's block-per-tile union kernels
-    dict(),  # the default union ring
-    dict(union_slab={1: 4, 2: 4}, union_depth={1: 2, 2: 2}),
-    dict(max_warps=3),  # several items per warp: the ring crosses entry boundaries
-    dict(union_slab={1: 4, 2: 4}, union_depth={1: 2, 2: 2}, max_warps=5),
-], ids=["blocks", "default", "t4d2", "t2d3-w3", "t4d2-w5"])
+    dict(union_max_rows=0),  # gemv_nvfp4.cu's block-per-tile union kernels
+    dict(union_max_rows=8),  # the union ring's default slabs at every width
+    dict(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2)),
+    dict(union_max_rows=8, max_warps=3),  # several items per warp: the ring crosses entry boundaries
+    dict(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2), max_warps=5),
+], ids=["blocks", "t2d3", "t4d2", "t2d3-w3", "t4d2-w5"])
 @pytest.mark.parametrize("r", [2, 3, 5, 8])
-def test_moe_union_ring(rng, monkeypatch, ring, r):
-    from glm_ep.backend import nvfp4_kernels as kernels
+def test_moe_union_ring(rng, ring, r):
+    """A backend built with each union config, on the shared backend's stream."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    monkeypatch.setattr(kernels, "RING", kernels.RingConfig(**ring))
+    be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
     h, m, start, count = 2048, 1024, 6, 20  # ids outside [6, 26) are remote; K = 1..8 slabs
-    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count))
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
     ids = _union_ids(rng, r)
-    check_moe_union(rng, cu, nu, ids, (ids >= start) & (ids < start + count), h, m, f"union ring {ring}")
+    check_moe_union(rng, cu, nu, ids, (ids >= start) & (ids < start + count), h, m, f"union ring {ring}", be)
 
 
-def test_union_ring_rows_independent(rng, monkeypatch):
+def test_union_ring_rows_independent(rng):
     """The union ring runs each row through the same mma chain as the one-row ring (bf16 form): a
     row's outputs are bit-identical whichever rows share its batch, and equal to its decode."""
-    from glm_ep.backend import nvfp4_kernels as kernels
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    monkeypatch.setattr(kernels, "RING", kernels.RingConfig(f16=False))
+    be = CudaBackend(0, RingConfig(f16=False, union_max_rows=8), stream=backend().stream)
     h, m = 2048, 1024
-    cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=E))
-    be = backend()
+    cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=E), be)
     ids8 = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(8)]).astype(np.int32)
     x8 = rand_bf16(rng, (8, h), 2.0)
     act8 = rand_bf16(rng, (8, TOP_K, m))
@@ -344,11 +344,11 @@ def test_union_ring_rows_independent(rng, monkeypatch):
         down = poisoned((r, TOP_K, h), BF16)
         if r == 1:  # the decode ring
             be.moe_gate_up_act(dev(x8[:1]), cu, dev(ids8[0]), 1.0, *(o[0] for o in glu))
-            be.moe_gemv(dev(act8[0]), cu.down, cu, dev(ids8[0]), down[0], True)
+            be.moe_gemv(dev(act8[0]), cu.down, dev(ids8[0]), down[0], True)
         else:
             u_eid, u_slot = (dev(a) for a in routing.union_table(ids8[:r]))
             be.moe_gate_up_act_union(dev(x8[:r]), cu, u_eid, u_slot, 1.0, *glu)
-            be.moe_gemv_union(dev(act8[:r]), cu.down, cu, u_eid, u_slot, down, True)
+            be.moe_gemv_union(dev(act8[:r]), cu.down, u_eid, u_slot, down, True)
         results[r] = [host(o)[0].view(np.uint16) for o in (*glu, down)]
     for r in (2, 8):
         for name, got, want in zip(("gate", "up", "act", "down"), results[r], results[1]):
@@ -379,11 +379,11 @@ def test_moe_gemm_sorted(rng):
     local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
     tok, offsets = dev(srt.sorted_token_ids), dev(srt.expert_offsets)
     for proj, gather, a in (("gate", True, rand_bf16(rng, (t, H))), ("down", False, rand_bf16(rng, (t * TOP_K, M)))):
-        n = getattr(nu, proj)[0].shape[0]
+        n = getattr(nu, proj).weights[0].shape[0]
         ref = np.zeros((t * TOP_K, n), BF16)
-        NP.moe_gemm_sorted(a, getattr(nu, proj), nu, srt.sorted_token_ids, srt.expert_offsets, ref, gather)
+        NP.moe_gemm_sorted(a, getattr(nu, proj), srt.sorted_token_ids, srt.expert_offsets, ref, gather)
         out = poisoned((t * TOP_K, n), BF16)
-        backend().moe_gemm_sorted(dev(a), getattr(cu, proj), cu, tok, offsets, out, gather)
+        backend().moe_gemm_sorted(dev(a), getattr(cu, proj), tok, offsets, out, gather)
         got = host(out)
         assert unwritten(got[~local]).all()
         assert_written(got[local], proj)
@@ -393,7 +393,7 @@ def test_moe_gemm_sorted(rng):
 @pytest.mark.parametrize("n,k", [(40, 352), (24, 96), (2048, 4096)])
 def test_nvfp4_gemv_shapes(rng, n, k):
     """Row and K tails: N not a multiple of a block's rows, K not a multiple of a 128-k step."""
-    from glm_ep.backend import nvfp4_kernels as kernels
+    from glm_ep.backend.cuda import nvfp4 as kernels
 
     w_nk = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
     w_nk[0, :16] = 0.0  # an all-zero block (scale 0)
@@ -414,9 +414,9 @@ def test_expert_linear(rng):
     for proj, kin, n in (("gate", H, M), ("down", M, H)):
         a = rand_bf16(rng, (1, kin))
         ref = np.empty((1, n), BF16)
-        NP.expert_linear(a, getattr(nu, proj), nu, 2, ref)
+        NP.expert_linear(a, getattr(nu, proj), 2, ref)
         out = poisoned((1, n), BF16)
-        backend().expert_linear(dev(a), getattr(cu, proj), cu, 2, out)
+        backend().expert_linear(dev(a), getattr(cu, proj), 2, out)
         got = host(out)
         assert_written(got, proj)
         assert_close(got, ref, f"expert_linear {proj}")
@@ -426,26 +426,28 @@ def test_expert_linear(rng):
 @pytest.mark.parametrize("ring", [
     dict(enabled=False),  # gemv_nvfp4.cu's block-per-tile kernels
     dict(),  # the default ring
-    dict(depth={1: 4, 2: 3}, warps_per_sm=8),
-    dict(depth={1: 2, 2: 2}, max_warps=3),  # several items per warp: the ring crosses item boundaries
-    dict(depth={1: 4, 2: 4}, max_warps=5),  # a ring deeper than an item's slabs
-    dict(slab={1: 8, 2: 8}, depth={1: 3, 2: 2}, max_warps=7),
-    dict(slab={1: 8, 2: 8}, depth={1: 2, 2: 2}, warps_per_sm=16),
+    dict(depth=(4, 3), warps_per_sm=8),
+    dict(depth=(2, 2), max_warps=3),  # several items per warp: the ring crosses item boundaries
+    dict(depth=(4, 4), max_warps=5),  # a ring deeper than an item's slabs
+    dict(slab=(8, 8), depth=(3, 2), max_warps=7),
+    dict(slab=(8, 8), depth=(2, 2), warps_per_sm=16),
     dict(f16=False),  # the bf16 form, whatever the default
     dict(f16=True, f16_hidden=True),  # the fp16 form (consume_slab_f16) on every projection
-    dict(f16=True, f16_hidden=True, depth={1: 2, 2: 2}, max_warps=3),
-    dict(f16=True, f16_hidden=True, depth={1: 4, 2: 3}, warps_per_sm=8),
-    dict(f16=True, f16_hidden=True, slab={1: 8, 2: 8}, depth={1: 3, 2: 2}, max_warps=7),
+    dict(f16=True, f16_hidden=True, depth=(2, 2), max_warps=3),
+    dict(f16=True, f16_hidden=True, depth=(4, 3), warps_per_sm=8),
+    dict(f16=True, f16_hidden=True, slab=(8, 8), depth=(3, 2), max_warps=7),
 ], ids=["blocks", "default", "t4d4-3-w8", "t4d2-w3", "t4d4-w5", "t8d3-w7", "t8d2-w16", "bf16", "f16", "f16-t4d2-w3",
         "f16-t4d4-3-w8", "f16-t8d3-w7"])
-def test_moe_decode_ring(rng, monkeypatch, ring):
-    from glm_ep.backend import nvfp4_kernels as kernels
+def test_moe_decode_ring(rng, ring):
+    """A backend built with each ring config, on the shared backend's stream (the helpers' buffers)."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    monkeypatch.setattr(kernels, "RING", kernels.RingConfig(**ring))
+    be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
     h, m, start, count = 2048, 1024, 4, 6  # ids outside [4, 10) are remote; K = 1..4 slabs
-    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count))
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
+    assert cu.down.weights.f16 == (ring.get("f16", True) and ring.get("enabled", True))
     ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
     local = (ids >= start) & (ids < start + count)
-    check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "ring glu")
+    check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "ring glu", be)
     for proj, per_slot in (("gate", False), ("down", True)):
-        check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, f"ring {proj}")
+        check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, f"ring {proj}", be)

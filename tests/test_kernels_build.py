@@ -1,7 +1,7 @@
 """Every kernel file compiles with nvcc for the H200 (sm_90) and the GB10 (sm_121).
 
 Runs without a GPU (CI). What is compiled is the exact text NVRTC gets at run time
-(``kernels.kernel_source``: local headers inlined, the loader's -D constants), so a failure here
+(``loader.kernel_source``: local headers inlined, the loader's -D constants), so a failure here
 is a failure there, reported with nvcc's own message.
 """
 
@@ -14,45 +14,68 @@ from pathlib import Path
 
 import pytest
 
-from glm_ep.backend import kernels, nvfp4_kernels
+from glm_ep.backend.cuda import grouped, loader
 
 NVCC = shutil.which("nvcc") or next((str(p) for p in [Path("/usr/local/cuda/bin/nvcc")] if p.is_file()), None)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (no CUDA toolkit on PATH or in /usr/local/cuda)")
-FILES = kernels.kernel_files()
+FILES = loader.kernel_files()
 
 
 def test_kernel_files_exist():
     assert {p.name for p in FILES} >= {"gemv_bf16.cu", "gemv_nvfp4.cu", "router.cu", "elementwise.cu", "moe_route.cu"}
 
 
-@pytest.mark.parametrize("path", sorted(kernels.KERNEL_DIR.glob("*.cu*")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(loader.KERNEL_DIR.glob("*.cu*")), ids=lambda p: p.name)
 def test_no_system_headers(path):
     """NVRTC compiles without the CUDA or system headers: only local "x.cuh" includes."""
     bad = [line for line in path.read_text().splitlines() if re.match(r"\s*#\s*include\s*<", line)]
     assert not bad, f"{path.name} includes system headers: {bad}"
 
 
-def test_mirrored_constants():
-    """Constants a .cu states itself must agree with the grid arithmetic of the wrappers."""
-    for name, const, value in (("elementwise.cu", "COMBINE_VEC", kernels.COMBINE_VEC),
-                               ("gemv_nvfp4.cu", "MMA_ROWS", nvfp4_kernels.MMA_ROWS)):
-        text = (kernels.KERNEL_DIR / name).read_text()
-        assert re.search(rf"#define {const} {value}\b", text), f"{name}: {const} differs from the wrappers ({value})"
+def test_every_define_a_kernel_needs_is_passed():
+    """Each name a .cu refuses to compile without (``#ifndef X`` + ``#error``) is a -D of the loader."""
+    passed = {opt[2:].split("=")[0] for opt in loader.define_options()}
+    for path in loader.KERNEL_DIR.glob("*.cu*"):
+        needed = set(re.findall(r"^#ifndef (\w+)\s*\n#error", path.read_text(), re.M))
+        needed |= {n for a, b in re.findall(r"^#if !defined\((\w+)\) \|\| !defined\((\w+)\)", path.read_text(), re.M)
+                   for n in (a, b)}
+        assert needed <= passed, f"{path.name} needs {sorted(needed - passed)}, which the loader does not pass"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,file", [("COMBINE_VEC", "elementwise.cu"), ("MMA_ROWS", "gemv_nvfp4.cu"),
+                                       ("RING_STAGE_BYTES_P2_T8", "gemv_nvfp4_ring.cu"),
+                                       ("GEMM_SMEM_M64W8K128", "gemm_nvfp4.cu")])
+def test_a_constant_that_differs_from_the_kernel_does_not_compile(name: str, file: str, tmp_path: Path):
+    """The .cu files static_assert the values and layouts the wrappers size their launches by: a
+    loader that disagreed with the kernel by one would fail the build, not corrupt memory."""
+    opts = [o if not o.startswith(f"-D{name}=") else f"-D{name}={int(o.split('=')[1]) + 1}"
+            for o in loader.define_options()]
+    assert opts != list(loader.define_options())
+    src = tmp_path / file
+    src.write_text(loader.kernel_source(file))
+    r = subprocess.run([NVCC, "--cubin", "-arch=sm_90", "-std=c++17", *opts, "-o", str(tmp_path / "out.cubin"),
+                        str(src)], capture_output=True, text=True)
+    assert r.returncode != 0 and "static assertion failed" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_instantiated_variants():
     """The kernel variants the wrappers launch are the ones the .cu files instantiate."""
-    gemm = (kernels.KERNEL_DIR / "gemm_nvfp4.cu").read_text()
+    gemm = (loader.KERNEL_DIR / "gemm_nvfp4.cu").read_text()
     rows = re.findall(r"^GEMM_VARIANT\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
     assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
-    assert {(int(bm), int(w), int(bk), int(st)) for bm, _, w, bk, st in rows} == set(nvfp4_kernels.GEMM_VARIANTS)
-    mma = (kernels.KERNEL_DIR / "mma_bf16.cu").read_text()
-    assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == kernels.MMA_GEMM_TIERS
+    assert {(int(bm), int(w), int(bk), int(st)) for bm, _, w, bk, st in rows} == set(loader.GEMM_VARIANTS)
+    ring = (loader.KERNEL_DIR / "gemv_nvfp4_ring.cu").read_text()
+    for form in ("0, ", "1, f16_"):
+        found = re.findall(rf"^RING_ENTRIES\((\d+), (\d+), {form}\)", ring, re.M)
+        assert {(int(t), int(d)) for t, d in found} == set(loader.RING_KERNELS), (form, found)
+    mma = (loader.KERNEL_DIR / "mma_bf16.cu").read_text()
+    assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == loader.MMA_GEMM_TIERS
 
 
 def test_split_k():
     """K is halved while the launch is short of warps and each slice keeps its minimum of steps."""
-    split = kernels._split_k
+    split = loader.split_k
     # GLM gate + up decode: 128 row groups x 16 slot-matrices, 32 steps: one split fills 132 SMs
     assert split(128, 16, 32, 8, 16, 4, sms=132) == (32, 2)
     assert split(128, 1, 32, 8, 16, 4, sms=132) == (128, 8)  # one copy: split to 8 warps of 4 steps
@@ -63,7 +86,7 @@ def test_split_k():
 def test_gemm_variant_choice():
     """Few rows per expert take the 16-row tiles, many the 64-row ones; every default is built, and
     a variant's shared memory is its stages of x rows, packed weights and scales."""
-    nv = nvfp4_kernels
+    nv = grouped
     assert nv.gemm_variant(16 * 8, 288, 4096)[0] == 16
     assert nv.gemm_variant(1024 * 8, 288, 4096)[0] == 32
     assert nv.gemm_variant(4096 * 8, 288, 4096) == (64, 4, 128, 3)
@@ -83,8 +106,8 @@ def test_gemm_variant_choice():
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_compiles(path: Path, arch: str, tmp_path: Path):
     src = tmp_path / path.name
-    src.write_text(kernels.kernel_source(path.name))
-    cmd = [NVCC, "--cubin", f"-arch={arch}", "-std=c++17", *kernels.define_options(), "-o",
+    src.write_text(loader.kernel_source(path.name))
+    cmd = [NVCC, "--cubin", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o",
            str(tmp_path / "out.cubin"), str(src)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"nvcc -arch={arch} failed on {path.name}:\n{r.stdout}{r.stderr}"

@@ -94,7 +94,7 @@ class _FakeCudaBackend:
 
 
 def test_make_comm_takes_nccl_for_gb10_2_and_mpi_for_two_ranks_on_one_gpu(monkeypatch) -> None:
-    import glm_ep.backend.nccl as nccl
+    import glm_ep.backend.cuda.nccl as nccl
 
     made = []
     monkeypatch.setattr(nccl, "NcclComm", lambda mpi_comm, backend, deadline=None: made.append(mpi_comm) or "nccl-comm")

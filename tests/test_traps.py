@@ -186,7 +186,7 @@ def test_remote_slots_are_exactly_zero(rows: int, levers: PathLevers) -> None:
     layout = RankLayout(2, 1, 2, 2)  # EP rank 1 owns experts 16..31
     cfg = SiteConfig.for_rank(model, layout)
     be = NumpyBackend()
-    moe = be.upload_moe(shard_layer(full[0], layout))
+    moe = be.upload_moe(shard_layer(full[0], layout), cfg.swiglu_limit)
     ws = Workspace(np, cfg, rows)
     ws._flat["expert_out"][...] = np.nan  # stale bytes must never survive
     x = random_x(42, rows, model.hidden_size)

@@ -4,8 +4,9 @@ import cupy as cp
 import ml_dtypes
 import numpy as np
 
-from glm_ep.backend import kernels as K
-from glm_ep.bench import time_median
+from glm_ep.backend.cuda import dense as K
+from glm_ep.backend.cuda.elementwise import swiglu
+from glm_ep.bench.common import time_median
 
 BF16 = ml_dtypes.bfloat16
 s = cp.cuda.Stream(non_blocking=True)
@@ -27,7 +28,7 @@ for name, n, k, glu in (("dense_glu", 12288, H, True), ("dense_down", H, 12288, 
         if glu:
             mma = lambda: K.mma_glu_bf16(x, wg, wu, 7.0, g, u, a)
             def cub():
-                K.gemm_bf16(x, wg, g); K.gemm_bf16(x, wu, u); K.swiglu(g, u, 7.0, a)
+                K.gemm_bf16(x, wg, g); K.gemm_bf16(x, wu, u); swiglu(g, u, 7.0, a)
         else:
             mma = lambda: K.mma_gemm_bf16(x, wg, g)
             cub = lambda: K.gemm_bf16(x, wg, g)

@@ -6,9 +6,9 @@ Each figure is the median replay time of a CUDA graph over ``--layers`` distinct
 weights stream from HBM, not L2), divided by the layer count, with the bytes it must read and
 that over the measured device copy bandwidth. Weights are random NVFP4 bytes and bf16 values:
 timing only, no numerics. ``--ring-variants`` first times the one-row routed kernels (glu, down,
-both) under each variant of ``nvfp4_kernels.RING`` (gemv_nvfp4.cu's block kernels, ring depths, warps per
-SM, the bf16 / fp16 forms), then the 2- and 8-row union kernels (gemv_nvfp4.cu's blocks, the union
-ring's slabs), side by side in one run.
+both) under each ``RingConfig`` (gemv_nvfp4.cu's block kernels, ring depths, warps per SM, the bf16 /
+fp16 forms; a backend built with each, on one stream, the experts uploaded again for its operand
+forms), side by side in one run.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import numpy as np
 
 BF16 = ml_dtypes.bfloat16
 H, M, I, E_LOCAL, E_ROUTER, TOP_K = 4096, 2048, 12288, 32, 288, 8
+LIMIT = 10.0  # swiglu_limit of the timed sites
 
 
 def main() -> int:
     import cupy as cp
 
-    from glm_ep.backend.cuda_backend import CudaBackend
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
     from glm_ep.nvfp4 import Nvfp4Weight
     from glm_ep.routing import RouteParams
     from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
@@ -84,11 +85,12 @@ def main() -> int:
 
     L = args.layers
     with s:
-        moes = [be.upload_moe(MoeWeights(bf16((E_ROUTER, H), H ** -0.5),
-                                         (7 + 0.02 * cp.random.standard_normal(E_ROUTER, dtype=cp.float32)),
-                                         0, tuple(ExpertWeights(fp4(M, H), fp4(M, H), fp4(H, M))
-                                                  for _ in range(E_LOCAL)), dense(M)))
-                for _ in range(L)]
+        weights = [MoeWeights(bf16((E_ROUTER, H), H ** -0.5),
+                              (7 + 0.02 * cp.random.standard_normal(E_ROUTER, dtype=cp.float32)),
+                              0, tuple(ExpertWeights(fp4(M, H), fp4(M, H), fp4(H, M)) for _ in range(E_LOCAL)),
+                              dense(M))
+                   for _ in range(L)]
+        moes = [be.upload_moe(w, LIMIT) for w in weights]
         denses = [be.upload_dense(dense(I)) for _ in range(max(L // 4, 2))]
         x = bf16((8, H), 1.0)
         ids = cp.asarray(np.stack([np.random.default_rng(r).choice(E_LOCAL, TOP_K, replace=False)
@@ -111,12 +113,12 @@ def main() -> int:
         for m in moes:
             t = m.experts
             g, u, a = (v(b, TOP_K, M) for b in (gate, up, act))
-            be.moe_gate_up_act(x[:1], t, ids[0], 10.0, g, u, a)
-            be.moe_gemv(a, t.down, t, ids[0], routed[0], per_slot_input=True)
+            be.moe_gate_up_act(x[:1], t, ids[0], LIMIT, g, u, a)
+            be.moe_gemv(a, t.down, ids[0], routed[0], per_slot_input=True)
 
     def shared_fused():
         for m in moes:
-            be.gate_up_act(x[:1], m.shared, 10.0, *(v(b, 1, M) for b in (gate, up, act)))
+            be.gate_up_act(x[:1], m.shared, LIMIT, *(v(b, 1, M) for b in (gate, up, act)))
             be.linear(v(act, 1, M), m.shared.down, out[:1])
 
     def shared_unfused():
@@ -124,7 +126,7 @@ def main() -> int:
             g, u, a = (v(b, 1, M) for b in (gate, up, act))
             be.linear(x[:1], m.shared.gate, g)
             be.linear(x[:1], m.shared.up, u)
-            be.swiglu(g, u, 10.0, a)
+            be.swiglu(g, u, LIMIT, a)
             be.linear(a, m.shared.down, out[:1])
 
     def router():
@@ -134,61 +136,45 @@ def main() -> int:
 
     def dense_fused():
         for d in denses:
-            be.gate_up_act(x[:1], d, 10.0, *(v(b, 1, I) for b in (gate, up, act)))
+            be.gate_up_act(x[:1], d, LIMIT, *(v(b, 1, I) for b in (gate, up, act)))
             be.linear(v(act, 1, I), d.down, out[:1])
 
     def combine():
         for _ in moes:
             be.combine(routed[0], wts[:1], out[:1], out[:1])
 
-    def routed_union(r):  # union table, gate + up + SwiGLU, down of r rows, every layer
-        ue, us = v(u_eid, r * TOP_K), v(u_slot, r * TOP_K, r)
-
-        def run():
-            for m in moes:
-                t = m.experts
-                be.union_table(ids[:r], ue, us)
-                g, u, a = (v(b, r, TOP_K, M) for b in (gate, up, act))
-                be.moe_gate_up_act_union(x[:r], t, ue, us, 10.0, g, u, a)
-                be.moe_gemv_union(a, t.down, t, ue, us, routed[:r], per_slot_input=True)
-        return run
-
     if args.ring_variants:
-        from glm_ep.backend import nvfp4_kernels as K
-
         glu_mb, down_mb = expert_mb * TOP_K * 2 // 3, expert_mb * TOP_K // 3
 
-        def glu_only():
-            for m in moes:
-                be.moe_gate_up_act(x[:1], m.experts, ids[0], 10.0, *(v(b, TOP_K, M) for b in (gate, up, act)))
+        for name, cfg in (("blocks", RingConfig(enabled=False)),
+                          ("ring t4 d2/2 w16 bf16", RingConfig(f16=False)),
+                          ("ring t4 d2/2 w16 f16 (default: down only)", RingConfig(f16=True)),
+                          ("ring t4 d2/2 w16 f16 all", RingConfig(f16=True, f16_hidden=True)),
+                          ("ring t4 d4/3 w8 bf16", RingConfig(depth=(4, 3), warps_per_sm=8, f16=False)),
+                          ("ring t4 d4/3 w8 f16", RingConfig(depth=(4, 3), warps_per_sm=8, f16=True)),
+                          ("ring t4 d2/2 w16 bf16 (again)", RingConfig(f16=False)),
+                          ("ring t4 d2/2 w16 f16 (again)", RingConfig(f16=True))):
+            rb = CudaBackend(0, cfg, stream=s)
+            with s:
+                variant = [rb.upload_moe(w, LIMIT) for w in weights]  # device arrays: only the tables are new
 
-        def down_only():
-            for m in moes:
-                be.moe_gemv(v(act, TOP_K, M), m.experts.down, m.experts, ids[0], routed[0], per_slot_input=True)
+            def glu_only(rb=rb, variant=variant):
+                for m in variant:
+                    rb.moe_gate_up_act(x[:1], m.experts, ids[0], LIMIT, *(v(b, TOP_K, M) for b in (gate, up, act)))
 
-        default = K.RING
-        for name, cfg in (("blocks", K.RingConfig(enabled=False)),
-                          ("ring t4 d2/2 w16 bf16", K.RingConfig(f16=False)),
-                          ("ring t4 d2/2 w16 f16 (default: down only)", K.RingConfig(f16=True)),
-                          ("ring t4 d2/2 w16 f16 all", K.RingConfig(f16=True, f16_hidden=True)),
-                          ("ring t4 d4/3 w8 bf16", K.RingConfig(depth={1: 4, 2: 3}, warps_per_sm=8, f16=False)),
-                          ("ring t4 d4/3 w8 f16", K.RingConfig(depth={1: 4, 2: 3}, warps_per_sm=8, f16=True)),
-                          ("ring t4 d2/2 w16 bf16 (again)", K.RingConfig(f16=False)),
-                          ("ring t4 d2/2 w16 f16 (again)", K.RingConfig(f16=True))):
-            K.RING = cfg
+            def down_only(rb=rb, variant=variant):
+                for m in variant:
+                    rb.moe_gemv(v(act, TOP_K, M), m.experts.down, ids[0], routed[0], per_slot_input=True)
+
+            def both(rb=rb, variant=variant):  # as routed_decode: glu then down, layer by layer
+                for m in variant:
+                    g, u, a = (v(b, TOP_K, M) for b in (gate, up, act))
+                    rb.moe_gate_up_act(x[:1], m.experts, ids[0], LIMIT, g, u, a)
+                    rb.moe_gemv(a, m.experts.down, ids[0], routed[0], per_slot_input=True)
+
             timed(glu_only, glu_mb, f"[{name}] routed glu, 1 row", L)
             timed(down_only, down_mb, f"[{name}] routed down, 1 row", L)
-            timed(routed_decode, expert_mb * TOP_K, f"[{name}] routed glu + down, 1 row", L)
-        for name, cfg in (("union blocks", K.RingConfig(union=False)),
-                          ("union ring t2 d3 w16 (default)", K.RingConfig()),
-                          ("union ring t4 d2 w16", K.RingConfig(union_slab={1: 4, 2: 4}, union_depth={1: 2, 2: 2})),
-                          ("union ring t2 d3 w8", K.RingConfig(warps_per_sm=8)),
-                          ("union ring t2 d3 w16 (again)", K.RingConfig())):
-            K.RING = cfg
-            for r in (2, 8):
-                uniq = len(np.unique(ids[:r].get()))
-                timed(routed_union(r), expert_mb * uniq, f"[{name}] routed, {r} rows (union of {uniq})", L)
-        K.RING = default
+            timed(both, expert_mb * TOP_K, f"[{name}] routed glu + down, 1 row", L)
     timed(routed_decode, expert_mb * TOP_K, "routed experts, 1 row (glu + down)", L)
     timed(shared_fused, shared_mb, "shared expert, 1 row (fused glu + down)", L)
     timed(shared_unfused, shared_mb, "shared expert, 1 row (gate, up, swiglu, down)", L)
@@ -198,13 +184,22 @@ def main() -> int:
 
     for r in (2, 4, 8):
         uniq = len(np.unique(ids[:r].get()))
+        ue, us = v(u_eid, r * TOP_K), v(u_slot, r * TOP_K, r)
+
+        def routed_union(r=r, ue=ue, us=us):
+            for m in moes:
+                t = m.experts
+                be.union_table(ids[:r], ue, us)
+                g, u, a = (v(b, r, TOP_K, M) for b in (gate, up, act))
+                be.moe_gate_up_act_union(x[:r], t, ue, us, LIMIT, g, u, a)
+                be.moe_gemv_union(a, t.down, ue, us, routed[:r], per_slot_input=True)
 
         def dense_rows(r=r):
             for d in denses:
-                be.gate_up_act(x[:r], d, 10.0, *(v(b, r, I) for b in (gate, up, act)))
+                be.gate_up_act(x[:r], d, LIMIT, *(v(b, r, I) for b in (gate, up, act)))
                 be.linear(v(act, r, I), d.down, out[:r])
 
-        timed(routed_union(r), expert_mb * uniq, f"routed experts, {r} rows (union of {uniq})", L)
+        timed(routed_union, expert_mb * uniq, f"routed experts, {r} rows (union of {uniq})", L)
         timed(dense_rows, 3 * I * H * 2, f"dense MLP, {r} rows (batch-M)", len(denses))
     return 0
 

@@ -2,8 +2,8 @@
 # Two ranks sharing one GPU (MPI host-staged all-reduce), an input wider than the workspace (2000
 # rows in 512-row chunks), against one NumPy rank. Each variant runs the same forward and prints
 # the per-layer relative L2 and which rows and chunks are off, to tell apart a device-ordering race
-# (CUDA_LAUNCH_BLOCKING), the grouped-GEMM path (prefill_gemm = false) and the MPI transport
-# (Open MPI's shared-memory single-copy mechanism off):
+# (CUDA_LAUNCH_BLOCKING), the grouped-GEMM path (prefill_gemm = false) and the MPI transport (Open
+# MPI's CUDA buffer support off; its ob1 + shared-memory transport instead of UCX):
 #   bash tools/two_rank_chunks_check.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0
@@ -44,7 +44,9 @@ EOF
 run chunks chunks
 run chunks-again chunks
 run tp-only tponly
-run ep-only eponly
 run row-groups rowgroups
 run launch-blocking chunks -x CUDA_LAUNCH_BLOCKING=1
-run no-single-copy chunks --mca btl_vader_single_copy_mechanism none
+run mpi-cuda-off chunks -x OMPI_MCA_opal_cuda_support=0
+run mpi-cuda-off-again chunks -x OMPI_MCA_opal_cuda_support=0
+run ob1-vader chunks --mca pml ob1 --mca btl self,vader
+run ob1-vader-again chunks --mca pml ob1 --mca btl self,vader

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from glm_ep.backend.base import Backend
 from glm_ep.comm import Communicator, MpiComm
+from glm_ep.config import SiteConfig
 from glm_ep.deadline import Deadline, guarded
 from glm_ep.errors import ConfigError
 from glm_ep.placement import NodeGpu, Placement, choose_comm, device_index
@@ -13,13 +15,22 @@ from glm_ep.placement import NodeGpu, Placement, choose_comm, device_index
 log = logging.getLogger(__name__)
 
 
-def make_backend(topology: Any, placement: Placement) -> Any:
+def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backend:
     """The topology's backend for this rank: NumPy, or CUDA on the rank's device (its node-local
-    rank unless the topology lists devices; ``glm_ep.placement.device_index``)."""
+    rank unless the topology lists devices; ``glm_ep.placement.device_index``). Refused with a
+    ConfigError, before any device is touched, where a lever or the model's top-k is past the
+    backend's ``Capabilities``, or (CUDA) where the ring levers ask for a kernel that is not built
+    or an fp16 form the site's ``swiglu_limit`` does not bound."""
     if topology.backend == "cpu":
         from glm_ep.backend.numpy_backend import NumpyBackend
 
+        NumpyBackend.capabilities.check("cpu", topology.levers, cfg.top_k)
         return NumpyBackend()
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    CudaBackend.capabilities.check("cuda", topology.levers, cfg.top_k)
+    ring = RingConfig.from_levers(topology.levers)
+    ring.forms(cfg.swiglu_limit)  # the check the upload repeats, here on every rank before any weight is read
     try:
         import cupy
 
@@ -28,12 +39,10 @@ def make_backend(topology: Any, placement: Placement) -> Any:
         raise ConfigError(f"topology {topology.name!r} asks for backend = 'cuda', but CUDA is unusable on "
                           f"{placement.host} ({type(e).__name__}: {e}); install glm_ep[cuda13] (or "
                           "[cuda12]) or use backend = 'cpu'") from None
-    from glm_ep.backend.cuda_backend import CudaBackend
-
-    return CudaBackend(device_index(topology.devices, placement, visible))
+    return CudaBackend(device_index(topology.devices, placement, visible), ring)
 
 
-def make_comm(mpi_comm: Any, backend: Any, topology: Any, placement: Placement,
+def make_comm(mpi_comm: Any, backend: Backend, topology: Any, placement: Placement,
               deadline: Deadline | None = None) -> Communicator:
     """The site all-reduce for this rank, decided identically on every rank.
 
@@ -51,7 +60,7 @@ def make_comm(mpi_comm: Any, backend: Any, topology: Any, placement: Placement,
         log.info("all-reduce: %s over %d rank(s) on %d node(s)", kind.upper(), len(gpus),
                  len({g.node for g in gpus}))
     if kind == "nccl":
-        from glm_ep.backend.nccl import NcclComm
+        from glm_ep.backend.cuda.nccl import NcclComm
 
         return NcclComm(mpi_comm, backend, deadline)
     return MpiComm(mpi_comm, to_host=backend.to_host, from_host=backend.from_host, deadline=deadline)

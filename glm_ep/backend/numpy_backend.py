@@ -7,47 +7,32 @@ the expert-sorted order), so CI exercises the dispatch logic, not just the math.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import ml_dtypes
 import numpy as np
 
 from glm_ep import nvfp4, routing
-from glm_ep.backend.base import Backend
+from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
+from glm_ep.backend.cuda.loader import CAPABILITIES as CUDA_CAPABILITIES
+from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import DenseWeights, MoeWeights
 
 BF16 = ml_dtypes.bfloat16
+#: one projection of every local expert, as read: local expert i is ``[i]``
+Projection = tuple[Nvfp4Weight, ...]
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
     return np.asarray(a).astype(np.float32, copy=False)
 
 
-@dataclass(frozen=True)
-class NumpyExpertTable:
-    gate: tuple[nvfp4.Nvfp4Weight, ...]
-    up: tuple[nvfp4.Nvfp4Weight, ...]
-    down: tuple[nvfp4.Nvfp4Weight, ...]
-    start: int
-    count: int
-
-    def local(self, expert_id: int) -> int | None:
-        i = int(expert_id) - self.start
-        return i if 0 <= i < self.count else None
-
-
-@dataclass(frozen=True)
-class NumpyMoe:
-    router: np.ndarray
-    bias: np.ndarray
-    experts: NumpyExpertTable
-    shared: DenseWeights | None
-
-
-class NumpyBackend(Backend):
+class NumpyBackend(Backend[np.ndarray, Projection]):
     name = "cpu"
     xp = np
-    has_grouped_gemm = True
+    # the CUDA kernels' limits (it computes what they compute, so CI walks the same paths and refuses
+    # what a GPU would); it records no graphs
+    capabilities = dataclasses.replace(CUDA_CAPABILITIES, capture=False)
 
     def asarray(self, host: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(host)
@@ -55,13 +40,15 @@ class NumpyBackend(Backend):
     def to_host(self, a: np.ndarray) -> np.ndarray:
         return np.array(a, copy=True)
 
-    def upload_dense(self, w: DenseWeights) -> DenseWeights:
-        return w
+    def upload_dense(self, w: DenseWeights) -> DenseResident[np.ndarray]:
+        return DenseResident(w.gate, w.up, w.down)
 
-    def upload_moe(self, w: MoeWeights) -> NumpyMoe:
-        table = NumpyExpertTable(tuple(e.gate for e in w.experts), tuple(e.up for e in w.experts),
-                                 tuple(e.down for e in w.experts), w.expert_start, len(w.experts))
-        return NumpyMoe(w.router, _f32(w.bias), table, w.shared)
+    def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[np.ndarray, Projection]:
+        # fp32 everywhere: no operand form to choose from the limit
+        experts = RoutedExperts.of(tuple(e.gate for e in w.experts), tuple(e.up for e in w.experts),
+                                   tuple(e.down for e in w.experts), w.expert_start, len(w.experts))
+        shared = self.upload_dense(w.shared) if w.shared is not None else None
+        return MoeResident(w.router, _f32(w.bias), experts, shared)
 
     # ---- dense ops -------------------------------------------------------------------------
     def linear(self, x_TK, w_NK, out_TN):
@@ -103,28 +90,28 @@ class NumpyBackend(Backend):
 
     # ---- routed experts --------------------------------------------------------------------
     @staticmethod
-    def _expert_mm(a_MK: np.ndarray, w: nvfp4.Nvfp4Weight) -> np.ndarray:
+    def _expert_mm(a_MK: np.ndarray, w: Nvfp4Weight) -> np.ndarray:
         return (_f32(a_MK) @ nvfp4.dequantize(w).T).astype(BF16)
 
-    def moe_gemv(self, a, proj, table, ids_K, out_KN, per_slot_input):
+    def moe_gemv(self, a, table: ExpertTable[Projection], ids_K, out_KN, per_slot_input):
         for slot, e in enumerate(np.asarray(ids_K).reshape(-1).tolist()):
             local = table.local(e)
             if local is None:
                 continue
             row = a[slot:slot + 1] if per_slot_input else a[0:1]
-            out_KN[slot:slot + 1] = self._expert_mm(row, proj[local])
+            out_KN[slot:slot + 1] = self._expert_mm(row, table.weights[local])
 
     def union_table(self, ids_RK, u_eid_U, u_slot_UR):
         u_eid, u_slot = routing.union_table(ids_RK)
         u_eid_U[...] = u_eid
         u_slot_UR[...] = u_slot
 
-    def moe_gemv_union(self, a, proj, table, u_eid_U, u_slot_UR, out_RKN, per_slot_input):
+    def moe_gemv_union(self, a, table: ExpertTable[Projection], u_eid_U, u_slot_UR, out_RKN, per_slot_input):
         for u, e in enumerate(np.asarray(u_eid_U).tolist()):
             local = table.local(e) if e >= 0 else None
             if local is None:
                 continue
-            w = nvfp4.dequantize(proj[local])  # one weight sweep for every row that chose it
+            w = nvfp4.dequantize(table.weights[local])  # one weight sweep for every row that chose it
             for r, slot in enumerate(np.asarray(u_slot_UR[u]).tolist()):
                 if slot < 0:
                     continue
@@ -139,14 +126,15 @@ class NumpyBackend(Backend):
         expert_offsets[...] = s.expert_offsets
         token_to_perm_TK[...] = s.token_to_perm
 
-    def moe_gemm_sorted(self, a, proj, table, sorted_token_ids_S, expert_offsets, out_SN, gather_rows):
+    def moe_gemm_sorted(self, a, table: ExpertTable[Projection], sorted_token_ids_S, expert_offsets, out_SN,
+                        gather_rows):
         offsets = np.asarray(expert_offsets)
         for local in range(table.count):
             lo, hi = int(offsets[table.start + local]), int(offsets[table.start + local + 1])
             if lo == hi:
                 continue
             rows = a[np.asarray(sorted_token_ids_S[lo:hi])] if gather_rows else a[lo:hi]
-            out_SN[lo:hi] = self._expert_mm(rows, proj[local])
+            out_SN[lo:hi] = self._expert_mm(rows, table.weights[local])
 
-    def expert_linear(self, a_1K, proj, table, local, out_1N):
-        out_1N[...] = self._expert_mm(a_1K, proj[local])
+    def expert_linear(self, a_1K, table: ExpertTable[Projection], local, out_1N):
+        out_1N[...] = self._expert_mm(a_1K, table.weights[local])

@@ -73,7 +73,7 @@ def _peer_us(model: ModelConfig, iters: int) -> tuple[float, float] | None:
 def run_bench(args: argparse.Namespace) -> int:
     import cupy as cp
 
-    from glm_ep.backend.cuda_backend import CudaBackend
+    from glm_ep.backend.cuda import CudaBackend
 
     model, iters = glm_model(), args.iters
     peer = _peer_us(model, iters) if args.peer else None
@@ -98,7 +98,7 @@ def run_bench(args: argparse.Namespace) -> int:
         dense_sites = [DenseSite(be, comm, cfg, be.upload_dense(gpu_dense(cp, model.intermediate_size,
                                                                              model.hidden_size)))
                        for _ in range(n_dense)]
-        sparse_sites = [MoeSite(be, comm, cfg, be.upload_moe(gpu_moe(cp, model)), dispatch)
+        sparse_sites = [MoeSite(be, comm, cfg, be.upload_moe(gpu_moe(cp, model), model.swiglu_limit), dispatch)
                         for _ in range(n_sparse)]
     stack = MlpStack(be, comm, cfg, dense_sites + sparse_sites, levers, max_rows=8)
     ws = Workspace(cp, cfg, 8)

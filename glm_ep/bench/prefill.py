@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from glm_ep.backend import nvfp4_kernels as NV
+from glm_ep.backend.cuda import grouped as NV
 from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
                                  gpu_moe, pyplot, results_header, time_median, torch_time_us, world1_cfg)
 from glm_ep.comm import SelfComm
@@ -51,7 +51,7 @@ def crossover(sweep: list[dict[str, Any]]) -> int | None:
 def run_prefill_bench(args: argparse.Namespace) -> int:
     import cupy as cp
 
-    from glm_ep.backend.cuda_backend import CudaBackend
+    from glm_ep.backend.cuda import CudaBackend
 
     model = glm_model()
     cfg = world1_cfg(model)
@@ -63,7 +63,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     copy_gbs = copy_bandwidth(cp, stream)
     h, m, k = model.hidden_size, model.moe_intermediate_size, model.num_experts_per_tok
     with stream:
-        moe = be.upload_moe(gpu_moe(cp, model))
+        moe = be.upload_moe(gpu_moe(cp, model), model.swiglu_limit)
         dense = be.upload_dense(gpu_dense(cp, model.intermediate_size, h))
     ws = Workspace(cp, cfg, max_rows)
     out = cp.empty((max_rows, h), dtype=BF16)
@@ -106,18 +106,15 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["sort_us"] = t(lambda: be.sort_by_expert(ids_TK, model.n_routed_experts, tok, eid, offsets, perm), rows)
         r["glu_us"] = t(lambda: be.moe_gate_up_act_sorted(x, moe.experts, tok, offsets, cfg.swiglu_limit, gate, up,
                                                           act), rows)
-        r["down_us"] = t(lambda: be.moe_gemm_sorted(act, moe.experts.down, moe.experts, tok, offsets, routed, False),
-                         rows)
+        r["down_us"] = t(lambda: be.moe_gemm_sorted(act, moe.experts.down, tok, offsets, routed, False), rows)
         r["gemm_tflops"] = 6 * s * m * h / ((r["glu_us"] + r["down_us"]) * 1e-6) / 1e12
         r["variants"] = {}
         for v in NV.GEMM_VARIANTS:  # every tile shape on this width: the evidence for gemm_variant
             with stream:
-                glu = t(lambda: NV.nvfp4_gemm_sorted_glu(x, tok, offsets, model.n_routed_experts, moe.experts.gate,
-                                                         moe.experts.up, 0, model.n_routed_experts,
+                glu = t(lambda: NV.nvfp4_gemm_sorted_glu(x, tok, offsets, model.n_routed_experts, moe.experts,
                                                          cfg.swiglu_limit, act, variant=v), rows)
                 down = t(lambda: NV.nvfp4_gemm_sorted(act, False, tok, offsets, model.n_routed_experts,
-                                                      moe.experts.down, 0, model.n_routed_experts, routed,
-                                                      variant=v), rows)
+                                                      moe.experts.down, routed, variant=v), rows)
             r["variants"][NV.GemmGeometry.of(v).suffix] = [glu, down]
         r["dense_us"] = t(lambda: dense_site(x, ws, o), rows)
         r["shared_us"] = t(lambda: clamped_swiglu_mlp(be, moe.shared, cfg.swiglu_limit, x, ws, o), rows)

@@ -1,5 +1,5 @@
 // Shared device helpers of the glm_ep kernels. Self-contained: no system or CUDA headers, so
-// NVRTC compiles it as is (glm_ep/backend/kernels.py inlines it where a .cu includes it).
+// NVRTC compiles it as is (glm_ep/backend/cuda/loader.py inlines it where a .cu includes it).
 //
 // Numerics: bf16 <-> f32 by bit manipulation (widen = bits << 16; narrow = round to nearest
 // even, NaN kept quiet).

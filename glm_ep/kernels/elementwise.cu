@@ -7,12 +7,15 @@
 #include "common.cuh"
 
 #ifndef ELEM_THREADS
-#error "ELEM_THREADS is set by glm_ep/backend/kernels.py"
+#error "ELEM_THREADS is set by glm_ep/backend/cuda/loader.py"
 #endif
 #ifndef COMBINE_THREADS
-#error "COMBINE_THREADS is set by glm_ep/backend/kernels.py"
+#error "COMBINE_THREADS is set by glm_ep/backend/cuda/loader.py"
 #endif
-#define COMBINE_VEC 8  // hidden elements per combine thread (one 16-byte vector)
+#ifndef COMBINE_VEC
+#error "COMBINE_VEC is set by glm_ep/backend/cuda/loader.py"
+#endif
+static_assert(COMBINE_VEC == 8, "a combine thread's hidden elements are one 16-byte vector of bf16");
 
 // out = bf16(silu(min(g, L)) * clamp(u, -L, L)); grid-stride over n elements.
 extern "C" __global__ void __launch_bounds__(ELEM_THREADS)

@@ -30,7 +30,7 @@
 // e2m1 * e4m3 * 2^-8: at most 6 significant bits and inside bf16's normal range, so exact. The fp32
 // sums are scaled by scale_2 * 2^8 in the epilogue. No per-element float conversion.
 //
-// Entry points, one per GEMM_VARIANT below (grids computed in glm_ep/backend/nvfp4_kernels.py):
+// Entry points, one per GEMM_VARIANT below (grids computed in glm_ep/backend/cuda/grouped.py):
 //   nvfp4_gemm_sorted_m{BM}w{W}k{BK}       one projection                        grid (tiles * ceil(N / BN))
 //   nvfp4_gemm_sorted_glu_m{BM}w{W}k{BK}   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)))
 #include "common.cuh"
@@ -328,7 +328,11 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
 }
 
 // The variants: nvfp4_gemm_sorted[_glu]_m{BM}w{WARPS}k{BK}, STAGES stages.
+// Each variant's shared memory is the loader's (GEMM_SMEM_M{BM}W{WARPS}K{BK}, from GEMM_VARIANTS).
 #define GEMM_VARIANT(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS)                                                      \
+    static_assert(BM == 16 * MT &&                                                                               \
+                      STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W##WARPS##K##BK,        \
+                  "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/loader.py");                      \
     extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) nvfp4_gemm_sorted_m##BM##w##WARPS##k##BK( \
         const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,                                  \
         const int* __restrict__ expert_offsets, const u64_t* __restrict__ packed_ptrs,                           \
@@ -350,7 +354,7 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                                                K, n_blocks, limit);                                               \
     }
 
-// Keep in step with GEMM_VARIANTS in glm_ep/backend/nvfp4_kernels.py.
+// Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/loader.py (a variant it lacks does not compile).
 GEMM_VARIANT(16, 1, 4, 64, 4, 4)
 GEMM_VARIANT(32, 2, 4, 64, 4, 3)
 GEMM_VARIANT(64, 4, 4, 64, 4, 3)

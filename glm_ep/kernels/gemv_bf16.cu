@@ -8,7 +8,7 @@
 // loads); x is read from global memory in the same pattern (L1 serves all but the first warp).
 // K must be a multiple of 8.
 //
-// Entry points, R = 1..8 (grids computed in glm_ep/backend/kernels.py):
+// Entry points, R = 1..8 (grids computed in glm_ep/backend/cuda/dense.py):
 //   bf16_gemv_r{R}          bf16 weights, bf16 out (the backend's `linear`)
 //   bf16_glu_r{R}           gate and up fused, writing gate, up and the clamped SwiGLU
 //   router_gemv_bf16w_r{R}  bf16 router weights, fp32 logits
@@ -16,10 +16,10 @@
 #include "common.cuh"
 
 #ifndef GEMV_WARPS
-#error "GEMV_WARPS is set by glm_ep/backend/kernels.py"
+#error "GEMV_WARPS is set by glm_ep/backend/cuda/loader.py"
 #endif
 #ifndef GEMV_ROWS_PER_WARP
-#error "GEMV_ROWS_PER_WARP is set by glm_ep/backend/kernels.py"
+#error "GEMV_ROWS_PER_WARP is set by glm_ep/backend/cuda/loader.py"
 #endif
 #define GEMV_THREADS (GEMV_WARPS * 32)
 

@@ -16,7 +16,7 @@
 // is free, so both operands simply use the chunk's own order. Slices meet in shared memory, added
 // in slice order. Lane (g, t) ends with x rows 2t, 2t + 1 of weight rows n0 + g, n0 + g + 8.
 //
-// Entry points (grids computed in glm_ep/backend/nvfp4_kernels.py):
+// Entry points (grids computed in glm_ep/backend/cuda/nvfp4.py):
 //   nvfp4_mma_gemv              one weight, scale_2 by value              grid (groups, 1)
 //   nvfp4_mma_moe_gemv          one row, every top-k slot                 grid (groups, slots)
 //   nvfp4_mma_moe_glu           same, gate + up + clamped SwiGLU fused    grid (groups, slots)
@@ -27,10 +27,13 @@
 #include "nvfp4_mma.cuh"
 
 #ifndef NVFP4_WARPS
-#error "NVFP4_WARPS is set by glm_ep/backend/kernels.py"
+#error "NVFP4_WARPS is set by glm_ep/backend/cuda/loader.py"
 #endif
 #define MMA_THREADS (NVFP4_WARPS * 32)
-#define MMA_ROWS 16  // weight rows per warp group
+#ifndef MMA_ROWS
+#error "MMA_ROWS is set by glm_ep/backend/cuda/loader.py"
+#endif
+static_assert(MMA_ROWS == 16, "a warp group's weight rows are the m16n8k16 mma's A operand");
 
 // Issue the loads of step s (4 chunks: lane t takes chunk 4 s + t) of the lane's 2P weight rows
 // (row 2p: n0 + g, row 2p + 1: n0 + g + 8 of matrix p); zeros past the slice, past K, or for a row

@@ -1,5 +1,5 @@
 // NVFP4 decode GEMV of ONE row for every top-k slot, as a persistent stream: a grid of a few warps
-// per SM (nvfp4_kernels.py) whose warps each own whole work items (local slot, sixteen weight rows) and
+// per SM (cuda/ring.py) whose warps each own whole work items (local slot, sixteen weight rows) and
 // sweep their FULL K: no K split, no block reduction, no barrier. A warp streams its items through a
 // private ring of D shared-memory stages filled by cp.async, one stage per slab of T 128-k steps:
 // per matrix the 16 rows' 64 T weight bytes (a copy instruction takes 32 consecutive 16-byte pieces:
@@ -11,13 +11,13 @@
 // Numerics of the bf16 form are gemv_nvfp4.cu's (the fp16 form's: see consume_slab_f16): within a
 // slab the lanes take the same chunks (lane (g, t): chunk 4 s + t of rows n0 + g and n0 + g + 8 at
 // step s), so every output sees the same mma chain over K in the same order and the same final
-// roundings. Requires K % (128 T) == 0 and N % 16 == 0 (nvfp4_kernels.py sends other shapes to
+// roundings. Requires K % (128 T) == 0 and N % 16 == 0 (cuda/ring.py sends other shapes to
 // gemv_nvfp4.cu). Work item i of warp w: i = w, w + W, w + 2W, ... (W warps in the grid), local
 // slot i / groups, rows 16 (i % groups) ..; a slot whose expert id is outside [start, start + count)
 // is not an item and its output is left untouched.
 //
 // Entry points, T = steps per slab, D = ring depth (grid (blocks), RING_WARPS warps per block, D
-// stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in nvfp4_kernels.py):
+// stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in cuda/ring.py):
 //   nvfp4_ring_moe_gemv_t{T}_d{D}   one projection, x[0] or x[slot]            P = 1
 //   nvfp4_ring_moe_glu_t{T}_d{D}    gate + up + clamped SwiGLU fused            P = 2
 //   nvfp4_ring_moe_{gemv,glu}_f16_t{T}_d{D}   the same in the fp16 form (consume_slab_f16: fp16
@@ -30,7 +30,7 @@
 #include "async_copy.cuh"
 
 #ifndef RING_WARPS
-#error "RING_WARPS is set by glm_ep/backend/kernels.py"
+#error "RING_WARPS is set by glm_ep/backend/cuda/loader.py"
 #endif
 #define RING_THREADS (RING_WARPS * 32)
 
@@ -506,6 +506,9 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
 //   nvfp4_ring_union_gemv_r{R}_t{T}_d{D}   one projection; x [R, Kin] or per slot [R, top_k, Kin]
 //   nvfp4_ring_union_glu_r{R}_t{T}_d{D}    gate + up + clamped SwiGLU fused
 #define RING_UNION_ENTRIES(R, T, D)                                                                                 \
+    static_assert(sizeof(RingStage<1, T, R>) == RING_STAGE_BYTES_P1_T##T##_R##R &&                                   \
+                      sizeof(RingStage<2, T, R>) == RING_STAGE_BYTES_P2_T##T##_R##R,                                 \
+                  "a union ring stage differs from ring_stage_bytes in glm_ep/backend/cuda/loader.py");            \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_union_gemv_r##R##_t##T##_d##D(             \
         const bf16_t* __restrict__ x, long long x_row_stride, long long x_slot_stride,                               \
         const u64_t* __restrict__ packed_ptrs, const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, \
@@ -533,7 +536,11 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
                                out_row_stride, N, K);                                                               \
     }
 
+// Each slab's stage is the size the loader gives it (RING_STAGE_BYTES_P{P}_T{T}, from ring_stage_bytes).
 #define RING_ENTRIES(T, D, F, TAG)                                                                                    \
+    static_assert(sizeof(RingStage<1, T>) == RING_STAGE_BYTES_P1_T##T &&                                              \
+                      sizeof(RingStage<2, T>) == RING_STAGE_BYTES_P2_T##T,                                            \
+                  "a ring stage differs from ring_stage_bytes in glm_ep/backend/cuda/loader.py");                     \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_gemv_##TAG##t##T##_d##D(                \
         const bf16_t* __restrict__ x, long long x_slot_stride, const u64_t* __restrict__ packed_ptrs,                 \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, const int* __restrict__ ids, int S,   \

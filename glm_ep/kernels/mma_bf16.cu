@@ -13,7 +13,7 @@
 // weight rows (of one matrix, or of gate AND up), each sweeping a contiguous slice of K; the slices
 // meet in shared memory and are added in slice order (deterministic). K must be a multiple of 32.
 //
-// Entry points, T = 8 NT rows at most (grids computed in glm_ep/backend/kernels.py):
+// Entry points, T = 8 NT rows at most (grids computed in glm_ep/backend/cuda/dense.py):
 //   bf16_mma_gemm_t{T}         bf16 out (the backend's `linear`)
 //   bf16_mma_gemm_f32_t{T}     fp32 out (router logits of a bf16 router)
 //   bf16_mma_glu_t{T}          gate and up fused, writing gate, up and the clamped SwiGLU
@@ -21,7 +21,7 @@
 #include "nvfp4_mma.cuh"
 
 #ifndef MMA_GEMM_WARPS
-#error "MMA_GEMM_WARPS is set by glm_ep/backend/kernels.py"
+#error "MMA_GEMM_WARPS is set by glm_ep/backend/cuda/loader.py"
 #endif
 #define MMA_GEMM_THREADS (MMA_GEMM_WARPS * 32)
 

@@ -5,7 +5,7 @@
 #include "common.cuh"
 
 #if !defined(UNION_MAX_IDS) || !defined(SORT_THREADS)
-#error "UNION_MAX_IDS and SORT_THREADS are set by glm_ep/backend/kernels.py"
+#error "UNION_MAX_IDS and SORT_THREADS are set by glm_ep/backend/cuda/loader.py"
 #endif
 
 // One block of R*K <= UNION_MAX_IDS threads, thread i = (row i / K, slot i % K). Threads past the

@@ -1,7 +1,7 @@
 // The NVFP4 x bf16 tensor-core step shared by the NVFP4 GEMV kernels (gemv_nvfp4.cu,
 // gemv_nvfp4_ring.cu): exact dequantization of a 16-byte chunk of 32 e2m1 nibbles to bf16 pairs and
 // the mma.sync m16n8k16 (bf16 operands, fp32 accumulators) that consumes them. Include after
-// common.cuh (glm_ep/backend/kernels.py inlines both; neither includes the other).
+// common.cuh (glm_ep/backend/cuda/loader.py inlines both; neither includes the other).
 #pragma once
 
 __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {

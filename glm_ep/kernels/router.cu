@@ -9,7 +9,7 @@
 #include "common.cuh"
 
 #ifndef ROUTER_MAX_TOP_K
-#error "ROUTER_MAX_TOP_K is set by glm_ep/backend/kernels.py"
+#error "ROUTER_MAX_TOP_K is set by glm_ep/backend/cuda/loader.py"
 #endif
 
 // An order-preserving unsigned key of a float choice: NaN ranks as -inf, -0 as +0; every key of a

@@ -3,7 +3,7 @@
 | rows  | dense / shared MLP                         | router              | routed experts (NVFP4)                     |
 |-------|--------------------------------------------|---------------------|--------------------------------------------|
 | 1     | GEMV; gate + up + SwiGLU fused             | GEMV, fp32 + top-k  | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
-| 2..8  | batch-M GEMV, one weight read for all rows | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns) |
+| 2..8  | batch-M GEMV, one weight read for all rows | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns): on the decode ring's pipeline up to `ring_union_max_rows` rows, block kernels above |
 | 9..64 | weights up to 2048 x 4096 (shared expert): tensor-core GEMM (mma_bf16.cu), one weight read for all rows, gate + up + SwiGLU fused; larger (dense FFN): cuBLAS | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
 | > 64  | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | the grouped GEMM                           |
 
@@ -11,55 +11,27 @@ Everything a step runs is queued on ``self.stream`` (non-blocking, made current 
 and around every op), writes into the caller's buffers, allocates nothing and never waits on the
 host for rows 1..8, so ``capture`` can record a whole decode or verify step as one CUDA graph.
 The wide prefill path (``sort_by_expert`` + ``moe_gemm_sorted``) sizes its grid from the slot
-count on the host and never reads device data back, like every other op.
+count on the host and never reads device data back, like every other op. How the one-row routed
+kernels run is the frozen ``RingConfig`` the backend is built with (the topology's ring levers);
+the operand form of each projection is fixed when its experts are uploaded.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from glm_ep.backend import kernels as K
-from glm_ep.backend import nvfp4_kernels as NV
-from glm_ep.backend.base import Backend
+from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
+from glm_ep.backend.cuda import dense, elementwise, grouped, route
+from glm_ep.backend.cuda import nvfp4 as NV
+from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS
+from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
+from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import DenseWeights, MoeWeights
-
-
-@dataclass(frozen=True)
-class CudaDense:
-    """A resident bf16 MLP (this rank's TP shard)."""
-
-    gate: Any  # bf16 [I, H]
-    up: Any  # bf16 [I, H]
-    down: Any  # bf16 [H, I]
-
-    @property
-    def width(self) -> int:
-        return self.gate.shape[0]
-
-
-@dataclass(frozen=True)
-class CudaExpertTable:
-    """This rank's routed experts, one pointer table per projection; local id = global id - start."""
-
-    gate: NV.ExpertPtrTable
-    up: NV.ExpertPtrTable
-    down: NV.ExpertPtrTable
-    start: int
-    count: int
-
-
-@dataclass(frozen=True)
-class CudaMoe:
-    router: Any  # [E, H] bf16 or fp32, as stored
-    bias: Any  # fp32 [E]
-    experts: CudaExpertTable
-    shared: CudaDense | None
 
 
 def _on_stream(op):
@@ -73,18 +45,20 @@ def _on_stream(op):
     return run
 
 
-class CudaBackend(Backend):
+class CudaBackend(Backend[Any, Nvfp4Pointers]):
     name = "cuda"
-    has_grouped_gemm = True
-    can_capture = True
+    capabilities = CAPABILITIES
 
-    def __init__(self, device: int = 0):
+    def __init__(self, device: int = 0, ring: RingConfig = RingConfig(), stream: Any = None):
+        """``ring``: the one-row routed kernels' levers. ``stream``: the stream to queue on (default: a
+        new non-blocking one; another backend's, to share its order)."""
         import cupy
 
         self.xp = cupy
+        self.ring = ring
         self.device = cupy.cuda.Device(device)
         self.device.use()
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
         self.stream.use()  # plain CuPy ops of the caller (buffer copies) queue here too
 
     @property
@@ -138,10 +112,10 @@ class CudaBackend(Backend):
         stream = self.stream
         return lambda: graph.launch(stream)
 
-    def upload_dense(self, w: DenseWeights) -> CudaDense:
-        return CudaDense(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
+    def upload_dense(self, w: DenseWeights) -> DenseResident[Any]:
+        return DenseResident(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
 
-    def _upload_proj(self, ws: list[Nvfp4Weight], what: str) -> NV.ExpertPtrTable:
+    def _upload_proj(self, ws: list[Nvfp4Weight], what: str, f16: bool) -> Nvfp4Pointers:
         shapes = {w.shape for w in ws}
         if len(shapes) > 1:
             raise ConfigError(f"{what}: experts disagree on the projection shape: {sorted(shapes)}")
@@ -151,65 +125,68 @@ class CudaBackend(Backend):
         packed = tuple(self.asarray(w.packed) for w in ws)
         scale = tuple(self._bytes(w.scale) for w in ws)
         s2 = tuple(float(w.scale_2) for w in ws)
-        return NV.ExpertPtrTable(
+        return Nvfp4Pointers(
             packed_ptrs=self.asarray(np.array([a.data.ptr for a in packed], dtype=np.uint64)),
             scale_ptrs=self.asarray(np.array([a.data.ptr for a in scale], dtype=np.uint64)),
             scale2=self.asarray(np.array(s2, dtype=np.float32)),
-            n=n, k=k, packed=packed, scale=scale, scale2_host=s2)
+            n=n, k=k, packed=packed, scale=scale, scale2_host=s2, f16=f16)
 
-    def upload_moe(self, w: MoeWeights) -> CudaMoe:
-        if w.router.dtype not in (K.BF16, K.F32):
+    def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[Any, Nvfp4Pointers]:
+        """The ring's operand form of each projection is fixed here, from ``swiglu_limit``
+        (``RingConfig.forms``: a ConfigError where the levers ask for an fp16 form it does not bound)."""
+        if w.router.dtype not in (BF16, F32):
             raise ConfigError(f"router weight dtype {w.router.dtype}, expected bfloat16 or float32")
-        experts = CudaExpertTable(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj"),
-                                  self._upload_proj([e.up for e in w.experts], "experts.up_proj"),
-                                  self._upload_proj([e.down for e in w.experts], "experts.down_proj"),
-                                  w.expert_start, len(w.experts))
+        f16_hidden, f16_act = self.ring.forms(swiglu_limit)
+        experts = RoutedExperts.of(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj", f16_hidden),
+                                   self._upload_proj([e.up for e in w.experts], "experts.up_proj", f16_hidden),
+                                   self._upload_proj([e.down for e in w.experts], "experts.down_proj", f16_act),
+                                   w.expert_start, len(w.experts))
         bias = self.asarray(w.bias).astype(np.float32, copy=False)
-        return CudaMoe(self.asarray(w.router), bias, experts,
-                       self.upload_dense(w.shared) if w.shared is not None else None)
+        return MoeResident(self.asarray(w.router), bias, experts,
+                           self.upload_dense(w.shared) if w.shared is not None else None)
 
     # ---- dense ops -------------------------------------------------------------------------
     @_on_stream
     def linear(self, x_TK, w_NK, out_TN):
-        if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
-            K.gemv_bf16(x_TK, w_NK, out_TN)
-        elif K.mma_gemm_takes(x_TK, w_NK):
-            K.mma_gemm_bf16(x_TK, w_NK, out_TN)
+        if x_TK.shape[0] <= GEMV_MAX_ROWS:
+            dense.gemv_bf16(x_TK, w_NK, out_TN)
+        elif dense.mma_gemm_takes(x_TK, w_NK):
+            dense.mma_gemm_bf16(x_TK, w_NK, out_TN)
         else:  # cuBLAS, bf16 operands, fp32 accumulation
-            K.gemm_bf16(x_TK, w_NK, out_TN)
+            dense.gemm_bf16(x_TK, w_NK, out_TN)
         return out_TN
 
     @_on_stream
     def router_logits(self, x_TH, router_EH, out_TE):
-        if x_TH.shape[0] <= K.GEMV_MAX_ROWS:
-            K.router_gemv(x_TH, router_EH, out_TE)
-        elif router_EH.dtype == K.BF16 and K.mma_gemm_takes(x_TH, router_EH):
-            K.mma_gemm_bf16(x_TH, router_EH, out_TE)  # bf16 products are exact in fp32: fp32 sums and out
-        elif router_EH.dtype == K.BF16:  # cuBLAS, likewise
-            K.gemm_bf16(x_TH, router_EH, out_TE)
+        if x_TH.shape[0] <= GEMV_MAX_ROWS:
+            dense.router_gemv(x_TH, router_EH, out_TE)
+        elif router_EH.dtype == BF16 and dense.mma_gemm_takes(x_TH, router_EH):
+            dense.mma_gemm_bf16(x_TH, router_EH, out_TE)  # bf16 products are exact in fp32: fp32 sums and out
+        elif router_EH.dtype == BF16:  # cuBLAS, likewise
+            dense.gemm_bf16(x_TH, router_EH, out_TE)
         else:  # an fp32 router: x upcast (a temporary: the wide path is never captured), fp32 GEMM
             x32 = self.xp.empty(x_TH.shape, dtype=np.float32)
-            K.bf16_to_f32(x_TH, x32)
+            elementwise.bf16_to_f32(x_TH, x32)
             self.xp.matmul(x32, router_EH.T, out=out_TE)
         return out_TE
 
     @_on_stream
     def router_topk(self, logits_TE, bias_E, p, ids_TK, wts_TK):
-        K.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
+        route.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
 
     @_on_stream
     def swiglu(self, gate, up, limit, out):
-        K.swiglu(gate, up, limit, out)
+        elementwise.swiglu(gate, up, limit, out)
         return out
 
     @_on_stream
     def combine(self, routed_SH, wts_TK, shared_TH, out_TH, perm_TK=None):
-        K.combine(routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+        elementwise.combine(routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
         return out_TH
 
     @_on_stream
     def add(self, a, b, out):
-        K.add(a, b, out)
+        elementwise.add(a, b, out)
         return out
 
     def zero(self, a):
@@ -221,52 +198,55 @@ class CudaBackend(Backend):
 
     @_on_stream
     def gate_up_act(self, x_TK, w, limit, gate_TI, up_TI, act_TI):
-        if x_TK.shape[0] <= K.GEMV_MAX_ROWS:
-            K.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
-        elif K.mma_gemm_takes(x_TK, w.gate):
-            K.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+        if x_TK.shape[0] <= GEMV_MAX_ROWS:
+            dense.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+        elif dense.mma_gemm_takes(x_TK, w.gate):
+            dense.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
         else:
             return super().gate_up_act(x_TK, w, limit, gate_TI, up_TI, act_TI)
         return act_TI
 
     # ---- routed experts --------------------------------------------------------------------
     @_on_stream
-    def moe_gemv(self, a, proj, table, ids_K, out_KN, per_slot_input):
-        NV.nvfp4_moe_gemv(a, per_slot_input, proj, ids_K, table.start, table.count, out_KN)
+    def moe_gemv(self, a, table: ExpertTable[Nvfp4Pointers], ids_K, out_KN, per_slot_input):
+        NV.nvfp4_moe_gemv(a, per_slot_input, table, ids_K, out_KN, self.ring)
 
     @_on_stream
-    def moe_gate_up_act(self, a_1K, table, ids_K, limit, gate_KM, up_KM, act_KM):
-        NV.nvfp4_moe_glu(a_1K, table.gate, table.up, ids_K, table.start, table.count, limit, gate_KM, up_KM, act_KM)
+    def moe_gate_up_act(self, a_1K, experts: RoutedExperts[Nvfp4Pointers], ids_K, limit, gate_KM, up_KM, act_KM):
+        NV.nvfp4_moe_glu(a_1K, experts, ids_K, limit, gate_KM, up_KM, act_KM, self.ring)
 
     @_on_stream
     def union_table(self, ids_RK, u_eid_U, u_slot_UR):
-        K.union_table(ids_RK, u_eid_U, u_slot_UR)
+        route.union_table(ids_RK, u_eid_U, u_slot_UR)
 
     @_on_stream
-    def moe_gemv_union(self, a, proj, table, u_eid_U, u_slot_UR, out_RKN, per_slot_input):
-        NV.nvfp4_moe_gemv_union(a, per_slot_input, proj, u_eid_U, u_slot_UR, table.start, table.count, out_RKN)
+    def moe_gemv_union(self, a, table: ExpertTable[Nvfp4Pointers], u_eid_U, u_slot_UR, out_RKN, per_slot_input):
+        NV.nvfp4_moe_gemv_union(a, per_slot_input, table, u_eid_U, u_slot_UR, out_RKN, self.ring)
 
     @_on_stream
-    def moe_gate_up_act_union(self, a_RK, table, u_eid_U, u_slot_UR, limit, gate_RKM, up_RKM, act_RKM):
-        NV.nvfp4_moe_glu_union(a_RK, table.gate, table.up, u_eid_U, u_slot_UR, table.start, table.count, limit,
-                              gate_RKM, up_RKM, act_RKM)
+    def moe_gate_up_act_union(self, a_RK, experts: RoutedExperts[Nvfp4Pointers], u_eid_U, u_slot_UR, limit, gate_RKM,
+                              up_RKM, act_RKM):
+        NV.nvfp4_moe_glu_union(a_RK, experts, u_eid_U, u_slot_UR, limit, gate_RKM, up_RKM, act_RKM, self.ring)
 
     @_on_stream
     def sort_by_expert(self, ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
                        token_to_perm_TK):
-        K.sort_by_expert(ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
-                         token_to_perm_TK)
+        route.sort_by_expert(ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
+                             token_to_perm_TK)
 
     @_on_stream
-    def moe_gemm_sorted(self, a, proj, table, sorted_token_ids_S, expert_offsets, out_SN, gather_rows):
-        NV.nvfp4_gemm_sorted(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, proj,
-                             table.start, table.count, out_SN)
+    def moe_gemm_sorted(self, a, table: ExpertTable[Nvfp4Pointers], sorted_token_ids_S, expert_offsets, out_SN,
+                        gather_rows):
+        grouped.nvfp4_gemm_sorted(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, table,
+                                  out_SN)
 
     @_on_stream
-    def moe_gate_up_act_sorted(self, x_TK, table, sorted_token_ids_S, expert_offsets, limit, gate_SM, up_SM, act_SM):
-        NV.nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, table.gate,
-                                 table.up, table.start, table.count, limit, act_SM)
+    def moe_gate_up_act_sorted(self, x_TK, experts: RoutedExperts[Nvfp4Pointers], sorted_token_ids_S, expert_offsets,
+                               limit, gate_SM, up_SM, act_SM):
+        grouped.nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, experts,
+                                      limit, act_SM)
 
     @_on_stream
-    def expert_linear(self, a_1K, proj, table, local, out_1N):
-        NV.nvfp4_gemv(a_1K, proj.packed[local], proj.scale[local], proj.scale2_host[local], out_1N)
+    def expert_linear(self, a_1K, table: ExpertTable[Nvfp4Pointers], local, out_1N):
+        w = table.weights
+        NV.nvfp4_gemv(a_1K, w.packed[local], w.scale[local], w.scale2_host[local], out_1N)

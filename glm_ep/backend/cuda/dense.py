@@ -1,0 +1,196 @@
+"""Wrappers of the bf16 projection kernels, one path per row count: the batch-M GEMV tiers for
+1..8 rows (``gemv_bf16.cu``: plain, gate + up + SwiGLU fused, the router's fp32 logits), the
+tensor-core GEMM for 9..64 rows (``mma_bf16.cu``) and cuBLAS GemmEx past that.
+
+Shape suffixes: T rows, R rows of one call, N/K a projection's out/in width, E experts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from glm_ep.backend.cuda.loader import (BF16, F32, GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, MMA_GEMM_TIERS,
+                                        MMA_GEMM_WARPS, cdiv, check, check_shape, i32, i64, launch, sm_count, split_k)
+
+GEMV_CHUNK = 8  # k per 16-byte bf16 chunk: K must be a multiple
+MMA_GEMM_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM
+
+
+# ---- cuBLAS GEMM (wider than the GEMV tiers) ---------------------------------------------------------
+_CUDA_R_32F, _CUDA_R_16BF = 0, 14  # cudaDataType_t
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta (pointer mode host)
+
+
+@functools.cache
+def _cublas() -> Any:
+    try:
+        from cupy_backends.cuda.libs import cublas
+    except ImportError:  # older CuPy layouts
+        from cupy.cuda import cublas
+    return cublas
+
+
+def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any) -> None:
+    """``out = x @ w^T`` in ONE cuBLAS GemmEx call: bf16 operands (products exact in fp32), fp32
+    accumulation, ``out`` bf16 (rounded once) or fp32 (the router's logits), on the current stream.
+    Row-major as column-major: ``out^T [N, T] = w [N, K] @ x^T [K, T]``."""
+    import cupy
+
+    t, k = x_TK.shape
+    n = w_NK.shape[0]
+    check("x", x_TK, BF16, 2), check("w", w_NK, BF16, 2), check_shape("w", w_NK, (n, k))
+    if out_TN.dtype not in (BF16, F32):
+        raise TypeError(f"out: dtype {out_TN.dtype}, expected bfloat16 or float32")
+    check("out", out_TN, out_TN.dtype, 2), check_shape("out", out_TN, (t, n))
+    if t == 0:
+        return
+    cb = _cublas()
+    handle = cupy.cuda.device.get_cublas_handle()
+    # CuPy's shared handle keeps whatever stream was last set on it (at first the legacy default
+    # stream, which does not order against the backend's non-blocking stream): bind it to ours
+    cb.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    cb.gemmEx(handle, cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, t, k,
+              _ONE.ctypes.data, w_NK.data.ptr, _CUDA_R_16BF, k, x_TK.data.ptr, _CUDA_R_16BF, k,
+              _ZERO.ctypes.data, out_TN.data.ptr, _CUDA_R_16BF if out_TN.dtype == BF16 else _CUDA_R_32F, n,
+              cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
+
+
+# ---- bf16 tensor-core GEMM, 9..64 rows (mma_bf16.cu) ---------------------------------------------------
+_MMA = "mma_bf16.cu"
+MMA_GEMM_MAX_ROWS = MMA_GEMM_TIERS[-1]
+MMA_GEMM_K_STEP = 32  # k of one step of a warp (two m16n8k16 mma): K must be a multiple
+
+
+def _mma_tier(r: int, what: str) -> int:
+    if not 1 <= r <= MMA_GEMM_MAX_ROWS:
+        raise ValueError(f"{what}: {r} rows; the tensor-core tiers cover 1..{MMA_GEMM_MAX_ROWS} (wider goes to cuBLAS)")
+    return next(t for t in MMA_GEMM_TIERS if r <= t)
+
+
+def _mma_geometry(n: int, k: int, p: int, tier: int) -> tuple[int, int, int]:
+    """(grid.x, ksplit, dynamic smem): K split over 1..MMA_GEMM_WARPS warps of a block until the launch
+    holds MMA_GEMM_WARPS_PER_SM warps per SM, each slice keeping >= 16 steps of 32 k; the slices'
+    partial sums (p * tier / 2 floats per lane) meet in shared memory."""
+    sms = sm_count()
+    grid_x, ks = split_k(cdiv(n, 16), 1, k // MMA_GEMM_K_STEP, MMA_GEMM_WARPS, MMA_GEMM_WARPS_PER_SM, 16, sms)
+    smem = MMA_GEMM_WARPS * p * (tier // 8) * 4 * 32 * 4 if ks > 1 else 0
+    return grid_x, ks, smem
+
+
+MMA_GEMM_MAX_WEIGHT = 2048 * 4096  # elements of one weight matrix: larger ones go to cuBLAS at every width
+
+
+def mma_gemm_takes(x_RK: Any, w_NK: Any) -> bool:
+    """Whether the tensor-core GEMM serves this call: at most MMA_GEMM_MAX_ROWS rows, K in whole
+    steps, and a weight of at most MMA_GEMM_MAX_WEIGHT elements. Measured on H200 (docs/perf/NOTES.md,
+    "Dense widths"): it beats cuBLAS 2x on the shared expert's [2048, 4096] and on the router, where
+    cuBLAS leaves part of the GPU idle at 9..64 rows; on the dense FFN's [12288, 4096] / [4096, 12288]
+    cuBLAS streams at ~3.2 TB/s and the GEMM, whose x operand every warp re-reads, does not."""
+    return (x_RK.shape[0] <= MMA_GEMM_MAX_ROWS and x_RK.shape[1] % MMA_GEMM_K_STEP == 0
+            and w_NK.size <= MMA_GEMM_MAX_WEIGHT)
+
+
+def _mma_rows(x_RK: Any, what: str) -> tuple[int, int, int]:
+    r, k = x_RK.shape
+    tier = _mma_tier(r, what)
+    if k % MMA_GEMM_K_STEP:
+        raise ValueError(f"{what}: in width {k} is not a multiple of {MMA_GEMM_K_STEP} (one tensor-core step)")
+    check("x", x_RK, BF16)
+    return r, k, tier
+
+
+def mma_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any) -> None:
+    """``out = x @ w^T`` for R <= 64 rows on the tensor cores, every weight read once for all rows;
+    ``out`` bf16 (rounded once) or fp32 (router logits)."""
+    r, k, tier = _mma_rows(x_RK, "mma_gemm_bf16")
+    n = w_NK.shape[0]
+    check("w", w_NK, BF16), check_shape("w", w_NK, (n, k))
+    if out_RN.dtype not in (BF16, F32):
+        raise TypeError(f"out: dtype {out_RN.dtype}, expected bfloat16 or float32")
+    check("out", out_RN, out_RN.dtype, 2), check_shape("out", out_RN, (r, n))
+    grid_x, ks, smem = _mma_geometry(n, k, 1, tier)
+    entry = f"bf16_mma_gemm_{'f32_' if out_RN.dtype == F32 else ''}t{tier}"
+    launch(_MMA, entry, (grid_x, 1, 1), (MMA_GEMM_WARPS * 32, 1, 1),
+           (x_RK, i64(k), w_NK, out_RN, i64(n), i32(r), i32(n), i32(k), i32(ks)), smem=smem)
+
+
+def mma_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any) -> None:
+    """gate, up and the clamped SwiGLU of a bf16 MLP for R <= 64 rows in ONE tensor-core launch."""
+    r, k, tier = _mma_rows(x_RK, "mma_glu_bf16")
+    n = wg_NK.shape[0]
+    for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
+        check(name, w, BF16), check_shape(name, w, (n, k))
+    for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
+        check(name, a, BF16, 2), check_shape(name, a, (r, n))
+    grid_x, ks, smem = _mma_geometry(n, k, 2, tier)
+    launch(_MMA, f"bf16_mma_glu_t{tier}", (grid_x, 1, 1), (MMA_GEMM_WARPS * 32, 1, 1),
+           (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(r), i32(n), i32(k), i32(ks),
+            np.float32(limit)), smem=smem)
+
+
+# ---- bf16 GEMV (1..8 rows) -----------------------------------------------------------------------
+_GEMV = "gemv_bf16.cu"
+_GEMV_BLOCK = (GEMV_WARPS * 32, 1, 1)
+
+
+def _gemv_geometry(n_groups: int, k: int) -> tuple[int, int]:
+    """(grid.x, ksplit): split K over 1, 2, 4 or 8 warps of a block until the grid fills the
+    device (4 blocks per SM), keeping at least 64 chunks per warp slice."""
+    sms = sm_count()
+    ksplit = 1
+    while (ksplit < GEMV_WARPS and cdiv(n_groups, GEMV_WARPS // ksplit) < 4 * sms
+           and k // GEMV_CHUNK >= 64 * 2 * ksplit):
+        ksplit *= 2
+    return cdiv(n_groups, GEMV_WARPS // ksplit), ksplit
+
+
+def _gemv_rows(x_RK: Any, what: str) -> tuple[int, int]:
+    r, k = x_RK.shape
+    if not 1 <= r <= GEMV_MAX_ROWS:
+        raise ValueError(f"{what}: {r} rows; the GEMV tiers cover 1..{GEMV_MAX_ROWS} (wider goes to cuBLAS)")
+    if k % GEMV_CHUNK:
+        raise ValueError(f"{what}: in width {k} is not a multiple of {GEMV_CHUNK}")
+    check("x", x_RK, BF16)
+    return r, k
+
+
+def gemv_bf16(x_RK: Any, w_NK: Any, out_RN: Any) -> None:
+    """``out = bf16(x @ w^T)`` for R = 1..8 rows, one weight read for all rows."""
+    r, k = _gemv_rows(x_RK, "gemv_bf16")
+    n = w_NK.shape[0]
+    check("w", w_NK, BF16), check_shape("w", w_NK, (n, k))
+    check("out", out_RN, BF16, 2), check_shape("out", out_RN, (r, n))
+    grid_x, ksplit = _gemv_geometry(cdiv(n, GEMV_ROWS_PER_WARP), k)
+    launch(_GEMV, f"bf16_gemv_r{r}", (grid_x, 1, 1), _GEMV_BLOCK,
+           (x_RK, i64(k), w_NK, out_RN, i64(n), i32(n), i32(k), i32(ksplit)))
+
+
+def glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any) -> None:
+    """gate, up and the clamped SwiGLU of a bf16 MLP for R = 1..8 rows in ONE launch."""
+    r, k = _gemv_rows(x_RK, "glu_bf16")
+    n = wg_NK.shape[0]
+    for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
+        check(name, w, BF16), check_shape(name, w, (n, k))
+    for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
+        check(name, a, BF16, 2), check_shape(name, a, (r, n))
+    grid_x, ksplit = _gemv_geometry(n, k)
+    launch(_GEMV, f"bf16_glu_r{r}", (grid_x, 1, 1), _GEMV_BLOCK,
+           (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(n), i32(k), i32(ksplit),
+            np.float32(limit)))
+
+
+def router_gemv(x_RH: Any, router_EH: Any, out_RE: Any) -> None:
+    """fp32 logits ``x @ router^T`` for R = 1..8 rows; the router is bf16 or fp32 as stored."""
+    r, k = _gemv_rows(x_RH, "router_gemv")
+    e = router_EH.shape[0]
+    if router_EH.dtype not in (BF16, F32):
+        raise TypeError(f"router: dtype {router_EH.dtype}, expected bfloat16 or float32")
+    check("router", router_EH, router_EH.dtype), check_shape("router", router_EH, (e, k))
+    check("logits", out_RE, F32, 4), check_shape("logits", out_RE, (r, e))
+    grid_x, ksplit = _gemv_geometry(cdiv(e, GEMV_ROWS_PER_WARP), k)
+    entry = f"router_gemv_{'f32' if router_EH.dtype == F32 else 'bf16'}w_r{r}"
+    launch(_GEMV, entry, (grid_x, 1, 1), _GEMV_BLOCK,
+           (x_RH, i64(k), router_EH, out_RE, i64(e), i32(e), i32(k), i32(ksplit)))

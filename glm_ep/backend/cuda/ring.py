@@ -1,0 +1,121 @@
+"""How the one-row routed kernels run: the frozen lever set of the persistent decode ring
+(``gemv_nvfp4_ring.cu``), held by the CUDA backend from its construction, and its launch geometry.
+
+The ring's fp16-operand form (``consume_slab_f16``: the input rounded to fp16, fastest on H200) is
+exact only while the input fits fp16 (|v| <= 65504); the bf16 form is exact for any bf16 input.
+The down projection reads the clamped SwiGLU, bounded by the site's ``swiglu_limit``: its form is
+chosen once, at weight upload (``RingConfig.forms``), and refused where the limit does not bound
+it. Gate and up read the hidden state, which nothing bounds: the fp16 form there is an explicit
+opt-in (``f16_hidden``), off by default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from glm_ep.backend.cuda.loader import (BF16, MMA_ROWS, RING_KERNELS, RING_WARPS, UNION_RING_KERNELS, UNION_RING_ROWS,
+                                        cdiv, ring_stage_bytes, sm_count, smem_per_sm)
+from glm_ep.errors import ConfigError
+from glm_ep.topology import PathLevers
+
+RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T steps (K a multiple)
+RING_MAX_SLOTS = 32  # slots of one launch: lane j of a warp holds slot j's ids and pointers
+F16_MAX = 65504.0
+SILU_MIN = -0.2785  # the least value of silu(g) = g / (1 + exp(-g))
+
+
+def act_fits_f16(swiglu_limit: float) -> bool:
+    """Whether every clamped SwiGLU output fits fp16: ``|silu(min(g, L)) * clamp(u, -L, L)|`` is at
+    most ``max(L, 0.2785) * L``, rounded to bf16 once (the activation's rounding)."""
+    if not math.isfinite(swiglu_limit):
+        return False
+    bound = np.float32(max(swiglu_limit, -SILU_MIN)) * np.float32(swiglu_limit)
+    return float(np.array(bound, np.float32).astype(BF16)) <= F16_MAX
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    """The ring levers (``[levers] ring*`` of the topology): the persistent ring (``enabled``) or
+    gemv_nvfp4.cu's block-per-tile kernels. By P, the matrices a warp sweeps (index 0: one
+    projection, 1: gate + up): the slab (T steps of 128 k per ring stage) and the ring depth D
+    (stages per warp); the warps per SM the grid aims at (fewer where the rings' shared memory does
+    not fit); ``max_warps`` caps the grid (tests: several items per warp); ``f16``: the down
+    projection in the fp16 form; ``f16_hidden``: gate and up too."""
+
+    enabled: bool = True
+    slab: tuple[int, int] = (4, 4)
+    depth: tuple[int, int] = (2, 2)  # fastest on H200 (docs/perf/NOTES.md)
+    warps_per_sm: int = 16
+    max_warps: int = 0
+    f16: bool = True  # gemv_nvfp4_ring.cu's consume_slab_f16 (docs/perf/NOTES.md, version 3)
+    f16_hidden: bool = False
+    union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (bf16 form)
+    union_slab: tuple[int, int] = (2, 2)
+    union_depth: tuple[int, int] = (3, 3)
+
+    def __post_init__(self) -> None:
+        for name, (slab, depth, built) in (("ring", (self.slab, self.depth, RING_KERNELS)),
+                                           ("ring_union", (self.union_slab, self.union_depth, UNION_RING_KERNELS))):
+            off = [(t, d) for t, d in zip(slab, depth) if (t, d) not in built]
+            if self.enabled and (len(slab) != 2 or len(depth) != 2 or off):
+                raise ConfigError(f"levers.{name}_slab = {list(slab)}, {name}_depth = {list(depth)}: expected "
+                                  f"(one projection, gate + up) pairs of (slab, depth) in {list(built)}, the "
+                                  "kernels gemv_nvfp4_ring.cu instantiates")
+
+    @classmethod
+    def from_levers(cls, lv: PathLevers) -> "RingConfig":
+        return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
+                   lv.ring_f16, lv.ring_f16_hidden, lv.ring_union_max_rows, tuple(lv.ring_union_slab),
+                   tuple(lv.ring_union_depth))
+
+    def forms(self, swiglu_limit: float) -> tuple[bool, bool]:
+        """(gate and up, down): whether the ring reads each projection's input in the fp16 form,
+        decided once for a site's experts. A ConfigError where ``f16`` asks for the down
+        projection's fp16 form and ``swiglu_limit`` does not keep the activation inside fp16."""
+        if not self.enabled:
+            return False, False
+        if self.f16 and not act_fits_f16(swiglu_limit):
+            raise ConfigError(f"levers.ring_f16 = true: the routed down projection's fp16 form is exact only while "
+                              f"every activation fits fp16 (|act| <= swiglu_limit^2 <= {F16_MAX:g}), and "
+                              f"swiglu_limit = {swiglu_limit:g} does not bound it there; set ring_f16 = false")
+        return self.f16 and self.f16_hidden, self.f16
+
+    def takes(self, n: int, k: int, slots: int, p: int) -> bool:
+        """Whether the ring serves a launch of ``slots`` slots of ``p`` [n, k] matrices."""
+        return (self.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.slab[p - 1]) == 0
+                and slots <= RING_MAX_SLOTS)
+
+    def geometry(self, n: int, slots: int, p: int, f16: bool) -> tuple[int, int, str]:
+        """(blocks, dynamic smem bytes, entry suffix): as even a share of the slots x row-group items
+        per warp as the cap allows (warps_per_sm per SM, or fewer where the rings do not fit in the
+        device's shared memory), RING_WARPS per block."""
+        t, depth = self.slab[p - 1], self.depth[p - 1]
+        smem = RING_WARPS * depth * ring_stage_bytes(p, t)
+        return self._blocks(slots * (n // MMA_ROWS), smem), smem, f"{'f16_' if f16 else ''}t{t}_d{depth}"
+
+    def union_takes(self, n: int, k: int, rows: int, p: int) -> bool:
+        """Whether the union ring serves ``rows`` rows of ``p`` [n, k] matrices."""
+        return (self.enabled and 2 <= rows <= min(self.union_max_rows, UNION_RING_ROWS[-1])
+                and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.union_slab[p - 1]) == 0)
+
+    def union_geometry(self, n: int, rows: int, entries: int, p: int) -> tuple[int, int, str]:
+        """(blocks, dynamic smem bytes, entry suffix) of a union launch over its entries x row groups;
+        the stage holds the rows rounded up to an instantiated R."""
+        t, depth = self.union_slab[p - 1], self.union_depth[p - 1]
+        r = next(r for r in UNION_RING_ROWS if rows <= r)
+        smem = RING_WARPS * depth * ring_stage_bytes(p, t, r)
+        return self._blocks(entries * (n // MMA_ROWS), smem), smem, f"r{r}_t{t}_d{depth}"
+
+    def _blocks(self, items: int, smem: int) -> int:
+        """As even a share of ``items`` per warp as the cap allows (warps_per_sm per SM, or fewer
+        where the rings' ``smem`` per block does not fit the device), RING_WARPS per block."""
+        sm_smem, reserved = smem_per_sm()  # each resident block costs its own smem and the reserved part
+        per_sm = min(self.warps_per_sm, sm_smem // (smem + reserved) * RING_WARPS)
+        items = max(1, items)
+        cap = max(1, sm_count() * per_sm)
+        if self.max_warps:
+            cap = min(cap, self.max_warps)
+        return cdiv(cdiv(items, cdiv(items, cap)), RING_WARPS)

@@ -1,0 +1,56 @@
+"""Wrappers of the routing kernels: the router's top-k (``router.cu``), the union table of a row
+group and the counting sort by expert (``moe_route.cu``). Each must match its NumPy twin in
+``glm_ep.routing`` exactly.
+
+Shape suffixes: T rows, R rows of one group, E experts, K top-k, S slots (T*K), U union entries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from glm_ep.backend.cuda.loader import (F32, I32, ROUTER_MAX_TOP_K, SORT_THREADS, UNION_MAX_IDS, check, check_shape,
+                                        i32, launch)
+from glm_ep.routing import RouteParams
+
+ROUTER_THREADS = 32  # one warp per row
+
+
+# ---- router top-k ---------------------------------------------------------------------------------
+def router_topk(logits_TE: Any, bias_E: Any, p: RouteParams, ids_TK: Any, wts_TK: Any) -> None:
+    t, e = logits_TE.shape
+    if not 1 <= p.top_k <= min(ROUTER_MAX_TOP_K, e):
+        raise ValueError(f"router_topk: top_k = {p.top_k}, expected 1..{min(ROUTER_MAX_TOP_K, e)}")
+    check("logits", logits_TE, F32, 4), check("bias", bias_E, F32, 4), check_shape("bias", bias_E, (e,))
+    check("ids", ids_TK, I32, 4), check("wts", wts_TK, F32, 4)
+    check_shape("ids", ids_TK, (t, p.top_k)), check_shape("wts", wts_TK, (t, p.top_k))
+    launch("router.cu", "router_topk", (t, 1, 1), (ROUTER_THREADS, 1, 1),
+           (logits_TE, bias_E, ids_TK, wts_TK, i32(e), i32(p.top_k), np.float32(p.routed_scale),
+            i32(int(p.renormalize)), i32(int(p.bf16_ladder))), smem=8 * e)
+
+
+
+# ---- routing tables -----------------------------------------------------------------------------------
+def union_table(ids_RK: Any, u_eid_U: Any, u_slot_UR: Any) -> None:
+    r, k = ids_RK.shape
+    if r * k > UNION_MAX_IDS:
+        raise ValueError(f"union_table: rows * top_k = {r * k} exceeds the {UNION_MAX_IDS} ids of one block")
+    check("ids", ids_RK, I32, 4), check("u_eid", u_eid_U, I32, 4), check("u_slot", u_slot_UR, I32, 4)
+    check_shape("u_eid", u_eid_U, (r * k,)), check_shape("u_slot", u_slot_UR, (r * k, r))
+    launch("moe_route.cu", "moe_union_table", (1, 1, 1), (r * k, 1, 1), (ids_RK, u_eid_U, u_slot_UR, i32(r), i32(k)))
+
+
+def sort_by_expert(ids_TK: Any, num_experts: int, sorted_token_ids_S: Any, sorted_expert_ids_S: Any,
+                   expert_offsets: Any, token_to_perm_TK: Any) -> None:
+    t, k = ids_TK.shape
+    check("ids", ids_TK, I32, 4)
+    for name, a, shape in (("sorted_token_ids", sorted_token_ids_S, (t * k,)),
+                           ("sorted_expert_ids", sorted_expert_ids_S, (t * k,)),
+                           ("expert_offsets", expert_offsets, (num_experts + 1,)),
+                           ("token_to_perm", token_to_perm_TK, (t, k))):
+        check(name, a, I32, 4), check_shape(name, a, shape)
+    launch("moe_route.cu", "moe_sort_by_expert", (1, 1, 1), (SORT_THREADS, 1, 1),
+           (ids_TK, i32(t * k), i32(k), i32(num_experts), sorted_token_ids_S, sorted_expert_ids_S,
+            expert_offsets, token_to_perm_TK), smem=4 * num_experts * (1 + SORT_THREADS // 32))

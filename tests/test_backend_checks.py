@@ -1,0 +1,88 @@
+"""What ``make_backend`` refuses, on every rank and before any device is touched: levers and a
+top-k past the backend's ``Capabilities``, ring levers that name a kernel gemv_nvfp4_ring.cu does
+not instantiate, and an fp16 operand form the site's ``swiglu_limit`` does not bound. Runs without
+a GPU: the CUDA backend's capabilities and ring levers are checked before CuPy is asked for one."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from glm_ep.backend import make_backend
+from glm_ep.backend.cuda import CudaBackend, RingConfig
+from glm_ep.backend.cuda.ring import act_fits_f16
+from glm_ep.backend.numpy_backend import NumpyBackend
+from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.errors import ConfigError
+from glm_ep.placement import Placement
+from glm_ep.topology import PathLevers, Topology
+
+from helpers import tiny_dict
+
+HERE = Placement(rank=0, world=1, node=0, local_rank=0, local_size=1, host="here")
+
+
+def _cfg(**overrides) -> SiteConfig:
+    model = ModelConfig.from_dict(tiny_dict(**overrides), source="cfg.json")
+    return SiteConfig.for_rank(model, RankLayout(1, 0, 1, 1))
+
+
+@pytest.mark.parametrize("levers,top_k,named", [
+    ({"row_batch_max": 9}, 8, "levers.row_batch_max = 9, expected 1..8 on backend '{}' (its widest row group)"),
+    ({"union_max_ids": 65}, 8, "levers.union_max_ids = 65, expected 1..64 on backend '{}'"),
+    ({"prefill_gemm_min_rows": 8}, 8, "levers.prefill_gemm_min_rows = 8, expected >= 9 on backend '{}'"),
+    ({}, 17, "num_experts_per_tok = 17, expected <= 16 on backend '{}'"),
+], ids=["row-batch-max", "union-max-ids", "prefill-min-rows", "top-k"])
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_levers_and_top_k_past_the_backend_capabilities(levers: dict, top_k: int, named: str, backend: str) -> None:
+    topo = Topology.from_dict({"backend": backend, "levers": levers})
+    with pytest.raises(ConfigError, match=re.escape(named.format(backend))):
+        make_backend(topo, HERE, _cfg(num_experts_per_tok=top_k, n_routed_experts=32))
+
+
+def test_the_defaults_fit_both_backends() -> None:
+    assert isinstance(make_backend(Topology(), HERE, _cfg(num_experts_per_tok=16, n_routed_experts=32)), NumpyBackend)
+    CudaBackend.capabilities.check("cuda", PathLevers(), 16)
+    assert NumpyBackend.capabilities.max_row_group == CudaBackend.capabilities.max_row_group == 8
+    assert not NumpyBackend.capabilities.capture and CudaBackend.capabilities.capture
+
+
+def test_ring_levers_default_to_the_measured_ring_and_parse_from_toml() -> None:
+    assert RingConfig.from_levers(PathLevers()) == RingConfig()  # the numbers of the ring as measured
+    lv = Topology.from_dict({"levers": {"ring_slab": [8, 8], "ring_depth": [3, 2], "ring_max_warps": 7}}).levers
+    assert RingConfig.from_levers(lv) == RingConfig(slab=(8, 8), depth=(3, 2), max_warps=7)
+
+
+@pytest.mark.parametrize("levers,named", [
+    ({"ring_slab": [4]}, "levers.ring_slab = [4], expected two positive integers"),
+    ({"ring_depth": [2, 0]}, "levers.ring_depth = [2, 0], expected two positive integers"),
+    ({"ring_slab": "4,4"}, "levers.ring_slab = '4,4' has type str, expected a list of integers"),
+    ({"ring_max_warps": -1}, "levers.ring_max_warps = -1, expected >= 0"),
+    ({"ring_f16": False, "ring_f16_hidden": True}, "levers.ring_f16_hidden = true needs ring_f16 = true"),
+])
+def test_ring_levers_are_checked_when_parsed(levers: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        Topology.from_dict({"levers": levers})
+
+
+def test_a_ring_kernel_that_is_not_built_is_refused() -> None:
+    topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_slab": [8, 4], "ring_depth": [4, 2]}})
+    with pytest.raises(ConfigError, match=re.escape("levers.ring_slab = [8, 4], ring_depth = [4, 2]: expected")):
+        make_backend(topo, HERE, _cfg())
+    RingConfig(enabled=False, slab=(8, 4), depth=(4, 2))  # the block kernels do not care
+
+
+def test_the_fp16_form_only_where_the_limit_bounds_the_activation() -> None:
+    """|act| <= max(L, 0.28) * L, rounded to bf16: inside fp16 (65504) up to L = 255.7 or so."""
+    assert act_fits_f16(4.0) and act_fits_f16(255.7) and act_fits_f16(1e-3)
+    assert not act_fits_f16(255.8) and not act_fits_f16(float("inf"))
+    assert RingConfig().forms(7.0) == (False, True)  # down only: the hidden state is unbounded
+    assert RingConfig(f16_hidden=True).forms(7.0) == (True, True)
+    assert RingConfig(f16=False).forms(1e6) == (False, False)
+    assert RingConfig(enabled=False).forms(1e6) == (False, False)
+    with pytest.raises(ConfigError, match=r"levers.ring_f16 = true: .* swiglu_limit = 300 .* set ring_f16 = false"):
+        RingConfig().forms(300.0)
+    topo = Topology.from_dict({"backend": "cuda"})
+    with pytest.raises(ConfigError, match=r"levers.ring_f16 = true: .* swiglu_limit = 300"):
+        make_backend(topo, HERE, _cfg(swiglu_limit=300.0))
