@@ -4,7 +4,7 @@
 # the per-layer relative L2 and which rows and chunks are off, to tell apart a device-ordering race
 # (CUDA_LAUNCH_BLOCKING), the grouped-GEMM path (prefill_gemm = false) and the MPI transport (Open
 # MPI's CUDA buffer support off; its ob1 + shared-memory transport instead of UCX):
-#   bash tools/two_rank_chunks_check.sh
+#   bash tools/two_rank_chunks_check.sh      (QUICK=1: only the default and the MPI transport variants)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -43,9 +43,9 @@ EOF
 }
 run chunks chunks
 run chunks-again chunks
-run tp-only tponly
-run row-groups rowgroups
-run launch-blocking chunks -x CUDA_LAUNCH_BLOCKING=1
+[ -n "${QUICK:-}" ] || run tp-only tponly
+[ -n "${QUICK:-}" ] || run row-groups rowgroups
+[ -n "${QUICK:-}" ] || run launch-blocking chunks -x CUDA_LAUNCH_BLOCKING=1
 run mpi-cuda-off chunks -x OMPI_MCA_opal_cuda_support=0
 run mpi-cuda-off-again chunks -x OMPI_MCA_opal_cuda_support=0
 run ob1-vader chunks --mca pml ob1 --mca btl self,vader
