@@ -51,23 +51,60 @@ class Row:
         return self.bytes_read / (self.copy_gbs * 1e9) * 1e6
 
 
-def _peer_us(model: ModelConfig, iters: int) -> tuple[float, float] | None:
-    """HF-style PyTorch sites, 1 row: (sparse site us, dense site us); None without torch."""
+@dataclass
+class Peers:
+    """The PyTorch peers' times (us): the HF-style eager sites (``decode_peer``) and, where
+    transformers' glm5_next imports, HF's own modules: ``hf_sparse[rows]`` is
+    ``prefill_peer.hf_moe_fastest`` at 1..8 rows (the fastest experts implementation and its time)."""
+
+    style_sparse: float
+    style_dense: float
+    hf_sparse: dict[int, dict[str, Any]]
+    hf_dense: float | None
+    note: str = ""
+
+    @property
+    def fastest_sparse(self) -> float:
+        """The fastest peer's sparse site at 1 row."""
+        return min([self.style_sparse] + [self.hf_sparse[1]["hf_moe_us"]] * (1 in self.hf_sparse))
+
+    @property
+    def fastest_dense(self) -> float:
+        return min(self.style_dense, self.hf_dense or self.style_dense)
+
+    def hf_ratio(self, rows: int, us: float) -> str:
+        r = self.hf_sparse.get(rows)
+        return f"HF Glm5NextTextMoE ({r['hf_moe_best']}) {r['hf_moe_us']:.0f} us: {r['hf_moe_us'] / us:.1f}x" if r else ""
+
+
+def _peers(model: ModelConfig, iters: int) -> Peers | None:
+    """None without torch."""
     try:
         import torch
     except ImportError:
         return None
+    from glm_ep.bench import prefill_peer as P
     from glm_ep.bench.decode_peer import HfStyleMlp, HfStyleMoe
 
-    x = torch.randn(1, model.hidden_size, device="cuda", dtype=torch.bfloat16)
     n = max(iters // 10, 5)
-    result = []
+    x = torch.randn(8, model.hidden_size, device="cuda", dtype=torch.bfloat16)
+    times = []
     for make in (lambda: HfStyleMoe(model), lambda: HfStyleMlp(model, model.intermediate_size)):
         peer = make()
-        result.append(torch_time_us(partial(peer, x), iters=n, warmup=5))
+        times.append(torch_time_us(partial(peer, x[:1]), iters=n, warmup=5))
         del peer
         torch.cuda.empty_cache()
-    return result[0], result[1]
+    why = P.hf_available()
+    if why:
+        return Peers(times[0], times[1], {}, None, f"HF transformers' glm5_next is not importable here ({why})")
+    moe = P.hf_moe(model)
+    hf_sparse = {rows: P.hf_moe_fastest(moe, x[:rows], n) for rows in range(1, 9)}
+    del moe
+    mlp = P.hf_mlp(model, model.intermediate_size)
+    hf_dense = torch_time_us(partial(mlp, x[:1]), iters=n, warmup=5)
+    del mlp
+    torch.cuda.empty_cache()
+    return Peers(times[0], times[1], hf_sparse, hf_dense)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -76,7 +113,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from glm_ep.backend.cuda import CudaBackend
 
     model, iters = glm_model(), args.iters
-    peer = _peer_us(model, iters) if args.peer else None
+    peer = _peers(model, iters) if args.peer else None
     be = CudaBackend(0)
     stream = be.stream
     device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -126,14 +163,25 @@ def run_bench(args: argparse.Namespace) -> int:
     rows.append(Row("sparse site, 1 row (graph)", us, sparse_bytes(model, model.num_experts_per_tok), copy_gbs,
                     f"mean over {g} layers' distinct weights"))
     if peer is not None:
-        rows.append(Row("PyTorch HF-style sparse site, 1 row", peer[0], sparse_bytes(model, 8), copy_gbs,
-                        f"peer (bf16 experts, eager); glm_ep is {peer[0] / us:.1f}x faster"))
+        rows.append(Row("PyTorch HF-style sparse site, 1 row", peer.style_sparse, sparse_bytes(model, 8), copy_gbs,
+                        f"peer (bf16 experts, eager loop); glm_ep is {peer.style_sparse / us:.1f}x faster"))
+        if 1 in peer.hf_sparse:
+            best = peer.hf_sparse[1]
+            rows.append(Row(f"HF Glm5NextTextMoE ({best['hf_moe_best']}), 1 row", best["hf_moe_us"],
+                            sparse_bytes(model, 8), copy_gbs,
+                            f"peer (bf16 experts; the fastest experts implementation); glm_ep is "
+                            f"{best['hf_moe_us'] / us:.1f}x faster"))
+        elif peer.note:
+            log.warning("%s", peer.note)
     replay = graph_of_sites(dense_sites, x1)
     us = time_median(cp, stream, replay, iters=max(iters // n_dense, 5)) / n_dense
     rows.append(Row("dense site, 1 row (graph)", us, dense_bytes(model), copy_gbs))
     if peer is not None:
-        rows.append(Row("PyTorch HF-style dense site, 1 row", peer[1], dense_bytes(model), copy_gbs,
-                        f"peer (eager); glm_ep is {peer[1] / us:.1f}x faster"))
+        rows.append(Row("PyTorch HF-style dense site, 1 row", peer.style_dense, dense_bytes(model), copy_gbs,
+                        f"peer (eager); glm_ep is {peer.style_dense / us:.1f}x faster"))
+        if peer.hf_dense is not None:
+            rows.append(Row("HF Glm5NextTextMLP, 1 row", peer.hf_dense, dense_bytes(model), copy_gbs,
+                            f"peer (eager); glm_ep is {peer.hf_dense / us:.1f}x faster"))
     for k in range(2, 9):
         xk = gpu_bf16(cp, (k, model.hidden_size), 1.0)
         sizes = union_sizes(xk)[:g]
@@ -141,15 +189,17 @@ def run_bench(args: argparse.Namespace) -> int:
         us = time_median(cp, stream, replay, iters=max(iters // g, 5)) / g
         union = float(np.mean(sizes))
         nbytes = int(np.mean([sparse_bytes(model, u) for u in sizes]))
-        rows.append(Row(f"verify {k} rows, sparse site (graph)", us, nbytes, copy_gbs,
-                        f"union of chosen experts {union:.1f}"))
+        note = f"union of chosen experts {union:.1f}"
+        if peer is not None and k in peer.hf_sparse:
+            note += f"; {peer.hf_ratio(k, us)} faster"
+        rows.append(Row(f"verify {k} rows, sparse site (graph)", us, nbytes, copy_gbs, note))
     step_bytes = n_dense * dense_bytes(model) + n_sparse * sparse_bytes(model, model.num_experts_per_tok)
     stack.step(x1)  # captures the decode graph
     us = time_median(cp, stream, lambda: stack.step(x1), iters=max(iters // 10, 5))
     note = f"{n_dense} dense + {n_sparse} sparse sites, residual adds"
     if peer is not None:
-        peer_step = n_dense * peer[1] + n_sparse * peer[0]
-        note += f"; the peer's sites add up to {peer_step / 1e3:.1f} ms: {peer_step / us:.1f}x slower"
+        peer_step = n_dense * peer.fastest_dense + n_sparse * peer.fastest_sparse
+        note += f"; the fastest peer sites add up to {peer_step / 1e3:.1f} ms: {peer_step / us:.1f}x slower"
     rows.append(Row(f"decode step, {n_dense + n_sparse}-layer stack", us, step_bytes, copy_gbs, note))
     out_dir = Path(args.out)
     write_results(out_dir, rows, bench_meta(device, copy_gbs))

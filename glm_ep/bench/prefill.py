@@ -157,19 +157,7 @@ def _peer_rows(model: Any, widths: list[int], args: argparse.Namespace) -> dict[
     moe = P.hf_moe(model)
     for rows in widths:
         x = torch.randn(rows, h, device="cuda", dtype=torch.bfloat16)
-        r: dict[str, Any] = {}
-        for impl, widest in P.EXPERTS_IMPLS.items():
-            if rows > widest:
-                continue
-            P.set_experts_impl(moe, impl)
-            try:
-                r[f"hf_moe_{impl}_us"] = torch_time_us(lambda: moe(x), iters=_iters(rows))
-            except torch.OutOfMemoryError:
-                r[f"hf_moe_{impl}_us"] = None
-            torch.cuda.empty_cache()
-        timed = {i: r[f"hf_moe_{i}_us"] for i in P.EXPERTS_IMPLS if r.get(f"hf_moe_{i}_us")}
-        r["hf_moe_best"] = min(timed, key=timed.get)
-        r["hf_moe_us"] = timed[r["hf_moe_best"]]
+        r = P.hf_moe_fastest(moe, x, _iters(rows))
         r["hf_mlp_us"] = torch_time_us(lambda: mlp(x), iters=_iters(rows))
         r["hf_shared_us"] = torch_time_us(lambda: shared(x), iters=_iters(rows))
         r["torch_router_us"] = torch_time_us(lambda: router(x), iters=_iters(rows))

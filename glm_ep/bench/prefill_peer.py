@@ -75,6 +75,26 @@ def set_experts_impl(mod: Any, impl: str) -> None:
     mod.experts.config._experts_implementation = impl
 
 
+def hf_moe_fastest(mod: Any, x_TH: torch.Tensor, iters: int) -> dict[str, Any]:
+    """``mod`` (``hf_moe``) timed under every experts implementation that runs at ``x``'s width:
+    ``hf_moe_{impl}_us`` each (None where it ran out of memory), ``hf_moe_best`` (the fastest
+    implementation's name) and ``hf_moe_us`` (its time)."""
+    r: dict[str, Any] = {}
+    for impl, widest in EXPERTS_IMPLS.items():
+        if x_TH.shape[0] > widest:
+            continue
+        set_experts_impl(mod, impl)
+        try:
+            r[f"hf_moe_{impl}_us"] = torch_time_us(lambda: mod(x_TH), iters=iters)
+        except torch.OutOfMemoryError:
+            r[f"hf_moe_{impl}_us"] = None
+        torch.cuda.empty_cache()
+    timed = {i: r[f"hf_moe_{i}_us"] for i in EXPERTS_IMPLS if r.get(f"hf_moe_{i}_us")}
+    r["hf_moe_best"] = min(timed, key=timed.get)
+    r["hf_moe_us"] = timed[r["hf_moe_best"]]
+    return r
+
+
 def torch_router(m: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """The router as HF runs it: fp32 logits of the upcast x and weight, sigmoid, biased top-k."""
     w_EH = torch.randn(m.n_routed_experts, m.hidden_size, device="cuda", dtype=torch.bfloat16) * m.hidden_size ** -0.5
