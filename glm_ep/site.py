@@ -71,9 +71,8 @@ class MoeSite:
     def route(self, x_TH: Any, ws: Workspace) -> tuple[Any, Any]:
         """Replicated on every rank (never sharded): the same ids everywhere, fp32 end to end."""
         t, e, k = x_TH.shape[0], self.cfg.num_experts, self.cfg.top_k
-        logits_TE = self.be.router_logits(x_TH, self.moe.router, ws.view("logits", t, e))
         ids_TK, wts_TK = ws.view("ids", t, k), ws.view("wts", t, k)
-        self.be.router_topk(logits_TE, self.moe.bias, self.route_params, ids_TK, wts_TK)
+        self.be.route(x_TH, self.moe.router, self.moe.bias, self.route_params, ws.view("logits", t, e), ids_TK, wts_TK)
         return ids_TK, wts_TK
 
     def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:

@@ -13,7 +13,6 @@ import pytest
 
 from glm_ep import nvfp4, routing
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.routing import RouteParams
 from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
 from _cuda import assert_written, backend, both, dev, host, poisoned, requires_cuda, unwritten
@@ -130,57 +129,6 @@ def test_gate_up_act(rng, t):
         got = host(o)
         assert_written(got, name)
         assert_close(got, r, f"gate_up_act {name} t={t}")
-
-
-# ---- router -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("t", [1, 3, 8, 20, 64, 100])
-@pytest.mark.parametrize("router_dtype", [np.float32, BF16])
-@pytest.mark.parametrize("h", [256, 4096])
-def test_router_logits(rng, t, router_dtype, h):
-    e = 288
-    x = rand_bf16(rng, (t, h))
-    router = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(router_dtype)
-    ref = np.empty((t, e), np.float32)
-    NP.router_logits(x, router, ref)
-    out = poisoned((t, e), np.float32)
-    backend().router_logits(dev(x), dev(router), out)
-    got = host(out)
-    assert_written(got, "logits")
-    assert_close(got, ref, "router logits", tol=1e-5)
-
-
-def _topk_inputs(rng, t, e):
-    logits = rng.standard_normal((t, e)).astype(np.float32)
-    bias = (7.0 + 0.01 * rng.standard_normal(e)).astype(np.float32)
-    bias[1::7] = bias[0]  # exact bias ties
-    logits[0] = 0.25  # a row of exact ties: every choice equal up to the bias ties
-    logits[1, 3:e:2] = logits[1, 2]
-    logits[2, [0, 5, 7, 11]] = np.nan  # NaN choices rank below every number
-    logits[3] = np.nan  # all NaN: the lowest ids, NaN weights
-    logits[4, :] = -np.inf
-    logits[5, 9] = np.inf
-    return logits, bias
-
-
-@pytest.mark.parametrize("top_k", [1, 8, 16])
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("ladder", [False, True])
-@pytest.mark.parametrize("e", [32, 288])
-def test_router_topk(rng, top_k, renormalize, ladder, e):
-    t = 12
-    logits, bias = _topk_inputs(rng, t, e)
-    p = RouteParams(top_k, 2.5, renormalize, ladder)
-    ref_ids, ref_wts = routing.router_topk(logits, bias, p)
-    ids, wts = poisoned((t, top_k), np.int32), poisoned((t, top_k), np.float32)
-    backend().router_topk(dev(logits), dev(bias), p, ids, wts)
-    got_ids, got_wts = host(ids), host(wts)
-    np.testing.assert_array_equal(got_ids, ref_ids)
-    assert ((got_ids >= 0) & (got_ids < e)).all()
-    assert all(len(set(r)) == top_k for r in got_ids.tolist()), "duplicate ids in a row"
-    if ladder:
-        assert_ulps(got_wts, ref_wts, "ladder weights")
-    else:
-        np.testing.assert_allclose(got_wts, ref_wts, rtol=1e-5, equal_nan=True)
 
 
 # ---- routed experts ------------------------------------------------------------------------------

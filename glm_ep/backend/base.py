@@ -171,6 +171,12 @@ class Backend(ABC, Generic[A, P]):
     def router_topk(self, logits_TE: Any, bias_E: Any, p: RouteParams, ids_TK: Any, wts_TK: Any) -> None:
         """``glm_ep.routing.router_topk`` into ``ids``/``wts``; ids must match it exactly."""
 
+    def route(self, x_TH: Any, router_EH: Any, bias_E: Any, p: RouteParams, logits_TE: Any, ids_TK: Any,
+              wts_TK: Any) -> None:
+        """``router_logits`` then ``router_topk``, with the same results (a backend may fuse them)."""
+        self.router_logits(x_TH, router_EH, logits_TE)
+        self.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
+
     @abstractmethod
     def swiglu(self, gate: Any, up: Any, limit: float, out: Any) -> Any:
         """``out = bf16(silu(min(g, L)) * clamp(u, -L, L))`` elementwise, in fp32."""

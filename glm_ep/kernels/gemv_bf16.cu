@@ -13,7 +13,11 @@
 //   bf16_glu_r{R}           gate and up fused, writing gate, up and the clamped SwiGLU
 //   router_gemv_bf16w_r{R}  bf16 router weights, fp32 logits
 //   router_gemv_f32w_r{R}   fp32 router weights, fp32 logits
+//   router_topk_{bf16w,f32w}_r{R}  the router GEMV and its top-k in ONE launch: every block writes its
+//       logits, and the block that finishes last (a device counter, reset by that block for the next
+//       launch) runs router_topk.cuh on all R rows, one warp per row (dynamic shared memory 8 E R bytes)
 #include "common.cuh"
+#include "router_topk.cuh"
 
 #ifndef GEMV_WARPS
 #error "GEMV_WARPS is set by glm_ep/backend/cuda/loader.py"
@@ -168,6 +172,32 @@ __device__ __forceinline__ void gemv_glu(const bf16_t* x, long long x_row_stride
     }
 }
 
+// The router GEMV, then the top-k of every row in the block that finishes last. Counting blocks on
+// ``done`` after a fence publishes this block's logits (the pattern of the CUDA samples'
+// threadFenceReduction); the last block resets ``done`` so the next launch (or graph replay) starts
+// from zero.
+template <int R, typename WT>
+__device__ __forceinline__ void router_gemv_topk(const bf16_t* x, long long x_row_stride, const WT* w, float* logits,
+                                                 int N, int K, int ksplit, const float* bias, int* ids, float* wts,
+                                                 const TopkParams& p, unsigned* done) {
+    static_assert(R <= GEMV_WARPS, "one warp per row for the top-k");
+    __shared__ int chosen[R][ROUTER_MAX_TOP_K];
+    __shared__ bool last;
+    gemv_plain<R, WT, float>(x, x_row_stride, w, logits, N, N, K, ksplit);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    const int warp = threadIdx.x >> 5;
+    if (warp < R) {
+        unsigned* key = (unsigned*)dyn_smem + 2 * warp * N;
+        topk_row(logits + (long long)warp * N, bias, ids + warp * p.K, wts + warp * p.K, p, key,
+                 (float*)(key + N), chosen[warp]);
+    }
+    if (threadIdx.x == 0) *done = 0u;
+}
+
 #define GEMV_ENTRIES(R)                                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) bf16_gemv_r##R(                              \
         const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \
@@ -189,6 +219,22 @@ __device__ __forceinline__ void gemv_glu(const bf16_t* x, long long x_row_stride
         const bf16_t* __restrict__ x, long long x_row_stride, const float* __restrict__ w,                   \
         float* __restrict__ out, long long out_row_stride, int N, int K, int ksplit) {                       \
         gemv_plain<R, float, float>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit);                  \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_topk_bf16w_r##R(                       \
+        const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w, float* logits,    \
+        int N, int K, int ksplit, const float* __restrict__ bias, int* __restrict__ ids,                     \
+        float* __restrict__ wts, int top_k, float routed_scale, int renormalize, int bf16_ladder,             \
+        unsigned* done) {                                                                                    \
+        router_gemv_topk<R, bf16_t>(x, x_row_stride, w, logits, N, K, ksplit, bias, ids, wts,                 \
+                                    TopkParams{N, top_k, routed_scale, renormalize, bf16_ladder}, done);     \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_topk_f32w_r##R(                        \
+        const bf16_t* __restrict__ x, long long x_row_stride, const float* __restrict__ w, float* logits,     \
+        int N, int K, int ksplit, const float* __restrict__ bias, int* __restrict__ ids,                     \
+        float* __restrict__ wts, int top_k, float routed_scale, int renormalize, int bf16_ladder,             \
+        unsigned* done) {                                                                                    \
+        router_gemv_topk<R, float>(x, x_row_stride, w, logits, N, K, ksplit, bias, ids, wts,                  \
+                                   TopkParams{N, top_k, routed_scale, renormalize, bf16_ladder}, done);      \
     }
 
 GEMV_ENTRIES(1)

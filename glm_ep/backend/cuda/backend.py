@@ -2,7 +2,7 @@
 
 | rows  | dense / shared MLP                         | router              | routed experts (NVFP4)                     |
 |-------|--------------------------------------------|---------------------|--------------------------------------------|
-| 1     | GEMV; gate + up + SwiGLU fused             | GEMV, fp32 + top-k  | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
+| 1     | GEMV; gate + up + SwiGLU fused             | GEMV (fp32) + top-k, ONE launch | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
 | 2..8  | batch-M GEMV, one weight read for all rows | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns): on the decode ring's pipeline up to `ring_union_max_rows` rows, block kernels above |
 | 9..64 | weights up to 2048 x 4096 (shared expert): tensor-core GEMM (mma_bf16.cu), one weight read for all rows, gate + up + SwiGLU fused; larger (dense FFN): cuBLAS | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
 | > 64  | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | the grouped GEMM                           |
@@ -27,6 +27,8 @@ from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident
 from glm_ep.backend.cuda import dense, elementwise, grouped, route
 from glm_ep.backend.cuda import nvfp4 as NV
 from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS
+
+FUSED_TOPK_MAX_SMEM = 48 * 1024  # the fused router's top-k scratch within every device's default per block
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.errors import ConfigError
@@ -60,6 +62,8 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         self.device.use()
         self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
         self.stream.use()  # plain CuPy ops of the caller (buffer copies) queue here too
+        # the fused router's block counter: zero between launches, and launches on one stream never overlap
+        self._route_done = cupy.zeros(1, dtype=np.uint32)
 
     @property
     def pci_bus_id(self) -> str:
@@ -173,6 +177,15 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     @_on_stream
     def router_topk(self, logits_TE, bias_E, p, ids_TK, wts_TK):
         route.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
+
+    @_on_stream
+    def route(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK):
+        """1..8 rows: the router GEMV and its top-k in one launch (``route.router_topk_fused``)."""
+        t, e = logits_TE.shape
+        if t <= GEMV_MAX_ROWS and route.fused_topk_smem(t, e) <= FUSED_TOPK_MAX_SMEM:
+            route.router_topk_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done)
+        else:
+            super().route(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK)
 
     @_on_stream
     def swiglu(self, gate, up, limit, out):

@@ -132,11 +132,11 @@ def mma_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, 
 
 
 # ---- bf16 GEMV (1..8 rows) -----------------------------------------------------------------------
-_GEMV = "gemv_bf16.cu"
-_GEMV_BLOCK = (GEMV_WARPS * 32, 1, 1)
+GEMV = "gemv_bf16.cu"
+GEMV_BLOCK = (GEMV_WARPS * 32, 1, 1)
 
 
-def _gemv_geometry(n_groups: int, k: int) -> tuple[int, int]:
+def gemv_geometry(n_groups: int, k: int) -> tuple[int, int]:
     """(grid.x, ksplit): split K over 1, 2, 4 or 8 warps of a block until the grid fills the
     device (4 blocks per SM), keeping at least 64 chunks per warp slice."""
     sms = sm_count()
@@ -147,7 +147,7 @@ def _gemv_geometry(n_groups: int, k: int) -> tuple[int, int]:
     return cdiv(n_groups, GEMV_WARPS // ksplit), ksplit
 
 
-def _gemv_rows(x_RK: Any, what: str) -> tuple[int, int]:
+def gemv_rows(x_RK: Any, what: str) -> tuple[int, int]:
     r, k = x_RK.shape
     if not 1 <= r <= GEMV_MAX_ROWS:
         raise ValueError(f"{what}: {r} rows; the GEMV tiers cover 1..{GEMV_MAX_ROWS} (wider goes to cuBLAS)")
@@ -159,38 +159,39 @@ def _gemv_rows(x_RK: Any, what: str) -> tuple[int, int]:
 
 def gemv_bf16(x_RK: Any, w_NK: Any, out_RN: Any) -> None:
     """``out = bf16(x @ w^T)`` for R = 1..8 rows, one weight read for all rows."""
-    r, k = _gemv_rows(x_RK, "gemv_bf16")
+    r, k = gemv_rows(x_RK, "gemv_bf16")
     n = w_NK.shape[0]
     check("w", w_NK, BF16), check_shape("w", w_NK, (n, k))
     check("out", out_RN, BF16, 2), check_shape("out", out_RN, (r, n))
-    grid_x, ksplit = _gemv_geometry(cdiv(n, GEMV_ROWS_PER_WARP), k)
-    launch(_GEMV, f"bf16_gemv_r{r}", (grid_x, 1, 1), _GEMV_BLOCK,
+    grid_x, ksplit = gemv_geometry(cdiv(n, GEMV_ROWS_PER_WARP), k)
+    launch(GEMV, f"bf16_gemv_r{r}", (grid_x, 1, 1), GEMV_BLOCK,
            (x_RK, i64(k), w_NK, out_RN, i64(n), i32(n), i32(k), i32(ksplit)))
 
 
 def glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any) -> None:
     """gate, up and the clamped SwiGLU of a bf16 MLP for R = 1..8 rows in ONE launch."""
-    r, k = _gemv_rows(x_RK, "glu_bf16")
+    r, k = gemv_rows(x_RK, "glu_bf16")
     n = wg_NK.shape[0]
     for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
         check(name, w, BF16), check_shape(name, w, (n, k))
     for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
         check(name, a, BF16, 2), check_shape(name, a, (r, n))
-    grid_x, ksplit = _gemv_geometry(n, k)
-    launch(_GEMV, f"bf16_glu_r{r}", (grid_x, 1, 1), _GEMV_BLOCK,
+    grid_x, ksplit = gemv_geometry(n, k)
+    launch(GEMV, f"bf16_glu_r{r}", (grid_x, 1, 1), GEMV_BLOCK,
            (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(n), i32(k), i32(ksplit),
             np.float32(limit)))
 
 
 def router_gemv(x_RH: Any, router_EH: Any, out_RE: Any) -> None:
     """fp32 logits ``x @ router^T`` for R = 1..8 rows; the router is bf16 or fp32 as stored."""
-    r, k = _gemv_rows(x_RH, "router_gemv")
+    r, k = gemv_rows(x_RH, "router_gemv")
     e = router_EH.shape[0]
     if router_EH.dtype not in (BF16, F32):
         raise TypeError(f"router: dtype {router_EH.dtype}, expected bfloat16 or float32")
     check("router", router_EH, router_EH.dtype), check_shape("router", router_EH, (e, k))
     check("logits", out_RE, F32, 4), check_shape("logits", out_RE, (r, e))
-    grid_x, ksplit = _gemv_geometry(cdiv(e, GEMV_ROWS_PER_WARP), k)
+    grid_x, ksplit = gemv_geometry(cdiv(e, GEMV_ROWS_PER_WARP), k)
     entry = f"router_gemv_{'f32' if router_EH.dtype == F32 else 'bf16'}w_r{r}"
-    launch(_GEMV, entry, (grid_x, 1, 1), _GEMV_BLOCK,
+    launch(GEMV, entry, (grid_x, 1, 1), GEMV_BLOCK,
            (x_RH, i64(k), router_EH, out_RE, i64(e), i32(e), i32(k), i32(ksplit)))
+

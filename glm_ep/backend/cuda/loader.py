@@ -102,7 +102,7 @@ def layout_defines() -> dict[str, int]:
 
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-F32, I32, U8 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint8)
+F32, I32, U8, U32 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint8), np.dtype(np.uint32)
 
 
 def define_options() -> tuple[str, ...]:

@@ -1,6 +1,6 @@
-"""Wrappers of the routing kernels: the router's top-k (``router.cu``), the union table of a row
-group and the counting sort by expert (``moe_route.cu``). Each must match its NumPy twin in
-``glm_ep.routing`` exactly.
+"""Wrappers of the routing kernels: the router's top-k (``router.cu``; fused with the router GEMV of
+1..8 rows in ``gemv_bf16.cu``), the union table of a row group and the counting sort by expert
+(``moe_route.cu``). Each must match its NumPy twin in ``glm_ep.routing`` exactly.
 
 Shape suffixes: T rows, R rows of one group, E experts, K top-k, S slots (T*K), U union entries.
 """
@@ -11,25 +11,56 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.backend.cuda.loader import (F32, I32, ROUTER_MAX_TOP_K, SORT_THREADS, UNION_MAX_IDS, check, check_shape,
-                                        i32, launch)
+from glm_ep.backend.cuda import dense as D
+from glm_ep.backend.cuda.loader import (BF16, F32, GEMV_ROWS_PER_WARP, I32, ROUTER_MAX_TOP_K, SORT_THREADS, U32,
+                                        UNION_MAX_IDS, cdiv, check, check_shape, i32, i64, launch)
 from glm_ep.routing import RouteParams
 
 ROUTER_THREADS = 32  # one warp per row
 
 
 # ---- router top-k ---------------------------------------------------------------------------------
-def router_topk(logits_TE: Any, bias_E: Any, p: RouteParams, ids_TK: Any, wts_TK: Any) -> None:
-    t, e = logits_TE.shape
+def topk_args(what: str, t: int, e: int, bias_E: Any, p: RouteParams, ids_TK: Any, wts_TK: Any) -> tuple:
+    """The top-k's checked arguments after the logits: bias, ids, wts, then ``TopkParams`` but E."""
     if not 1 <= p.top_k <= min(ROUTER_MAX_TOP_K, e):
-        raise ValueError(f"router_topk: top_k = {p.top_k}, expected 1..{min(ROUTER_MAX_TOP_K, e)}")
-    check("logits", logits_TE, F32, 4), check("bias", bias_E, F32, 4), check_shape("bias", bias_E, (e,))
+        raise ValueError(f"{what}: top_k = {p.top_k}, expected 1..{min(ROUTER_MAX_TOP_K, e)}")
+    check("bias", bias_E, F32, 4), check_shape("bias", bias_E, (e,))
     check("ids", ids_TK, I32, 4), check("wts", wts_TK, F32, 4)
     check_shape("ids", ids_TK, (t, p.top_k)), check_shape("wts", wts_TK, (t, p.top_k))
-    launch("router.cu", "router_topk", (t, 1, 1), (ROUTER_THREADS, 1, 1),
-           (logits_TE, bias_E, ids_TK, wts_TK, i32(e), i32(p.top_k), np.float32(p.routed_scale),
-            i32(int(p.renormalize)), i32(int(p.bf16_ladder))), smem=8 * e)
+    return (bias_E, ids_TK, wts_TK, i32(p.top_k), np.float32(p.routed_scale), i32(int(p.renormalize)),
+            i32(int(p.bf16_ladder)))
 
+
+def router_topk(logits_TE: Any, bias_E: Any, p: RouteParams, ids_TK: Any, wts_TK: Any) -> None:
+    t, e = logits_TE.shape
+    check("logits", logits_TE, F32, 4)
+    bias, ids, wts, *params = topk_args("router_topk", t, e, bias_E, p, ids_TK, wts_TK)
+    launch("router.cu", "router_topk", (t, 1, 1), (ROUTER_THREADS, 1, 1),
+           (logits_TE, bias, ids, wts, i32(e), *params), smem=8 * e)
+
+
+def router_topk_fused(x_RH: Any, router_EH: Any, bias_E: Any, p: RouteParams, logits_RE: Any, ids_RK: Any,
+                      wts_RK: Any, done: Any) -> None:
+    """``router_gemv`` and ``route.router_topk`` in ONE launch (the same logits, ids and weights bit
+    for bit): the block that finishes last runs the top-k. ``done``: one uint32, zero between
+    launches (each launch leaves it zero), private to the stream."""
+    r, k = D.gemv_rows(x_RH, "router_topk_fused")
+    e = router_EH.shape[0]
+    if router_EH.dtype not in (BF16, F32):
+        raise TypeError(f"router: dtype {router_EH.dtype}, expected bfloat16 or float32")
+    check("router", router_EH, router_EH.dtype), check_shape("router", router_EH, (e, k))
+    check("logits", logits_RE, F32, 4), check_shape("logits", logits_RE, (r, e))
+    check("done", done, U32, 4), check_shape("done", done, (1,))
+    topk = topk_args("router_topk_fused", r, e, bias_E, p, ids_RK, wts_RK)
+    grid_x, ksplit = D.gemv_geometry(cdiv(e, GEMV_ROWS_PER_WARP), k)
+    entry = f"router_topk_{'f32' if router_EH.dtype == F32 else 'bf16'}w_r{r}"
+    launch(D.GEMV, entry, (grid_x, 1, 1), D.GEMV_BLOCK,
+           (x_RH, i64(k), router_EH, logits_RE, i32(e), i32(k), i32(ksplit), *topk, done), smem=fused_topk_smem(r, e))
+
+
+def fused_topk_smem(rows: int, num_experts: int) -> int:
+    """Dynamic shared memory of ``router_topk_fused``: a key and a score per expert and row."""
+    return 8 * num_experts * rows
 
 
 # ---- routing tables -----------------------------------------------------------------------------------

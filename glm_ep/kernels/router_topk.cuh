@@ -1,0 +1,102 @@
+// The router's top-k of one row, for one warp (router.cu's router_topk; gemv_bf16.cu's fused
+// router GEMV + top-k), mirroring glm_ep/routing.py::router_topk:
+//   scores = sigmoid(logits)           (bf16 ladder: logits and scores rounded to bf16)
+//   choice = scores + bias             selects ONLY; exact ties go to the lower expert id, and a
+//                                      NaN choice ranks below every number (as -inf does)
+//   weights = the UNBIASED scores of the chosen experts, / (sum + 1e-20) when renormalising,
+//            then * routed_scale       (bf16 ladder: each stage rounded to bf16)
+// The sum runs in numpy's order (sequential below 8 terms, eight pairwise lanes from 8 up) so the
+// weights match the NumPy twin bit for bit. Include after common.cuh.
+#pragma once
+
+#ifndef ROUTER_MAX_TOP_K
+#error "ROUTER_MAX_TOP_K is set by glm_ep/backend/cuda/loader.py"
+#endif
+
+struct TopkParams {
+    int E, K;
+    float routed_scale;
+    int renormalize, bf16_ladder;
+};
+
+// An order-preserving unsigned key of a float choice: NaN ranks as -inf, -0 as +0; every key of a
+// number is > 0, so 0 marks an expert already taken.
+__device__ __forceinline__ unsigned order_key(float c) {
+    if (c != c) c = __uint_as_float(0xff800000u);
+    c += 0.0f;  // -0 -> +0
+    const unsigned u = __float_as_uint(c);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float renorm_sum(const float* w, int k) {
+    if (k < 8) {
+        float s = 0.0f;
+        for (int i = 0; i < k; ++i) s += w[i];
+        return s;
+    }
+    float r[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) r[j] = w[j];
+    int i = 8;
+    for (; i + 8 <= k; i += 8)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) r[j] += w[i + j];
+    float s = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < k; ++i) s += w[i];
+    return s;
+}
+
+// One row's top-k by the calling warp: logits read with ld.global.cg (another block may have just
+// written them), ``key`` / ``score`` E entries of shared memory each and ``chosen`` top-k ints of
+// shared memory, all private to the warp.
+__device__ __forceinline__ void topk_row(const float* lrow, const float* __restrict__ bias, int* ids, float* wts,
+                                         const TopkParams& p, unsigned* key, float* score, int* chosen) {
+    const int lane = threadIdx.x & 31, E = p.E, K = p.K;
+    for (int e = lane; e < E; e += 32) {
+        float l = __ldcg(lrow + e);
+        if (p.bf16_ladder) l = round_bf16(l);
+        float s = 1.0f / (1.0f + expf(-l));
+        if (p.bf16_ladder) s = round_bf16(s);
+        score[e] = s;
+        key[e] = order_key(s + bias[e]);
+    }
+    __syncwarp();
+
+    for (int k = 0; k < K; ++k) {
+        // best (highest key, then lowest id) of this lane's experts, then of the warp
+        u64_t best = 0;
+        for (int e = lane; e < E; e += 32) {
+            const u64_t cand = ((u64_t)key[e] << 32) | (0xffffffffu - (unsigned)e);
+            best = cand > best ? cand : best;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const u64_t other = __shfl_xor_sync(0xffffffffu, best, o);
+            best = other > best ? other : best;
+        }
+        const int e = (int)(0xffffffffu - (unsigned)(best & 0xffffffffu));
+        if (lane == 0) {
+            chosen[k] = e;
+            key[e] = 0u;  // taken
+        }
+        __syncwarp();
+    }
+
+    if (lane == 0) {
+        float w[ROUTER_MAX_TOP_K];
+        for (int k = 0; k < K; ++k) w[k] = score[chosen[k]];
+        if (p.renormalize) {
+            const float denom = renorm_sum(w, K) + 1e-20f;
+            for (int k = 0; k < K; ++k) {
+                w[k] = w[k] / denom;
+                if (p.bf16_ladder) w[k] = round_bf16(w[k]);
+            }
+        }
+        for (int k = 0; k < K; ++k) {
+            float v = w[k] * p.routed_scale;
+            if (p.bf16_ladder) v = round_bf16(v);
+            ids[k] = chosen[k];
+            wts[k] = v;
+        }
+    }
+}

@@ -1,0 +1,158 @@
+"""The router on CUDA against its NumPy twin: the logits GEMV, the top-k, and the two fused in one
+launch (1..8 rows), which must give the separate ops' logits, ids and weights bit for bit, launch
+after launch and replay after replay of a captured graph (its block counter resets itself).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glm_ep import routing
+from glm_ep.backend.numpy_backend import NumpyBackend
+from glm_ep.routing import RouteParams
+
+from _cuda import assert_written, backend, cupy, dev, host, poisoned, requires_cuda
+from helpers import BF16, assert_close, assert_ulps, rand_bf16
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+NP = NumpyBackend()
+
+
+# ---- router -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t", [1, 3, 8, 20, 64, 100])
+@pytest.mark.parametrize("router_dtype", [np.float32, BF16])
+@pytest.mark.parametrize("h", [256, 4096])
+def test_router_logits(rng, t, router_dtype, h):
+    e = 288
+    x = rand_bf16(rng, (t, h))
+    router = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(router_dtype)
+    ref = np.empty((t, e), np.float32)
+    NP.router_logits(x, router, ref)
+    out = poisoned((t, e), np.float32)
+    backend().router_logits(dev(x), dev(router), out)
+    got = host(out)
+    assert_written(got, "logits")
+    assert_close(got, ref, "router logits", tol=1e-5)
+
+
+def _topk_inputs(rng, t, e):
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    bias = (7.0 + 0.01 * rng.standard_normal(e)).astype(np.float32)
+    bias[1::7] = bias[0]  # exact bias ties
+    logits[0] = 0.25  # a row of exact ties: every choice equal up to the bias ties
+    logits[1, 3:e:2] = logits[1, 2]
+    logits[2, [0, 5, 7, 11]] = np.nan  # NaN choices rank below every number
+    logits[3] = np.nan  # all NaN: the lowest ids, NaN weights
+    logits[4, :] = -np.inf
+    logits[5, 9] = np.inf
+    return logits, bias
+
+
+@pytest.mark.parametrize("top_k", [1, 8, 16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("ladder", [False, True])
+@pytest.mark.parametrize("e", [32, 288])
+def test_router_topk(rng, top_k, renormalize, ladder, e):
+    t = 12
+    logits, bias = _topk_inputs(rng, t, e)
+    p = RouteParams(top_k, 2.5, renormalize, ladder)
+    ref_ids, ref_wts = routing.router_topk(logits, bias, p)
+    ids, wts = poisoned((t, top_k), np.int32), poisoned((t, top_k), np.float32)
+    backend().router_topk(dev(logits), dev(bias), p, ids, wts)
+    got_ids, got_wts = host(ids), host(wts)
+    np.testing.assert_array_equal(got_ids, ref_ids)
+    assert ((got_ids >= 0) & (got_ids < e)).all()
+    assert all(len(set(r)) == top_k for r in got_ids.tolist()), "duplicate ids in a row"
+    if ladder:
+        assert_ulps(got_wts, ref_wts, "ladder weights")
+    else:
+        np.testing.assert_allclose(got_wts, ref_wts, rtol=1e-5, equal_nan=True)
+
+
+# ---- the router GEMV and its top-k in one launch --------------------------------------------------
+def _router(rng, e, h, dtype):
+    """A router with exact ties: every 7th row repeats row 0, so their logits tie exactly."""
+    w = (rng.standard_normal((e, h)) / np.sqrt(h)).astype(dtype)
+    w[7::7] = w[0]
+    bias = (7.0 + 0.01 * rng.standard_normal(e)).astype(np.float32)
+    bias[7::7] = bias[0]  # the tied rows tie on the choice too: the lower id wins
+    return w, bias
+
+
+def _route_both(x, router, bias, p, t, e):
+    """(fused, separate): each (logits, ids, wts) on the host, from poisoned outputs."""
+    be, out = backend(), []
+    for fused in (True, False):
+        logits, ids, wts = poisoned((t, e), np.float32), poisoned((t, p.top_k), np.int32), \
+            poisoned((t, p.top_k), np.float32)
+        if fused:
+            be.route(x, router, bias, p, logits, ids, wts)
+        else:
+            be.router_logits(x, router, logits)
+            be.router_topk(logits, bias, p, ids, wts)
+        out.append(tuple(host(a) for a in (logits, ids, wts)))
+    return out
+
+
+def _assert_same(fused, separate, what):
+    for name, a, b in zip(("logits", "ids", "weights"), fused, separate):
+        assert_written(a, f"{what}: {name}")
+        np.testing.assert_array_equal(a.view(np.uint32) if a.dtype != np.int32 else a,
+                                      b.view(np.uint32) if b.dtype != np.int32 else b, err_msg=f"{what}: {name}")
+
+
+@pytest.mark.parametrize("t", [1, 2, 5, 8])
+@pytest.mark.parametrize("router_dtype", [np.float32, BF16])
+@pytest.mark.parametrize("e,h,top_k", [(32, 256, 8), (288, 4096, 8), (288, 256, 16)])
+@pytest.mark.parametrize("ladder", [False, True])
+def test_route_fused(rng, t, router_dtype, e, h, top_k, ladder):
+    router, bias = _router(rng, e, h, router_dtype)
+    p = RouteParams(top_k, 2.5, True, ladder)
+    x = rand_bf16(rng, (t, h))
+    x[t - 1] = 0  # a row of all-zero logits: every choice ties up to the bias
+    fused, separate = _route_both(dev(x), dev(router), dev(bias), p, t, e)
+    _assert_same(fused, separate, f"{t} rows")
+    ref_ids, ref_wts = routing.router_topk(fused[0], bias, p)  # the twin on the same logits
+    np.testing.assert_array_equal(fused[1], ref_ids)
+    if ladder:
+        assert_ulps(fused[2], ref_wts, "ladder weights")
+    else:
+        np.testing.assert_allclose(fused[2], ref_wts, rtol=1e-5)
+    logits = np.empty((t, e), np.float32)
+    NP.router_logits(x, router, logits)
+    assert_close(fused[0], logits, "fused logits", tol=1e-5)
+
+
+def test_route_fused_back_to_back_and_replayed(rng):
+    """The block counter: 6 launches in a row on fresh inputs, then a captured launch replayed on
+    new inputs copied into its buffers, each equal to the separate ops."""
+    e, h, t = 288, 4096, 3
+    be = backend()
+    router, bias = _router(rng, e, h, np.float32)
+    router, bias = dev(router), dev(bias)
+    p = RouteParams(8, 2.5, True, False)
+    for i in range(6):
+        fused, separate = _route_both(dev(rand_bf16(rng, (t, h))), router, bias, p, t, e)
+        _assert_same(fused, separate, f"launch {i}")
+    x = dev(rand_bf16(rng, (t, h)))
+    logits, ids, wts = cupy.empty((t, e), np.float32), cupy.empty((t, 8), np.int32), cupy.empty((t, 8), np.float32)
+    replay = be.capture(lambda: be.route(x, router, bias, p, logits, ids, wts))
+    for i in range(4):
+        xi = rand_bf16(rng, (t, h))
+        be.from_host(x, xi)
+        replay()
+        got = tuple(host(a) for a in (logits, ids, wts))
+        _, separate = _route_both(dev(xi), router, bias, p, t, e)
+        _assert_same(got, separate, f"replay {i}")
+
+
+def test_route_wide_rows_unfused(rng):
+    """Past the GEMV tiers the route is the two separate ops (cuBLAS or the tensor-core GEMM)."""
+    e, h, t = 32, 256, 20
+    router, bias = _router(rng, e, h, BF16)
+    p = RouteParams(8, 2.5, True, False)
+    x = rand_bf16(rng, (t, h))
+    fused, separate = _route_both(dev(x), dev(router), dev(bias), p, t, e)
+    _assert_same(fused, separate, f"{t} rows")
