@@ -131,6 +131,10 @@ def main() -> int:
 
     def router():
         for m in moes:
+            be.route(x[:1], m.router, m.bias, p, logits[:1], ids_out[:1], wts[:1])
+
+    def router_two_launches():
+        for m in moes:
             be.router_logits(x[:1], m.router, logits[:1])
             be.router_topk(logits[:1], m.bias, p, ids_out[:1], wts[:1])
 
@@ -178,7 +182,8 @@ def main() -> int:
     timed(routed_decode, expert_mb * TOP_K, "routed experts, 1 row (glu + down)", L)
     timed(shared_fused, shared_mb, "shared expert, 1 row (fused glu + down)", L)
     timed(shared_unfused, shared_mb, "shared expert, 1 row (gate, up, swiglu, down)", L)
-    timed(router, E_ROUTER * H * 2, "router gemv + top-k, 1 row", L)
+    timed(router, E_ROUTER * H * 2, "router gemv + top-k, 1 row (one launch)", L)
+    timed(router_two_launches, E_ROUTER * H * 2, "router gemv + top-k, 1 row (two launches)", L)
     timed(combine, TOP_K * H * 2, "combine, 1 row", L)
     timed(dense_fused, 3 * I * H * 2, "dense MLP, 1 row (fused glu + down)", len(denses))
 

@@ -240,6 +240,60 @@ __device__ __forceinline__ void store_item(const RingOut& o, int slot, int n0, i
     }
 }
 
+// The per-warp cp.async pipeline of both ring forms. The warp's items are w0, w0 + W, ... < items,
+// each `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries. The steps are callables:
+// src(item) points the producer at an item, issue(stage, slab) copies a slab of the producer's item,
+// consume(stage) multiplies a landed slab into the caller's accumulators, finish(item) stores a
+// finished item and clears them.
+template <int D, typename Stage, typename Src, typename Issue, typename Consume, typename Finish>
+__device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int items, int slabs, Src&& src,
+                                              Issue&& issue, Consume&& consume, Finish&& finish) {
+    const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * slabs;  // this warp's slabs
+    if (total == 0) return;
+    int p_item = w0, p_s = 0;  // producer: (item, slab) of the next load
+    src(p_item);
+    auto advance = [&]() {
+        if (++p_s < slabs) return;
+        p_s = 0;
+        p_item += W;
+        if (p_item < items) src(p_item);
+    };
+#pragma unroll
+    for (int d = 0; d < D - 1; ++d) {
+        if (d < total) {
+            issue(ring[d], p_s);
+            advance();
+        }
+        cp_async_commit();
+    }
+    int c_item = w0, c_s = 0, stage = 0, fill = D - 1;
+    for (int f = 0; f < total; ++f) {
+        cp_async_wait<D - 2>();  // slab f has landed (this lane's copies)
+        __syncwarp();            // ... and every lane's; every lane is done with slab f - 1's stage
+        if (f + D - 1 < total) {
+            issue(ring[fill], p_s);
+            advance();
+        }
+        cp_async_commit();
+        fill = fill + 1 == D ? 0 : fill + 1;
+        consume(ring[stage]);
+        stage = stage + 1 == D ? 0 : stage + 1;
+        if (++c_s == slabs) {  // warp-uniform
+            finish(c_item);
+            c_s = 0;
+            c_item += W;
+        }
+    }
+}
+
+template <int P>
+__device__ __forceinline__ void zero_acc(float (&acc)[P][4]) {
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[p][i] = 0.0f;
+}
+
 template <int P, int T, int D, int F>
 __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_stride, const u64_t* const (&wp)[P],
                                          const u64_t* const (&sp)[P], const float* const (&s2)[P], const int* ids,
@@ -248,65 +302,29 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     u64_t wb[P], sb[P];
     float fb[P];
     const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb);
-    const int groups = N >> 4, slabs = K / (128 * T), items = nlocal * groups;
+    const int groups = N >> 4;
     const int W = gridDim.x * RING_WARPS, w0 = blockIdx.x * RING_WARPS + (threadIdx.x >> 5);
-    const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * slabs;  // this warp's slabs
-    if (total == 0) return;
     RingStage<P, T>* ring = reinterpret_cast<RingStage<P, T>*>(dyn_smem) + (threadIdx.x >> 5) * D;
-
-    // producer: (item, slab) of the next load, and where that item's bytes are
-    int p_item = w0, p_s = 0;
     ItemSrc<P> src;
-    item_src<P>(p_item / groups, (p_item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
-    auto advance = [&]() {
-        if (++p_s < slabs) return;
-        p_s = 0;
-        p_item += W;
-        if (p_item < items)
-            item_src<P>(p_item / groups, (p_item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
-    };
-#pragma unroll
-    for (int d = 0; d < D - 1; ++d) {
-        if (d < total) {
-            issue_slab<P, T>(ring[d], src, p_s);
-            advance();
-        }
-        cp_async_commit();
-    }
-
-    int c_item = w0, c_s = 0, stage = 0, fill = D - 1;
     float acc[P][4];
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[p][i] = 0.0f;
-    for (int f = 0; f < total; ++f) {
-        cp_async_wait<D - 2>();  // slab f has landed (this lane's copies)
-        __syncwarp();            // ... and every lane's; every lane is done with slab f - 1's stage
-        if (f + D - 1 < total) {
-            issue_slab<P, T>(ring[fill], src, p_s);
-            advance();
-        }
-        cp_async_commit();
-        fill = fill + 1 == D ? 0 : fill + 1;
-        if constexpr (F != 0) consume_slab_f16<P, T>(ring[stage], acc);
-        else consume_slab<P, T>(ring[stage], acc);
-        stage = stage + 1 == D ? 0 : stage + 1;
-        if (++c_s == slabs) {  // warp-uniform
-            const int j = c_item / groups;
+    zero_acc<P>(acc);
+    ring_pipeline<D>(
+        ring, w0, W, nlocal * groups, K / (128 * T),
+        [&](int item) { item_src<P>(item / groups, (item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src); },
+        [&](RingStage<P, T>& st, int b) { issue_slab<P, T>(st, src, b); },
+        [&](const RingStage<P, T>& st) {
+            if constexpr (F != 0) consume_slab_f16<P, T>(st, acc);
+            else consume_slab<P, T>(st, acc);
+        },
+        [&](int item) {
+            const int j = item / groups;
             float f2[P];
 #pragma unroll
             for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, fb[p], j);
             finish_item<P, F>(acc);
-            store_item<P>(o, __shfl_sync(0xffffffffu, my_slot, j), (c_item % groups) * 16, N, f2, acc);
-#pragma unroll
-            for (int p = 0; p < P; ++p)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[p][i] = 0.0f;
-            c_s = 0;
-            c_item += W;
-        }
-    }
+            store_item<P>(o, __shfl_sync(0xffffffffu, my_slot, j), (item % groups) * 16, N, f2, acc);
+            zero_acc<P>(acc);
+        });
 }
 
 // ---- the union form (verify, R = 2..8 rows): one sweep of each union expert for all its rows ----
@@ -439,66 +457,30 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
     float fb[2][P];
     UnionEntry ents[2];
     const int nlocal = local_entries<P, R>(u_eid, u_slot, U, rows, start, count, wp, sp, s2, wb, sb, fb, ents);
-    const int groups = N >> 4, slabs = K / (128 * T), items = nlocal * groups;
+    const int groups = N >> 4;
     const int W = gridDim.x * RING_WARPS, w0 = blockIdx.x * RING_WARPS + (threadIdx.x >> 5);
-    const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * slabs;
-    if (total == 0) return;
     RingStage<P, T, R>* ring = reinterpret_cast<RingStage<P, T, R>*>(dyn_smem) + (threadIdx.x >> 5) * D;
-
-    int p_item = w0, p_s = 0;
     UnionSrc<P> src;
     src.x = x;
     src.x_row_stride = x_row_stride;
     src.x_slot_stride = x_slot_stride;
-    union_src<P, R>(p_item / groups, (p_item % groups) * 16, wb, sb, ents, K, src);
-    auto advance = [&]() {
-        if (++p_s < slabs) return;
-        p_s = 0;
-        p_item += W;
-        if (p_item < items) union_src<P, R>(p_item / groups, (p_item % groups) * 16, wb, sb, ents, K, src);
-    };
-#pragma unroll
-    for (int d = 0; d < D - 1; ++d) {
-        if (d < total) {
-            issue_union_slab<P, T, R>(ring[d], src, p_s);
-            advance();
-        }
-        cp_async_commit();
-    }
-
-    int c_item = w0, c_s = 0, stage = 0, fill = D - 1;
     float acc[P][4];
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[p][i] = 0.0f;
-    for (int f = 0; f < total; ++f) {
-        cp_async_wait<D - 2>();
-        __syncwarp();
-        if (f + D - 1 < total) {
-            issue_union_slab<P, T, R>(ring[fill], src, p_s);
-            advance();
-        }
-        cp_async_commit();
-        fill = fill + 1 == D ? 0 : fill + 1;
-        consume_slab<P, T, R>(ring[stage], acc);
-        stage = stage + 1 == D ? 0 : stage + 1;
-        if (++c_s == slabs) {  // warp-uniform
-            const int j = c_item / groups, lane_of = j & 31, h = j >> 5;
+    zero_acc<P>(acc);
+    ring_pipeline<D>(
+        ring, w0, W, nlocal * groups, K / (128 * T),
+        [&](int item) { union_src<P, R>(item / groups, (item % groups) * 16, wb, sb, ents, K, src); },
+        [&](RingStage<P, T, R>& st, int b) { issue_union_slab<P, T, R>(st, src, b); },
+        [&](const RingStage<P, T, R>& st) { consume_slab<P, T, R>(st, acc); },
+        [&](int item) {
+            const int j = item / groups, lane_of = j & 31, h = j >> 5;
             float f2[P];
 #pragma unroll
             for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, h ? fb[1][p] : fb[0][p], lane_of);
             const UnionEntry e = h ? ents[1] : ents[0];
             const UnionEntry ent{__shfl_sync(0xffffffffu, e.slots, lane_of), __shfl_sync(0xffffffffu, e.present, lane_of)};
-            store_union_item<P, R>(o, out_row_stride, ent, (c_item % groups) * 16, N, f2, acc);
-#pragma unroll
-            for (int p = 0; p < P; ++p)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) acc[p][i] = 0.0f;
-            c_s = 0;
-            c_item += W;
-        }
-    }
+            store_union_item<P, R>(o, out_row_stride, ent, (item % groups) * 16, N, f2, acc);
+            zero_acc<P>(acc);
+        });
 }
 
 // Union entry points, R x rows staged (the wrapper rounds the group's `rows` up to 2, 4 or 8; rows
