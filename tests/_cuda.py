@@ -1,6 +1,7 @@
 """The CUDA tests' device side: the skip logic (CuPy and a visible device, or skip with the reason),
 one backend per process, copies to and from it, and poisoned outputs that catch unwritten elements.
-The comparisons against the NumPy twins (``assert_close``, ``assert_ulps``) are in ``helpers``."""
+The comparisons against the NumPy twins (``assert_close``, ``assert_ulps``) are in ``helpers``;
+the random NVFP4 expert tables the kernel tests share (``moe_weights``) are here."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import functools
 import numpy as np
 import pytest
 
+from glm_ep import nvfp4
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.weights import MoeWeights
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
-from helpers import BF16
+from helpers import BF16, rand_bf16
+
+#: the kernel tests' shape: hidden, moe width, experts, top-k (plus GLM-5.3-Flash's where named)
+H, M, E, TOP_K = 256, 128, 32, 8
 
 
 def _probe():
@@ -77,3 +82,16 @@ def unwritten(a: np.ndarray) -> np.ndarray:
 def assert_written(a: np.ndarray, what: str) -> None:
     bad = unwritten(a)
     assert not bad.any(), f"{what}: {int(bad.sum())} of {a.size} elements left unwritten"
+
+
+def quant(rng, n, k):
+    return nvfp4.quantize((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))
+
+
+def moe_weights(rng, h=H, m=M, start=0, count=E, num_experts=E, router_dtype=np.float32):
+    experts = tuple(ExpertWeights(quant(rng, m, h), quant(rng, m, h), quant(rng, h, m)) for _ in range(count))
+    shared = DenseWeights(rand_bf16(rng, (m, h), h ** -0.5), rand_bf16(rng, (m, h), h ** -0.5),
+                          rand_bf16(rng, (h, m), m ** -0.5))
+    router = (rng.standard_normal((num_experts, h)) / np.sqrt(h)).astype(router_dtype)
+    bias = (7.0 + 0.01 * rng.standard_normal(num_experts)).astype(np.float32)
+    return MoeWeights(router, bias, start, experts, shared)

@@ -13,28 +13,15 @@ import pytest
 
 from glm_ep import nvfp4, routing
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.weights import DenseWeights
 
-from _cuda import assert_written, backend, both, dev, host, poisoned, requires_cuda, unwritten
+from _cuda import (E, H, M, TOP_K, assert_written, backend, both, dev, host, moe_weights, poisoned, requires_cuda,
+                   unwritten)
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
-H, M, E, TOP_K = 256, 128, 32, 8
 NP = NumpyBackend()
-
-
-def quant(rng, n, k):
-    return nvfp4.quantize((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32))
-
-
-def moe_weights(rng, h=H, m=M, start=0, count=E, num_experts=E, router_dtype=np.float32):
-    experts = tuple(ExpertWeights(quant(rng, m, h), quant(rng, m, h), quant(rng, h, m)) for _ in range(count))
-    shared = DenseWeights(rand_bf16(rng, (m, h), h ** -0.5), rand_bf16(rng, (m, h), h ** -0.5),
-                          rand_bf16(rng, (h, m), m ** -0.5))
-    router = (rng.standard_normal((num_experts, h)) / np.sqrt(h)).astype(router_dtype)
-    bias = (7.0 + 0.01 * rng.standard_normal(num_experts)).astype(np.float32)
-    return MoeWeights(router, bias, start, experts, shared)
 
 
 # ---- elementwise ------------------------------------------------------------------------------
@@ -201,106 +188,6 @@ def test_moe_decode_glm_shape(rng):
     got = host(down)
     assert unwritten(got[1]).all()
     assert_close(got[[0, 2]], ref_down[[0, 2]], "glm-shape down")
-
-
-def _union_ids(rng, r):
-    # rows drawn from a pool of 16 experts: plenty of overlap between rows
-    return np.stack([rng.choice(16, TOP_K, replace=False) * 2 for _ in range(r)]).astype(np.int32)
-
-
-@pytest.mark.parametrize("r", [2, 3, 4, 5, 6, 7, 8])
-def test_union_table(rng, r):
-    ids = _union_ids(rng, r)
-    ref_eid, ref_slot = routing.union_table(ids)
-    u_eid, u_slot = poisoned((r * TOP_K,), np.int32), poisoned((r * TOP_K, r), np.int32)
-    backend().union_table(dev(ids), u_eid, u_slot)
-    np.testing.assert_array_equal(host(u_eid), ref_eid)
-    np.testing.assert_array_equal(host(u_slot), ref_slot)
-
-
-@pytest.mark.parametrize("r", [2, 3, 4, 5, 6, 7, 8])
-def test_moe_union(rng, r):
-    start, count = 0, 20  # ids >= 20 are remote
-    cu, nu = both(moe_weights(rng, start=start, count=count))
-    ids = _union_ids(rng, r)
-    check_moe_union(rng, cu, nu, ids, ids < count, H, M, "union")
-
-
-def check_moe_union(rng, cu, nu, ids, local, h, m, label, be=None):
-    """Union (verify) gate + up + SwiGLU and both projections against NumPy; remote slots untouched."""
-    r = ids.shape[0]
-    u_eid, u_slot = routing.union_table(ids)
-    d_eid, d_slot = dev(u_eid), dev(u_slot)
-    be = be or backend()
-    x = rand_bf16(rng, (r, h), 2.0)
-    refs = [np.zeros((r, TOP_K, m), BF16) for _ in range(3)]
-    NP.moe_gate_up_act_union(x, nu, u_eid, u_slot, 1.0, *refs)
-    outs = [poisoned((r, TOP_K, m), BF16) for _ in range(3)]
-    be.moe_gate_up_act_union(dev(x), cu, d_eid, d_slot, 1.0, *outs)
-    for name, o, ref in zip(("gate", "up", "act"), outs, refs):
-        got = host(o)
-        if name != "act":  # act rows of remote slots are unspecified
-            assert unwritten(got[~local]).all(), f"{label} {name}: a remote slot was written"
-        assert_written(got[local], f"{label} {name}")
-        assert_close(got[local], ref[local], f"{label} {name} r={r}")
-    for proj, per_slot, kin, n in (("gate", False, h, m), ("down", True, m, h)):
-        a = rand_bf16(rng, (r, TOP_K, kin) if per_slot else (r, kin))
-        ref = np.zeros((r, TOP_K, n), BF16)
-        NP.moe_gemv_union(a, getattr(nu, proj), u_eid, u_slot, ref, per_slot)
-        out = poisoned((r, TOP_K, n), BF16)
-        be.moe_gemv_union(dev(a), getattr(cu, proj), d_eid, d_slot, out, per_slot)
-        got = host(out)
-        assert unwritten(got[~local]).all(), f"{label} {proj}: a remote slot was written"
-        assert_written(got[local], f"{label} {proj}")
-        assert_close(got[local], ref[local], f"{label} {proj} r={r}")
-
-
-# ---- the union (verify) kernels on the ring (gemv_nvfp4_ring.cu) against NumPy -------------------------
-@pytest.mark.parametrize("ring", [
-    dict(union_max_rows=0),  # gemv_nvfp4.cu's block-per-tile union kernels
-    dict(union_max_rows=8),  # the union ring's default slabs at every width
-    dict(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2)),
-    dict(union_max_rows=8, max_warps=3),  # several items per warp: the ring crosses entry boundaries
-    dict(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2), max_warps=5),
-], ids=["blocks", "t2d3", "t4d2", "t2d3-w3", "t4d2-w5"])
-@pytest.mark.parametrize("r", [2, 3, 5, 8])
-def test_moe_union_ring(rng, ring, r):
-    """A backend built with each union config, on the shared backend's stream."""
-    from glm_ep.backend.cuda import CudaBackend, RingConfig
-
-    be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
-    h, m, start, count = 2048, 1024, 6, 20  # ids outside [6, 26) are remote; K = 1..8 slabs
-    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
-    ids = _union_ids(rng, r)
-    check_moe_union(rng, cu, nu, ids, (ids >= start) & (ids < start + count), h, m, f"union ring {ring}", be)
-
-
-def test_union_ring_rows_independent(rng):
-    """The union ring runs each row through the same mma chain as the one-row ring (bf16 form): a
-    row's outputs are bit-identical whichever rows share its batch, and equal to its decode."""
-    from glm_ep.backend.cuda import CudaBackend, RingConfig
-
-    be = CudaBackend(0, RingConfig(f16=False, union_max_rows=8), stream=backend().stream)
-    h, m = 2048, 1024
-    cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=E), be)
-    ids8 = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(8)]).astype(np.int32)
-    x8 = rand_bf16(rng, (8, h), 2.0)
-    act8 = rand_bf16(rng, (8, TOP_K, m))
-    results = {}
-    for r in (1, 2, 8):
-        glu = [poisoned((r, TOP_K, m), BF16) for _ in range(3)]
-        down = poisoned((r, TOP_K, h), BF16)
-        if r == 1:  # the decode ring
-            be.moe_gate_up_act(dev(x8[:1]), cu, dev(ids8[0]), 1.0, *(o[0] for o in glu))
-            be.moe_gemv(dev(act8[0]), cu.down, dev(ids8[0]), down[0], True)
-        else:
-            u_eid, u_slot = (dev(a) for a in routing.union_table(ids8[:r]))
-            be.moe_gate_up_act_union(dev(x8[:r]), cu, u_eid, u_slot, 1.0, *glu)
-            be.moe_gemv_union(dev(act8[:r]), cu.down, u_eid, u_slot, down, True)
-        results[r] = [host(o)[0].view(np.uint16) for o in (*glu, down)]
-    for r in (2, 8):
-        for name, got, want in zip(("gate", "up", "act", "down"), results[r], results[1]):
-            np.testing.assert_array_equal(got, want, err_msg=f"row 0 {name}: {r}-row union vs decode")
 
 
 @pytest.mark.parametrize("t", [1, 37, 700, 4096])
