@@ -111,7 +111,8 @@ def test_route_fused(rng, t, router_dtype, e, h, top_k, ladder):
     router, bias = _router(rng, e, h, router_dtype)
     p = RouteParams(top_k, 2.5, True, ladder)
     x = rand_bf16(rng, (t, h))
-    x[t - 1] = 0  # a row of all-zero logits: every choice ties up to the bias
+    if t > 1:
+        x[t - 1] = 0  # a row of all-zero logits: every choice ties up to the bias
     fused, separate = _route_both(dev(x), dev(router), dev(bias), p, t, e)
     _assert_same(fused, separate, f"{t} rows")
     ref_ids, ref_wts = routing.router_topk(fused[0], bias, p)  # the twin on the same logits
@@ -148,11 +149,18 @@ def test_route_fused_back_to_back_and_replayed(rng):
         _assert_same(got, separate, f"replay {i}")
 
 
-def test_route_wide_rows_unfused(rng):
-    """Past the GEMV tiers the route is the two separate ops (cuBLAS or the tensor-core GEMM)."""
+def test_route_wide_rows(rng):
+    """Past the GEMV tiers ``route`` is the two separate ops (the tensor-core GEMM, then the top-k)."""
     e, h, t = 32, 256, 20
     router, bias = _router(rng, e, h, BF16)
     p = RouteParams(8, 2.5, True, False)
     x = rand_bf16(rng, (t, h))
-    fused, separate = _route_both(dev(x), dev(router), dev(bias), p, t, e)
-    _assert_same(fused, separate, f"{t} rows")
+    logits, ids, wts = poisoned((t, e), np.float32), poisoned((t, 8), np.int32), poisoned((t, 8), np.float32)
+    backend().route(dev(x), dev(router), dev(bias), p, logits, ids, wts)
+    got_logits, got_ids, got_wts = host(logits), host(ids), host(wts)
+    ref = np.empty((t, e), np.float32)
+    NP.router_logits(x, router, ref)
+    assert_close(got_logits, ref, "logits", tol=1e-5)
+    ref_ids, ref_wts = routing.router_topk(got_logits, bias, p)
+    np.testing.assert_array_equal(got_ids, ref_ids)
+    np.testing.assert_allclose(got_wts, ref_wts, rtol=1e-5)
