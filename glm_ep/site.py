@@ -1,6 +1,7 @@
 """The two MLP sites. Each forward is a short pipeline that ends in ONE visible all-reduce.
 
-Sparse: route -> experts -> shared -> combine -> all_reduce. The combine runs BEFORE the
+Sparse: route -> experts -> shared (its down projection fused with the combine where the backend
+can) -> combine -> all_reduce. The combine runs BEFORE the
 reduce, so one collective sums both the EP partial (routed experts) and the TP partial (shared
 expert). Dense: gate/up -> clamped SwiGLU -> down -> all_reduce (only when tp > 1).
 Shape suffixes: T rows, H hidden, E experts, K top-k, I a projection width, S = T*K.
@@ -19,13 +20,17 @@ from glm_ep.routing import RouteParams
 from glm_ep.workspace import Workspace
 
 
+def clamped_swiglu(be: Backend, w: DenseResident[Any], limit: float, x_TH: Any, ws: Workspace) -> Any:
+    """``act(gate(x), up(x))`` of a bf16 MLP over this rank's TP shard, in the workspace."""
+    t, width = x_TH.shape[0], w.width
+    gate_TI, up_TI, act_TI = (ws.view(b, t, width) for b in ("a_gate", "a_up", "a_act"))
+    return be.gate_up_act(x_TH, w, limit, gate_TI, up_TI, act_TI)
+
+
 def clamped_swiglu_mlp(be: Backend, w: DenseResident[Any], limit: float, x_TH: Any, ws: Workspace,
                        out_TH: Any) -> Any:
     """``down(act(gate(x), up(x)))`` over this rank's TP shard (a partial sum when tp > 1)."""
-    t, width = x_TH.shape[0], w.width
-    gate_TI, up_TI, act_TI = (ws.view(b, t, width) for b in ("a_gate", "a_up", "a_act"))
-    be.gate_up_act(x_TH, w, limit, gate_TI, up_TI, act_TI)
-    return be.linear(act_TI, w.down, out_TH)
+    return be.linear(clamped_swiglu(be, w, limit, x_TH, ws), w.down, out_TH)
 
 
 @dataclass
@@ -78,9 +83,11 @@ class MoeSite:
     def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
         ids_TK, wts_TK = self.route(x_TH, ws)
         routed_SH, perm_TK = self.experts(x_TH, ids_TK, self.moe.experts, ws)
-        shared_TH = None
-        if self.moe.shared is not None:  # NOT scaled by routed_scaling_factor
-            shared_TH = ws.view("shared_out", x_TH.shape[0], self.cfg.hidden)
-            clamped_swiglu_mlp(self.be, self.moe.shared, self.cfg.swiglu_limit, x_TH, ws, shared_TH)
-        self.be.combine(routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+        sh = self.moe.shared
+        if sh is None:
+            self.be.combine(routed_SH, wts_TK, None, out_TH, perm_TK)
+        else:  # NOT scaled by routed_scaling_factor; its down projection ends in the combine
+            act_TI = clamped_swiglu(self.be, sh, self.cfg.swiglu_limit, x_TH, ws)
+            self.be.shared_down_combine(act_TI, sh.down, routed_SH, wts_TK,
+                                        ws.view("shared_out", x_TH.shape[0], self.cfg.hidden), out_TH, perm_TK)
         return self.comm.all_reduce(out_TH) if self.reduces else out_TH

@@ -64,6 +64,28 @@ def test_combine(rng, t, with_shared, indexed):
     assert_ulps(got, ref, "combine")
 
 
+@pytest.mark.parametrize("t", [1, 3, 8, 12])
+@pytest.mark.parametrize("i", [128, 2048])
+def test_shared_down_combine(rng, t, i):
+    """The shared expert's down projection ending in the combine: one launch for 1..8 rows, bit for
+    bit the separate ``linear`` + ``combine`` of the same backend, and within an ulp of NumPy."""
+    act, down = rand_bf16(rng, (t, i)), rand_bf16(rng, (H, i), i ** -0.5)
+    routed = rand_bf16(rng, (t * TOP_K, H))
+    wts = rng.random((t, TOP_K)).astype(np.float32) * 2.5
+    be, d_act, d_down, d_routed, d_wts = backend(), dev(act), dev(down), dev(routed), dev(wts)
+    out, scratch = poisoned((t, H), BF16), poisoned((t, H), BF16)
+    be.shared_down_combine(d_act, d_down, d_routed, d_wts, scratch, out)
+    sep_shared, sep = poisoned((t, H), BF16), poisoned((t, H), BF16)
+    be.linear(d_act, d_down, sep_shared)
+    be.combine(d_routed, d_wts, sep_shared, sep)
+    got = host(out)
+    assert_written(got, "shared down + combine")
+    np.testing.assert_array_equal(got.view(np.uint16), host(sep).view(np.uint16))
+    ref, ref_shared = np.empty((t, H), BF16), np.empty((t, H), BF16)
+    NP.shared_down_combine(act, down, routed, wts, ref_shared, ref)
+    assert_close(got, ref, "shared down + combine")
+
+
 # ---- dense: GEMV (1..8 rows), tensor-core GEMM (9..64), cuBLAS --------------------------------------
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 20, 33, 64, 65, 300])
 @pytest.mark.parametrize("n,k", [(200, 256), (64, 4096)])

@@ -187,6 +187,14 @@ class Backend(ABC, Generic[A, P]):
         """``out[t] = bf16(sum_k wts[t,k] * routed[t*K+k] + shared[t])`` (one rounding). With
         ``perm``, slot ``(t, k)`` is read from ``routed[perm[t, k]]`` (expert-sorted order)."""
 
+    def shared_down_combine(self, act_TI: Any, down_HI: Any, routed_SH: Any, wts_TK: Any, shared_TH: Any,
+                            out_TH: Any, perm_TK: Any | None = None) -> Any:
+        """``combine(routed, wts, linear(act, down), out, perm)``: the shared expert's down projection
+        (into ``shared_TH``) then the combine. A backend may fuse the two and leave ``shared_TH``
+        unwritten; ``out`` is the same either way."""
+        self.linear(act_TI, down_HI, shared_TH)
+        return self.combine(routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+
     @abstractmethod
     def add(self, a: Any, b: Any, out: Any) -> Any:
         """``out = bf16(a + b)`` (the residual of a chained stack)."""

@@ -13,6 +13,9 @@
 //   bf16_glu_r{R}           gate and up fused, writing gate, up and the clamped SwiGLU
 //   router_gemv_bf16w_r{R}  bf16 router weights, fp32 logits
 //   router_gemv_f32w_r{R}   fp32 router weights, fp32 logits
+//   bf16_gemv_combine_r{R}  the shared expert's down projection ending in the site's combine:
+//       out[r, n] = bf16(sum_k wts[r, k] * routed[r K + k, n] + bf16(down(act)[r, n])), elementwise.cu's
+//       combine (slots in order, each product rounded before its add) on the GEMV's bf16 output
 //   router_topk_{bf16w,f32w}_r{R}  the router GEMV and its top-k in ONE launch: every block writes its
 //       logits, and the block that finishes last (a device counter, reset by that block for the next
 //       launch) runs router_topk.cuh on all R rows, one warp per row (dynamic shared memory 8 E R bytes)
@@ -172,6 +175,34 @@ __device__ __forceinline__ void gemv_glu(const bf16_t* x, long long x_row_stride
     }
 }
 
+// gemv_plain's bf16 GEMV whose owner lanes finish each output with the combine of its row's slots.
+template <int R>
+__device__ __forceinline__ void gemv_combine(const bf16_t* x, long long x_row_stride, const bf16_t* w,
+                                             const bf16_t* routed, const float* wts, bf16_t* out, int N, int K,
+                                             int ksplit, int top_k) {
+    constexpr int P = GEMV_ROWS_PER_WARP;
+    const Slice s = slice_of(K, ksplit);
+    const int n0 = s.group * P;
+    const bf16_t* rows[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) rows[p] = n0 + p < N ? w + (size_t)(n0 + p) * K : nullptr;
+    float acc[P][R];
+    gemv_warp<P, R, bf16_t>(rows, x, x_row_stride, s.c_lo, s.c_hi, acc);
+    if (!ksplit_sum<P, R>(acc, ksplit)) return;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (lane == p * R + r && n0 + p < N) {
+                const int n = n0 + p;
+                float a = 0.0f;
+                for (int k = 0; k < top_k; ++k)
+                    a = __fadd_rn(a, __fmul_rn(wts[r * top_k + k], bf16_to_f32(routed[(size_t)(r * top_k + k) * N + n])));
+                out[(size_t)r * N + n] = f32_to_bf16(__fadd_rn(a, round_bf16(acc[p][r])));
+            }
+}
+
 // The router GEMV, then the top-k of every row in the block that finishes last. Counting blocks on
 // ``done`` after a fence publishes this block's logits (the pattern of the CUDA samples'
 // threadFenceReduction); the last block resets ``done`` so the next launch (or graph replay) starts
@@ -209,6 +240,12 @@ __device__ __forceinline__ void router_gemv_topk(const bf16_t* x, long long x_ro
         const bf16_t* __restrict__ wu, bf16_t* __restrict__ gate, bf16_t* __restrict__ up,                   \
         bf16_t* __restrict__ act, long long out_row_stride, int N, int K, int ksplit, float limit) {         \
         gemv_glu<R>(x, x_row_stride, wg, wu, gate, up, act, out_row_stride, N, K, ksplit, limit);            \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) bf16_gemv_combine_r##R(                      \
+        const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \
+        const bf16_t* __restrict__ routed, const float* __restrict__ wts, bf16_t* __restrict__ out, int N,    \
+        int K, int ksplit, int top_k) {                                                                      \
+        gemv_combine<R>(x, x_row_stride, w, routed, wts, out, N, K, ksplit, top_k);                          \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_gemv_bf16w_r##R(                      \
         const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \

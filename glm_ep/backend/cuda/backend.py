@@ -198,6 +198,14 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         return out_TH
 
     @_on_stream
+    def shared_down_combine(self, act_TI, down_HI, routed_SH, wts_TK, shared_TH, out_TH, perm_TK=None):
+        """1..8 rows in (row, slot) order: one launch (``dense.gemv_combine_bf16``)."""
+        if act_TI.shape[0] <= GEMV_MAX_ROWS and perm_TK is None:
+            dense.gemv_combine_bf16(act_TI, down_HI, routed_SH, wts_TK, out_TH)
+            return out_TH
+        return super().shared_down_combine(act_TI, down_HI, routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+
+    @_on_stream
     def add(self, a, b, out):
         elementwise.add(a, b, out)
         return out

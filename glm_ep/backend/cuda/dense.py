@@ -168,6 +168,22 @@ def gemv_bf16(x_RK: Any, w_NK: Any, out_RN: Any) -> None:
            (x_RK, i64(k), w_NK, out_RN, i64(n), i32(n), i32(k), i32(ksplit)))
 
 
+def gemv_combine_bf16(x_RK: Any, w_NK: Any, routed_SN: Any, wts_RK: Any, out_RN: Any) -> None:
+    """``out = combine(routed, wts, bf16(x @ w^T))`` for R = 1..8 rows in ONE launch: the shared
+    expert's down projection with the site's combine in its epilogue (``elementwise.combine``'s
+    numerics on ``gemv_bf16``'s output); routed slots in ``(row, slot)`` order."""
+    r, k = gemv_rows(x_RK, "gemv_combine_bf16")
+    n = w_NK.shape[0]
+    top_k = wts_RK.shape[1] if wts_RK.ndim == 2 else 0
+    check("w", w_NK, BF16), check_shape("w", w_NK, (n, k))
+    check("wts", wts_RK, F32, 4), check_shape("wts", wts_RK, (r, top_k))
+    check("routed", routed_SN, BF16, 2), check_shape("routed", routed_SN, (r * top_k, n))
+    check("out", out_RN, BF16, 2), check_shape("out", out_RN, (r, n))
+    grid_x, ksplit = gemv_geometry(cdiv(n, GEMV_ROWS_PER_WARP), k)
+    launch(GEMV, f"bf16_gemv_combine_r{r}", (grid_x, 1, 1), GEMV_BLOCK,
+           (x_RK, i64(k), w_NK, routed_SN, wts_RK, out_RN, i32(n), i32(k), i32(ksplit), i32(top_k)))
+
+
 def glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any) -> None:
     """gate, up and the clamped SwiGLU of a bf16 MLP for R = 1..8 rows in ONE launch."""
     r, k = gemv_rows(x_RK, "glu_bf16")
