@@ -11,7 +11,8 @@
 G is the backend's widest row group (``Capabilities.max_row_group``: 8 on both backends), capped
 by the levers (``group_cap``); min is the ``prefill_gemm_min_rows`` lever.
 
-Every path writes ``[T*K, H]`` routed outputs, remote slots exactly zero, and returns the
+Every path writes ``[T*K, H]`` routed outputs, remote slots exactly zero (zeroed up front only where
+some experts are remote: otherwise every slot is written), and returns the
 permutation the combine must read them through (None when they are in ``(row, slot)`` order).
 Shape suffixes: T rows, H hidden, K top-k, M moe width, S = T*K slots.
 """
@@ -63,7 +64,8 @@ class ExpertDispatch:
     def __call__(self, x_TH: Any, ids_TK: Any, experts: RoutedExperts[Any], ws: Workspace) -> tuple[Any, Any | None]:
         t, k, h = x_TH.shape[0], self.cfg.top_k, self.cfg.hidden
         routed_SH = ws.view("expert_out", t * k, h)
-        self.be.zero(routed_SH)  # remote slots must add exactly zero
+        if experts.count < self.cfg.num_experts:  # remote slots must add exactly zero
+            self.be.zero(routed_SH)  # (with every expert local, every slot is written)
         path = self.path_for(t)
         if (path, t) not in self._announced:
             self._announced.add((path, t))
