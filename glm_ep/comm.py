@@ -66,29 +66,48 @@ class MpiComm(Communicator):
     """All-reduce over MPI: an allgather of the raw bf16 bits, then the rank-order bf16 sum.
 
     MPI has no bf16 type, so the bits travel as uint16 and the sum is done here, identically on
-    every rank. Device arrays (``to_host`` / ``from_host`` given) are staged through the host.
-    With a ``deadline``, the wait for the other ranks' partials is bounded by it.
+    every rank. Device arrays (``to_host`` / ``from_host`` given) are staged through host buffers
+    that live as long as the communicator, from ``host_buffer(shape, dtype)`` (the CUDA backend's
+    page-locked memory): the MPI transport never sees freshly mapped pageable memory, where two
+    ranks sharing one GPU received partials that were not yet in place. With a ``deadline``, the
+    wait for the other ranks' partials is bounded by it.
     """
 
-    def __init__(self, mpi_comm: Any, to_host=None, from_host=None, deadline: Deadline | None = None):
+    def __init__(self, mpi_comm: Any, to_host=None, from_host=None, deadline: Deadline | None = None,
+                 host_buffer=None):
         self.comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self._to_host = to_host
         self._from_host = from_host
         self._deadline = deadline
+        self._host_buffer = host_buffer or (lambda shape, dtype: np.empty(shape, dtype))
+        self._staging: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # send, gathered, sum
+
+    def _staged(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The staging buffers' first n elements (grown, never shrunk): send [n], gathered [size, n]
+        and sum [n], uint16 and contiguous."""
+        if self._staging is None or self._staging[0].size < n:
+            self._staging = (self._host_buffer((n,), np.uint16), self._host_buffer((self.size * n,), np.uint16),
+                             self._host_buffer((n,), np.uint16))
+        send, gathered, total = self._staging
+        return send[:n], gathered[:self.size * n].reshape(self.size, n), total[:n]
 
     def all_reduce(self, buf: Any, site: str = "all-reduce") -> Any:
         if self.size == 1:
             return buf
-        host = self._to_host(buf) if self._to_host else buf
-        bits = np.ascontiguousarray(host).view(np.uint16).reshape(-1)
-        gathered = np.empty((self.size, bits.size), dtype=np.uint16)
+        if self._to_host is None:  # host arrays: sent as they are
+            bits = np.ascontiguousarray(buf).view(np.uint16).reshape(-1)
+            gathered = np.empty((self.size, bits.size), dtype=np.uint16)
+        else:
+            bits, gathered, total = self._staged(buf.size)
+            self._to_host(buf, out=bits.view(ml_dtypes.bfloat16).reshape(buf.shape))
         with guarded(self._deadline, site):
             self.comm.Allgather(bits, gathered)
-        summed = bf16_sum_in_rank_order(gathered.view(ml_dtypes.bfloat16)).reshape(host.shape)
-        if self._from_host:
-            self._from_host(buf, summed)
+        summed = bf16_sum_in_rank_order(gathered.view(ml_dtypes.bfloat16))
+        if self._to_host is None:
+            buf[...] = summed.reshape(buf.shape)
         else:
-            buf[...] = summed
+            total.view(ml_dtypes.bfloat16)[...] = summed
+            self._from_host(buf, total.view(ml_dtypes.bfloat16).reshape(buf.shape))
         return buf

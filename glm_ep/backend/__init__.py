@@ -63,4 +63,5 @@ def make_comm(mpi_comm: Any, backend: Backend, topology: Any, placement: Placeme
         from glm_ep.backend.cuda.nccl import NcclComm
 
         return NcclComm(mpi_comm, backend, deadline)
-    return MpiComm(mpi_comm, to_host=backend.to_host, from_host=backend.from_host, deadline=deadline)
+    return MpiComm(mpi_comm, to_host=backend.to_host, from_host=backend.from_host, deadline=deadline,
+                   host_buffer=getattr(backend, "pinned", None))

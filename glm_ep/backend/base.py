@@ -137,8 +137,8 @@ class Backend(ABC, Generic[A, P]):
         """A resident copy of a host array."""
 
     @abstractmethod
-    def to_host(self, a: Any) -> np.ndarray:
-        """A host copy (synchronises)."""
+    def to_host(self, a: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """A host copy (synchronises), into ``out`` (same shape and dtype, contiguous) if given."""
 
     def synchronize(self) -> None:  # noqa: B027 - a backend that queues work overrides it
         """Wait for all queued work."""

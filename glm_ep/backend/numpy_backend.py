@@ -37,8 +37,11 @@ class NumpyBackend(Backend[np.ndarray, Projection]):
     def asarray(self, host: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(host)
 
-    def to_host(self, a: np.ndarray) -> np.ndarray:
-        return np.array(a, copy=True)
+    def to_host(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            return np.array(a, copy=True)
+        out[...] = a
+        return out
 
     def upload_dense(self, w: DenseWeights) -> DenseResident[np.ndarray]:
         return DenseResident(w.gate, w.up, w.down)

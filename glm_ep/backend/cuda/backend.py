@@ -94,8 +94,14 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             return self.xp.ascontiguousarray(a).view(self.xp.uint8)
         return self.asarray(np.ascontiguousarray(a).view(np.uint8))
 
-    def to_host(self, a: Any) -> np.ndarray:
-        return a.get(stream=self.stream, blocking=True)
+    def to_host(self, a: Any, out: np.ndarray | None = None) -> np.ndarray:
+        return a.get(stream=self.stream, blocking=True, out=out)
+
+    def pinned(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A page-locked host array (the host staging of the MPI all-reduce)."""
+        import cupyx
+
+        return cupyx.empty_pinned(shape, dtype=dtype)
 
     def from_host(self, buf: Any, host: np.ndarray) -> Any:
         """Copy ``host`` into the resident ``buf`` (same shape and dtype), complete on return."""
