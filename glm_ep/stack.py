@@ -50,7 +50,7 @@ class MlpStack:
     def site_output(self, i: int, x_TH: Any) -> Any:
         """Site i applied to ``x`` (not chained); the result is a view of the stack's out buffer."""
         t = self._check_rows(x_TH)
-        self.h_buf[:t] = x_TH
+        self.be.copy(x_TH, self.h_buf[:t])
         return self.sites[i](self.h_buf[:t], self.workspaces[i], self.out_buf[:t])
 
     def _eager_step(self, t: int) -> None:
@@ -68,11 +68,11 @@ class MlpStack:
     def step(self, x_TH: Any) -> Any:
         """``h = h + site(h)`` through every layer; returns a view of the stack's state buffer."""
         t = self._check_rows(x_TH)
-        self.h_buf[:t] = x_TH
+        self.be.copy(x_TH, self.h_buf[:t])
         if self._capturable(t):
             if t not in self._graphs:
                 self._eager_step(t)  # warm-up outside the capture: path logs, lazy kernel loads
-                self.h_buf[:t] = x_TH
+                self.be.copy(x_TH, self.h_buf[:t])
                 self._graphs[t] = self.be.capture(lambda: self._eager_step(t))
                 log.info("captured the %d-row step of %d sites as one graph", t, len(self.sites))
             self._graphs[t]()

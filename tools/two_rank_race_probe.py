@@ -2,7 +2,9 @@
 ``glm-ep forward`` loop (every site, the input in workspace-sized chunks) in one of these modes and
 counts the chunks whose output is off the NumPy rank's (relative L2 > 0.05):
 
-  plain        the product's code path (persistent page-locked staging buffers)
+  plain        the product's code path (persistent page-locked staging buffers, the site's input
+               copied on the backend's stream)
+  setitem      plain, but the site's input copied by ``h_buf[:t] = x`` on CuPy's current stream
   fresh        the all-reduce as it was: pageable host arrays made for each call
   fresh-check  the same, and each gathered partial's digest taken the moment the allgather returns,
                compared afterwards with the digest its sender took of what it sent (the transport)
@@ -119,6 +121,7 @@ def main() -> int:
         set_mode(mode)
         for p in range(args.passes):
             flags.clear()
+            streams: set[int] = set()
             bad, worst = [], 0.0
             for i in range(rt.model.num_hidden_layers):
                 want_all = ref[f"layers.{i}"].astype(np.float64)
@@ -126,7 +129,11 @@ def main() -> int:
                     xc = x[r:r + chunk]
                     dev = be.asarray(xc)
                     t = xc.shape[0]
-                    stack.h_buf[:t] = dev
+                    if mode == "setitem":
+                        stack.h_buf[:t] = dev  # the site input copy as it was: on CuPy's current stream
+                        streams.add(cupy.cuda.get_current_stream().ptr)
+                    else:
+                        be.copy(dev, stack.h_buf[:t])
                     if mode == "observe":
                         dsync()
                         flag("site input copy", not np.array_equal(be.to_host(stack.h_buf[:t]).view(np.uint16),
@@ -137,6 +144,8 @@ def main() -> int:
                     worst = max(worst, err)
                     if err > 0.05:
                         bad.append(f"L{i}c{c}")
+            if streams:
+                flags[f"current stream is the backend's: {streams == {be.stream.ptr}} {sorted(streams)}"] = 1
             every = mpi.allgather((bad, worst, dict(flags)))
             if ranks.rank == 0:
                 for r, (b, w, f) in enumerate(every):

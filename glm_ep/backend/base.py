@@ -203,6 +203,11 @@ class Backend(ABC, Generic[A, P]):
         a[...] = 0
         return a
 
+    def copy(self, src: Any, dst: Any) -> Any:
+        """``dst[...] = src`` (same shape and dtype), queued in order with the backend's other ops."""
+        dst[...] = src
+        return dst
+
     # ---- routed experts --------------------------------------------------------------------
     # ``table`` is one projection of the local experts; a slot whose id is outside
     # ``[table.start, table.start + table.count)`` is remote and its output is left untouched.
