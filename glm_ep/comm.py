@@ -68,9 +68,8 @@ class MpiComm(Communicator):
     MPI has no bf16 type, so the bits travel as uint16 and the sum is done here, identically on
     every rank. Device arrays (``to_host`` / ``from_host`` given) are staged through host buffers
     that live as long as the communicator, from ``host_buffer(shape, dtype)`` (the CUDA backend's
-    page-locked memory): the MPI transport never sees freshly mapped pageable memory, where two
-    ranks sharing one GPU received partials that were not yet in place. With a ``deadline``, the
-    wait for the other ranks' partials is bounded by it.
+    page-locked memory: no allocation per call, and the device copies run at full speed). With a
+    ``deadline``, the wait for the other ranks' partials is bounded by it.
     """
 
     def __init__(self, mpi_comm: Any, to_host=None, from_host=None, deadline: Deadline | None = None,
