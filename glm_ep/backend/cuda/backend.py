@@ -223,16 +223,12 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             self.xp.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, self.stream.ptr)
         return a
 
+    @_on_stream
     def copy(self, src, dst):
-        """A device-to-device copy on the backend's stream, whatever stream is current."""
+        """``dst[...] = src`` on the backend's stream, whatever stream CuPy has current."""
         if src.shape != dst.shape or src.dtype != dst.dtype:
             raise ValueError(f"copy: {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
-        if not (src.flags.c_contiguous and dst.flags.c_contiguous):
-            with self.stream:
-                dst[...] = src
-        elif dst.nbytes:
-            self.xp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes,
-                                             self.xp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+        dst[...] = src
         return dst
 
     @_on_stream
