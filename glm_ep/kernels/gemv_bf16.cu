@@ -132,9 +132,11 @@ __device__ __forceinline__ Slice slice_of(int K, int ksplit) {
 __device__ __forceinline__ void store(bf16_t* p, float v) { *p = f32_to_bf16(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 
-template <int R, typename WT, typename OT>
-__device__ __forceinline__ void gemv_plain(const bf16_t* x, long long x_row_stride, const WT* w, OT* out,
-                                           long long out_row_stride, int N, int K, int ksplit) {
+// R rows x GEMV_ROWS_PER_WARP weight rows per row group; the lane owning output (r, n) after the
+// K-slice sum calls done(r, n, sum) (lanes p R + r of the group's first warp, n = n0 + p < N).
+template <int R, typename WT, typename Done>
+__device__ __forceinline__ void gemv_rows(const bf16_t* x, long long x_row_stride, const WT* w, int N, int K,
+                                          int ksplit, Done&& done) {
     constexpr int P = GEMV_ROWS_PER_WARP;
     const Slice s = slice_of(K, ksplit);
     const int n0 = s.group * P;
@@ -149,7 +151,14 @@ __device__ __forceinline__ void gemv_plain(const bf16_t* x, long long x_row_stri
     for (int p = 0; p < P; ++p)
 #pragma unroll
         for (int r = 0; r < R; ++r)
-            if (lane == p * R + r && n0 + p < N) store(out + r * out_row_stride + n0 + p, acc[p][r]);
+            if (lane == p * R + r && n0 + p < N) done(r, n0 + p, acc[p][r]);
+}
+
+template <int R, typename WT, typename OT>
+__device__ __forceinline__ void gemv_plain(const bf16_t* x, long long x_row_stride, const WT* w, OT* out,
+                                           long long out_row_stride, int N, int K, int ksplit) {
+    gemv_rows<R, WT>(x, x_row_stride, w, N, K, ksplit,
+                     [&](int r, int n, float v) { store(out + r * out_row_stride + n, v); });
 }
 
 template <int R>
@@ -180,27 +189,12 @@ template <int R>
 __device__ __forceinline__ void gemv_combine(const bf16_t* x, long long x_row_stride, const bf16_t* w,
                                              const bf16_t* routed, const float* wts, bf16_t* out, int N, int K,
                                              int ksplit, int top_k) {
-    constexpr int P = GEMV_ROWS_PER_WARP;
-    const Slice s = slice_of(K, ksplit);
-    const int n0 = s.group * P;
-    const bf16_t* rows[P];
-#pragma unroll
-    for (int p = 0; p < P; ++p) rows[p] = n0 + p < N ? w + (size_t)(n0 + p) * K : nullptr;
-    float acc[P][R];
-    gemv_warp<P, R, bf16_t>(rows, x, x_row_stride, s.c_lo, s.c_hi, acc);
-    if (!ksplit_sum<P, R>(acc, ksplit)) return;
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (lane == p * R + r && n0 + p < N) {
-                const int n = n0 + p;
-                float a = 0.0f;
-                for (int k = 0; k < top_k; ++k)
-                    a = __fadd_rn(a, __fmul_rn(wts[r * top_k + k], bf16_to_f32(routed[(size_t)(r * top_k + k) * N + n])));
-                out[(size_t)r * N + n] = f32_to_bf16(__fadd_rn(a, round_bf16(acc[p][r])));
-            }
+    gemv_rows<R, bf16_t>(x, x_row_stride, w, N, K, ksplit, [&](int r, int n, float v) {
+        float a = 0.0f;
+        for (int k = 0; k < top_k; ++k)
+            a = __fadd_rn(a, __fmul_rn(wts[r * top_k + k], bf16_to_f32(routed[(size_t)(r * top_k + k) * N + n])));
+        out[(size_t)r * N + n] = f32_to_bf16(__fadd_rn(a, round_bf16(v)));
+    });
 }
 
 // The router GEMV, then the top-k of every row in the block that finishes last. Counting blocks on

@@ -198,16 +198,22 @@ def glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_R
             np.float32(limit)))
 
 
-def router_gemv(x_RH: Any, router_EH: Any, out_RE: Any) -> None:
-    """fp32 logits ``x @ router^T`` for R = 1..8 rows; the router is bf16 or fp32 as stored."""
-    r, k = gemv_rows(x_RH, "router_gemv")
+def router_geometry(x_RH: Any, router_EH: Any, logits_RE: Any, what: str) -> tuple[int, int, int, int, int, str]:
+    """The router GEMV's checked shape and launch: (rows, in width, experts, grid.x, ksplit, the
+    entry's weight tag ``bf16w`` / ``f32w``)."""
+    r, k = gemv_rows(x_RH, what)
     e = router_EH.shape[0]
     if router_EH.dtype not in (BF16, F32):
         raise TypeError(f"router: dtype {router_EH.dtype}, expected bfloat16 or float32")
     check("router", router_EH, router_EH.dtype), check_shape("router", router_EH, (e, k))
-    check("logits", out_RE, F32, 4), check_shape("logits", out_RE, (r, e))
+    check("logits", logits_RE, F32, 4), check_shape("logits", logits_RE, (r, e))
     grid_x, ksplit = gemv_geometry(cdiv(e, GEMV_ROWS_PER_WARP), k)
-    entry = f"router_gemv_{'f32' if router_EH.dtype == F32 else 'bf16'}w_r{r}"
-    launch(GEMV, entry, (grid_x, 1, 1), GEMV_BLOCK,
+    return r, k, e, grid_x, ksplit, "f32w" if router_EH.dtype == F32 else "bf16w"
+
+
+def router_gemv(x_RH: Any, router_EH: Any, out_RE: Any) -> None:
+    """fp32 logits ``x @ router^T`` for R = 1..8 rows; the router is bf16 or fp32 as stored."""
+    r, k, e, grid_x, ksplit, wtag = router_geometry(x_RH, router_EH, out_RE, "router_gemv")
+    launch(GEMV, f"router_gemv_{wtag}_r{r}", (grid_x, 1, 1), GEMV_BLOCK,
            (x_RH, i64(k), router_EH, out_RE, i64(e), i32(e), i32(k), i32(ksplit)))
 

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.cuda import dense as D
-from glm_ep.backend.cuda.loader import (BF16, F32, GEMV_ROWS_PER_WARP, I32, ROUTER_MAX_TOP_K, SORT_THREADS, U32,
-                                        UNION_MAX_IDS, cdiv, check, check_shape, i32, i64, launch)
+from glm_ep.backend.cuda.loader import (F32, I32, ROUTER_MAX_TOP_K, SORT_THREADS, U32, UNION_MAX_IDS, check,
+                                        check_shape, i32, i64, launch)
 from glm_ep.routing import RouteParams
 
 ROUTER_THREADS = 32  # one warp per row
@@ -44,17 +44,10 @@ def router_topk_fused(x_RH: Any, router_EH: Any, bias_E: Any, p: RouteParams, lo
     """``router_gemv`` and ``route.router_topk`` in ONE launch (the same logits, ids and weights bit
     for bit): the block that finishes last runs the top-k. ``done``: one uint32, zero between
     launches (each launch leaves it zero), private to the stream."""
-    r, k = D.gemv_rows(x_RH, "router_topk_fused")
-    e = router_EH.shape[0]
-    if router_EH.dtype not in (BF16, F32):
-        raise TypeError(f"router: dtype {router_EH.dtype}, expected bfloat16 or float32")
-    check("router", router_EH, router_EH.dtype), check_shape("router", router_EH, (e, k))
-    check("logits", logits_RE, F32, 4), check_shape("logits", logits_RE, (r, e))
+    r, k, e, grid_x, ksplit, wtag = D.router_geometry(x_RH, router_EH, logits_RE, "router_topk_fused")
     check("done", done, U32, 4), check_shape("done", done, (1,))
     topk = topk_args("router_topk_fused", r, e, bias_E, p, ids_RK, wts_RK)
-    grid_x, ksplit = D.gemv_geometry(cdiv(e, GEMV_ROWS_PER_WARP), k)
-    entry = f"router_topk_{'f32' if router_EH.dtype == F32 else 'bf16'}w_r{r}"
-    launch(D.GEMV, entry, (grid_x, 1, 1), D.GEMV_BLOCK,
+    launch(D.GEMV, f"router_topk_{wtag}_r{r}", (grid_x, 1, 1), D.GEMV_BLOCK,
            (x_RH, i64(k), router_EH, logits_RE, i32(e), i32(k), i32(ksplit), *topk, done), smem=fused_topk_smem(r, e))
 
 
