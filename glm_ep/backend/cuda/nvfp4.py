@@ -1,7 +1,8 @@
-"""Wrappers of the NVFP4 routed-expert GEMV kernels (``gemv_nvfp4.cu``, ``gemv_nvfp4_ring.cu``): the
-expert pointer tables and the tensor-core launch geometry. The one-row wrappers take the backend's
-``RingConfig`` (``ring``); the grouped prefill GEMM's wrappers are in ``grouped``. Compiled and
-launched through ``loader``'s one cached loader; the ``-D`` constants stay there.
+"""Wrappers of the NVFP4 routed-expert GEMV kernels (``gemv_nvfp4.cu``, ``gemv_nvfp4_ring.cu``,
+``gemv_nvfp4_union.cu``): the expert pointer tables and the tensor-core launch geometry. The
+one-row wrappers take the backend's ``RingConfig`` (``ring``); the grouped prefill GEMM's wrappers
+are in ``grouped``. Compiled and launched through ``loader``'s one cached loader; the ``-D``
+constants stay there.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def nvfp4_gemv(x_1K: Any, packed_NK2: Any, scale_NG: Any, scale2: float, out_1N:
 
 # ---- one row, every slot: the persistent ring (gemv_nvfp4_ring.cu) or the block kernels ----------
 _RING = "gemv_nvfp4_ring.cu"
+_UNION = "gemv_nvfp4_union.cu"
 
 
 def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointers], ids_S: Any, out_SN: Any,
@@ -143,7 +145,7 @@ def nvfp4_moe_gemv_union(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4P
     tables = (proj.packed_ptrs, proj.scale_ptrs, proj.scale2, u_eid_U, u_slot_UR)
     if ring.union_takes(proj.n, proj.k, r, 1):
         blocks, smem, suffix = ring.union_geometry(proj.n, r, r * k, 1)
-        launch(_RING, f"nvfp4_ring_union_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
+        launch(_UNION, f"nvfp4_ring_union_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x, i64(x_row), i64(proj.k if per_slot_input else 0), *tables, i32(r * k), i32(r), i32(start),
                 i32(count), out_RKN, i64(k * proj.n), i32(proj.n), i32(proj.k)), smem=smem)
         return
@@ -166,7 +168,7 @@ def nvfp4_moe_glu_union(x_RK: Any, experts: RoutedExperts[Nvfp4Pointers], u_eid_
               u_eid_U, u_slot_UR)
     if ring.union_takes(n, kin, r, 2):
         blocks, smem, suffix = ring.union_geometry(n, r, r * k, 2)
-        launch(_RING, f"nvfp4_ring_union_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
+        launch(_UNION, f"nvfp4_ring_union_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x_RK, i64(kin), *tables, i32(r * k), i32(r), i32(start), i32(count), gate_RKN, up_RKN, act_RKN,
                 i64(k * n), i32(n), i32(kin), np.float32(limit)), smem=smem)
         return
