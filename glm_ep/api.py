@@ -77,7 +77,7 @@ class GlmMlp:
             x_TH = interop.to_backend(x, kind, be)
             out_TH = be.xp.empty((rows, self.hidden_size), dtype=ml_dtypes.bfloat16)
             for r in range(0, rows, chunk):
-                out_TH[r:r + chunk] = fn(x_TH[r:r + chunk])  # fn's result is a view of the stack's buffer
+                be.copy(fn(x_TH[r:r + chunk]), out_TH[r:r + chunk])  # fn's result is a view of the stack's buffer
             return interop.from_backend(out_TH, x, kind, be)
 
     def __repr__(self) -> str:

@@ -39,7 +39,7 @@ requires_cuda = pytest.mark.skipif(cupy is None, reason=_REASON or "CUDA availab
 
 @functools.cache
 def backend():
-    """One CudaBackend per process: its stream is the current CuPy stream."""
+    """One CudaBackend per process (its ops queue on its own stream, never CuPy's current one)."""
     from glm_ep.backend.cuda import CudaBackend
 
     return CudaBackend(0)
@@ -63,11 +63,8 @@ def poisoned(shape, dtype):
     """A device buffer whose every byte is 0xFF (NaN for bf16/fp32) or, for int32, 0x7B7B7B7B:
     a value no kernel writes, so an element left unwritten is caught."""
     a = cupy.empty(shape, dtype=dtype)
-    backend().synchronize()
-    if np.dtype(dtype) == np.int32:
-        a.fill(0x7B7B7B7B)
-    else:
-        cupy.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, a.nbytes, backend().stream.ptr)
+    byte = 0x7B if np.dtype(dtype) == np.int32 else 0xFF
+    cupy.cuda.runtime.memsetAsync(a.data.ptr, byte, a.nbytes, backend().stream.ptr)  # in order with the ops
     return a
 
 

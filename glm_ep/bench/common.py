@@ -126,15 +126,22 @@ def world1_cfg(model: ModelConfig) -> SiteConfig:
     return SiteConfig.for_rank(model, RankLayout(1, 0, 1, 1))
 
 
+def _ready(cp: Any, a: Any) -> Any:
+    """``a``, made on CuPy's current stream, complete: the backend's ops run on its own stream,
+    which nothing orders after the current one."""
+    cp.cuda.get_current_stream().synchronize()
+    return a
+
+
 def gpu_bf16(cp: Any, shape: tuple[int, ...], std: float) -> Any:
-    return (cp.random.standard_normal(shape, dtype=cp.float32) * std).astype(BF16)
+    return _ready(cp, (cp.random.standard_normal(shape, dtype=cp.float32) * std).astype(BF16))
 
 
 def _nvfp4(cp: Any, n: int, k: int) -> Nvfp4Weight:
     packed = cp.random.randint(0, 256, size=(n, k // 2), dtype=cp.int32).astype(cp.uint8)
     # E4M3 bytes 0x30..0x3b: block scales in [0.5, 1.375], never NaN
     scale = cp.random.randint(0x30, 0x3C, size=(n, k // 16), dtype=cp.int32).astype(cp.uint8)
-    return Nvfp4Weight(packed, scale, 1.0 / (6.0 * 64.0))
+    return Nvfp4Weight(packed, _ready(cp, scale), 1.0 / (6.0 * 64.0))
 
 
 def gpu_dense(cp: Any, width: int, h: int) -> DenseWeights:
@@ -145,5 +152,5 @@ def gpu_dense(cp: Any, width: int, h: int) -> DenseWeights:
 def gpu_moe(cp: Any, model: ModelConfig) -> MoeWeights:
     h, m, e = model.hidden_size, model.moe_intermediate_size, model.n_routed_experts
     experts = tuple(ExpertWeights(_nvfp4(cp, m, h), _nvfp4(cp, m, h), _nvfp4(cp, h, m)) for _ in range(e))
-    bias = (7.0 + 0.02 * cp.random.standard_normal(e, dtype=cp.float32)).astype(cp.float32)
+    bias = _ready(cp, (7.0 + 0.02 * cp.random.standard_normal(e, dtype=cp.float32)).astype(cp.float32))
     return MoeWeights(gpu_bf16(cp, (e, h), h ** -0.5), bias, 0, experts, gpu_dense(cp, model.shared_intermediate, h))

@@ -60,8 +60,12 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         self.ring = ring
         self.device = cupy.cuda.Device(device)
         self.device.use()
+        # Every device op of the backend names this stream (``_on_stream``): it is never made CuPy's
+        # current stream for good, since a ``with stream`` block (every op) ends by restoring the
+        # stream below it on CuPy's stack, the default stream, whatever ``use()`` had set. A plain
+        # CuPy op of the caller therefore runs on the caller's stream; ``interop.runtime_stream``
+        # orders the two, and ``copy`` moves data on this one.
         self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
-        self.stream.use()  # plain CuPy ops of the caller (buffer copies) queue here too
         # the fused router's block counter: zero between launches, and launches on one stream never overlap
         self._route_done = cupy.zeros(1, dtype=np.uint32)
 
@@ -122,6 +126,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         stream = self.stream
         return lambda: graph.launch(stream)
 
+    @_on_stream
     def upload_dense(self, w: DenseWeights) -> DenseResident[Any]:
         return DenseResident(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
 
@@ -141,6 +146,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             scale2=self.asarray(np.array(s2, dtype=np.float32)),
             n=n, k=k, packed=packed, scale=scale, scale2_host=s2, f16=f16)
 
+    @_on_stream
     def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[Any, Nvfp4Pointers]:
         """The ring's operand form of each projection is fixed here, from ``swiglu_limit``
         (``RingConfig.forms``: a ConfigError where the levers ask for an fp16 form it does not bound)."""

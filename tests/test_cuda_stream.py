@@ -1,0 +1,62 @@
+"""The CUDA backend's stream discipline: every op queues on the backend's own stream, whatever stream
+CuPy has current, and leaves the caller's current stream as it found it. (Two ranks sharing one GPU
+once summed stale chunks because a buffer copy ran on CuPy's default stream, unordered against the
+backend's non-blocking one: docs/perf/NOTES.md, "Two ranks on one GPU".)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from _cuda import backend, cupy, dev, host, poisoned, requires_cuda
+from helpers import BF16, rand_bf16
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+_SPIN = r"""
+extern "C" __global__ void spin(long long cycles) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+"""
+
+
+def _busy(stream, ms: float = 200.0) -> None:
+    """Queue a one-thread kernel on ``stream`` that spins for about ``ms`` milliseconds."""
+    kernel = cupy.RawKernel(_SPIN, "spin")
+    clock_khz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"]
+    kernel((1,), (1,), (np.int64(ms * clock_khz),), stream=stream)
+
+
+def test_ops_leave_the_callers_stream_current(rng):
+    from glm_ep.backend.cuda import CudaBackend
+
+    mine = cupy.cuda.Stream(non_blocking=True)
+    x = rand_bf16(rng, (2, 64))
+    w = rand_bf16(rng, (32, 64))
+    with mine:
+        be = CudaBackend(0)  # building it does not make its stream current either
+        assert cupy.cuda.get_current_stream() == mine
+        xd, wd, out = be.asarray(x), be.asarray(w), be.xp.empty((2, 32), dtype=BF16)
+        be.linear(xd, wd, out)
+        be.copy(out, be.xp.empty_like(out))
+        assert cupy.cuda.get_current_stream() == mine, "a backend op changed CuPy's current stream"
+        assert be.stream != mine
+
+
+def test_copy_queues_on_the_backend_stream(rng):
+    """``copy`` with another stream current and busy: it must complete on the backend's stream
+    while that stream still spins (on the busy stream it would wait behind the spin)."""
+    be = backend()
+    x = rand_bf16(rng, (16, 128))
+    src, dst = dev(x), poisoned((16, 128), BF16)
+    other = cupy.cuda.Stream(non_blocking=True)
+    with other:
+        _busy(other)
+        be.copy(src, dst)
+        got = host(dst)  # waits for the backend's stream only
+        still_busy = not other.done
+    other.synchronize()
+    assert still_busy, "the spin ended before the check: the test proves nothing on this device"
+    np.testing.assert_array_equal(got.view(np.uint16), x.view(np.uint16))
