@@ -138,6 +138,22 @@ def main() -> int:
             be.router_logits(x[:1], m.router, logits[:1])
             be.router_topk(logits[:1], m.bias, p, ids_out[:1], wts[:1])
 
+    def router_gemv_only():
+        for m in moes:
+            be.router_logits(x[:1], m.router, logits[:1])
+
+    def router_topk_only():
+        for m in moes:
+            be.router_topk(logits[:1], m.bias, p, ids_out[:1], wts[:1])
+
+    def shared_glu_only():
+        for m in moes:
+            be.gate_up_act(x[:1], m.shared, LIMIT, *(v(b, 1, M) for b in (gate, up, act)))
+
+    def shared_down_combine():
+        for m in moes:
+            be.shared_down_combine(v(act, 1, M), m.shared.down, routed[0], wts[:1], out[:1], out[:1])
+
     def dense_fused():
         for d in denses:
             be.gate_up_act(x[:1], d, LIMIT, *(v(b, 1, I) for b in (gate, up, act)))
@@ -184,6 +200,10 @@ def main() -> int:
     timed(shared_unfused, shared_mb, "shared expert, 1 row (gate, up, swiglu, down)", L)
     timed(router, E_ROUTER * H * 2, "router gemv + top-k, 1 row (one launch)", L)
     timed(router_two_launches, E_ROUTER * H * 2, "router gemv + top-k, 1 row (two launches)", L)
+    timed(router_gemv_only, E_ROUTER * H * 2, "router gemv alone, 1 row", L)
+    timed(router_topk_only, E_ROUTER * 4, "router top-k alone, 1 row", L)
+    timed(shared_glu_only, 2 * M * H * 2, "shared expert gate + up + SwiGLU, 1 row", L)
+    timed(shared_down_combine, M * H * 2, "shared expert down + combine, 1 row", L)
     timed(combine, TOP_K * H * 2, "combine, 1 row", L)
     timed(dense_fused, 3 * I * H * 2, "dense MLP, 1 row (fused glu + down)", len(denses))
 
