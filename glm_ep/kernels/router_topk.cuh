@@ -12,6 +12,7 @@
 #ifndef ROUTER_MAX_TOP_K
 #error "ROUTER_MAX_TOP_K is set by glm_ep/backend/cuda/loader.py"
 #endif
+#define TOPK_BATCH 16  // experts per lane whose logits are in flight at once: 512 experts in one trip
 
 struct TopkParams {
     int E, K;
@@ -46,41 +47,63 @@ __device__ __forceinline__ float renorm_sum(const float* w, int k) {
     return s;
 }
 
+// The best not yet taken of a lane's experts lane, lane + 32, ...: the highest key, the lowest id
+// among equal keys (ids ascend, so only a strictly higher key replaces); key 0 when none is left.
+__device__ __forceinline__ void lane_best(const unsigned* key, int E, unsigned& best_key, unsigned& best_id) {
+    best_key = 0u;
+    best_id = 0xffffffffu;
+    for (int e = threadIdx.x & 31; e < E; e += 32) {
+        const unsigned k = key[e];
+        if (k > best_key) {
+            best_key = k;
+            best_id = (unsigned)e;
+        }
+    }
+}
+
 // One row's top-k by the calling warp: logits read with ld.global.cg (another block may have just
 // written them), ``key`` / ``score`` E entries of shared memory each and ``chosen`` top-k ints of
-// shared memory, all private to the warp.
+// shared memory, all private to the warp. Each lane only ever reads and writes its own experts'
+// keys (e = lane mod 32) and keeps its best in registers; a round is two warp reductions (the
+// highest key, then the lowest id holding it) and a rescan by the one lane whose expert was taken.
 __device__ __forceinline__ void topk_row(const float* lrow, const float* __restrict__ bias, int* ids, float* wts,
                                          const TopkParams& p, unsigned* key, float* score, int* chosen) {
     const int lane = threadIdx.x & 31, E = p.E, K = p.K;
-    for (int e = lane; e < E; e += 32) {
-        float l = __ldcg(lrow + e);
-        if (p.bf16_ladder) l = round_bf16(l);
-        float s = 1.0f / (1.0f + expf(-l));
-        if (p.bf16_ladder) s = round_bf16(s);
-        score[e] = s;
-        key[e] = order_key(s + bias[e]);
-    }
-    __syncwarp();
-
-    for (int k = 0; k < K; ++k) {
-        // best (highest key, then lowest id) of this lane's experts, then of the warp
-        u64_t best = 0;
-        for (int e = lane; e < E; e += 32) {
-            const u64_t cand = ((u64_t)key[e] << 32) | (0xffffffffu - (unsigned)e);
-            best = cand > best ? cand : best;
+    // TOPK_BATCH of a lane's logits and biases loaded before any is used: the shared stores below
+    // go through generic pointers, so loads and stores would otherwise alternate, one global round
+    // trip per expert a lane holds (9 at 288 experts)
+    for (int e0 = lane; e0 < E; e0 += 32 * TOPK_BATCH) {
+        float l[TOPK_BATCH], b[TOPK_BATCH];
+#pragma unroll
+        for (int j = 0; j < TOPK_BATCH; ++j) {
+            const int e = e0 + 32 * j;
+            l[j] = e < E ? __ldcg(lrow + e) : 0.0f;
+            b[j] = e < E ? bias[e] : 0.0f;
         }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const u64_t other = __shfl_xor_sync(0xffffffffu, best, o);
-            best = other > best ? other : best;
+        for (int j = 0; j < TOPK_BATCH; ++j) {
+            const int e = e0 + 32 * j;
+            if (e >= E) break;
+            const float lj = p.bf16_ladder ? round_bf16(l[j]) : l[j];
+            float s = 1.0f / (1.0f + expf(-lj));
+            if (p.bf16_ladder) s = round_bf16(s);
+            score[e] = s;
+            key[e] = order_key(s + b[j]);
         }
-        const int e = (int)(0xffffffffu - (unsigned)(best & 0xffffffffu));
-        if (lane == 0) {
-            chosen[k] = e;
-            key[e] = 0u;  // taken
-        }
-        __syncwarp();
     }
+    unsigned best_key, best_id;
+    lane_best(key, E, best_key, best_id);
+
+    for (int k = 0; k < K; ++k) {
+        const unsigned top = __reduce_max_sync(0xffffffffu, best_key);
+        const unsigned e = __reduce_min_sync(0xffffffffu, best_key == top ? best_id : 0xffffffffu);
+        if (lane == 0) chosen[k] = (int)e;
+        if ((unsigned)lane == (e & 31u)) {  // the owner of the taken expert moves to its next best
+            key[e] = 0u;
+            lane_best(key, E, best_key, best_id);
+        }
+    }
+    __syncwarp();  // chosen[] and score[] (written by other lanes) read by lane 0 below
 
     if (lane == 0) {
         float w[ROUTER_MAX_TOP_K];
