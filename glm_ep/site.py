@@ -1,9 +1,10 @@
 """The two MLP sites. Each forward is a short pipeline that ends in ONE visible all-reduce.
 
-Sparse: route -> experts -> shared (its down projection fused with the combine where the backend
-can) -> combine -> all_reduce. The combine runs BEFORE the
-reduce, so one collective sums both the EP partial (routed experts) and the TP partial (shared
-expert). Dense: gate/up -> clamped SwiGLU -> down -> all_reduce (only when tp > 1).
+Sparse: route (with the shared expert's gate/up beside it where the workspace holds both) ->
+experts -> shared (its down projection fused with the combine where the backend can) -> combine
+-> all_reduce. The combine runs BEFORE the reduce, so one collective sums both the EP partial
+(routed experts) and the TP partial (shared expert). Dense: gate/up -> clamped SwiGLU -> down ->
+all_reduce (only when tp > 1).
 Shape suffixes: T rows, H hidden, E experts, K top-k, I a projection width, S = T*K.
 """
 
@@ -80,14 +81,30 @@ class MoeSite:
         self.be.route(x_TH, self.moe.router, self.moe.bias, self.route_params, ws.view("logits", t, e), ids_TK, wts_TK)
         return ids_TK, wts_TK
 
+    def route_and_shared_glu(self, x_TH: Any, ws: Workspace) -> tuple[Any, Any, Any] | None:
+        """``route`` and the shared expert's gate/up/SwiGLU together (one launch on CUDA at 1..8
+        rows), the shared activations placed in ``a_gate``/``a_up``/``a_act`` PAST the routed
+        experts' ``rows * top_k * moe_intermediate`` elements, so they outlive the routed experts.
+        None where the buffers do not hold both (then the shared expert runs after the experts)."""
+        t, e, k, width = x_TH.shape[0], self.cfg.num_experts, self.cfg.top_k, self.moe.shared.width
+        start = t * k * self.cfg.moe_intermediate
+        if not ws.fits("a_act", start + t * width):
+            return None
+        ids_TK, wts_TK = ws.view("ids", t, k), ws.view("wts", t, k)
+        gate_TI, up_TI, act_TI = (ws.view(b, t, width, offset=start) for b in ("a_gate", "a_up", "a_act"))
+        self.be.route_and_gate_up_act(x_TH, self.moe.router, self.moe.bias, self.route_params, ws.view("logits", t, e),
+                                      ids_TK, wts_TK, self.moe.shared, self.cfg.swiglu_limit, gate_TI, up_TI, act_TI)
+        return ids_TK, wts_TK, act_TI
+
     def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
-        ids_TK, wts_TK = self.route(x_TH, ws)
-        routed_SH, perm_TK = self.experts(x_TH, ids_TK, self.moe.experts, ws)
         sh = self.moe.shared
+        early = self.route_and_shared_glu(x_TH, ws) if sh is not None else None
+        ids_TK, wts_TK = early[:2] if early else self.route(x_TH, ws)
+        routed_SH, perm_TK = self.experts(x_TH, ids_TK, self.moe.experts, ws)
         if sh is None:
             self.be.combine(routed_SH, wts_TK, None, out_TH, perm_TK)
         else:  # NOT scaled by routed_scaling_factor; its down projection ends in the combine
-            act_TI = clamped_swiglu(self.be, sh, self.cfg.swiglu_limit, x_TH, ws)
+            act_TI = early[2] if early else clamped_swiglu(self.be, sh, self.cfg.swiglu_limit, x_TH, ws)
             self.be.shared_down_combine(act_TI, sh.down, routed_SH, wts_TK,
                                         ws.view("shared_out", x_TH.shape[0], self.cfg.hidden), out_TH, perm_TK)
         return self.comm.all_reduce(out_TH) if self.reduces else out_TH

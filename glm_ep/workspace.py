@@ -75,13 +75,18 @@ class Workspace:
         self._flat = {name: xp.empty(int(np.prod(shape)), dtype=dtype)
                       for name, (shape, dtype) in buffer_specs(cfg, max_rows).items()}
 
-    def view(self, name: str, *shape: int) -> Any:
-        """The first ``prod(shape)`` elements of buffer ``name``, shaped ``shape`` (a view)."""
+    def view(self, name: str, *shape: int, offset: int = 0) -> Any:
+        """Elements ``[offset, offset + prod(shape))`` of buffer ``name``, shaped ``shape`` (a view)."""
         n = int(np.prod(shape))
         buf = self._flat[name]
-        if n > buf.size:
-            raise ValueError(f"workspace buffer {name!r} holds {buf.size} elements, asked for {shape}")
-        return buf[:n].reshape(shape)
+        if offset < 0 or offset + n > buf.size:
+            raise ValueError(f"workspace buffer {name!r} holds {buf.size} elements, asked for {shape}"
+                             + (f" from element {offset}" if offset else ""))
+        return buf[offset:offset + n].reshape(shape)
+
+    def fits(self, name: str, n: int) -> bool:
+        """Whether buffer ``name`` holds ``n`` elements."""
+        return n <= self._flat[name].size
 
 
 def workspace_pool(xp: Any, cfg: SiteConfig, max_rows: int, layers: int, shared: bool) -> list[Workspace]:

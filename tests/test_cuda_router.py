@@ -11,6 +11,7 @@ import pytest
 from glm_ep import routing
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.routing import RouteParams
+from glm_ep.weights import DenseWeights
 
 from _cuda import assert_written, backend, cupy, dev, host, poisoned, requires_cuda
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
@@ -147,6 +148,86 @@ def test_route_fused_back_to_back_and_replayed(rng):
         got = tuple(host(a) for a in (logits, ids, wts))
         _, separate = _route_both(dev(xi), router, bias, p, t, e)
         _assert_same(got, separate, f"replay {i}")
+
+
+# ---- the router and the shared expert's gate + up in one launch ----------------------------------
+def _route_glu_both(x, router, bias, p, shared, t, e, limit=7.0):
+    """(fused, separate): (logits, ids, wts, gate, up, act) on the host, from poisoned outputs."""
+    be, n, out = backend(), shared.gate.shape[0], []
+    for fused in (True, False):
+        logits, ids, wts = poisoned((t, e), np.float32), poisoned((t, p.top_k), np.int32), \
+            poisoned((t, p.top_k), np.float32)
+        gate, up, act = (poisoned((t, n), BF16) for _ in range(3))
+        if fused:
+            be.route_and_gate_up_act(x, router, bias, p, logits, ids, wts, shared, limit, gate, up, act)
+        else:
+            be.route(x, router, bias, p, logits, ids, wts)
+            be.gate_up_act(x, shared, limit, gate, up, act)
+        out.append(tuple(host(a) for a in (logits, ids, wts, gate, up, act)))
+    return out
+
+
+def _assert_same_glu(fused, separate, what):
+    _assert_same(fused[:3], separate[:3], what)
+    for name, a, b in zip(("gate", "up", "act"), fused[3:], separate[3:]):
+        assert_written(a, f"{what}: {name}")
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16), err_msg=f"{what}: {name}")
+
+
+def _shared(rng, n, h):
+    """A shared expert on the device whose gate/up outputs reach the SwiGLU clamp (limit 7) now and then."""
+    g = 4 * h ** -0.5
+    return backend().upload_dense(DenseWeights(rand_bf16(rng, (n, h), g), rand_bf16(rng, (n, h), g),
+                                               rand_bf16(rng, (h, n), n ** -0.5)))
+
+
+@pytest.mark.parametrize("t", [1, 3, 8])
+@pytest.mark.parametrize("router_dtype", [np.float32, BF16])
+@pytest.mark.parametrize("e,h,n", [(32, 256, 128), (288, 4096, 2048)])
+def test_route_and_glu_fused(rng, t, router_dtype, e, h, n):
+    router, bias = _router(rng, e, h, router_dtype)
+    p = RouteParams(8, 2.5, True, False)
+    x = rand_bf16(rng, (t, h))
+    shared = _shared(rng, n, h)
+    fused, separate = _route_glu_both(dev(x), dev(router), dev(bias), p, shared, t, e)
+    _assert_same_glu(fused, separate, f"{t} rows")
+    gate, up, act = (np.empty((t, n), BF16) for _ in range(3))  # the GLU against its NumPy twin
+    NP.gate_up_act(x, NP.upload_dense(DenseWeights(host(shared.gate), host(shared.up), host(shared.down))), 7.0,
+                   gate, up, act)
+    assert_close(fused[5], act, "fused act", tol=1e-2)
+
+
+def test_route_and_glu_fused_back_to_back_and_replayed(rng):
+    """The fused router's block counter shared by both fused launches: alternating launches, then
+    a captured pair replayed on new inputs, each equal to the separate ops."""
+    e, h, t, n = 288, 4096, 2, 2048
+    be = backend()
+    router, bias = _router(rng, e, h, BF16)
+    router, bias = dev(router), dev(bias)
+    shared = _shared(rng, n, h)
+    p = RouteParams(8, 2.5, True, False)
+    for i in range(3):
+        x = dev(rand_bf16(rng, (t, h)))
+        fused, separate = _route_glu_both(x, router, bias, p, shared, t, e)
+        _assert_same_glu(fused, separate, f"launch {i}")
+        fused, separate = _route_both(x, router, bias, p, t, e)
+        _assert_same(fused, separate, f"router launch {i}")
+    x = dev(rand_bf16(rng, (t, h)))
+    logits, ids, wts = cupy.empty((t, e), np.float32), cupy.empty((t, 8), np.int32), cupy.empty((t, 8), np.float32)
+    gate, up, act = (cupy.empty((t, n), BF16) for _ in range(3))
+
+    def pair():
+        be.route_and_gate_up_act(x, router, bias, p, logits, ids, wts, shared, 7.0, gate, up, act)
+        be.route(x, router, bias, p, logits, ids, wts)
+
+    replay = be.capture(pair)
+    for i in range(3):
+        xi = rand_bf16(rng, (t, h))
+        be.from_host(x, xi)
+        replay()
+        got = tuple(host(a) for a in (logits, ids, wts, gate, up, act))
+        _, separate = _route_glu_both(dev(xi), router, bias, p, shared, t, e)
+        _assert_same_glu(got, separate, f"replay {i}")
 
 
 def test_route_wide_rows(rng):

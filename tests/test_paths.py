@@ -93,6 +93,21 @@ def test_a_row_does_not_depend_on_its_batch(setup) -> None:
                 assert_ulps(batch[r:r + 1], alone[i][r], f"{name}, site {i}, row {r} in a batch vs alone")
 
 
+@pytest.mark.parametrize("rows", [1, 4, 20])
+def test_shared_expert_beside_the_router_or_after_the_experts(setup, rows: int) -> None:
+    """The shared expert's gate/up run beside the router where the workspace holds its activations
+    past the routed experts' (a roomy workspace), after the experts where it does not (a workspace
+    of exactly ``rows`` rows, for the tiny model): the site output is the same bytes."""
+    model, full, _, _ = setup
+    x = random_x(500 + rows, rows, model.hidden_size)
+    roomy, tight = build_stack(full, model, max_rows=MAX_ROWS), build_stack(full, model, max_rows=rows)
+    for i in model.sparse_layers:
+        early = roomy.sites[i].route_and_shared_glu(x, roomy.workspaces[i])
+        assert early is not None, f"site {i}: {MAX_ROWS} workspace rows hold {rows} rows' shared activations"
+        assert tight.sites[i].route_and_shared_glu(x, tight.workspaces[i]) is None, f"site {i}"
+        assert_ulps(roomy.site_output(i, x), tight.site_output(i, x), f"site {i}, shared early vs late", ulps=0)
+
+
 def test_stale_workspace_bytes_never_leak_between_calls(setup) -> None:
     model, full, _, _ = setup
     stack = build_stack(full, model, levers=VARIANTS["sorted"], max_rows=MAX_ROWS)

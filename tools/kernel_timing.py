@@ -138,6 +138,16 @@ def main() -> int:
             be.router_logits(x[:1], m.router, logits[:1])
             be.router_topk(logits[:1], m.bias, p, ids_out[:1], wts[:1])
 
+    def router_shared_glu_fused():
+        for m in moes:
+            be.route_and_gate_up_act(x[:1], m.router, m.bias, p, logits[:1], ids_out[:1], wts[:1], m.shared, LIMIT,
+                                     *(v(b, 1, M) for b in (gate, up, act)))
+
+    def router_shared_glu_apart():
+        for m in moes:
+            be.route(x[:1], m.router, m.bias, p, logits[:1], ids_out[:1], wts[:1])
+            be.gate_up_act(x[:1], m.shared, LIMIT, *(v(b, 1, M) for b in (gate, up, act)))
+
     def router_gemv_only():
         for m in moes:
             be.router_logits(x[:1], m.router, logits[:1])
@@ -200,6 +210,9 @@ def main() -> int:
     timed(shared_unfused, shared_mb, "shared expert, 1 row (gate, up, swiglu, down)", L)
     timed(router, E_ROUTER * H * 2, "router gemv + top-k, 1 row (one launch)", L)
     timed(router_two_launches, E_ROUTER * H * 2, "router gemv + top-k, 1 row (two launches)", L)
+    timed(router_shared_glu_fused, E_ROUTER * H * 2 + 2 * M * H * 2, "router + shared gate/up, 1 row (one launch)", L)
+    timed(router_shared_glu_apart, E_ROUTER * H * 2 + 2 * M * H * 2, "router + shared gate/up, 1 row (two launches)",
+          L)
     timed(router_gemv_only, E_ROUTER * H * 2, "router gemv alone, 1 row", L)
     timed(router_topk_only, E_ROUTER * 4, "router top-k alone, 1 row", L)
     timed(shared_glu_only, 2 * M * H * 2, "shared expert gate + up + SwiGLU, 1 row", L)

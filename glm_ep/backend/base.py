@@ -177,6 +177,14 @@ class Backend(ABC, Generic[A, P]):
         self.router_logits(x_TH, router_EH, logits_TE)
         self.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
 
+    def route_and_gate_up_act(self, x_TH: Any, router_EH: Any, bias_E: Any, p: RouteParams, logits_TE: Any,
+                              ids_TK: Any, wts_TK: Any, w: DenseResident[A], limit: float, gate_TI: Any, up_TI: Any,
+                              act_TI: Any) -> Any:
+        """``route`` then ``gate_up_act(x, w, ...)`` on the same x (the shared expert's first half
+        beside the router), with the same results; a backend may run both at once. Returns act."""
+        self.route(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK)
+        return self.gate_up_act(x_TH, w, limit, gate_TI, up_TI, act_TI)
+
     @abstractmethod
     def swiglu(self, gate: Any, up: Any, limit: float, out: Any) -> Any:
         """``out = bf16(silu(min(g, L)) * clamp(u, -L, L))`` elementwise, in fp32."""

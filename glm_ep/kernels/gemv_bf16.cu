@@ -19,6 +19,8 @@
 //   router_topk_{bf16w,f32w}_r{R}  the router GEMV and its top-k in ONE launch: every block writes its
 //       logits, and the block that finishes last (a device counter, reset by that block for the next
 //       launch) runs router_topk.cuh on all R rows, one warp per row (dynamic shared memory 8 E R bytes)
+//   router_topk_glu_{bf16w,f32w}_r{R}  router_topk_* and bf16_glu_r{R} on the same x in ONE launch (the
+//       shared expert's gate + up beside the router): the router's blocks first, then the GLU's
 #include "common.cuh"
 #include "router_topk.cuh"
 
@@ -122,11 +124,13 @@ struct Slice {
     int group, c_lo, c_hi;
 };
 
-__device__ __forceinline__ Slice slice_of(int K, int ksplit) {
+// ``block``: the block's index among the blocks of its GEMV (blockIdx.x, less the blocks of another
+// GEMV sharing the launch).
+__device__ __forceinline__ Slice slice_of(int K, int ksplit, int block) {
     const int warp = threadIdx.x >> 5, ks = warp % ksplit;
     const int nchunk = K >> 3, per = (nchunk + ksplit - 1) / ksplit;
     const int lo = min(nchunk, ks * per);
-    return Slice{(int)blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit, lo, min(nchunk, lo + per)};
+    return Slice{block * (GEMV_WARPS / ksplit) + warp / ksplit, lo, min(nchunk, lo + per)};
 }
 
 __device__ __forceinline__ void store(bf16_t* p, float v) { *p = f32_to_bf16(v); }
@@ -136,9 +140,9 @@ __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 // K-slice sum calls done(r, n, sum) (lanes p R + r of the group's first warp, n = n0 + p < N).
 template <int R, typename WT, typename Done>
 __device__ __forceinline__ void gemv_rows(const bf16_t* x, long long x_row_stride, const WT* w, int N, int K,
-                                          int ksplit, Done&& done) {
+                                          int ksplit, int block, Done&& done) {
     constexpr int P = GEMV_ROWS_PER_WARP;
-    const Slice s = slice_of(K, ksplit);
+    const Slice s = slice_of(K, ksplit, block);
     const int n0 = s.group * P;
     const WT* rows[P];
 #pragma unroll
@@ -156,16 +160,17 @@ __device__ __forceinline__ void gemv_rows(const bf16_t* x, long long x_row_strid
 
 template <int R, typename WT, typename OT>
 __device__ __forceinline__ void gemv_plain(const bf16_t* x, long long x_row_stride, const WT* w, OT* out,
-                                           long long out_row_stride, int N, int K, int ksplit) {
-    gemv_rows<R, WT>(x, x_row_stride, w, N, K, ksplit,
+                                           long long out_row_stride, int N, int K, int ksplit, int block) {
+    gemv_rows<R, WT>(x, x_row_stride, w, N, K, ksplit, block,
                      [&](int r, int n, float v) { store(out + r * out_row_stride + n, v); });
 }
 
 template <int R>
 __device__ __forceinline__ void gemv_glu(const bf16_t* x, long long x_row_stride, const bf16_t* wg,
                                          const bf16_t* wu, bf16_t* gate, bf16_t* up, bf16_t* act,
-                                         long long out_row_stride, int N, int K, int ksplit, float limit) {
-    const Slice s = slice_of(K, ksplit);
+                                         long long out_row_stride, int N, int K, int ksplit, float limit,
+                                         int block) {
+    const Slice s = slice_of(K, ksplit, block);
     const int n = s.group;
     const bf16_t* rows[2] = {n < N ? wg + (size_t)n * K : nullptr, n < N ? wu + (size_t)n * K : nullptr};
     float acc[2][R];
@@ -189,7 +194,7 @@ template <int R>
 __device__ __forceinline__ void gemv_combine(const bf16_t* x, long long x_row_stride, const bf16_t* w,
                                              const bf16_t* routed, const float* wts, bf16_t* out, int N, int K,
                                              int ksplit, int top_k) {
-    gemv_rows<R, bf16_t>(x, x_row_stride, w, N, K, ksplit, [&](int r, int n, float v) {
+    gemv_rows<R, bf16_t>(x, x_row_stride, w, N, K, ksplit, blockIdx.x, [&](int r, int n, float v) {
         float a = 0.0f;
         for (int k = 0; k < top_k; ++k)
             a = __fadd_rn(a, __fmul_rn(wts[r * top_k + k], bf16_to_f32(routed[(size_t)(r * top_k + k) * N + n])));
@@ -200,18 +205,18 @@ __device__ __forceinline__ void gemv_combine(const bf16_t* x, long long x_row_st
 // The router GEMV, then the top-k of every row in the block that finishes last. Counting blocks on
 // ``done`` after a fence publishes this block's logits (the pattern of the CUDA samples'
 // threadFenceReduction); the last block resets ``done`` so the next launch (or graph replay) starts
-// from zero.
+// from zero. ``block`` / ``nblocks``: this block's index among the router's blocks, and their count.
 template <int R, typename WT>
 __device__ __forceinline__ void router_gemv_topk(const bf16_t* x, long long x_row_stride, const WT* w, float* logits,
                                                  int N, int K, int ksplit, const float* bias, int* ids, float* wts,
-                                                 const TopkParams& p, unsigned* done) {
+                                                 const TopkParams& p, unsigned* done, int block, int nblocks) {
     static_assert(R <= GEMV_WARPS, "one warp per row for the top-k");
     __shared__ int chosen[R][ROUTER_MAX_TOP_K];
     __shared__ bool last;
-    gemv_plain<R, WT, float>(x, x_row_stride, w, logits, N, N, K, ksplit);
+    gemv_plain<R, WT, float>(x, x_row_stride, w, logits, N, N, K, ksplit, block);
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == (unsigned)nblocks - 1;
     __syncthreads();
     if (!last) return;
     const int warp = threadIdx.x >> 5;
@@ -223,17 +228,56 @@ __device__ __forceinline__ void router_gemv_topk(const bf16_t* x, long long x_ro
     if (threadIdx.x == 0) *done = 0u;
 }
 
+// The router (GEMV + top-k) and a bf16 MLP's gate + up + SwiGLU on the same x in ONE launch: blocks
+// [0, router_blocks) are router_gemv_topk's, the rest gemv_glu's. Both only read x, so nothing
+// orders them; the router's blocks come first, so its last block's top-k overlaps the GLU's
+// streaming. Every output is computed exactly as by the two separate launches.
+template <int R, typename WT>
+__device__ __forceinline__ void router_topk_glu(const bf16_t* x, long long x_row_stride, const WT* w, float* logits,
+                                                int E, int K, int ksplit, int router_blocks, const float* bias,
+                                                int* ids, float* wts, const TopkParams& p, unsigned* done,
+                                                const bf16_t* wg, const bf16_t* wu, bf16_t* gate, bf16_t* up,
+                                                bf16_t* act, int N, int glu_ksplit, float limit) {
+    if ((int)blockIdx.x < router_blocks)
+        router_gemv_topk<R, WT>(x, x_row_stride, w, logits, E, K, ksplit, bias, ids, wts, p, done, blockIdx.x,
+                                router_blocks);
+    else
+        gemv_glu<R>(x, x_row_stride, wg, wu, gate, up, act, N, N, K, glu_ksplit, limit,
+                    (int)blockIdx.x - router_blocks);
+}
+
+// The fused router entries of R rows for one router weight type WT (tag TAG: bf16w / f32w).
+#define ROUTER_ENTRIES(R, TAG, WT)                                                                           \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_topk_##TAG##_r##R(                     \
+        const bf16_t* __restrict__ x, long long x_row_stride, const WT* __restrict__ w, float* logits, int N,   \
+        int K, int ksplit, const float* __restrict__ bias, int* __restrict__ ids, float* __restrict__ wts,     \
+        int top_k, float routed_scale, int renormalize, int bf16_ladder, unsigned* done) {                   \
+        router_gemv_topk<R, WT>(x, x_row_stride, w, logits, N, K, ksplit, bias, ids, wts,                     \
+                                TopkParams{N, top_k, routed_scale, renormalize, bf16_ladder}, done, blockIdx.x, \
+                                gridDim.x);                                                                  \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_topk_glu_##TAG##_r##R(                 \
+        const bf16_t* __restrict__ x, long long x_row_stride, const WT* __restrict__ w, float* logits, int E,   \
+        int K, int ksplit, int router_blocks, const float* __restrict__ bias, int* __restrict__ ids,           \
+        float* __restrict__ wts, int top_k, float routed_scale, int renormalize, int bf16_ladder,             \
+        unsigned* done, const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, bf16_t* __restrict__ gate, \
+        bf16_t* __restrict__ up, bf16_t* __restrict__ act, int N, int glu_ksplit, float limit) {             \
+        router_topk_glu<R, WT>(x, x_row_stride, w, logits, E, K, ksplit, router_blocks, bias, ids, wts,        \
+                               TopkParams{E, top_k, routed_scale, renormalize, bf16_ladder}, done, wg, wu, gate, \
+                               up, act, N, glu_ksplit, limit);                                               \
+    }
+
 #define GEMV_ENTRIES(R)                                                                                      \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) bf16_gemv_r##R(                              \
         const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \
         bf16_t* __restrict__ out, long long out_row_stride, int N, int K, int ksplit) {                      \
-        gemv_plain<R, bf16_t, bf16_t>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit);                \
+        gemv_plain<R, bf16_t, bf16_t>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit, blockIdx.x);    \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) bf16_glu_r##R(                               \
         const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ wg,                 \
         const bf16_t* __restrict__ wu, bf16_t* __restrict__ gate, bf16_t* __restrict__ up,                   \
         bf16_t* __restrict__ act, long long out_row_stride, int N, int K, int ksplit, float limit) {         \
-        gemv_glu<R>(x, x_row_stride, wg, wu, gate, up, act, out_row_stride, N, K, ksplit, limit);            \
+        gemv_glu<R>(x, x_row_stride, wg, wu, gate, up, act, out_row_stride, N, K, ksplit, limit, blockIdx.x); \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) bf16_gemv_combine_r##R(                      \
         const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \
@@ -244,29 +288,15 @@ __device__ __forceinline__ void router_gemv_topk(const bf16_t* x, long long x_ro
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_gemv_bf16w_r##R(                      \
         const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \
         float* __restrict__ out, long long out_row_stride, int N, int K, int ksplit) {                       \
-        gemv_plain<R, bf16_t, float>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit);                 \
+        gemv_plain<R, bf16_t, float>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit, blockIdx.x);     \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_gemv_f32w_r##R(                       \
         const bf16_t* __restrict__ x, long long x_row_stride, const float* __restrict__ w,                   \
         float* __restrict__ out, long long out_row_stride, int N, int K, int ksplit) {                       \
-        gemv_plain<R, float, float>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit);                  \
+        gemv_plain<R, float, float>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit, blockIdx.x);      \
     }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_topk_bf16w_r##R(                       \
-        const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w, float* logits,    \
-        int N, int K, int ksplit, const float* __restrict__ bias, int* __restrict__ ids,                     \
-        float* __restrict__ wts, int top_k, float routed_scale, int renormalize, int bf16_ladder,             \
-        unsigned* done) {                                                                                    \
-        router_gemv_topk<R, bf16_t>(x, x_row_stride, w, logits, N, K, ksplit, bias, ids, wts,                 \
-                                    TopkParams{N, top_k, routed_scale, renormalize, bf16_ladder}, done);     \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_topk_f32w_r##R(                        \
-        const bf16_t* __restrict__ x, long long x_row_stride, const float* __restrict__ w, float* logits,     \
-        int N, int K, int ksplit, const float* __restrict__ bias, int* __restrict__ ids,                     \
-        float* __restrict__ wts, int top_k, float routed_scale, int renormalize, int bf16_ladder,             \
-        unsigned* done) {                                                                                    \
-        router_gemv_topk<R, float>(x, x_row_stride, w, logits, N, K, ksplit, bias, ids, wts,                  \
-                                   TopkParams{N, top_k, routed_scale, renormalize, bf16_ladder}, done);      \
-    }
+    ROUTER_ENTRIES(R, bf16w, bf16_t)                                                                         \
+    ROUTER_ENTRIES(R, f32w, float)
 
 GEMV_ENTRIES(1)
 GEMV_ENTRIES(2)

@@ -2,13 +2,13 @@
 
 | rows  | dense / shared MLP                         | router              | routed experts (NVFP4)                     |
 |-------|--------------------------------------------|---------------------|--------------------------------------------|
-| 1     | GEMV; gate + up + SwiGLU fused             | GEMV (fp32) + top-k, ONE launch | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
+| 1     | GEMV; gate + up + SwiGLU fused             | GEMV (fp32) + top-k, ONE launch, with the shared expert's gate + up | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
 | 2..8  | batch-M GEMV, one weight read for all rows | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns): on the decode ring's pipeline up to `ring_union_max_rows` rows, block kernels above |
 | 9..64 | weights up to 2048 x 4096 (shared expert): tensor-core GEMM (mma_bf16.cu), one weight read for all rows, gate + up + SwiGLU fused; larger (dense FFN): cuBLAS | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
 | > 64  | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | the grouped GEMM                           |
 
-Everything a step runs is queued on ``self.stream`` (non-blocking, made current at construction
-and around every op), writes into the caller's buffers, allocates nothing and never waits on the
+Everything a step runs is queued on ``self.stream`` (non-blocking, current only inside each op:
+CuPy's current stream is the caller's before and after), writes into the caller's buffers, allocates nothing and never waits on the
 host for rows 1..8, so ``capture`` can record a whole decode or verify step as one CUDA graph.
 The wide prefill path (``sort_by_expert`` + ``moe_gemm_sorted``) sizes its grid from the slot
 count on the host and never reads device data back, like every other op. How the one-row routed
@@ -198,6 +198,18 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             route.router_topk_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done)
         else:
             super().route(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK)
+
+    @_on_stream
+    def route_and_gate_up_act(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, w, limit, gate_TI, up_TI,
+                              act_TI):
+        """1..8 rows: the fused router and the GLU GEMV in one launch (``route.router_topk_glu_fused``)."""
+        t, e = logits_TE.shape
+        if t <= GEMV_MAX_ROWS and route.fused_topk_smem(t, e) <= FUSED_TOPK_MAX_SMEM:
+            route.router_topk_glu_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done,
+                                        w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+            return act_TI
+        return super().route_and_gate_up_act(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, w, limit,
+                                             gate_TI, up_TI, act_TI)
 
     @_on_stream
     def swiglu(self, gate, up, limit, out):

@@ -184,15 +184,21 @@ def gemv_combine_bf16(x_RK: Any, w_NK: Any, routed_SN: Any, wts_RK: Any, out_RN:
            (x_RK, i64(k), w_NK, routed_SN, wts_RK, out_RN, i32(n), i32(k), i32(ksplit), i32(top_k)))
 
 
-def glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any) -> None:
-    """gate, up and the clamped SwiGLU of a bf16 MLP for R = 1..8 rows in ONE launch."""
-    r, k = gemv_rows(x_RK, "glu_bf16")
+def glu_geometry(x_RK: Any, wg_NK: Any, wu_NK: Any, gate_RN: Any, up_RN: Any, act_RN: Any,
+                 what: str) -> tuple[int, int, int, int, int]:
+    """The fused gate + up GEMV's checked shape and launch: (rows, in width, out width, grid.x, ksplit)."""
+    r, k = gemv_rows(x_RK, what)
     n = wg_NK.shape[0]
     for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
         check(name, w, BF16), check_shape(name, w, (n, k))
     for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
         check(name, a, BF16, 2), check_shape(name, a, (r, n))
-    grid_x, ksplit = gemv_geometry(n, k)
+    return (r, k, n, *gemv_geometry(n, k))
+
+
+def glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any) -> None:
+    """gate, up and the clamped SwiGLU of a bf16 MLP for R = 1..8 rows in ONE launch."""
+    r, k, n, grid_x, ksplit = glu_geometry(x_RK, wg_NK, wu_NK, gate_RN, up_RN, act_RN, "glu_bf16")
     launch(GEMV, f"bf16_glu_r{r}", (grid_x, 1, 1), GEMV_BLOCK,
            (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(n), i32(k), i32(ksplit),
             np.float32(limit)))

@@ -51,6 +51,22 @@ def router_topk_fused(x_RH: Any, router_EH: Any, bias_E: Any, p: RouteParams, lo
            (x_RH, i64(k), router_EH, logits_RE, i32(e), i32(k), i32(ksplit), *topk, done), smem=fused_topk_smem(r, e))
 
 
+def router_topk_glu_fused(x_RH: Any, router_EH: Any, bias_E: Any, p: RouteParams, logits_RE: Any, ids_RK: Any,
+                          wts_RK: Any, done: Any, wg_NH: Any, wu_NH: Any, limit: float, gate_RN: Any, up_RN: Any,
+                          act_RN: Any) -> None:
+    """``router_topk_fused`` and ``dense.glu_bf16`` on the same x in ONE launch (each output as the
+    separate launches give it): the router's blocks first, then the GLU's."""
+    r, k, e, router_blocks, ksplit, wtag = D.router_geometry(x_RH, router_EH, logits_RE, "router_topk_glu_fused")
+    _, _, n, glu_blocks, glu_ksplit = D.glu_geometry(x_RH, wg_NH, wu_NH, gate_RN, up_RN, act_RN,
+                                                     "router_topk_glu_fused")
+    check("done", done, U32, 4), check_shape("done", done, (1,))
+    bias, ids, wts, *params = topk_args("router_topk_glu_fused", r, e, bias_E, p, ids_RK, wts_RK)
+    launch(D.GEMV, f"router_topk_glu_{wtag}_r{r}", (router_blocks + glu_blocks, 1, 1), D.GEMV_BLOCK,
+           (x_RH, i64(k), router_EH, logits_RE, i32(e), i32(k), i32(ksplit), i32(router_blocks), bias, ids, wts,
+            *params, done, wg_NH, wu_NH, gate_RN, up_RN, act_RN, i32(n), i32(glu_ksplit), np.float32(limit)),
+           smem=fused_topk_smem(r, e))
+
+
 def fused_topk_smem(rows: int, num_experts: int) -> int:
     """Dynamic shared memory of ``router_topk_fused``: a key and a score per expert and row."""
     return 8 * num_experts * rows
