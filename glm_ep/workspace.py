@@ -9,6 +9,7 @@ the total against the free memory first, so an oversized ``workspace_rows`` is a
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,15 +75,22 @@ class Workspace:
         self.nbytes = ws_total_bytes(cfg, max_rows)
         self._flat = {name: xp.empty(int(np.prod(shape)), dtype=dtype)
                       for name, (shape, dtype) in buffer_specs(cfg, max_rows).items()}
+        self._views: dict[tuple[str, tuple[int, ...], int], Any] = {}
 
     def view(self, name: str, *shape: int, offset: int = 0) -> Any:
-        """Elements ``[offset, offset + prod(shape))`` of buffer ``name``, shaped ``shape`` (a view)."""
-        n = int(np.prod(shape))
-        buf = self._flat[name]
-        if offset < 0 or offset + n > buf.size:
-            raise ValueError(f"workspace buffer {name!r} holds {buf.size} elements, asked for {shape}"
-                             + (f" from element {offset}" if offset else ""))
-        return buf[offset:offset + n].reshape(shape)
+        """Elements ``[offset, offset + prod(shape))`` of buffer ``name``, shaped ``shape`` (a view).
+        Views are kept and handed out again (at most a few per row count a site call takes): a
+        wide call is bound by the host, and making one is several microseconds of Python."""
+        key = (name, shape, offset)
+        view = self._views.get(key)
+        if view is None:
+            n = math.prod(shape)
+            buf = self._flat[name]
+            if offset < 0 or offset + n > buf.size:
+                raise ValueError(f"workspace buffer {name!r} holds {buf.size} elements, asked for {shape}"
+                                 + (f" from element {offset}" if offset else ""))
+            view = self._views[key] = buf[offset:offset + n].reshape(shape)
+        return view
 
     def fits(self, name: str, n: int) -> bool:
         """Whether buffer ``name`` holds ``n`` elements."""

@@ -115,6 +115,24 @@ def test_workspace_allocates_exactly_the_reported_bytes() -> None:
             ws.view("u_slot", max(rows, 1) * c.top_k + 1, max(rows, 1))
 
 
+def test_workspace_views_are_windows_kept_per_shape_and_offset() -> None:
+    import numpy as np
+
+    c = SiteConfig.for_rank(ModelConfig.from_dict(preset("tiny")), RankLayout(1, 0, 1, 1))
+    ws = Workspace(np, c, 8)
+    a = ws.view("a_act", 2, 64)
+    assert ws.view("a_act", 2, 64) is a  # kept
+    b, tail = ws.view("a_act", 4, 32), ws.view("a_act", 2, 64, offset=128)
+    assert b is not a and b.shape == (4, 32) and tail.shape == (2, 64)
+    flat = ws._flat["a_act"]
+    flat[:] = np.arange(flat.size) % 251
+    assert np.array_equal(a.reshape(-1), flat[:128]) and np.array_equal(b.reshape(-1), flat[:128])
+    assert np.array_equal(tail.reshape(-1), flat[128:256])  # a view sees later writes: a window, no copy
+    assert ws.fits("a_act", flat.size) and not ws.fits("a_act", flat.size + 1)
+    with pytest.raises(ValueError, match="from element"):
+        ws.view("a_act", flat.size, offset=1)
+
+
 def test_footprint_cli_prints_the_glm_numbers() -> None:
     r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--preset", "glm-5.3-flash",
                         "--tp", "2", "--ep", "2", "--rows", "256"],

@@ -22,6 +22,7 @@ MMA_GEMM_WARPS_PER_SM = 16  # split K until a launch holds this many warps per S
 # ---- cuBLAS GEMM (wider than the GEMV tiers) ---------------------------------------------------------
 _CUDA_R_32F, _CUDA_R_16BF = 0, 14  # cudaDataType_t
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)  # host alpha / beta (pointer mode host)
+_ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data  # (each .ctypes access builds an object)
 
 
 @functools.cache
@@ -53,8 +54,8 @@ def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any) -> None:
     # stream, which does not order against the backend's non-blocking stream): bind it to ours
     cb.setStream(handle, cupy.cuda.get_current_stream().ptr)
     cb.gemmEx(handle, cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, t, k,
-              _ONE.ctypes.data, w_NK.data.ptr, _CUDA_R_16BF, k, x_TK.data.ptr, _CUDA_R_16BF, k,
-              _ZERO.ctypes.data, out_TN.data.ptr, _CUDA_R_16BF if out_TN.dtype == BF16 else _CUDA_R_32F, n,
+              _ONE_PTR, w_NK.data.ptr, _CUDA_R_16BF, k, x_TK.data.ptr, _CUDA_R_16BF, k,
+              _ZERO_PTR, out_TN.data.ptr, _CUDA_R_16BF if out_TN.dtype == BF16 else _CUDA_R_32F, n,
               cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
 
 
