@@ -1,6 +1,7 @@
 """The router on CUDA against its NumPy twin: the logits GEMV, the top-k, and the two fused in one
 launch (1..8 rows), which must give the separate ops' logits, ids and weights bit for bit, launch
-after launch and replay after replay of a captured graph (its block counter resets itself).
+after launch and replay after replay of a captured graph (its block counter resets itself); and the
+same launch carrying the shared expert's gate + up + SwiGLU, equal to ``route`` then ``gate_up_act``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from glm_ep import routing
+from glm_ep.backend.cuda import route
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.routing import RouteParams
 from glm_ep.weights import DenseWeights
@@ -152,14 +154,20 @@ def test_route_fused_back_to_back_and_replayed(rng):
 
 # ---- the router and the shared expert's gate + up in one launch ----------------------------------
 def _route_glu_both(x, router, bias, p, shared, t, e, limit=7.0):
-    """(fused, separate): (logits, ids, wts, gate, up, act) on the host, from poisoned outputs."""
+    """(fused, separate): (logits, ids, wts, gate, up, act) on the host, from poisoned outputs; the
+    fused call must take the one-launch kernel."""
     be, n, out = backend(), shared.gate.shape[0], []
     for fused in (True, False):
         logits, ids, wts = poisoned((t, e), np.float32), poisoned((t, p.top_k), np.int32), \
             poisoned((t, p.top_k), np.float32)
         gate, up, act = (poisoned((t, n), BF16) for _ in range(3))
         if fused:
-            be.route_and_gate_up_act(x, router, bias, p, logits, ids, wts, shared, limit, gate, up, act)
+            launches = []
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(route, "router_topk_glu_fused",
+                           lambda *a, f=route.router_topk_glu_fused: (launches.append(1), f(*a))[1])
+                be.route_and_gate_up_act(x, router, bias, p, logits, ids, wts, shared, limit, gate, up, act)
+            assert launches == [1], "route_and_gate_up_act did not take the fused launch"
         else:
             be.route(x, router, bias, p, logits, ids, wts)
             be.gate_up_act(x, shared, limit, gate, up, act)
@@ -213,21 +221,23 @@ def test_route_and_glu_fused_back_to_back_and_replayed(rng):
         fused, separate = _route_both(x, router, bias, p, t, e)
         _assert_same(fused, separate, f"router launch {i}")
     x = dev(rand_bf16(rng, (t, h)))
-    logits, ids, wts = cupy.empty((t, e), np.float32), cupy.empty((t, 8), np.int32), cupy.empty((t, 8), np.float32)
+    outs = [(cupy.empty((t, e), np.float32), cupy.empty((t, 8), np.int32), cupy.empty((t, 8), np.float32))
+            for _ in range(2)]  # the fused launch's router outputs, then the plain router's
     gate, up, act = (cupy.empty((t, n), BF16) for _ in range(3))
 
     def pair():
-        be.route_and_gate_up_act(x, router, bias, p, logits, ids, wts, shared, 7.0, gate, up, act)
-        be.route(x, router, bias, p, logits, ids, wts)
+        be.route_and_gate_up_act(x, router, bias, p, *outs[0], shared, 7.0, gate, up, act)
+        be.route(x, router, bias, p, *outs[1])
 
     replay = be.capture(pair)
     for i in range(3):
         xi = rand_bf16(rng, (t, h))
         be.from_host(x, xi)
         replay()
-        got = tuple(host(a) for a in (logits, ids, wts, gate, up, act))
+        got = tuple(host(a) for a in (*outs[0], gate, up, act))
         _, separate = _route_glu_both(dev(xi), router, bias, p, shared, t, e)
         _assert_same_glu(got, separate, f"replay {i}")
+        _assert_same(tuple(host(a) for a in outs[1]), separate[:3], f"replay {i}, plain router")
 
 
 def test_route_wide_rows(rng):

@@ -15,18 +15,21 @@ from helpers import BF16, rand_bf16
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
 _SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    const long long start = clock64();
-    while (clock64() - start < cycles) {}
+__device__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+extern "C" __global__ void spin(unsigned long long ns) {
+    const unsigned long long start = now_ns();
+    while (now_ns() - start < ns) {}
 }
 """
 
 
 def _busy(stream, ms: float = 200.0) -> None:
-    """Queue a one-thread kernel on ``stream`` that spins for about ``ms`` milliseconds."""
-    kernel = cupy.RawKernel(_SPIN, "spin")
-    clock_khz = cupy.cuda.runtime.getDeviceProperties(0)["clockRate"]
-    kernel((1,), (1,), (np.int64(ms * clock_khz),), stream=stream)
+    """Queue a one-thread kernel on ``stream`` that spins for ``ms`` milliseconds (the global timer)."""
+    cupy.RawKernel(_SPIN, "spin")((1,), (1,), (np.uint64(ms * 1e6),), stream=stream)
 
 
 def test_ops_leave_the_callers_stream_current(rng):

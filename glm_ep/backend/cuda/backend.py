@@ -67,7 +67,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         # orders the two, and ``copy`` moves data on this one.
         self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
         # the fused router's block counter: zero between launches, and launches on one stream never overlap
-        self._route_done = cupy.zeros(1, dtype=np.uint32)
+        self._route_done = self.zero(cupy.empty(1, dtype=np.uint32))  # zeroed on this stream, in order
 
     @property
     def pci_bus_id(self) -> str:

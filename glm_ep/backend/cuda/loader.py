@@ -149,6 +149,12 @@ def _function(name: str, entry: str, device: int) -> Any:
 
 
 @functools.cache
+def _static_smem(name: str, entry: str, device: int) -> int:
+    """The entry's statically allocated shared memory, in bytes (a driver query: asked once)."""
+    return int(_function(name, entry, device).shared_size_bytes)
+
+
+@functools.cache
 def device_attr(device: int, key: str) -> int:
     """A ``cudaDeviceAttr`` of ``device`` by CuPy's name (``cudaDevAttr`` dropped), read once."""
     import cupy
@@ -180,10 +186,12 @@ def launch(file: str, entry: str, grid: tuple[int, ...], block: tuple[int, ...],
     (opted into past the device's default per block, refused past its opt-in limit)."""
     dev = current_device()
     fn = _function(file, entry, dev)
-    if smem > device_attr(dev, "MaxSharedMemoryPerBlock") and fn.max_dynamic_shared_size_bytes < smem:
+    total = smem + _static_smem(file, entry, dev)  # static shared memory counts against the same limit
+    if total > device_attr(dev, "MaxSharedMemoryPerBlock") and fn.max_dynamic_shared_size_bytes < smem:
         limit = device_attr(dev, "MaxSharedMemoryPerBlockOptin")
-        if smem > limit:
-            raise ValueError(f"{entry}: needs {smem} bytes of shared memory, the device allows {limit}")
+        if total > limit:
+            raise ValueError(f"{entry}: needs {total} bytes of shared memory ({smem} dynamic), the device "
+                             f"allows {limit}")
         fn.max_dynamic_shared_size_bytes = smem
     fn(grid, block, args, shared_mem=smem)
 
