@@ -62,7 +62,7 @@ class PathLevers:
     row_batch_max: int = 8  # widest row group of the union path (<= the backend's max_row_group)
     union_max_ids: int = 64  # rows * top_k a union table may hold (<= the backend's max_union_ids)
     prefill_gemm: bool = True  # wide prefill: sort by expert + grouped GEMM
-    prefill_gemm_min_rows: int = 24  # measured crossover (docs/perf/PREFILL.md): below it, row groups
+    prefill_gemm_min_rows: int = 32  # measured crossover (docs/perf/PREFILL.md, NOTES.md): below it, row groups
     graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
     graph_verify: bool = True  # capture verify steps (2..max_gemv_rows rows) as CUDA graphs too
     # the one-row routed kernels of the CUDA backend (glm_ep/backend/cuda/ring.py)
