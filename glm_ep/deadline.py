@@ -24,6 +24,8 @@ from glm_ep.errors import EXIT_STALL
 #: ``collective_timeout_s`` of a topology that does not set it: a few minutes, far above the
 #: imbalance between ranks at one agreement point (the load agrees once per layer).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+ABORT_GRACE_S = 0.2  # a failing rank's pause between its last message and MPI_Abort: the launcher
+# forwards each rank's stderr on its own schedule, and the abort tears the job down
 
 
 class Deadline:
@@ -68,6 +70,7 @@ class Deadline:
                 hook()
             except Exception as e:  # noqa: BLE001 - the MPI abort below must still run
                 print(f"[rank {self.rank}] glm-ep: abort hook failed: {e!r}", file=sys.stderr, flush=True)
+        time.sleep(ABORT_GRACE_S)  # let the launcher forward the message before the abort
         self._abort(EXIT_STALL)
         os._exit(EXIT_STALL)  # MPI_Abort does not return; if it ever does, this rank still ends
 

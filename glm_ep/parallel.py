@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import traceback
 from typing import Any, Callable, TypeVar
 
-from glm_ep.deadline import DEFAULT_COLLECTIVE_TIMEOUT_S, Deadline, Guard
+from glm_ep.deadline import ABORT_GRACE_S, DEFAULT_COLLECTIVE_TIMEOUT_S, Deadline, Guard
 from glm_ep.errors import EXIT_INTERNAL, EXIT_USER, GlmEpError
 
 T = TypeVar("T")
@@ -114,14 +115,19 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
             print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER
     except GlmEpError as e:
-        print(f"[rank {rank}] glm-ep: error: {e}", file=sys.stderr, flush=True)
-        code = EXIT_USER
+        msg, code = f"[rank {rank}] glm-ep: error: {e}", EXIT_USER
     except KeyboardInterrupt:
-        code = 130
+        msg, code = "", 130
     except BaseException:  # noqa: BLE001 - a crash on one rank must not leave the others hanging
-        print(f"[rank {rank}] glm-ep: internal error:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        code = EXIT_INTERNAL
+        msg, code = f"[rank {rank}] glm-ep: internal error:\n{traceback.format_exc().rstrip()}", EXIT_INTERNAL
     if size > 1:
-        print(f"[rank {rank}] glm-ep: aborting all {size} ranks", file=sys.stderr, flush=True)
+        msg = "\n".join(m for m in (msg, f"[rank {rank}] glm-ep: aborting all {size} ranks") if m)
+    if msg:
+        # ONE write: the launcher forwards a rank's stderr on its own schedule, and the abort below
+        # tears the job down; a message split over writes has lost its second half that way
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+    if size > 1:
+        time.sleep(ABORT_GRACE_S)  # let the launcher forward the message before the abort
         comm.Abort(code)
     return code
