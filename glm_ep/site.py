@@ -87,7 +87,7 @@ class MoeSite:
         experts' ``rows * top_k * moe_intermediate`` elements, so they outlive the routed experts.
         None where the buffers do not hold both (then the shared expert runs after the experts)."""
         t, e, k, width = x_TH.shape[0], self.cfg.num_experts, self.cfg.top_k, self.moe.shared.width
-        start = t * k * self.cfg.moe_intermediate
+        start = t * k * self.cfg.moe_intermediate  # 16-byte aligned: NVFP4 widths are multiples of 16
         if not ws.fits("a_act", start + t * width):
             return None
         ids_TK, wts_TK = ws.view("ids", t, k), ws.view("wts", t, k)
