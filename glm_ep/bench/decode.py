@@ -66,7 +66,8 @@ class Peers:
     @property
     def fastest_sparse(self) -> float:
         """The fastest peer's sparse site at 1 row."""
-        return min([self.style_sparse] + [self.hf_sparse[1]["hf_moe_us"]] * (1 in self.hf_sparse))
+        hf = self.hf_sparse.get(1)
+        return min(self.style_sparse, hf["hf_moe_us"]) if hf else self.style_sparse
 
     @property
     def fastest_dense(self) -> float:

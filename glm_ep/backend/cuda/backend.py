@@ -8,8 +8,9 @@
 | > 64  | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | the grouped GEMM                           |
 
 Everything a step runs is queued on ``self.stream`` (non-blocking, current only inside each op:
-CuPy's current stream is the caller's before and after), writes into the caller's buffers, allocates nothing and never waits on the
-host for rows 1..8, so ``capture`` can record a whole decode or verify step as one CUDA graph.
+CuPy's current stream is the caller's before and after), writes into the caller's buffers,
+allocates nothing and never waits on the host for rows 1..8, so ``capture`` can record a whole
+decode or verify step as one CUDA graph.
 The wide prefill path (``sort_by_expert`` + ``moe_gemm_sorted``) sizes its grid from the slot
 count on the host and never reads device data back, like every other op. How the one-row routed
 kernels run is the frozen ``RingConfig`` the backend is built with (the topology's ring levers);
@@ -27,13 +28,13 @@ from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident
 from glm_ep.backend.cuda import dense, elementwise, grouped, route
 from glm_ep.backend.cuda import nvfp4 as NV
 from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS
-
-FUSED_TOPK_MAX_SMEM = 48 * 1024  # the fused router's top-k scratch within every device's default per block
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import DenseWeights, MoeWeights
+
+FUSED_TOPK_MAX_SMEM = 48 * 1024  # the fused router's top-k scratch within every device's default per block
 
 
 def _on_stream(op):
@@ -190,11 +191,16 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     def router_topk(self, logits_TE, bias_E, p, ids_TK, wts_TK):
         route.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
 
+    @staticmethod
+    def _fused_route(logits_TE) -> bool:
+        """Whether the router's GEMV and top-k run in one launch: 1..8 rows whose top-k scratch fits."""
+        t, e = logits_TE.shape
+        return t <= GEMV_MAX_ROWS and route.fused_topk_smem(t, e) <= FUSED_TOPK_MAX_SMEM
+
     @_on_stream
     def route(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK):
         """1..8 rows: the router GEMV and its top-k in one launch (``route.router_topk_fused``)."""
-        t, e = logits_TE.shape
-        if t <= GEMV_MAX_ROWS and route.fused_topk_smem(t, e) <= FUSED_TOPK_MAX_SMEM:
+        if self._fused_route(logits_TE):
             route.router_topk_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done)
         else:
             super().route(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK)
@@ -203,8 +209,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     def route_and_gate_up_act(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, w, limit, gate_TI, up_TI,
                               act_TI):
         """1..8 rows: the fused router and the GLU GEMV in one launch (``route.router_topk_glu_fused``)."""
-        t, e = logits_TE.shape
-        if t <= GEMV_MAX_ROWS and route.fused_topk_smem(t, e) <= FUSED_TOPK_MAX_SMEM:
+        if self._fused_route(logits_TE):
             route.router_topk_glu_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done,
                                         w.gate, w.up, limit, gate_TI, up_TI, act_TI)
             return act_TI

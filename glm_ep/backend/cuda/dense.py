@@ -223,4 +223,3 @@ def router_gemv(x_RH: Any, router_EH: Any, out_RE: Any) -> None:
     r, k, e, grid_x, ksplit, wtag = router_geometry(x_RH, router_EH, out_RE, "router_gemv")
     launch(GEMV, f"router_gemv_{wtag}_r{r}", (grid_x, 1, 1), GEMV_BLOCK,
            (x_RH, i64(k), router_EH, out_RE, i64(e), i32(e), i32(k), i32(ksplit)))
-
