@@ -45,7 +45,8 @@ def test_every_define_a_kernel_needs_is_passed():
 @needs_nvcc
 @pytest.mark.parametrize("name,file", [("COMBINE_VEC", "elementwise.cu"), ("MMA_ROWS", "gemv_nvfp4.cu"),
                                        ("RING_STAGE_BYTES_P2_T8", "gemv_nvfp4_ring.cu"),
-                                       ("GEMM_SMEM_M64W8K128", "gemm_nvfp4.cu")])
+                                       ("GEMM_SMEM_M64W1X8K128", "gemm_nvfp4.cu"),
+                                       ("GEMM_SMEM_M128W2X4K64", "gemm_nvfp4.cu")])
 def test_a_constant_that_differs_from_the_kernel_does_not_compile(name: str, file: str, tmp_path: Path):
     """The .cu files static_assert the values and layouts the wrappers size their launches by: a
     loader that disagreed with the kernel by one would fail the build, not corrupt memory."""
@@ -63,8 +64,13 @@ def test_instantiated_variants():
     """The kernel variants the wrappers launch are the ones the .cu files instantiate."""
     gemm = (loader.KERNEL_DIR / "gemm_nvfp4.cu").read_text()
     rows = re.findall(r"^GEMM_VARIANT\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
+    tiled = re.findall(r"^GEMM_TILED\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
+    assert rows and tiled
     assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
-    assert {(int(bm), int(w), int(bk), int(st)) for bm, _, w, bk, st in rows} == set(loader.GEMM_VARIANTS)
+    assert all(int(bm) == 16 * int(mt) * int(wm) and int(wm) > 1 for bm, mt, wm, *_ in tiled), tiled
+    found = {(int(bm), 1, int(w), int(bk), int(st)) for bm, _, w, bk, st in rows}
+    found |= {(int(bm), int(wm), int(wn), int(bk), int(st)) for bm, _, wm, wn, bk, st in tiled}
+    assert found == set(loader.GEMM_VARIANTS)
     ring = (loader.KERNEL_DIR / "gemv_nvfp4_ring.cu").read_text()
     for form in ("0, ", "1, f16_"):
         found = re.findall(rf"^RING_ENTRIES\((\d+), (\d+), {form}\)", ring, re.M)
@@ -84,21 +90,27 @@ def test_split_k():
 
 
 def test_gemm_variant_choice():
-    """Few rows per expert take the 16-row tiles, many the 64-row ones; every default is built, and
-    a variant's shared memory is its stages of x rows, packed weights and scales."""
+    """Few rows per expert take the 16-row tiles, more the 64-row ones, past 64 the tiled 128-row one;
+    every default is built, and a variant's shared memory is its stages of x rows, packed weights and
+    scales (and the tiled engine's two bf16 weight tiles)."""
     nv = grouped
     assert nv.gemm_variant(16 * 8, 288, 4096)[0] == 16
     assert nv.gemm_variant(1024 * 8, 288, 4096)[0] == 32
-    assert nv.gemm_variant(4096 * 8, 288, 4096) == (64, 4, 128, 3)
-    assert nv.gemm_variant(4096 * 8, 288, 4096 + 64) == (64, 4, 64, 4)  # a stage of 128 k does not divide K
+    assert nv.gemm_variant(2048 * 8, 288, 4096) == (64, 1, 4, 128, 3)
+    assert nv.gemm_variant(2048 * 8, 288, 4096 + 64) == (64, 1, 4, 64, 4)  # a stage of 128 k does not divide K
+    assert nv.gemm_variant(4096 * 8, 288, 4096) == (128, 2, 4, 64, 3)  # the tiled engine past 64 rows per expert
     assert set(nv.GEMM_DEFAULT.values()) | set(nv.GEMM_FALLBACK.values()) <= set(nv.GEMM_VARIANTS)
     for v in nv.GEMM_DEFAULT.values():
-        assert 64 % v[2] == 0 or v in nv.GEMM_FALLBACK, f"{v}: no fallback for an in width of 64 k steps"
-    geo = nv.GemmGeometry.of((64, 4, 64, 4))
+        assert 64 % v[3] == 0 or v in nv.GEMM_FALLBACK, f"{v}: no fallback for an in width of 64 k steps"
+    geo = nv.GemmGeometry.of((64, 1, 4, 64, 4))
     assert (geo.bn, geo.threads, geo.smem) == (128, 128, 4 * (64 * 64 * 2 + 128 * 32 + 128 * 4))
     assert geo.tiles(slots=1000, count=16) == 16 + 16  # ceil(1000 / 64) row tiles + one partial per expert
+    assert geo.suffix == "m64w4k64"
+    tiled = nv.GemmGeometry.of((128, 2, 4, 64, 3))  # + the two bf16 weight tiles it dequantizes into
+    assert (tiled.bn, tiled.threads, tiled.suffix) == (128, 256, "m128w2x4k64")
+    assert tiled.smem == 3 * (128 * 64 * 2 + 128 * 32 + 128 * 4) + 2 * 128 * 64 * 2
     with pytest.raises(ValueError, match="instantiates"):
-        nv.GemmGeometry.of((48, 4, 64, 4))
+        nv.GemmGeometry.of((48, 1, 4, 64, 4))
 
 
 @needs_nvcc

@@ -123,7 +123,7 @@ __device__ __forceinline__ unsigned scale_pair(unsigned byte) {
 // all of them), WARPS warps of 32 weight rows each (BN = 32 WARPS).
 template <int MT, int WARPS, int BK, int STAGES>
 struct Gemm {
-    static constexpr int BM = 16 * MT, BN = 32 * WARPS, THREADS = 32 * WARPS;
+    static constexpr int BM = 16 * MT, BN = 32 * WARPS, THREADS = 32 * WARPS, WARP_COLS = WARPS, M_TILES = MT;
     static constexpr int XC = BM * BK / 8 / THREADS;  // x copies per thread and stage
     static constexpr int WC = BN * BK / 32 / THREADS;  // weight copies per thread and stage
     static_assert(XC >= 1 && XC * THREADS == BM * BK / 8, "x copies split evenly");
@@ -157,14 +157,14 @@ struct Gemm {
             cp_async8_zfill(smem_u32(&st.s[tid][0]), ssrc ? ssrc + k0 / 16 : any, ssrc != nullptr);
     }
 
-    // One 32-k step of a warp: its 4 n8 tiles of weight rows wr[j] against all BM x rows.
+    // One 32-k step of a warp: its 4 n8 tiles of weight rows (wr[j]: the tile's first) against all BM x rows.
     static __device__ __forceinline__ void mma_step(const Stage& st, const int (&wr)[GEMM_NT], int kk,
                                                     float (&acc)[MT][GEMM_NT][4]) {
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         unsigned b[GEMM_NT][4];
 #pragma unroll
         for (int j = 0; j < GEMM_NT; ++j) {
-            const int n = wr[j];
+            const int n = wr[j] + g;
             const unsigned q = reinterpret_cast<const unsigned*>(&st.w[n][w_slot<BK>(n, kk)])[t];
             const int grp = 2 * kk + (t >> 1);  // the 16-k scale group of k 32 kk + 8 t
             dequant_word(q, scale_pair((st.s[n][grp >> 2] >> (8 * (grp & 3))) & 0xffu), b[j]);
@@ -186,7 +186,7 @@ struct Gemm {
     // (nullptr: the sorted rows themselves).
     __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
                                         const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
-                                        const int (&n_valid)[2], int K, const int (&wr)[GEMM_NT],
+                                        const int (&n_valid)[2], int K, const int (&wr)[GEMM_NT], int /* m0: 0 */,
                                         float (&acc)[MT][GEMM_NT][4]) {
         Stage* st = reinterpret_cast<Stage*>(dyn_smem);
         const int tid = threadIdx.x;
@@ -235,14 +235,185 @@ struct Gemm {
     }
 };
 
-template <int MT, int WARPS, int BK, int STAGES>
+
+// ---- The tiled engine: a WM x WN warp grid over a BM x BN tile (WM > 1) ----------------------------
+// Several warps share each weight row, so the weight tile is dequantized ONCE per stage into shared
+// memory as bf16 (every thread a 16-byte piece: 32 nibbles, two block scales) and every warp reads its
+// fragments of both operands with ldmatrix. A warp covers MT m16 tiles of x rows (from m0) and the
+// same 4 n8 tiles of weight rows as the register engine. The dequantization of stage kb + 1 and the
+// mma of stage kb run between the same two barriers (double-buffered bf16 tile), so a k block costs
+// one __syncthreads. In shared memory, 16-byte chunk c of a 128-byte row r (x rows and dequantized
+// weight rows alike) sits at c ^ (r & 7): the 8 rows an ldmatrix reads hit 8 disjoint bank groups.
+
+__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+template <int MT, int WM, int WN, int BK, int STAGES>
+struct GemmTiled {
+    static constexpr int BM = 16 * MT * WM, BN = 32 * WN, THREADS = 32 * WM * WN, WARP_COLS = WN, M_TILES = MT;
+    static constexpr int CH = BK / 8, ROW = 2 * BK;   // 16-byte chunks and bytes of an x row / a bf16 weight row
+    static constexpr int XC = BM * CH / THREADS;       // x copies per thread and stage
+    static constexpr int PIECES = BN * BK / 32;        // 16-byte weight pieces per stage
+    static constexpr int WP = (PIECES + THREADS - 1) / THREADS;  // ... per thread
+    // a stage: x rows, then the packed weights (unswizzled), then the scales; then the two bf16 tiles
+    static constexpr int X_BYTES = BM * ROW, W_BYTES = BN * BK / 2, STAGE = X_BYTES + W_BYTES + BN * BK / 16;
+    static constexpr int DEQ = BN * ROW;
+    static_assert(WM > 1 && XC * THREADS == BM * CH && (PIECES % THREADS == 0 || PIECES < THREADS),
+                  "copies and pieces split evenly");
+    static_assert(CH >= 8 && (THREADS / CH) % 8 == 0, "the swizzle needs 8 chunks a row; a thread's x copies "
+                  "share one swizzle");
+    static_assert(BN <= THREADS && STAGES >= 3, "one scale row a thread; the dequantization runs a stage ahead");
+    static_assert(STAGE == sizeof(GemmStage<BM, BN, BK>), "the loader sizes the stages as GemmStage");
+
+    // This thread's copies; every source stays a valid address (zero-filled copies read row 0) and moves
+    // one stage along per load.
+    unsigned xoff[XC];              // element offset in x of the chunk each x copy takes
+    unsigned xvalid;                // bit i: x copy i reads a row of the tile
+    const unsigned char* wsrc[WP];  // each weight piece
+    unsigned wvalid;
+    const unsigned char* ssrc;      // threads < BN: their row's scales
+    bool svalid;
+
+    __device__ __forceinline__ void load_stage(unsigned stage, const bf16_t* x) {
+        const int tid = threadIdx.x, r = tid / CH, ch = tid % CH;
+        const unsigned xdst = stage + r * ROW + 16 * (ch ^ (r & 7));  // + i THREADS / CH rows: the same swizzle
+#pragma unroll
+        for (int i = 0; i < XC; ++i) {
+            cp_async16_zfill(xdst + i * (THREADS / CH) * ROW, x + xoff[i], (xvalid >> i) & 1u);
+            xoff[i] += BK;
+        }
+#pragma unroll
+        for (int i = 0; i < WP; ++i) {
+            if (PIECES % THREADS && tid + i * THREADS >= PIECES) break;
+            cp_async16_zfill(stage + X_BYTES + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
+            wsrc[i] += BK / 2;
+        }
+        if (tid < BN) {
+            const unsigned sdst = stage + X_BYTES + W_BYTES + tid * (BK / 16);
+            if (BK == 64)
+                cp_async4_zfill(sdst, ssrc, svalid);
+            else
+                cp_async8_zfill(sdst, ssrc, svalid);
+            ssrc += BK / 16;
+        }
+    }
+
+    // This thread's pieces of a stage's packed weights -> the bf16 tile: piece (n, h) is k 32h .. 32h + 31
+    // of weight row n (two block scales), 4 chunks of 8 k.
+    static __device__ __forceinline__ void dequant(const unsigned char* stage, unsigned char* dq) {
+#pragma unroll
+        for (int i = 0; i < WP; ++i) {
+            const int c = threadIdx.x + i * THREADS, n = c / (BK / 32), h = c % (BK / 32);
+            if (PIECES % THREADS && c >= PIECES) break;
+            const uint4 q = *reinterpret_cast<const uint4*>(stage + X_BYTES + 16 * c);
+            const unsigned sw = *reinterpret_cast<const unsigned short*>(stage + X_BYTES + W_BYTES + n * (BK / 16) + 2 * h);
+            const unsigned s0 = scale_pair(sw & 0xffu), s1 = scale_pair(sw >> 8);
+            const unsigned words[4] = {q.x, q.y, q.z, q.w};
+            const int d0 = n * ROW + 16 * ((4 * h) ^ (n & 7));  // chunk 4h + j at d0 ^ 16 j
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                unsigned b[4];
+                dequant_word(words[j], j < 2 ? s0 : s1, b);
+                *reinterpret_cast<uint4*>(dq + (d0 ^ (16 * j))) = make_uint4(b[0], b[1], b[2], b[3]);
+            }
+        }
+    }
+
+    // One stage of a warp: MT m16 tiles of x rows against its 4 n8 tiles. a_off / b_off[p]: the lane's
+    // ldmatrix row and chunk at k step 0 (pairs of n8 tiles are adjacent rows, one ldmatrix for both);
+    // chunk 2 kk + b of row r lies at (2 kk + b) ^ (r & 7) = 2 kk ^ (b ^ (r & 7)), so step kk is an XOR.
+    static __device__ __forceinline__ void mma_stage(unsigned xs, unsigned dq, unsigned a_off,
+                                                     const unsigned (&b_off)[GEMM_NT / 2],
+                                                     float (&acc)[MT][GEMM_NT][4]) {
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            unsigned b[GEMM_NT / 2][4];  // pair p: (b0, b1) of n8 tile 2p, then of 2p + 1
+#pragma unroll
+            for (int p = 0; p < GEMM_NT / 2; ++p) ldsm_x4(dq + (b_off[p] ^ (32 * kk)), b[p]);
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+                unsigned a[4];
+                ldsm_x4(xs + (a_off ^ (32 * kk)) + i * 16 * ROW, a);
+#pragma unroll
+                for (int j = 0; j < GEMM_NT; ++j)
+                    mma_bf16(acc[i][j], a[0], a[1], a[2], a[3], b[j >> 1][2 * (j & 1)], b[j >> 1][2 * (j & 1) + 1]);
+            }
+        }
+    }
+
+    __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
+                                        const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
+                                        const int (&n_valid)[2], int K, const int (&wr)[GEMM_NT], int m0,
+                                        float (&acc)[MT][GEMM_NT][4]) {
+        const int tid = threadIdx.x, lane = tid & 31;
+        xvalid = 0;
+#pragma unroll
+        for (int i = 0; i < XC; ++i) {
+            const int r = (tid + i * THREADS) / CH, ch = tid % CH;
+            const bool ok = r < tile.rows;
+            const int row = ok ? (token_ids ? token_ids[tile.row0 + r] : tile.row0 + r) : 0;
+            xoff[i] = (unsigned)row * (unsigned)K + 8 * ch;
+            xvalid |= (unsigned)ok << i;
+        }
+        wvalid = 0;
+#pragma unroll
+        for (int i = 0; i < WP; ++i) {
+            const int c = tid + i * THREADS, n = c / (BK / 32) % BN, h = c % (BK / 32), rn = n % (BN / 2);
+            const bool hi = n >= BN / 2, ok = rn < (hi ? n_valid[1] : n_valid[0]);
+            wsrc[i] = (ok ? (hi ? wbase[1] : wbase[0]) + (size_t)rn * (K >> 1) : wbase[0]) + 16 * h;
+            wvalid |= (unsigned)ok << i;
+        }
+        {
+            const int rn = tid % (BN / 2);
+            const bool hi = tid % BN >= BN / 2;
+            svalid = tid < BN && rn < (hi ? n_valid[1] : n_valid[0]);
+            ssrc = svalid ? (hi ? sbase[1] : sbase[0]) + (size_t)rn * (K >> 4) : sbase[0];
+        }
+        const unsigned a_off = (m0 + (lane & 15)) * ROW + 16 * ((lane >> 4) ^ (lane & 7));
+        unsigned b_off[GEMM_NT / 2];
+#pragma unroll
+        for (int p = 0; p < GEMM_NT / 2; ++p)
+            b_off[p] = (wr[2 * p] + (lane & 7) + ((lane >> 4) << 3)) * ROW + 16 * (((lane >> 3) & 1) ^ (lane & 7));
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int j = 0; j < GEMM_NT; ++j)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
+        const unsigned smem = smem_u32(dyn_smem), deq = smem + STAGES * STAGE;
+        const int kblocks = K / BK;
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < kblocks) load_stage(smem + s * STAGE, x);
+            cp_async_commit();
+        }
+        cp_async_wait<STAGES - 2>();  // stage 0
+        __syncthreads();
+        dequant(dyn_smem, dyn_smem + STAGES * STAGE);
+        int cur = 0;  // the stage of k block kb
+        for (int kb = 0; kb < kblocks; ++kb) {
+            cp_async_wait<STAGES - 3>();  // stage kb + 1 has landed (this thread's copies) ...
+            __syncthreads();  // ... everyone's; tile kb is dequantized; stage kb - 1 and tile kb - 1 are free
+            const int nxt = cur + 1 == STAGES ? 0 : cur + 1, prev = cur == 0 ? STAGES - 1 : cur - 1;
+            if (kb + STAGES - 1 < kblocks) load_stage(smem + prev * STAGE, x);  // stage kb + STAGES - 1
+            cp_async_commit();
+            if (kb + 1 < kblocks) dequant(dyn_smem + nxt * STAGE, dyn_smem + STAGES * STAGE + ((kb + 1) & 1) * DEQ);
+            mma_stage(smem + cur * STAGE, deq + (kb & 1) * DEQ, a_off, b_off, acc);
+            cur = nxt;
+        }
+        cp_async_wait<0>();
+    }
+};
+
+template <class G>
 __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,
                                             const int* __restrict__ expert_offsets,
                                             const u64_t* __restrict__ packed_ptrs,
                                             const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2,
                                             int start, int count, bf16_t* __restrict__ out, int N, int K,
                                             int n_blocks) {
-    using G = Gemm<MT, WARPS, BK, STAGES>;
     const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks);
     if (tile.e < 0) return;
     const int half = G::BN / 2, n0 = (blockIdx.x % n_blocks) * G::BN;
@@ -251,24 +422,26 @@ __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const 
     const unsigned char* const wb[2] = {packed + (size_t)n0 * (K >> 1), packed + (size_t)(n0 + half) * (K >> 1)};
     const unsigned char* const sb[2] = {scale + (size_t)n0 * (K >> 4), scale + (size_t)(n0 + half) * (K >> 4)};
     const int valid[2] = {N - n0, N - n0 - half};
+    constexpr int MT = G::M_TILES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * 16 * MT;  // the warp's weight rows and x rows
     int wr[GEMM_NT];
 #pragma unroll
-    for (int j = 0; j < GEMM_NT; ++j) wr[j] = 32 * warp + 8 * j + g;
+    for (int j = 0; j < GEMM_NT; ++j) wr[j] = 32 * wn + 8 * j;
     float acc[MT][GEMM_NT][4];
     G gemm;
-    gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, acc);
+    gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, m0, acc);
     const float f = scale2[tile.e] * 256.0f;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of m16 tile i
-            const int r = 16 * i + g + 8 * h;
+            const int r = m0 + 16 * i + g + 8 * h;
             if (r >= tile.rows) continue;
             bf16_t* o = out + (size_t)(tile.row0 + r) * N;
 #pragma unroll
             for (int j = 0; j < GEMM_NT; ++j) {
-                const int n = n0 + 32 * warp + 8 * j + 2 * t;
+                const int n = n0 + 32 * wn + 8 * j + 2 * t;
                 if (n >= N) continue;
                 const unsigned pair = (unsigned)f32_to_bf16(acc[i][j][2 * h] * f) |
                                       ((unsigned)f32_to_bf16(acc[i][j][2 * h + 1] * f) << 16);
@@ -277,7 +450,7 @@ __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const 
         }
 }
 
-template <int MT, int WARPS, int BK, int STAGES>
+template <class G>
 __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,
                                                 const int* __restrict__ expert_offsets,
                                                 const u64_t* __restrict__ gate_packed,
@@ -287,7 +460,6 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                                                 const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2,
                                                 int start, int count, bf16_t* __restrict__ act, int N, int K,
                                                 int n_blocks, float limit) {
-    using G = Gemm<MT, WARPS, BK, STAGES>;
     const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks);
     if (tile.e < 0) return;
     const int half = G::BN / 2, n0 = (blockIdx.x % n_blocks) * half;  // tile rows [0, half): gate, then up
@@ -296,24 +468,26 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
     const unsigned char* const sb[2] = {(const unsigned char*)gate_scale[tile.e] + (size_t)n0 * (K >> 4),
                                         (const unsigned char*)up_scale[tile.e] + (size_t)n0 * (K >> 4)};
     const int valid[2] = {N - n0, N - n0};
+    constexpr int MT = G::M_TILES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * 16 * MT;
     int wr[GEMM_NT];  // n8 tiles 0, 1: gate rows; 2, 3: the same up rows
 #pragma unroll
-    for (int j = 0; j < GEMM_NT; ++j) wr[j] = (j >> 1) * half + 16 * warp + 8 * (j & 1) + g;
+    for (int j = 0; j < GEMM_NT; ++j) wr[j] = (j >> 1) * half + 16 * wn + 8 * (j & 1);
     float acc[MT][GEMM_NT][4];
     G gemm;
-    gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, acc);
+    gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, m0, acc);
     const float fg = gate_scale2[tile.e] * 256.0f, fu = up_scale2[tile.e] * 256.0f;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = 16 * i + g + 8 * h;
+            const int r = m0 + 16 * i + g + 8 * h;
             if (r >= tile.rows) continue;
             bf16_t* o = act + (size_t)(tile.row0 + r) * N;
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                const int n = n0 + 16 * warp + 8 * j + 2 * t;
+                const int n = n0 + 16 * wn + 8 * j + 2 * t;
                 if (n >= N) continue;
                 unsigned pair = 0;
 #pragma unroll
@@ -327,32 +501,43 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
         }
 }
 
-// The variants: nvfp4_gemm_sorted[_glu]_m{BM}w{WARPS}k{BK}, STAGES stages.
-// Each variant's shared memory is the loader's (GEMM_SMEM_M{BM}W{WARPS}K{BK}, from GEMM_VARIANTS).
-#define GEMM_VARIANT(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS)                                                      \
-    static_assert(BM == 16 * MT &&                                                                               \
-                      STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W##WARPS##K##BK,        \
-                  "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/loader.py");                      \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS) nvfp4_gemm_sorted_m##BM##w##WARPS##k##BK( \
+// The entry points of engine G (THREADS threads): nvfp4_gemm_sorted[_glu]_SUFFIX.
+#define GEMM_ENTRIES(SUFFIX, G, THREADS, MIN_BLOCKS)                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_gemm_sorted_##SUFFIX(                \
         const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,                                  \
         const int* __restrict__ expert_offsets, const u64_t* __restrict__ packed_ptrs,                           \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, int start, int count,             \
         bf16_t* __restrict__ out, int N, int K, int n_blocks) {                                                   \
-        gemm_sorted<MT, WARPS, BK, STAGES>(x, sorted_token_ids, expert_offsets, packed_ptrs, scale_ptrs, scale2,  \
-                                           start, count, out, N, K, n_blocks);                                    \
+        gemm_sorted<G>(x, sorted_token_ids, expert_offsets, packed_ptrs, scale_ptrs, scale2, start, count, out,   \
+                       N, K, n_blocks);                                                                           \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_BLOCKS)                                          \
-        nvfp4_gemm_sorted_glu_m##BM##w##WARPS##k##BK(                                                             \
-            const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,                              \
-            const int* __restrict__ expert_offsets, const u64_t* __restrict__ gate_packed,                       \
-            const u64_t* __restrict__ gate_scale, const float* __restrict__ gate_scale2,                          \
-            const u64_t* __restrict__ up_packed, const u64_t* __restrict__ up_scale,                             \
-            const float* __restrict__ up_scale2, int start, int count, bf16_t* __restrict__ act, int N, int K,    \
-            int n_blocks, float limit) {                                                                          \
-        gemm_sorted_glu<MT, WARPS, BK, STAGES>(x, sorted_token_ids, expert_offsets, gate_packed, gate_scale,     \
-                                               gate_scale2, up_packed, up_scale, up_scale2, start, count, act, N, \
-                                               K, n_blocks, limit);                                               \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_gemm_sorted_glu_##SUFFIX(            \
+        const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,                                  \
+        const int* __restrict__ expert_offsets, const u64_t* __restrict__ gate_packed,                           \
+        const u64_t* __restrict__ gate_scale, const float* __restrict__ gate_scale2,                              \
+        const u64_t* __restrict__ up_packed, const u64_t* __restrict__ up_scale,                                 \
+        const float* __restrict__ up_scale2, int start, int count, bf16_t* __restrict__ act, int N, int K,        \
+        int n_blocks, float limit) {                                                                              \
+        gemm_sorted_glu<G>(x, sorted_token_ids, expert_offsets, gate_packed, gate_scale, gate_scale2, up_packed, \
+                           up_scale, up_scale2, start, count, act, N, K, n_blocks, limit);                        \
     }
+
+// The variants, (BM, WM, WN, BK, STAGES) in glm_ep/backend/cuda/loader.py's GEMM_VARIANTS; each one's
+// shared memory is the loader's GEMM_SMEM_M{BM}W{WM}X{WN}K{BK}.
+// Register engine (WM = 1, MT = BM / 16): nvfp4_gemm_sorted[_glu]_m{BM}w{WN}k{BK}.
+#define GEMM_VARIANT(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS)                                                      \
+    typedef Gemm<MT, WARPS, BK, STAGES> Gemm_m##BM##w##WARPS##k##BK;                                             \
+    static_assert(BM == 16 * MT && STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W1X##WARPS##K##BK, \
+                  "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/loader.py");                      \
+    GEMM_ENTRIES(m##BM##w##WARPS##k##BK, Gemm_m##BM##w##WARPS##k##BK, 32 * WARPS, MIN_BLOCKS)
+
+// Tiled engine (WM > 1, MT = BM / (16 WM)): nvfp4_gemm_sorted[_glu]_m{BM}w{WM}x{WN}k{BK}.
+#define GEMM_TILED(BM, MT, WM, WN, BK, STAGES, MIN_BLOCKS)                                                      \
+    typedef GemmTiled<MT, WM, WN, BK, STAGES> Gemm_m##BM##w##WM##x##WN##k##BK;                                  \
+    static_assert(BM == 16 * MT * WM && STAGES * sizeof(GemmStage<BM, 32 * WN, BK>) +                            \
+                                            sizeof(uint4[2][32 * WN][BK / 8]) == GEMM_SMEM_M##BM##W##WM##X##WN##K##BK, \
+                  "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/loader.py");                      \
+    GEMM_ENTRIES(m##BM##w##WM##x##WN##k##BK, Gemm_m##BM##w##WM##x##WN##k##BK, 32 * WM * WN, MIN_BLOCKS)
 
 // Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/loader.py (a variant it lacks does not compile).
 GEMM_VARIANT(16, 1, 4, 64, 4, 4)
@@ -363,3 +548,7 @@ GEMM_VARIANT(64, 4, 4, 128, 3, 2)
 GEMM_VARIANT(64, 4, 8, 128, 3, 1)
 GEMM_VARIANT(128, 8, 4, 64, 3, 2)
 GEMM_VARIANT(128, 8, 8, 64, 3, 1)
+GEMM_TILED(64, 2, 2, 4, 64, 3, 2)
+GEMM_TILED(128, 4, 2, 4, 64, 3, 2)
+GEMM_TILED(128, 2, 4, 4, 64, 3, 1)
+GEMM_TILED(128, 4, 2, 8, 64, 3, 1)

@@ -13,47 +13,48 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.loader import (BF16, GEMM_VARIANTS, I32, cdiv, check, check_shape, gemm_stage_bytes, i32,
+from glm_ep.backend.cuda.loader import (BF16, GEMM_VARIANTS, I32, cdiv, check, check_shape, gemm_smem_bytes, i32,
                                         launch)
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
 # the variants (loader.GEMM_VARIANTS) gemm_nvfp4.cu instantiates; the default of each BM, the fastest
 # measured on H200 (PREFILL.md's variant table): the 64-row tile takes 128-k stages where K allows,
-# its 64-k twin otherwise (GEMM_FALLBACK)
-GEMM_DEFAULT = {16: (16, 4, 64, 4), 32: (32, 4, 64, 4), 64: (64, 4, 128, 3)}
-GEMM_FALLBACK = {(64, 4, 128, 3): (64, 4, 64, 4)}
+# its 64-k twin otherwise (GEMM_FALLBACK); past 64 rows per expert the tiled engine's 128 x 128 tile
+GEMM_DEFAULT = {16: (16, 1, 4, 64, 4), 32: (32, 1, 4, 64, 4), 64: (64, 1, 4, 128, 3), 128: (128, 2, 4, 64, 3)}
+GEMM_FALLBACK = {(64, 1, 4, 128, 3): (64, 1, 4, 64, 4)}
 
 
 @dataclass(frozen=True)
 class GemmGeometry:
     bm: int  # sorted rows of one expert per block
-    warps: int
+    wm: int  # warps along the rows (1: the register engine, every warp on all BM rows)
+    wn: int  # warps along the weight rows, 32 each
     bk: int  # k per pipeline stage
     stages: int
 
     @classmethod
-    def of(cls, variant: tuple[int, int, int, int]) -> "GemmGeometry":
+    def of(cls, variant: tuple[int, int, int, int, int]) -> "GemmGeometry":
         if tuple(variant) not in GEMM_VARIANTS:
-            raise ValueError(f"grouped GEMM variant {tuple(variant)}: gemm_nvfp4.cu instantiates (rows, warps, k, "
-                             f"stages) in {GEMM_VARIANTS}")
+            raise ValueError(f"grouped GEMM variant {tuple(variant)}: gemm_nvfp4.cu instantiates (rows, warp rows, "
+                             f"warp columns, k, stages) in {GEMM_VARIANTS}")
         return cls(*variant)
 
     @property
     def bn(self) -> int:  # weight rows per block (the fused GLU: half gate, half up)
-        return 32 * self.warps
+        return 32 * self.wn
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 32 * self.wm * self.wn
 
     @property
-    def smem(self) -> int:  # dynamic shared memory: stages x GemmStage<BM, BN, BK>
-        return self.stages * gemm_stage_bytes(self.bm, self.bn, self.bk)
+    def smem(self) -> int:  # dynamic shared memory: the stages (+ two bf16 weight tiles when tiled)
+        return gemm_smem_bytes(self.bm, self.wm, self.wn, self.bk, self.stages)
 
     @property
     def suffix(self) -> str:
-        return f"m{self.bm}w{self.warps}k{self.bk}"
+        return f"m{self.bm}w{self.wn}k{self.bk}" if self.wm == 1 else f"m{self.bm}w{self.wm}x{self.wn}k{self.bk}"
 
     def tiles(self, slots: int, count: int) -> int:
         """Row tiles a launch must cover at most: every local expert's ceil(rows / BM), whatever the
@@ -61,13 +62,13 @@ class GemmGeometry:
         return cdiv(slots, self.bm) + min(count, slots)
 
 
-def gemm_variant(slots: int, num_experts: int, k: int) -> tuple[int, int, int, int]:
+def gemm_variant(slots: int, num_experts: int, k: int) -> tuple[int, int, int, int, int]:
     """The variant for a call: the smallest BM that holds the rows an expert gets on average (slots
     spread over all experts), so few-row widths do not pay for empty tile rows; a variant whose
     stage does not divide the in width ``k`` gives way to its fallback."""
     per_expert = slots / max(num_experts, 1)
     v = GEMM_DEFAULT[next((bm for bm in sorted(GEMM_DEFAULT) if per_expert <= bm), max(GEMM_DEFAULT))]
-    return v if k % v[2] == 0 else GEMM_FALLBACK[v]
+    return v if k % v[3] == 0 else GEMM_FALLBACK[v]
 
 
 def _gemm_checks(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
@@ -89,7 +90,7 @@ def _gemm_checks(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offs
 
 def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                       table: ExpertTable[Nvfp4Pointers], out_SN: Any,
-                      variant: tuple[int, int, int, int] | None = None) -> None:
+                      variant: tuple[int, int, int, int, int] | None = None) -> None:
     """Every local expert's expert-sorted rows in ONE tensor-core launch: sorted row i of expert e
     reads ``x[sorted_token_ids[i]]`` (``gather_rows``) or ``x[i]``; rows of remote experts untouched.
     ``variant``: one of ``GEMM_VARIANTS`` (default: ``gemm_variant``'s)."""
@@ -108,7 +109,7 @@ def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert
 
 def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                           experts: RoutedExperts[Nvfp4Pointers], limit: float, act_SN: Any,
-                          variant: tuple[int, int, int, int] | None = None) -> None:
+                          variant: tuple[int, int, int, int, int] | None = None) -> None:
     """Gate, up and the clamped SwiGLU of every local expert's sorted rows in ONE launch (the token
     rows gathered through ``sorted_token_ids``); writes only ``act`` (gate and up stay in registers,
     each rounded to bf16 before the SwiGLU, as the separate ops round them)."""

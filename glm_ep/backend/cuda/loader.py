@@ -65,10 +65,11 @@ CAPABILITIES = Capabilities(max_row_group=UNION_MAX_ROWS, max_union_ids=UNION_MA
                             max_top_k=ROUTER_MAX_TOP_K, grouped_gemm=True, capture=True)
 
 # ---- the kernel variants and the shared-memory layouts the launches are sized by ----------------
-#: gemm_nvfp4.cu's GEMM_VARIANT lines: (rows per tile BM, warps of 32 weight rows each, k per stage BK,
-#: stages)
-GEMM_VARIANTS = ((16, 4, 64, 4), (32, 4, 64, 4), (64, 4, 64, 4), (64, 8, 64, 4), (64, 4, 128, 3), (64, 8, 128, 3),
-                 (128, 4, 64, 3), (128, 8, 64, 3))
+#: gemm_nvfp4.cu's GEMM_VARIANT (WM = 1) and GEMM_TILED (WM > 1) lines: (rows per tile BM, warps along the
+#: rows WM, warps of 32 weight rows along the columns WN, k per stage BK, stages)
+GEMM_VARIANTS = ((16, 1, 4, 64, 4), (32, 1, 4, 64, 4), (64, 1, 4, 64, 4), (64, 1, 8, 64, 4), (64, 1, 4, 128, 3),
+                 (64, 1, 8, 128, 3), (128, 1, 4, 64, 3), (128, 1, 8, 64, 3),
+                 (64, 2, 4, 64, 3), (128, 2, 4, 64, 3), (128, 4, 4, 64, 3), (128, 2, 8, 64, 3))
 #: gemv_nvfp4_ring.cu's RING_ENTRIES lines: (steps of 128 k per slab T, ring depth D)
 RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
 #: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x rows a union stage holds (a group's rows rounded up)
@@ -82,6 +83,13 @@ def gemm_stage_bytes(bm: int, bn: int, bk: int) -> int:
     return bm * bk * 2 + bn * bk // 2 + bn * bk // 16
 
 
+def gemm_smem_bytes(bm: int, wm: int, wn: int, bk: int, stages: int) -> int:
+    """A variant's dynamic shared memory: its stages, and for the tiled engine (WM > 1) two bf16
+    weight tiles (the dequantized stage and the next)."""
+    bn = 32 * wn
+    return stages * gemm_stage_bytes(bm, bn, bk) + (2 * bn * bk * 2 if wm > 1 else 0)
+
+
 def ring_stage_bytes(p: int, t: int, rows: int = 1) -> int:
     """One ring stage of one warp (``RingStage<P, T, R>``): P x 16 rows x 64 T weight bytes, P x 16 x
     8 T scale bytes, 256 T bytes of each of the R x rows (1: decode)."""
@@ -89,10 +97,10 @@ def ring_stage_bytes(p: int, t: int, rows: int = 1) -> int:
 
 
 def layout_defines() -> dict[str, int]:
-    """The dynamic shared memory of every grouped-GEMM variant (``GEMM_SMEM_M{BM}W{warps}K{BK}``) and
+    """The dynamic shared memory of every grouped-GEMM variant (``GEMM_SMEM_M{BM}W{WM}X{WN}K{BK}``) and
     the bytes of every ring stage (``RING_STAGE_BYTES_P{P}_T{T}``, union ones ``..._R{R}``), as the
     wrappers compute them."""
-    out = {f"GEMM_SMEM_M{bm}W{w}K{bk}": st * gemm_stage_bytes(bm, 32 * w, bk) for bm, w, bk, st in GEMM_VARIANTS}
+    out = {f"GEMM_SMEM_M{v[0]}W{v[1]}X{v[2]}K{v[3]}": gemm_smem_bytes(*v) for v in GEMM_VARIANTS}
     for t in sorted({t for t, _ in RING_KERNELS}):
         out.update({f"RING_STAGE_BYTES_P{p}_T{t}": ring_stage_bytes(p, t) for p in (1, 2)})
     for t in sorted({t for t, _ in UNION_RING_KERNELS}):
