@@ -150,10 +150,16 @@ def test_gemm_sorted_glm_shape(rng):
     check_rows(host(out), ref, local, "GLM-shape down")
 
 
+def runs_here(variant) -> None:
+    if grouped.GemmGeometry.of(variant).mma == "wgmma" and not grouped.wgmma_here():
+        pytest.skip("the wgmma engine runs on sm_90a only")
+
+
 @pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
 def test_gemm_variants(rng, variant):
     """Every (rows per tile, warps) variant, whatever width would pick it: gate/up/SwiGLU fused and
     down, ragged experts, an EP window."""
+    runs_here(variant)
     start, count = 4, 24
     cu, nu = both(weights(rng, start=start, count=count))
     ids = ragged_ids(rng)
@@ -173,3 +179,35 @@ def test_gemm_variants(rng, variant):
     with backend().stream:
         grouped.nvfp4_gemm_sorted(dev(act_ref), False, tok, offsets, E, cu.down, out, variant=variant)
     check_rows(host(out), ref, local, f"down {variant}")
+
+
+@pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
+def test_gemm_variants_partial_tiles(rng, variant):
+    """The edges of every variant: a K of 1 and 3 pipeline stages (down at width 64, gate/up at 192
+    hidden), an out width that ends inside a block (gate/up 224 wide, down 192), ragged experts, an EP
+    window. Variants whose stage does not divide the in width are skipped."""
+    runs_here(variant)
+    geo = grouped.GemmGeometry.of(variant)
+    h, start, count = 192, 2, 28
+    if h % geo.bk:
+        pytest.skip(f"{geo.suffix}: a stage of {geo.bk} k does not divide {h}")
+    ids = ragged_ids(rng)
+    t, s = ids.shape[0], ids.size
+    srt, tok, offsets = sorted_route(ids)
+    local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
+    cu, nu = both(weights(rng, h=h, m=224, start=start, count=count))  # gate/up: N = 224, K = 192
+    x = rand_bf16(rng, (t, h), 4.0)
+    gate, up, act_ref = (np.zeros((s, 224), BF16) for _ in range(3))
+    NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
+    act = poisoned((s, 224), BF16)
+    with backend().stream:
+        grouped.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu, 2.0, act, variant=variant)
+    check_rows(host(act), act_ref, local, f"glu {geo.suffix}, N 224, K 192")
+    cu, nu = both(weights(rng, h=h, m=64, start=start, count=count))  # down: N = 192, K = 64
+    a = rand_bf16(rng, (s, 64))
+    ref = np.zeros((s, h), BF16)
+    NP.moe_gemm_sorted(a, nu.down, srt.sorted_token_ids, srt.expert_offsets, ref, False)
+    out = poisoned((s, h), BF16)
+    with backend().stream:
+        grouped.nvfp4_gemm_sorted(dev(a), False, tok, offsets, E, cu.down, out, variant=variant)
+    check_rows(host(out), ref, local, f"down {geo.suffix}, N 192, K 64")

@@ -7,6 +7,7 @@ is a failure there, reported with nvcc's own message.
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import subprocess
@@ -45,8 +46,9 @@ def test_every_define_a_kernel_needs_is_passed():
 @needs_nvcc
 @pytest.mark.parametrize("name,file", [("COMBINE_VEC", "elementwise.cu"), ("MMA_ROWS", "gemv_nvfp4.cu"),
                                        ("RING_STAGE_BYTES_P2_T8", "gemv_nvfp4_ring.cu"),
-                                       ("GEMM_SMEM_M64W1X8K128", "gemm_nvfp4.cu"),
-                                       ("GEMM_SMEM_M128W2X4K64", "gemm_nvfp4.cu")])
+                                       ("GEMM_SMEM_M64W8K128", "gemm_nvfp4.cu"),
+                                       ("GEMM_SMEM_M128W2X4K64", "gemm_nvfp4.cu"),
+                                       ("GEMM_SMEM_M128WGK64", "gemm_nvfp4.cu")])
 def test_a_constant_that_differs_from_the_kernel_does_not_compile(name: str, file: str, tmp_path: Path):
     """The .cu files static_assert the values and layouts the wrappers size their launches by: a
     loader that disagreed with the kernel by one would fail the build, not corrupt memory."""
@@ -68,8 +70,10 @@ def test_instantiated_variants():
     assert rows and tiled
     assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
     assert all(int(bm) == 16 * int(mt) * int(wm) and int(wm) > 1 for bm, mt, wm, *_ in tiled), tiled
-    found = {(int(bm), 1, int(w), int(bk), int(st)) for bm, _, w, bk, st in rows}
-    found |= {(int(bm), int(wm), int(wn), int(bk), int(st)) for bm, _, wm, wn, bk, st in tiled}
+    wgmma = re.findall(r"^GEMM_WGMMA\((\d+), (\d+), \d+\)", gemm, re.M)
+    found = {(int(bm), 1, int(w), int(bk), int(st), "sync") for bm, _, w, bk, st in rows}
+    found |= {(int(bm), int(wm), int(wn), int(bk), int(st), "sync") for bm, _, wm, wn, bk, st in tiled}
+    found |= {(128, 1, 4, int(bk), int(st), "wgmma") for bk, st in wgmma}
     assert found == set(loader.GEMM_VARIANTS)
     ring = (loader.KERNEL_DIR / "gemv_nvfp4_ring.cu").read_text()
     for form in ("0, ", "1, f16_"):
@@ -90,33 +94,80 @@ def test_split_k():
 
 
 def test_gemm_variant_choice():
-    """Few rows per expert take the 16-row tiles, more the 64-row ones, past 64 the tiled 128-row one;
-    every default is built, and a variant's shared memory is its stages of x rows, packed weights and
-    scales (and the tiled engine's two bf16 weight tiles)."""
+    """Few rows per expert take the 16-row tiles, more the 64-row ones, past 64 the tiled 128-row one,
+    and where wgmma runs its 128-row tile past 16; every default is built, and a variant's shared
+    memory is its stages of x rows, packed weights and scales (and the two bf16 weight tiles)."""
     nv = grouped
     assert nv.gemm_variant(16 * 8, 288, 4096)[0] == 16
     assert nv.gemm_variant(1024 * 8, 288, 4096)[0] == 32
-    assert nv.gemm_variant(2048 * 8, 288, 4096) == (64, 1, 4, 128, 3)
-    assert nv.gemm_variant(2048 * 8, 288, 4096 + 64) == (64, 1, 4, 64, 4)  # a stage of 128 k does not divide K
-    assert nv.gemm_variant(4096 * 8, 288, 4096) == (128, 2, 4, 64, 3)  # the tiled engine past 64 rows per expert
-    assert set(nv.GEMM_DEFAULT.values()) | set(nv.GEMM_FALLBACK.values()) <= set(nv.GEMM_VARIANTS)
+    assert nv.gemm_variant(2048 * 8, 288, 4096) == (64, 1, 4, 128, 3, "sync")
+    assert nv.gemm_variant(2048 * 8, 288, 4096 + 64) == (64, 1, 4, 64, 4, "sync")  # 128 k does not divide K
+    assert nv.gemm_variant(4096 * 8, 288, 4096) == (128, 2, 4, 64, 3, "sync")  # the tiled engine past 64 per expert
+    # where wgmma runs (sm_90a): its engine past 16 rows per expert, the same choice below
+    assert nv.gemm_variant(4096 * 8, 288, 4096, wgmma=True) == nv.GEMM_WGMMA == (128, 1, 4, 64, 4, "wgmma")
+    assert nv.gemm_variant(1024 * 8, 288, 4096, wgmma=True) == nv.GEMM_WGMMA
+    assert nv.gemm_variant(256 * 8, 288, 4096, wgmma=True) == nv.gemm_variant(256 * 8, 288, 4096)
+    assert nv.gemm_variant(4096 * 8, 288, 4096 + 32, wgmma=True)[5] == "sync"  # a stage of 64 k does not divide K
+    assert set(nv.GEMM_DEFAULT.values()) | set(nv.GEMM_FALLBACK.values()) | {nv.GEMM_WGMMA} <= set(nv.GEMM_VARIANTS)
     for v in nv.GEMM_DEFAULT.values():
         assert 64 % v[3] == 0 or v in nv.GEMM_FALLBACK, f"{v}: no fallback for an in width of 64 k steps"
-    geo = nv.GemmGeometry.of((64, 1, 4, 64, 4))
+    geo = nv.GemmGeometry.of((64, 1, 4, 64, 4, "sync"))
     assert (geo.bn, geo.threads, geo.smem) == (128, 128, 4 * (64 * 64 * 2 + 128 * 32 + 128 * 4))
     assert geo.tiles(slots=1000, count=16) == 16 + 16  # ceil(1000 / 64) row tiles + one partial per expert
     assert geo.suffix == "m64w4k64"
-    tiled = nv.GemmGeometry.of((128, 2, 4, 64, 3))  # + the two bf16 weight tiles it dequantizes into
+    tiled = nv.GemmGeometry.of((128, 2, 4, 64, 3, "sync"))  # + the two bf16 weight tiles it dequantizes into
     assert (tiled.bn, tiled.threads, tiled.suffix) == (128, 256, "m128w2x4k64")
     assert tiled.smem == 3 * (128 * 64 * 2 + 128 * 32 + 128 * 4) + 2 * 128 * 64 * 2
+    wg = nv.GemmGeometry.of((128, 1, 4, 64, 4, "wgmma"))  # the same tile by one warpgroup: 4 x slots, 3 w slots
+    assert (wg.bn, wg.threads, wg.suffix) == (128, 128, "m128wgk64")
+    assert wg.smem == 4 * 128 * 64 * 2 + 3 * (128 * 32 + 128 * 4) + 2 * 128 * 64 * 2 + 1024
     with pytest.raises(ValueError, match="instantiates"):
-        nv.GemmGeometry.of((48, 1, 4, 64, 4))
+        nv.GemmGeometry.of((48, 1, 4, 64, 4, "sync"))
+
+
+def test_gemm_large_x_takes_the_register_engine(monkeypatch):
+    """The tiled and wgmma engines address x with 32-bit offsets: an x of 2^32 elements or more
+    takes the register engine by default, and asking for a tiled variant is refused by name."""
+    class X:  # only the element count matters
+        size = grouped.X_OFFSET_LIMIT
+
+    monkeypatch.setattr(grouped, "wgmma_here", lambda: True)
+    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "sync"
+    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").wm == 1
+    X.size = grouped.X_OFFSET_LIMIT - 1
+    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "wgmma"
+    X.size = grouped.X_OFFSET_LIMIT
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        grouped._geometry((128, 2, 4, 64, 3, "sync"), X(), 4096 * 8, 288, 4096, "t")
+
+
+def test_arch_build_falls_back_to_the_plain_build(monkeypatch, caplog):
+    """Where NVRTC cannot build gemm_nvfp4.cu for sm_90a, the plain build serves (no wgmma kernels
+    offered) and a warning says why; files without an arch-specific build never try one."""
+    loader.arch_build.cache_clear()
+    monkeypatch.setattr(loader, "compute_capability", lambda device: (9, 0))
+
+    def refuse(name, target):
+        raise RuntimeError(f"{name}: NVRTC failed for {target}:\nunsupported")
+
+    monkeypatch.setattr(loader, "_arch_cubin", refuse)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert loader.arch_build("gemm_nvfp4.cu", 0) is None
+        assert "without its sm_90a kernels" in caplog.text and "unsupported" in caplog.text
+        assert loader.arch_build("gemv_nvfp4.cu", 0) is None
+    finally:
+        loader.arch_build.cache_clear()
 
 
 @needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_90", "sm_121"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_121", "sm_90a"])
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_compiles(path: Path, arch: str, tmp_path: Path):
+    """Every file builds for Hopper and GB10; the arch-specific ones (wgmma) also for sm_90a."""
+    if arch.endswith("a") and not any(path.name in loader.ARCH_SPECIFIC and t == arch
+                                      for t in loader.ARCH_SPECIFIC.get(path.name, {}).values()):
+        pytest.skip(f"{path.name} is not built for {arch}")
     src = tmp_path / path.name
     src.write_text(loader.kernel_source(path.name))
     cmd = [NVCC, "--cubin", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o",

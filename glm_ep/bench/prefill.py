@@ -90,7 +90,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         x = gpu_bf16(cp, (rows, h), 1.0)
         o = out[:rows]
         r: dict[str, Any] = {"rows": rows, "path": site.experts.path_for(rows)}
-        r["variant"] = NV.GemmGeometry.of(NV.gemm_variant(rows * k, model.n_routed_experts, h)).suffix
+        r["variant"] = NV.GemmGeometry.of(NV.gemm_variant(rows * k, model.n_routed_experts, h, NV.wgmma_here())).suffix
         r["sparse_us"] = t(lambda: site(x, ws, o), rows)
         r["sparse_sorted_us"] = t(lambda: sorted_site(x, ws, o), rows)
         if rows <= UNION_MAX_TIMED:
@@ -110,6 +110,8 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["gemm_tflops"] = 6 * s * m * h / ((r["glu_us"] + r["down_us"]) * 1e-6) / 1e12
         r["variants"] = {}
         for v in NV.GEMM_VARIANTS:  # every tile shape on this width: the evidence for gemm_variant
+            if NV.GemmGeometry.of(v).mma == "wgmma" and not NV.wgmma_here():
+                continue
             with stream:
                 glu = t(lambda: NV.nvfp4_gemm_sorted_glu(x, tok, offsets, model.n_routed_experts, moe.experts,
                                                          cfg.swiglu_limit, act, variant=v), rows)

@@ -7,8 +7,13 @@
 // row(i) = sorted_token_ids[i] (gate/up gather the token rows) or i (down reads sorted activations).
 //
 // Tiles: a block computes BM sorted rows of ONE expert x BN weight rows (the fused GLU: BN / 2 gate
-// rows and the same BN / 2 up rows); BM = 16 MT, every warp covering all of them, BN = 32 per warp.
-// The variants (BM 16 / 32 / 64) let a width whose experts hold few rows each skip the mma work and
+// rows and the same BN / 2 up rows). Three engines share the tiling, the copies and the epilogue:
+//   register (WM = 1): every warp on all BM = 16 MT rows and 32 weight rows, dequantizing its own
+//     weights in registers (below);
+//   tiled (WM > 1): a WM x WN warp grid over the tile, the weight tile dequantized ONCE per stage into
+//     shared memory, both operands by ldmatrix (GemmTiled);
+//   wgmma (sm_90a): the tiled engine's 128 x 128 tile by one warpgroup's wgmma (GemmWg).
+// The variants (BM 16 .. 128) let a width whose experts hold few rows each skip the mma work and
 // x staging of empty rows; the wrapper picks one from the expected rows per expert. blockIdx.x =
 // tile * n_blocks + n_block, so the blocks of one row tile sweep the weight rows back to back while
 // its x rows sit in L2. A block finds its (expert, row tile) by a scan of the local experts' tile
@@ -18,8 +23,8 @@
 // Pipeline: STAGES shared-memory stages of BK k (x rows, packed weights, E4M3 scales)
 // filled by cp.async; x rows past the expert's last and weight rows past N are zero-filled.
 //
-// mma.sync m16n8k16 with A = x (16 rows) and B = weights (8 weight rows as the columns), fp32
-// accumulators. The k order inside an mma is free as long as A and B agree lane by lane: lane (g, t)
+// The register engine: mma.sync m16n8k16 with A = x (16 rows) and B = weights (8 weight rows as the
+// columns), fp32 accumulators. The k order inside an mma is free as long as A and B agree lane by lane: lane (g, t)
 // of a 32-k step takes the 8 consecutive k 8t .. 8t + 7 of its x rows (one 16-byte load per row) and
 // of its weight row (one 4-byte word of packed weights), the pairs (8t, 8t+1), (8t+2, 8t+3) feeding
 // the first mma and (8t+4, 8t+5), (8t+6, 8t+7) the second.
@@ -30,9 +35,10 @@
 // e2m1 * e4m3 * 2^-8: at most 6 significant bits and inside bf16's normal range, so exact. The fp32
 // sums are scaled by scale_2 * 2^8 in the epilogue. No per-element float conversion.
 //
-// Entry points, one per GEMM_VARIANT below (grids computed in glm_ep/backend/cuda/grouped.py):
-//   nvfp4_gemm_sorted_m{BM}w{W}k{BK}       one projection                        grid (tiles * ceil(N / BN))
-//   nvfp4_gemm_sorted_glu_m{BM}w{W}k{BK}   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)))
+// Entry points, one per GEMM_VARIANT / GEMM_TILED / GEMM_WGMMA line below (grids computed in
+// glm_ep/backend/cuda/grouped.py; SUFFIX m{BM}w{W}k{BK}, m{BM}w{WM}x{WN}k{BK} or m128wgk{BK}):
+//   nvfp4_gemm_sorted_SUFFIX       one projection                        grid (tiles * ceil(N / BN))
+//   nvfp4_gemm_sorted_glu_SUFFIX   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)))
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
 #include "async_copy.cuh"
@@ -123,7 +129,8 @@ __device__ __forceinline__ unsigned scale_pair(unsigned byte) {
 // all of them), WARPS warps of 32 weight rows each (BN = 32 WARPS).
 template <int MT, int WARPS, int BK, int STAGES>
 struct Gemm {
-    static constexpr int BM = 16 * MT, BN = 32 * WARPS, THREADS = 32 * WARPS, WARP_COLS = WARPS, M_TILES = MT;
+    static constexpr int BM = 16 * MT, BN = 32 * WARPS, THREADS = 32 * WARPS, WARP_COLS = WARPS, M_TILES = MT,
+                         N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = 16 * MT;
     static constexpr int XC = BM * BK / 8 / THREADS;  // x copies per thread and stage
     static constexpr int WC = BN * BK / 32 / THREADS;  // weight copies per thread and stage
     static_assert(XC >= 1 && XC * THREADS == BM * BK / 8, "x copies split evenly");
@@ -250,9 +257,9 @@ __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-template <int MT, int WM, int WN, int BK, int STAGES>
-struct GemmTiled {
-    static constexpr int BM = 16 * MT * WM, BN = 32 * WN, THREADS = 32 * WM * WN, WARP_COLS = WN, M_TILES = MT;
+// The copies and the dequantization of a BM x BN tile by THREADS threads (the tiled and wgmma engines).
+template <int BM, int BN, int BK, int THREADS>
+struct TileCopies {
     static constexpr int CH = BK / 8, ROW = 2 * BK;   // 16-byte chunks and bytes of an x row / a bf16 weight row
     static constexpr int XC = BM * CH / THREADS;       // x copies per thread and stage
     static constexpr int PIECES = BN * BK / 32;        // 16-byte weight pieces per stage
@@ -260,11 +267,11 @@ struct GemmTiled {
     // a stage: x rows, then the packed weights (unswizzled), then the scales; then the two bf16 tiles
     static constexpr int X_BYTES = BM * ROW, W_BYTES = BN * BK / 2, STAGE = X_BYTES + W_BYTES + BN * BK / 16;
     static constexpr int DEQ = BN * ROW;
-    static_assert(WM > 1 && XC * THREADS == BM * CH && (PIECES % THREADS == 0 || PIECES < THREADS),
+    static_assert(XC * THREADS == BM * CH && (PIECES % THREADS == 0 || PIECES < THREADS),
                   "copies and pieces split evenly");
     static_assert(CH >= 8 && (THREADS / CH) % 8 == 0, "the swizzle needs 8 chunks a row; a thread's x copies "
                   "share one swizzle");
-    static_assert(BN <= THREADS && STAGES >= 3, "one scale row a thread; the dequantization runs a stage ahead");
+    static_assert(BN <= THREADS, "one scale row a thread");
     static_assert(STAGE == sizeof(GemmStage<BM, BN, BK>), "the loader sizes the stages as GemmStage");
 
     // This thread's copies; every source stays a valid address (zero-filled copies read row 0) and moves
@@ -277,8 +284,13 @@ struct GemmTiled {
     bool svalid;
 
     __device__ __forceinline__ void load_stage(unsigned stage, const bf16_t* x) {
+        load_split(stage, stage + X_BYTES, x);
+    }
+
+    // x rows to xst, packed weights then scales to wst (the wgmma engine keeps them apart)
+    __device__ __forceinline__ void load_split(unsigned xst, unsigned wst, const bf16_t* x) {
         const int tid = threadIdx.x, r = tid / CH, ch = tid % CH;
-        const unsigned xdst = stage + r * ROW + 16 * (ch ^ (r & 7));  // + i THREADS / CH rows: the same swizzle
+        const unsigned xdst = xst + r * ROW + 16 * (ch ^ (r & 7));  // + i THREADS / CH rows: the same swizzle
 #pragma unroll
         for (int i = 0; i < XC; ++i) {
             cp_async16_zfill(xdst + i * (THREADS / CH) * ROW, x + xoff[i], (xvalid >> i) & 1u);
@@ -287,11 +299,11 @@ struct GemmTiled {
 #pragma unroll
         for (int i = 0; i < WP; ++i) {
             if (PIECES % THREADS && tid + i * THREADS >= PIECES) break;
-            cp_async16_zfill(stage + X_BYTES + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
+            cp_async16_zfill(wst + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
             wsrc[i] += BK / 2;
         }
         if (tid < BN) {
-            const unsigned sdst = stage + X_BYTES + W_BYTES + tid * (BK / 16);
+            const unsigned sdst = wst + W_BYTES + tid * (BK / 16);
             if (BK == 64)
                 cp_async4_zfill(sdst, ssrc, svalid);
             else
@@ -303,12 +315,17 @@ struct GemmTiled {
     // This thread's pieces of a stage's packed weights -> the bf16 tile: piece (n, h) is k 32h .. 32h + 31
     // of weight row n (two block scales), 4 chunks of 8 k.
     static __device__ __forceinline__ void dequant(const unsigned char* stage, unsigned char* dq) {
+        dequant_split(stage + X_BYTES, dq);
+    }
+
+    // the same from packed weights at w (their scales at w + W_BYTES)
+    static __device__ __forceinline__ void dequant_split(const unsigned char* w, unsigned char* dq) {
 #pragma unroll
         for (int i = 0; i < WP; ++i) {
             const int c = threadIdx.x + i * THREADS, n = c / (BK / 32), h = c % (BK / 32);
             if (PIECES % THREADS && c >= PIECES) break;
-            const uint4 q = *reinterpret_cast<const uint4*>(stage + X_BYTES + 16 * c);
-            const unsigned sw = *reinterpret_cast<const unsigned short*>(stage + X_BYTES + W_BYTES + n * (BK / 16) + 2 * h);
+            const uint4 q = *reinterpret_cast<const uint4*>(w + 16 * c);
+            const unsigned sw = *reinterpret_cast<const unsigned short*>(w + W_BYTES + n * (BK / 16) + 2 * h);
             const unsigned s0 = scale_pair(sw & 0xffu), s1 = scale_pair(sw >> 8);
             const unsigned words[4] = {q.x, q.y, q.z, q.w};
             const int d0 = n * ROW + 16 * ((4 * h) ^ (n & 7));  // chunk 4h + j at d0 ^ 16 j
@@ -320,6 +337,47 @@ struct GemmTiled {
             }
         }
     }
+
+
+    // Where this thread's copies come from: tile rows through token_ids (nullptr: the sorted rows), weight
+    // row n of half h of the tile from wbase[h] / sbase[h], rows at or past n_valid[h] zero-filled.
+    __device__ __forceinline__ void sources(const bf16_t* x, const int* token_ids, const RowTile& tile,
+                                            const unsigned char* const (&wbase)[2],
+                                            const unsigned char* const (&sbase)[2], const int (&n_valid)[2], int K) {
+        const int tid = threadIdx.x;
+        xvalid = 0;
+#pragma unroll
+        for (int i = 0; i < XC; ++i) {
+            const int r = (tid + i * THREADS) / CH, ch = tid % CH;
+            const bool ok = r < tile.rows;
+            const int row = ok ? (token_ids ? token_ids[tile.row0 + r] : tile.row0 + r) : 0;
+            xoff[i] = (unsigned)row * (unsigned)K + 8 * ch;
+            xvalid |= (unsigned)ok << i;
+        }
+        wvalid = 0;
+#pragma unroll
+        for (int i = 0; i < WP; ++i) {
+            const int c = tid + i * THREADS, n = c / (BK / 32) % BN, h = c % (BK / 32), rn = n % (BN / 2);
+            const bool hi = n >= BN / 2, ok = rn < (hi ? n_valid[1] : n_valid[0]);
+            wsrc[i] = (ok ? (hi ? wbase[1] : wbase[0]) + (size_t)rn * (K >> 1) : wbase[0]) + 16 * h;
+            wvalid |= (unsigned)ok << i;
+        }
+        {
+            const int rn = tid % (BN / 2);
+            const bool hi = tid % BN >= BN / 2;
+            svalid = tid < BN && rn < (hi ? n_valid[1] : n_valid[0]);
+            ssrc = svalid ? (hi ? sbase[1] : sbase[0]) + (size_t)rn * (K >> 4) : sbase[0];
+        }
+    }
+};
+
+template <int MT, int WM, int WN, int BK, int STAGES>
+struct GemmTiled : TileCopies<16 * MT * WM, 32 * WN, BK, 32 * WM * WN> {
+    using C = TileCopies<16 * MT * WM, 32 * WN, BK, 32 * WM * WN>;
+    static constexpr int BM = 16 * MT * WM, BN = 32 * WN, THREADS = 32 * WM * WN, WARP_COLS = WN, M_TILES = MT,
+                         N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = 16 * MT;
+    static constexpr int ROW = C::ROW, STAGE = C::STAGE, DEQ = C::DEQ;
+    static_assert(WM > 1 && STAGES >= 3, "a warp grid; the dequantization runs a stage ahead");
 
     // One stage of a warp: MT m16 tiles of x rows against its 4 n8 tiles. a_off / b_off[p]: the lane's
     // ldmatrix row and chunk at k step 0 (pairs of n8 tiles are adjacent rows, one ldmatrix for both);
@@ -347,30 +405,8 @@ struct GemmTiled {
                                         const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
                                         const int (&n_valid)[2], int K, const int (&wr)[GEMM_NT], int m0,
                                         float (&acc)[MT][GEMM_NT][4]) {
-        const int tid = threadIdx.x, lane = tid & 31;
-        xvalid = 0;
-#pragma unroll
-        for (int i = 0; i < XC; ++i) {
-            const int r = (tid + i * THREADS) / CH, ch = tid % CH;
-            const bool ok = r < tile.rows;
-            const int row = ok ? (token_ids ? token_ids[tile.row0 + r] : tile.row0 + r) : 0;
-            xoff[i] = (unsigned)row * (unsigned)K + 8 * ch;
-            xvalid |= (unsigned)ok << i;
-        }
-        wvalid = 0;
-#pragma unroll
-        for (int i = 0; i < WP; ++i) {
-            const int c = tid + i * THREADS, n = c / (BK / 32) % BN, h = c % (BK / 32), rn = n % (BN / 2);
-            const bool hi = n >= BN / 2, ok = rn < (hi ? n_valid[1] : n_valid[0]);
-            wsrc[i] = (ok ? (hi ? wbase[1] : wbase[0]) + (size_t)rn * (K >> 1) : wbase[0]) + 16 * h;
-            wvalid |= (unsigned)ok << i;
-        }
-        {
-            const int rn = tid % (BN / 2);
-            const bool hi = tid % BN >= BN / 2;
-            svalid = tid < BN && rn < (hi ? n_valid[1] : n_valid[0]);
-            ssrc = svalid ? (hi ? sbase[1] : sbase[0]) + (size_t)rn * (K >> 4) : sbase[0];
-        }
+        const int lane = threadIdx.x & 31;
+        this->sources(x, token_ids, tile, wbase, sbase, n_valid, K);
         const unsigned a_off = (m0 + (lane & 15)) * ROW + 16 * ((lane >> 4) ^ (lane & 7));
         unsigned b_off[GEMM_NT / 2];
 #pragma unroll
@@ -386,23 +422,157 @@ struct GemmTiled {
         const int kblocks = K / BK;
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < kblocks) load_stage(smem + s * STAGE, x);
+            if (s < kblocks) this->load_stage(smem + s * STAGE, x);
             cp_async_commit();
         }
         cp_async_wait<STAGES - 2>();  // stage 0
         __syncthreads();
-        dequant(dyn_smem, dyn_smem + STAGES * STAGE);
+        C::dequant(dyn_smem, dyn_smem + STAGES * STAGE);
         int cur = 0;  // the stage of k block kb
         for (int kb = 0; kb < kblocks; ++kb) {
             cp_async_wait<STAGES - 3>();  // stage kb + 1 has landed (this thread's copies) ...
             __syncthreads();  // ... everyone's; tile kb is dequantized; stage kb - 1 and tile kb - 1 are free
             const int nxt = cur + 1 == STAGES ? 0 : cur + 1, prev = cur == 0 ? STAGES - 1 : cur - 1;
-            if (kb + STAGES - 1 < kblocks) load_stage(smem + prev * STAGE, x);  // stage kb + STAGES - 1
+            if (kb + STAGES - 1 < kblocks) this->load_stage(smem + prev * STAGE, x);  // stage kb + STAGES - 1
             cp_async_commit();
-            if (kb + 1 < kblocks) dequant(dyn_smem + nxt * STAGE, dyn_smem + STAGES * STAGE + ((kb + 1) & 1) * DEQ);
+            if (kb + 1 < kblocks) C::dequant(dyn_smem + nxt * STAGE, dyn_smem + STAGES * STAGE + ((kb + 1) & 1) * DEQ);
             mma_stage(smem + cur * STAGE, deq + (kb & 1) * DEQ, a_off, b_off, acc);
             cur = nxt;
         }
+        cp_async_wait<0>();
+    }
+};
+
+// ---- The wgmma engine (sm_90a): the tiled engine's 128 x 128 tile and shared-memory layout, its mma on
+// the asynchronous warpgroup instruction -----------------------------------------------------------------
+// ONE warpgroup of 4 warps per block covers the whole tile as two wgmma m64n128k16 per 16 k (x rows 0-63
+// and 64-127), both operands read from shared memory by descriptor. The x rows and the dequantized
+// weight tile already lie as wgmma's K-major 128-byte-swizzled layout wants them (128-byte rows, chunk c
+// of row r at c ^ (r & 7), 8-row groups 1024 bytes apart, every tile 1024-byte aligned), so step kk of
+// 16 k is the descriptor moved 32 kk bytes. The wgmma of k block kb stays in flight while the same
+// threads refill the stage of block kb - 1 and dequantize block kb + 1, and across the next barrier:
+// one warpgroup per block means "my wgmma of kb - 1 is done" frees its buffers for the whole block.
+// Accumulators: per n8 tile j, d[4j .. 4j + 3] is the mma.sync C fragment of rows 16 warp + g, + 8
+// (+ 64 for the second half).
+
+// A K-major, 128-byte-swizzled operand at shared address addr: rows 128 bytes apart, groups of 8 rows
+// 1024 bytes apart (the stride byte offset), the leading byte offset unused (1).
+__device__ __forceinline__ u64_t sw128_desc(unsigned addr) {
+    return (u64_t)((addr & 0x3ffffu) >> 4) | ((u64_t)1 << 16) | ((u64_t)(1024 >> 4) << 32) | ((u64_t)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// Generic-proxy writes (cp.async, st.shared) made visible to the async proxy (wgmma's operand reads).
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// d += A (64 x 16, descriptor da) * B (128 x 16, descriptor db), bf16 operands, fp32 accumulators.
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64_t da, u64_t db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
+        "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
+        "%62, %63 "
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db));
+#else
+    __trap();  // sm_90a only: the wrappers never launch it elsewhere
+#endif
+}
+
+template <int BK, int STAGES>
+struct GemmWg : TileCopies<128, 128, BK, 128> {
+    using C = TileCopies<128, 128, BK, 128>;
+    static constexpr int BM = 128, BN = 128, THREADS = 128, WARP_COLS = 1, M_TILES = 2, N_TILES = 16, M_STRIDE = 64,
+                         M0_STEP = 16;
+    static constexpr int X_BYTES = C::X_BYTES, W_BYTES = C::W_BYTES, S_BYTES = BN * BK / 16, DEQ = C::DEQ;
+    static constexpr int XS = STAGES, WS = STAGES - 1;  // x slots, packed-weight slots
+    static_assert(BK == 64 && STAGES == 4, "one 128-byte swizzled row is 64 bf16; the slot arithmetic below");
+    // 1024-byte aligned: the x slots, the two bf16 tiles; then the packed weights and scales of each w slot
+    static constexpr int SMEM = XS * X_BYTES + 2 * DEQ + WS * (W_BYTES + S_BYTES);
+
+    // k block j's copies (x rows and packed weights, one cp.async group) are issued in iteration j - 3
+    // (the prologue for j < 3) into x slot j % 4 and w slot j % 3. Iteration kb then needs x of kb (its
+    // wgmma) and the weights of kb + 1 (dequantized there): groups 0 .. kb + 1, one of 3 + kb left in
+    // flight. When it loads block kb + 3, its wgmma of kb - 1 is done (x slot (kb - 1) % 4 free) and
+    // the weights of kb were dequantized in iteration kb - 1 (w slot kb % 3 free).
+    __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
+                                        const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
+                                        const int (&n_valid)[2], int K, const int (&)[N_TILES] /* wr */,
+                                        int /* m0 */, float (&acc)[M_TILES][N_TILES][4]) {
+        this->sources(x, token_ids, tile, wbase, sbase, n_valid, K);
+        float(&d0)[64] = reinterpret_cast<float(&)[64]>(acc[0]);  // x rows 0 .. 63
+        float(&d1)[64] = reinterpret_cast<float(&)[64]>(acc[1]);  // x rows 64 .. 127
+#pragma unroll
+        for (int i = 0; i < 64; ++i) d0[i] = d1[i] = 0.0f;
+        const unsigned raw = smem_u32(dyn_smem), pad = ((raw + 1023u) & ~1023u) - raw;
+        unsigned char* base = dyn_smem + pad;
+        const unsigned smem = raw + pad, dq = smem + XS * X_BYTES, ws = dq + 2 * DEQ;
+        auto xs_at = [&](int s) { return smem + s * X_BYTES; };
+        auto ws_at = [&](int s) { return ws + s * (W_BYTES + S_BYTES); };
+        auto generic = [&](unsigned a) { return base + (a - smem); };
+        const int kblocks = K / BK;
+#pragma unroll
+        for (int s = 0; s < 3; ++s) {
+            if (s < kblocks) this->load_split(xs_at(s), ws_at(s), x);
+            cp_async_commit();
+        }
+        cp_async_wait<2>();  // block 0
+        __syncthreads();
+        C::dequant_split(generic(ws_at(0)), generic(dq));
+        int xcur = 0, xld = 3, wdq = 1, wld = 0;  // x slot of kb, of kb + 3; w slot of kb + 1, of kb + 3
+        for (int kb = 0; kb < kblocks; ++kb) {
+            cp_async_wait<1>();   // x of kb, weights of kb + 1 (this thread's copies)
+            fence_proxy_async();  // this thread's copies and bf16 stores, visible to wgmma ...
+            __syncthreads();      // ... everyone's: x of kb and bf16 tile kb are ready
+            const u64_t da = sw128_desc(xs_at(xcur)), db = sw128_desc(dq + (kb & 1) * DEQ);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; ++kk) {
+                wgmma_m64n128k16(d0, da + 2 * kk, db + 2 * kk);
+                wgmma_m64n128k16(d1, da + (64 * 128 >> 4) + 2 * kk, db + 2 * kk);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // k block kb - 1's wgmma is done: its x slot and its bf16 tile are free
+            if (kb + 3 < kblocks) this->load_split(xs_at(xld), ws_at(wld), x);
+            cp_async_commit();
+            if (kb + 1 < kblocks) C::dequant_split(generic(ws_at(wdq)), generic(dq + ((kb + 1) & 1) * DEQ));
+            xcur = xcur == XS - 1 ? 0 : xcur + 1, xld = xld == XS - 1 ? 0 : xld + 1;
+            wdq = wdq == WS - 1 ? 0 : wdq + 1, wld = wld == WS - 1 ? 0 : wld + 1;
+        }
+        wgmma_wait<0>();
         cp_async_wait<0>();
     }
 };
@@ -422,13 +592,13 @@ __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const 
     const unsigned char* const wb[2] = {packed + (size_t)n0 * (K >> 1), packed + (size_t)(n0 + half) * (K >> 1)};
     const unsigned char* const sb[2] = {scale + (size_t)n0 * (K >> 4), scale + (size_t)(n0 + half) * (K >> 4)};
     const int valid[2] = {N - n0, N - n0 - half};
-    constexpr int MT = G::M_TILES;
+    constexpr int MT = G::M_TILES, NT = G::N_TILES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * 16 * MT;  // the warp's weight rows and x rows
-    int wr[GEMM_NT];
+    const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * G::M0_STEP;  // the warp's weight rows and x rows
+    int wr[NT];
 #pragma unroll
-    for (int j = 0; j < GEMM_NT; ++j) wr[j] = 32 * wn + 8 * j;
-    float acc[MT][GEMM_NT][4];
+    for (int j = 0; j < NT; ++j) wr[j] = 8 * NT * wn + 8 * j;
+    float acc[MT][NT][4];
     G gemm;
     gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, m0, acc);
     const float f = scale2[tile.e] * 256.0f;
@@ -436,12 +606,12 @@ __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const 
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of m16 tile i
-            const int r = m0 + 16 * i + g + 8 * h;
+            const int r = m0 + G::M_STRIDE * i + g + 8 * h;
             if (r >= tile.rows) continue;
             bf16_t* o = out + (size_t)(tile.row0 + r) * N;
 #pragma unroll
-            for (int j = 0; j < GEMM_NT; ++j) {
-                const int n = n0 + 32 * wn + 8 * j + 2 * t;
+            for (int j = 0; j < NT; ++j) {
+                const int n = n0 + 8 * NT * wn + 8 * j + 2 * t;
                 if (n >= N) continue;
                 const unsigned pair = (unsigned)f32_to_bf16(acc[i][j][2 * h] * f) |
                                       ((unsigned)f32_to_bf16(acc[i][j][2 * h + 1] * f) << 16);
@@ -468,13 +638,13 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
     const unsigned char* const sb[2] = {(const unsigned char*)gate_scale[tile.e] + (size_t)n0 * (K >> 4),
                                         (const unsigned char*)up_scale[tile.e] + (size_t)n0 * (K >> 4)};
     const int valid[2] = {N - n0, N - n0};
-    constexpr int MT = G::M_TILES;
+    constexpr int MT = G::M_TILES, NT = G::N_TILES, NH = NT / 2;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * 16 * MT;
-    int wr[GEMM_NT];  // n8 tiles 0, 1: gate rows; 2, 3: the same up rows
+    const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * G::M0_STEP;
+    int wr[NT];  // n8 tiles [0, NH): gate rows; [NH, NT): the same up rows
 #pragma unroll
-    for (int j = 0; j < GEMM_NT; ++j) wr[j] = (j >> 1) * half + 16 * wn + 8 * (j & 1);
-    float acc[MT][GEMM_NT][4];
+    for (int j = 0; j < NT; ++j) wr[j] = (j / NH) * half + 8 * NH * wn + 8 * (j % NH);
+    float acc[MT][NT][4];
     G gemm;
     gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, m0, acc);
     const float fg = gate_scale2[tile.e] * 256.0f, fu = up_scale2[tile.e] * 256.0f;
@@ -482,18 +652,18 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int r = m0 + 16 * i + g + 8 * h;
+            const int r = m0 + G::M_STRIDE * i + g + 8 * h;
             if (r >= tile.rows) continue;
             bf16_t* o = act + (size_t)(tile.row0 + r) * N;
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int n = n0 + 16 * wn + 8 * j + 2 * t;
+            for (int j = 0; j < NH; ++j) {
+                const int n = n0 + 8 * NH * wn + 8 * j + 2 * t;
                 if (n >= N) continue;
                 unsigned pair = 0;
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const float gv = round_bf16(acc[i][j][2 * h + c] * fg);
-                    const float uv = round_bf16(acc[i][j + 2][2 * h + c] * fu);
+                    const float uv = round_bf16(acc[i][j + NH][2 * h + c] * fu);
                     pair |= (unsigned)swiglu_one(gv, uv, limit) << (16 * c);
                 }
                 *reinterpret_cast<unsigned*>(o + n) = pair;
@@ -522,12 +692,12 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                            up_scale, up_scale2, start, count, act, N, K, n_blocks, limit);                        \
     }
 
-// The variants, (BM, WM, WN, BK, STAGES) in glm_ep/backend/cuda/loader.py's GEMM_VARIANTS; each one's
-// shared memory is the loader's GEMM_SMEM_M{BM}W{WM}X{WN}K{BK}.
+// The variants, (BM, WM, WN, BK, STAGES, mma) in glm_ep/backend/cuda/loader.py's GEMM_VARIANTS; each one's
+// shared memory is the loader's GEMM_SMEM_ + its entry suffix in upper case.
 // Register engine (WM = 1, MT = BM / 16): nvfp4_gemm_sorted[_glu]_m{BM}w{WN}k{BK}.
 #define GEMM_VARIANT(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS)                                                      \
     typedef Gemm<MT, WARPS, BK, STAGES> Gemm_m##BM##w##WARPS##k##BK;                                             \
-    static_assert(BM == 16 * MT && STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W1X##WARPS##K##BK, \
+    static_assert(BM == 16 * MT && STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W##WARPS##K##BK, \
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/loader.py");                      \
     GEMM_ENTRIES(m##BM##w##WARPS##k##BK, Gemm_m##BM##w##WARPS##k##BK, 32 * WARPS, MIN_BLOCKS)
 
@@ -538,6 +708,13 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                                             sizeof(uint4[2][32 * WN][BK / 8]) == GEMM_SMEM_M##BM##W##WM##X##WN##K##BK, \
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/loader.py");                      \
     GEMM_ENTRIES(m##BM##w##WM##x##WN##k##BK, Gemm_m##BM##w##WM##x##WN##k##BK, 32 * WM * WN, MIN_BLOCKS)
+
+// wgmma engine (sm_90a; the 128 x 128 tile of one warpgroup): nvfp4_gemm_sorted[_glu]_m128wgk{BK}.
+#define GEMM_WGMMA(BK, STAGES, MIN_BLOCKS)                                                                       \
+    typedef GemmWg<BK, STAGES> Gemm_m128wgk##BK;                                                                 \
+    static_assert(Gemm_m128wgk##BK::SMEM + 1024 == GEMM_SMEM_M128WGK##BK,                                      \
+                  "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/loader.py");                      \
+    GEMM_ENTRIES(m128wgk##BK, Gemm_m128wgk##BK, 128, MIN_BLOCKS)
 
 // Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/loader.py (a variant it lacks does not compile).
 GEMM_VARIANT(16, 1, 4, 64, 4, 4)
@@ -550,5 +727,4 @@ GEMM_VARIANT(128, 8, 4, 64, 3, 2)
 GEMM_VARIANT(128, 8, 8, 64, 3, 1)
 GEMM_TILED(64, 2, 2, 4, 64, 3, 2)
 GEMM_TILED(128, 4, 2, 4, 64, 3, 2)
-GEMM_TILED(128, 2, 4, 4, 64, 3, 1)
-GEMM_TILED(128, 4, 2, 8, 64, 3, 1)
+GEMM_WGMMA(64, 4, 2)

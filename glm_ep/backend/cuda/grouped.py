@@ -13,16 +13,22 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.loader import (BF16, GEMM_VARIANTS, I32, cdiv, check, check_shape, gemm_smem_bytes, i32,
-                                        launch)
+from glm_ep.backend.cuda.loader import (ARCH_SPECIFIC, BF16, GEMM_VARIANTS, I32, arch_build, cdiv, check,
+                                        check_shape, compute_capability, current_device, gemm_smem_bytes,
+                                        gemm_suffix, i32, launch)
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
 # the variants (loader.GEMM_VARIANTS) gemm_nvfp4.cu instantiates; the default of each BM, the fastest
 # measured on H200 (PREFILL.md's variant table): the 64-row tile takes 128-k stages where K allows,
-# its 64-k twin otherwise (GEMM_FALLBACK); past 64 rows per expert the tiled engine's 128 x 128 tile
-GEMM_DEFAULT = {16: (16, 1, 4, 64, 4), 32: (32, 1, 4, 64, 4), 64: (64, 1, 4, 128, 3), 128: (128, 2, 4, 64, 3)}
-GEMM_FALLBACK = {(64, 1, 4, 128, 3): (64, 1, 4, 64, 4)}
+# its 64-k twin otherwise (GEMM_FALLBACK); past 64 rows per expert the tiled engine's 128 x 128 tile;
+# on sm_90a the wgmma engine's 128 x 128 tile from 17 rows per expert on (GEMM_WGMMA_FROM)
+GEMM_DEFAULT = {16: (16, 1, 4, 64, 4, "sync"), 32: (32, 1, 4, 64, 4, "sync"), 64: (64, 1, 4, 128, 3, "sync"),
+                128: (128, 2, 4, 64, 3, "sync")}
+GEMM_FALLBACK = {(64, 1, 4, 128, 3, "sync"): (64, 1, 4, 64, 4, "sync")}
+GEMM_WGMMA = (128, 1, 4, 64, 4, "wgmma")
+GEMM_WGMMA_FROM = 16  # rows per expert past which the wgmma engine is the default where it runs
+Variant = tuple[int, int, int, int, int, str]
 
 
 @dataclass(frozen=True)
@@ -32,12 +38,13 @@ class GemmGeometry:
     wn: int  # warps along the weight rows, 32 each
     bk: int  # k per pipeline stage
     stages: int
+    mma: str  # "sync" (mma.sync) or "wgmma" (sm_90a)
 
     @classmethod
-    def of(cls, variant: tuple[int, int, int, int, int]) -> "GemmGeometry":
+    def of(cls, variant: Variant) -> "GemmGeometry":
         if tuple(variant) not in GEMM_VARIANTS:
             raise ValueError(f"grouped GEMM variant {tuple(variant)}: gemm_nvfp4.cu instantiates (rows, warp rows, "
-                             f"warp columns, k, stages) in {GEMM_VARIANTS}")
+                             f"warp columns, k, stages, mma) in {GEMM_VARIANTS}")
         return cls(*variant)
 
     @property
@@ -50,11 +57,11 @@ class GemmGeometry:
 
     @property
     def smem(self) -> int:  # dynamic shared memory: the stages (+ two bf16 weight tiles when tiled)
-        return gemm_smem_bytes(self.bm, self.wm, self.wn, self.bk, self.stages)
+        return gemm_smem_bytes(self.bm, self.wm, self.wn, self.bk, self.stages, self.mma)
 
     @property
     def suffix(self) -> str:
-        return f"m{self.bm}w{self.wn}k{self.bk}" if self.wm == 1 else f"m{self.bm}w{self.wm}x{self.wn}k{self.bk}"
+        return gemm_suffix(self.bm, self.wm, self.wn, self.bk, self.stages, self.mma)
 
     def tiles(self, slots: int, count: int) -> int:
         """Row tiles a launch must cover at most: every local expert's ceil(rows / BM), whatever the
@@ -62,18 +69,48 @@ class GemmGeometry:
         return cdiv(slots, self.bm) + min(count, slots)
 
 
-def gemm_variant(slots: int, num_experts: int, k: int) -> tuple[int, int, int, int, int]:
+def gemm_variant(slots: int, num_experts: int, k: int, wgmma: bool = False) -> Variant:
     """The variant for a call: the smallest BM that holds the rows an expert gets on average (slots
-    spread over all experts), so few-row widths do not pay for empty tile rows; a variant whose
-    stage does not divide the in width ``k`` gives way to its fallback."""
+    spread over all experts), so few-row widths do not pay for empty tile rows; where ``wgmma`` runs
+    (sm_90a), its 128-row tile past ``GEMM_WGMMA_FROM`` rows per expert. A variant whose stage does not
+    divide the in width ``k`` gives way to its fallback (the launch names the width if it has none)."""
     per_expert = slots / max(num_experts, 1)
+    if wgmma and per_expert > GEMM_WGMMA_FROM and k % GEMM_WGMMA[3] == 0:
+        return GEMM_WGMMA
     v = GEMM_DEFAULT[next((bm for bm in sorted(GEMM_DEFAULT) if per_expert <= bm), max(GEMM_DEFAULT))]
-    return v if k % v[3] == 0 else GEMM_FALLBACK[v]
+    return v if k % v[3] == 0 else GEMM_FALLBACK.get(v, v)
+
+
+def wgmma_here() -> bool:
+    """Whether this device runs the wgmma variants (gemm_nvfp4.cu built for sm_90a)."""
+    dev = current_device()
+    return (ARCH_SPECIFIC["gemm_nvfp4.cu"].get(compute_capability(dev)) == "sm_90a"
+            and arch_build("gemm_nvfp4.cu", dev) is not None)
+
+
+#: the tiled and wgmma engines address x with 32-bit element offsets
+X_OFFSET_LIMIT = 2 ** 32
+
+
+def _geometry(variant: Variant | None, x: Any, slots: int, num_experts: int, k: int, what: str) -> GemmGeometry:
+    """The call's variant: the one asked for, or ``gemm_variant``'s; an x too large for the tiled and
+    wgmma engines' 32-bit offsets takes the register engine (asked for: a clear error)."""
+    geo = GemmGeometry.of(variant or gemm_variant(slots, num_experts, k, wgmma_here()))
+    if (geo.wm > 1 or geo.mma == "wgmma") and x.size >= X_OFFSET_LIMIT:
+        if variant is not None:
+            raise ValueError(f"{what}: x has {x.size} elements; variant {geo.suffix} addresses it with 32-bit "
+                             f"offsets (fewer than {X_OFFSET_LIMIT}); split the call")
+        v = GEMM_DEFAULT[64]
+        geo = GemmGeometry.of(v if k % v[3] == 0 else GEMM_FALLBACK.get(v, v))
+    return geo
 
 
 def _gemm_checks(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                  k: int, out_SN: Any, n: int, geo: GemmGeometry, what: str) -> int:
     s = sorted_token_ids_S.size
+    if geo.mma == "wgmma" and not wgmma_here():
+        raise ValueError(f"{what}: variant {geo.suffix} needs wgmma (sm_90a, compute capability 9.0); this device "
+                         f"is {compute_capability(current_device())}")
     if k % geo.bk:
         raise ValueError(f"{what}: in width {k} is not a multiple of {geo.bk} (one grouped-GEMM stage)")
     if n % 8:
@@ -90,12 +127,12 @@ def _gemm_checks(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offs
 
 def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                       table: ExpertTable[Nvfp4Pointers], out_SN: Any,
-                      variant: tuple[int, int, int, int, int] | None = None) -> None:
+                      variant: Variant | None = None) -> None:
     """Every local expert's expert-sorted rows in ONE tensor-core launch: sorted row i of expert e
     reads ``x[sorted_token_ids[i]]`` (``gather_rows``) or ``x[i]``; rows of remote experts untouched.
     ``variant``: one of ``GEMM_VARIANTS`` (default: ``gemm_variant``'s)."""
     proj, start, count = table.weights, table.start, table.count
-    geo = GemmGeometry.of(variant or gemm_variant(sorted_token_ids_S.size, num_experts, proj.k))
+    geo = _geometry(variant, x, sorted_token_ids_S.size, num_experts, proj.k, "nvfp4_gemm_sorted")
     s = _gemm_checks(x, gather_rows, sorted_token_ids_S, expert_offsets, num_experts, proj.k, out_SN, proj.n, geo,
                      "nvfp4_gemm_sorted")
     if s == 0 or count == 0:
@@ -109,14 +146,14 @@ def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert
 
 def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                           experts: RoutedExperts[Nvfp4Pointers], limit: float, act_SN: Any,
-                          variant: tuple[int, int, int, int, int] | None = None) -> None:
+                          variant: Variant | None = None) -> None:
     """Gate, up and the clamped SwiGLU of every local expert's sorted rows in ONE launch (the token
     rows gathered through ``sorted_token_ids``); writes only ``act`` (gate and up stay in registers,
     each rounded to bf16 before the SwiGLU, as the separate ops round them)."""
     gate, up, start, count = experts.gate.weights, experts.up.weights, experts.start, experts.count
     if (gate.n, gate.k) != (up.n, up.k):
         raise ValueError(f"nvfp4_gemm_sorted_glu: gate [{gate.n}, {gate.k}] and up [{up.n}, {up.k}] differ")
-    geo = GemmGeometry.of(variant or gemm_variant(sorted_token_ids_S.size, num_experts, gate.k))
+    geo = _geometry(variant, x_TK, sorted_token_ids_S.size, num_experts, gate.k, "nvfp4_gemm_sorted_glu")
     s = _gemm_checks(x_TK, True, sorted_token_ids_S, expert_offsets, num_experts, gate.k, act_SN, gate.n, geo,
                      "nvfp4_gemm_sorted_glu")
     if s == 0 or count == 0:

@@ -17,7 +17,11 @@ current CuPy stream (the backend makes its own stream current around every op).
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
+import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,8 @@ import ml_dtypes
 import numpy as np
 
 from glm_ep.backend.base import Capabilities
+
+log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 
@@ -65,11 +71,13 @@ CAPABILITIES = Capabilities(max_row_group=UNION_MAX_ROWS, max_union_ids=UNION_MA
                             max_top_k=ROUTER_MAX_TOP_K, grouped_gemm=True, capture=True)
 
 # ---- the kernel variants and the shared-memory layouts the launches are sized by ----------------
-#: gemm_nvfp4.cu's GEMM_VARIANT (WM = 1) and GEMM_TILED (WM > 1) lines: (rows per tile BM, warps along the
-#: rows WM, warps of 32 weight rows along the columns WN, k per stage BK, stages)
-GEMM_VARIANTS = ((16, 1, 4, 64, 4), (32, 1, 4, 64, 4), (64, 1, 4, 64, 4), (64, 1, 8, 64, 4), (64, 1, 4, 128, 3),
-                 (64, 1, 8, 128, 3), (128, 1, 4, 64, 3), (128, 1, 8, 64, 3),
-                 (64, 2, 4, 64, 3), (128, 2, 4, 64, 3), (128, 4, 4, 64, 3), (128, 2, 8, 64, 3))
+#: gemm_nvfp4.cu's GEMM_VARIANT (WM = 1), GEMM_TILED (WM > 1) and GEMM_WGMMA lines: (rows per tile BM, warps
+#: along the rows WM, warps of 32 weight rows along the columns WN, k per stage BK, stages, the mma: "sync"
+#: (mma.sync, every arch) or "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
+GEMM_VARIANTS = ((16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4, 64, 4, "sync"),
+                 (64, 1, 8, 64, 4, "sync"), (64, 1, 4, 128, 3, "sync"), (64, 1, 8, 128, 3, "sync"),
+                 (128, 1, 4, 64, 3, "sync"), (128, 1, 8, 64, 3, "sync"),
+                 (64, 2, 4, 64, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))
 #: gemv_nvfp4_ring.cu's RING_ENTRIES lines: (steps of 128 k per slab T, ring depth D)
 RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
 #: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x rows a union stage holds (a group's rows rounded up)
@@ -83,11 +91,21 @@ def gemm_stage_bytes(bm: int, bn: int, bk: int) -> int:
     return bm * bk * 2 + bn * bk // 2 + bn * bk // 16
 
 
-def gemm_smem_bytes(bm: int, wm: int, wn: int, bk: int, stages: int) -> int:
-    """A variant's dynamic shared memory: its stages, and for the tiled engine (WM > 1) two bf16
-    weight tiles (the dequantized stage and the next)."""
+def gemm_smem_bytes(bm: int, wm: int, wn: int, bk: int, stages: int, mma: str = "sync") -> int:
+    """A variant's dynamic shared memory: its stages, and for the tiled engine (WM > 1) two bf16 weight
+    tiles (the dequantized stage and the next). The wgmma engine: ``stages`` slots of x rows, one fewer
+    of packed weights, the two bf16 tiles, and 1024 bytes to align them."""
     bn = 32 * wn
+    if mma == "wgmma":
+        return stages * bm * bk * 2 + (stages - 1) * (gemm_stage_bytes(0, bn, bk)) + 2 * bn * bk * 2 + 1024
     return stages * gemm_stage_bytes(bm, bn, bk) + (2 * bn * bk * 2 if wm > 1 else 0)
+
+
+def gemm_suffix(bm: int, wm: int, wn: int, bk: int, stages: int, mma: str = "sync") -> str:
+    """The entry-point suffix of a variant (``nvfp4_gemm_sorted[_glu]_{suffix}``)."""
+    if mma == "wgmma":
+        return f"m{bm}wgk{bk}"
+    return f"m{bm}w{wn}k{bk}" if wm == 1 else f"m{bm}w{wm}x{wn}k{bk}"
 
 
 def ring_stage_bytes(p: int, t: int, rows: int = 1) -> int:
@@ -97,10 +115,10 @@ def ring_stage_bytes(p: int, t: int, rows: int = 1) -> int:
 
 
 def layout_defines() -> dict[str, int]:
-    """The dynamic shared memory of every grouped-GEMM variant (``GEMM_SMEM_M{BM}W{WM}X{WN}K{BK}``) and
+    """The dynamic shared memory of every grouped-GEMM variant (``GEMM_SMEM_`` + its upper-case suffix) and
     the bytes of every ring stage (``RING_STAGE_BYTES_P{P}_T{T}``, union ones ``..._R{R}``), as the
     wrappers compute them."""
-    out = {f"GEMM_SMEM_M{v[0]}W{v[1]}X{v[2]}K{v[3]}": gemm_smem_bytes(*v) for v in GEMM_VARIANTS}
+    out = {f"GEMM_SMEM_{gemm_suffix(*v).upper()}": gemm_smem_bytes(*v) for v in GEMM_VARIANTS}
     for t in sorted({t for t, _ in RING_KERNELS}):
         out.update({f"RING_STAGE_BYTES_P{p}_T{t}": ring_stage_bytes(p, t) for p in (1, 2)})
     for t in sorted({t for t, _ in UNION_RING_KERNELS}):
@@ -143,12 +161,71 @@ def kernel_source(name: str) -> str:
 
 
 # ---- loading and launching ------------------------------------------------------------------------
+#: files built for an arch-specific target on a device of that compute capability (wgmma needs sm_90a)
+ARCH_SPECIFIC = {"gemm_nvfp4.cu": {(9, 0): "sm_90a"}}
+
+
 @functools.cache
 def _module(name: str, device: int) -> Any:
     import cupy
 
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=kernel_source(name), options=define_options())  # C++17: CuPy's default
+        cubin = arch_build(name, device)
+        if cubin is None:
+            return cupy.RawModule(code=kernel_source(name), options=define_options())  # C++17: CuPy's default
+        return cupy.RawModule(path=str(cubin))
+
+
+@functools.cache
+def arch_build(name: str, device: int) -> Path | None:
+    """The arch-specific build of ``name`` for ``device`` (``ARCH_SPECIFIC``), or None where the file
+    has none for this device or NVRTC cannot build it (then the plain build serves and the
+    arch-specific kernels are not offered: a warning says why)."""
+    target = ARCH_SPECIFIC.get(name, {}).get(compute_capability(device))
+    if target is None:
+        return None
+    try:
+        return _arch_cubin(name, target)
+    except RuntimeError as e:
+        log.warning("%s; building it for the plain arch instead, without its %s kernels", e, target)
+        return None
+
+
+def _arch_cubin(name: str, target: str) -> Path:
+    """``name`` built by NVRTC for ``target`` (CuPy builds for the plain arch only), with the options
+    CuPy would add; cached in CuPy's kernel cache directory, keyed by source, options and NVRTC."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    src = kernel_source(name)
+    opts = (*define_options(), "-std=c++17", "-ftz=true", f"-arch={target}")
+    key = hashlib.sha256(repr((src, opts, nvrtc.getVersion())).encode()).hexdigest()[:32]
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))  # CuPy's own default
+    path = cache / f"glm_ep_{Path(name).stem}_{target}_{key}.cubin"
+    if path.exists():
+        return path
+    prog = nvrtc.createProgram(src, name, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"{name}: NVRTC failed for {target}:\n{nvrtc.getProgramLog(prog)}") from e
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    with os.fdopen(fd, "wb") as f:
+        f.write(cubin)
+    os.replace(tmp, path)  # atomic: ranks or threads building at once each publish a whole file
+    return path
+
+
+@functools.cache
+def compute_capability(device: int) -> tuple[int, int]:
+    import cupy
+
+    cc = cupy.cuda.Device(device).compute_capability  # "90", "121"
+    return int(cc[:-1]), int(cc[-1])
 
 
 @functools.cache
