@@ -56,7 +56,7 @@ class GemmGeometry:
         return 32 * self.wm * self.wn
 
     @property
-    def smem(self) -> int:  # dynamic shared memory: the stages (+ two bf16 weight tiles when tiled)
+    def smem(self) -> int:  # dynamic shared memory (loader.gemm_smem_bytes: stages, bf16 tiles, alignment)
         return gemm_smem_bytes(self.bm, self.wm, self.wn, self.bk, self.stages, self.mma)
 
     @property
