@@ -197,7 +197,9 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
         lines.append(f"| {r['rows']} | {r['sort_us']:.1f} | {r['glu_us']:.1f} | {r['down_us']:.1f} | "
                      f"{r['gemm_tflops']:.0f} | {_f(gm)} | {_f(gm_tflops, '{:.0f}')} |")
     names = list(w[0]["variants"]) if w else []
-    lines += ["", "## Grouped-GEMM variants (m: rows per tile, w: warps, k: k per stage): gate+up+SwiGLU / down µs",
+    lines += ["", "## Grouped-GEMM variants: gate+up+SwiGLU / down µs", "",
+              "m: rows per tile; w: warps of 32 weight rows, each on all rows (register engine), or WM x WN "
+              "(tiled engine); wg: one warpgroup's wgmma (sm_90a); k: k per stage.",
               "",
               "| rows | chosen | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
     for r in w:
