@@ -216,12 +216,6 @@ struct Gemm {
             const bool hi = tid >= BN / 2;
             ssrc = rn < (hi ? n_valid[1] : n_valid[0]) ? (hi ? sbase[1] : sbase[0]) + (size_t)rn * (K >> 4) : nullptr;
         }
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int j = 0; j < GEMM_NT; ++j)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
         const int kblocks = K / BK;
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
@@ -263,12 +257,11 @@ struct TileCopies {
     static constexpr int CH = BK / 8, ROW = 2 * BK;   // 16-byte chunks and bytes of an x row / a bf16 weight row
     static constexpr int XC = BM * CH / THREADS;       // x copies per thread and stage
     static constexpr int PIECES = BN * BK / 32;        // 16-byte weight pieces per stage
-    static constexpr int WP = (PIECES + THREADS - 1) / THREADS;  // ... per thread
+    static constexpr int WP = PIECES / THREADS;        // ... per thread
     // a stage: x rows, then the packed weights (unswizzled), then the scales; then the two bf16 tiles
     static constexpr int X_BYTES = BM * ROW, W_BYTES = BN * BK / 2, STAGE = X_BYTES + W_BYTES + BN * BK / 16;
     static constexpr int DEQ = BN * ROW;
-    static_assert(XC * THREADS == BM * CH && (PIECES % THREADS == 0 || PIECES < THREADS),
-                  "copies and pieces split evenly");
+    static_assert(XC * THREADS == BM * CH && WP >= 1 && WP * THREADS == PIECES, "copies and pieces split evenly");
     static_assert(CH >= 8 && (THREADS / CH) % 8 == 0, "the swizzle needs 8 chunks a row; a thread's x copies "
                   "share one swizzle");
     static_assert(BN <= THREADS, "one scale row a thread");
@@ -298,7 +291,6 @@ struct TileCopies {
         }
 #pragma unroll
         for (int i = 0; i < WP; ++i) {
-            if (PIECES % THREADS && tid + i * THREADS >= PIECES) break;
             cp_async16_zfill(wst + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
             wsrc[i] += BK / 2;
         }
@@ -323,7 +315,6 @@ struct TileCopies {
 #pragma unroll
         for (int i = 0; i < WP; ++i) {
             const int c = threadIdx.x + i * THREADS, n = c / (BK / 32), h = c % (BK / 32);
-            if (PIECES % THREADS && c >= PIECES) break;
             const uint4 q = *reinterpret_cast<const uint4*>(w + 16 * c);
             const unsigned sw = *reinterpret_cast<const unsigned short*>(w + W_BYTES + n * (BK / 16) + 2 * h);
             const unsigned s0 = scale_pair(sw & 0xffu), s1 = scale_pair(sw >> 8);
@@ -412,12 +403,6 @@ struct GemmTiled : TileCopies<16 * MT * WM, 32 * WN, BK, 32 * WM * WN> {
 #pragma unroll
         for (int p = 0; p < GEMM_NT / 2; ++p)
             b_off[p] = (wr[2 * p] + (lane & 7) + ((lane >> 4) << 3)) * ROW + 16 * (((lane >> 3) & 1) ^ (lane & 7));
-#pragma unroll
-        for (int i = 0; i < MT; ++i)
-#pragma unroll
-            for (int j = 0; j < GEMM_NT; ++j)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) acc[i][j][c] = 0.0f;
         const unsigned smem = smem_u32(dyn_smem), deq = smem + STAGES * STAGE;
         const int kblocks = K / BK;
 #pragma unroll
@@ -535,8 +520,6 @@ struct GemmWg : TileCopies<128, 128, BK, 128> {
         this->sources(x, token_ids, tile, wbase, sbase, n_valid, K);
         float(&d0)[64] = reinterpret_cast<float(&)[64]>(acc[0]);  // x rows 0 .. 63
         float(&d1)[64] = reinterpret_cast<float(&)[64]>(acc[1]);  // x rows 64 .. 127
-#pragma unroll
-        for (int i = 0; i < 64; ++i) d0[i] = d1[i] = 0.0f;
         const unsigned raw = smem_u32(dyn_smem), pad = ((raw + 1023u) & ~1023u) - raw;
         unsigned char* base = dyn_smem + pad;
         const unsigned smem = raw + pad, dq = smem + XS * X_BYTES, ws = dq + 2 * DEQ;
@@ -598,7 +581,7 @@ __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const 
     int wr[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) wr[j] = 8 * NT * wn + 8 * j;
-    float acc[MT][NT][4];
+    float acc[MT][NT][4] = {};  // the engines add to it
     G gemm;
     gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, m0, acc);
     const float f = scale2[tile.e] * 256.0f;
@@ -644,7 +627,7 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
     int wr[NT];  // n8 tiles [0, NH): gate rows; [NH, NT): the same up rows
 #pragma unroll
     for (int j = 0; j < NT; ++j) wr[j] = (j / NH) * half + 8 * NH * wn + 8 * (j % NH);
-    float acc[MT][NT][4];
+    float acc[MT][NT][4] = {};  // the engines add to it
     G gemm;
     gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, m0, acc);
     const float fg = gate_scale2[tile.e] * 256.0f, fu = up_scale2[tile.e] * 256.0f;
