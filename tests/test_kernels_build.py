@@ -141,6 +141,21 @@ def test_gemm_large_x_takes_the_register_engine(monkeypatch):
         grouped._geometry((128, 2, 4, 64, 3, "sync"), X(), 4096 * 8, 288, 4096, "t")
 
 
+def test_wgmma_variant_refused_where_it_does_not_run(monkeypatch):
+    """Asking for the wgmma variant on a device without sm_90a names the variant and the device;
+    the default never offers it there."""
+    monkeypatch.setattr(grouped, "wgmma_here", lambda: False)
+    monkeypatch.setattr(grouped, "current_device", lambda: 0)
+    monkeypatch.setattr(grouped, "compute_capability", lambda device: (12, 1))
+
+    class X:
+        size = 4096 * 4096
+
+    with pytest.raises(ValueError, match=r"m128wgk64 needs wgmma .*\(12, 1\)"):
+        grouped._geometry(grouped.GEMM_WGMMA, X(), 4096 * 8, 288, 4096, "t")
+    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "sync"
+
+
 def test_arch_build_falls_back_to_the_plain_build(monkeypatch, caplog):
     """Where NVRTC cannot build gemm_nvfp4.cu for sm_90a, the plain build serves (no wgmma kernels
     offered) and a warning says why; files without an arch-specific build never try one."""

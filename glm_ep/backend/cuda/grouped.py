@@ -93,9 +93,13 @@ X_OFFSET_LIMIT = 2 ** 32
 
 
 def _geometry(variant: Variant | None, x: Any, slots: int, num_experts: int, k: int, what: str) -> GemmGeometry:
-    """The call's variant: the one asked for, or ``gemm_variant``'s; an x too large for the tiled and
-    wgmma engines' 32-bit offsets takes the register engine (asked for: a clear error)."""
+    """The call's variant: the one asked for (a wgmma one only where it runs), or ``gemm_variant``'s; an
+    x too large for the tiled and wgmma engines' 32-bit offsets takes the register engine (asked for: a
+    clear error)."""
     geo = GemmGeometry.of(variant or gemm_variant(slots, num_experts, k, wgmma_here()))
+    if variant is not None and geo.mma == "wgmma" and not wgmma_here():  # gemm_variant offers it only where it runs
+        raise ValueError(f"{what}: variant {geo.suffix} needs wgmma (sm_90a, compute capability 9.0); this device "
+                         f"is {compute_capability(current_device())}")
     if (geo.wm > 1 or geo.mma == "wgmma") and x.size >= X_OFFSET_LIMIT:
         if variant is not None:
             raise ValueError(f"{what}: x has {x.size} elements; variant {geo.suffix} addresses it with 32-bit "
@@ -108,9 +112,6 @@ def _geometry(variant: Variant | None, x: Any, slots: int, num_experts: int, k: 
 def _gemm_checks(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                  k: int, out_SN: Any, n: int, geo: GemmGeometry, what: str) -> int:
     s = sorted_token_ids_S.size
-    if geo.mma == "wgmma" and not wgmma_here():
-        raise ValueError(f"{what}: variant {geo.suffix} needs wgmma (sm_90a, compute capability 9.0); this device "
-                         f"is {compute_capability(current_device())}")
     if k % geo.bk:
         raise ValueError(f"{what}: in width {k} is not a multiple of {geo.bk} (one grouped-GEMM stage)")
     if n % 8:
