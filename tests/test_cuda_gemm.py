@@ -9,6 +9,8 @@ held bit-exact on one-hot rows over every nibble and E4M3 scale byte (zero and s
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -155,6 +157,34 @@ def runs_here(variant) -> None:
         pytest.skip("the wgmma engine runs on sm_90a only")
 
 
+def check_variant(variant, x, a, cu, nu, route, what):
+    """``variant``'s gate + up + SwiGLU on token rows ``x`` and its down projection on sorted rows
+    ``a`` (None: NumPy's act), each against NumPy into poisoned outputs."""
+    srt, tok, offsets, local = route
+    s, m, h = srt.sorted_token_ids.size, cu.gate.weights.n, cu.down.weights.n
+    gate, up, act_ref = (np.zeros((s, m), BF16) for _ in range(3))
+    NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
+    act = poisoned((s, m), BF16)
+    with backend().stream:
+        grouped.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu, 2.0, act, variant=variant)
+    check_rows(host(act), act_ref, local, f"glu {what}")
+    a = act_ref if a is None else a
+    ref = np.zeros((s, h), BF16)
+    NP.moe_gemm_sorted(a, nu.down, srt.sorted_token_ids, srt.expert_offsets, ref, False)
+    out = poisoned((s, h), BF16)
+    with backend().stream:
+        grouped.nvfp4_gemm_sorted(dev(a), False, tok, offsets, E, cu.down, out, variant=variant)
+    check_rows(host(out), ref, local, f"down {what}")
+
+
+def ragged_route(rng, start, count):
+    """Ragged routing (``ragged_ids``) sorted on both sides, and which sorted rows are local."""
+    ids = ragged_ids(rng)
+    srt, tok, offsets = sorted_route(ids)
+    local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
+    return ids.shape[0], (srt, tok, offsets, local)
+
+
 @pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
 def test_gemm_variants(rng, variant):
     """Every (rows per tile, warps) variant, whatever width would pick it: gate/up/SwiGLU fused and
@@ -162,23 +192,8 @@ def test_gemm_variants(rng, variant):
     runs_here(variant)
     start, count = 4, 24
     cu, nu = both(weights(rng, start=start, count=count))
-    ids = ragged_ids(rng)
-    t, s = ids.shape[0], ids.size
-    srt, tok, offsets = sorted_route(ids)
-    local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
-    x = rand_bf16(rng, (t, H), 4.0)
-    gate, up, act_ref = (np.zeros((s, M), BF16) for _ in range(3))
-    NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
-    act = poisoned((s, M), BF16)
-    with backend().stream:
-        grouped.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu, 2.0, act, variant=variant)
-    check_rows(host(act), act_ref, local, f"glu {variant}")
-    ref = np.zeros((s, H), BF16)
-    NP.moe_gemm_sorted(act_ref, nu.down, srt.sorted_token_ids, srt.expert_offsets, ref, False)
-    out = poisoned((s, H), BF16)
-    with backend().stream:
-        grouped.nvfp4_gemm_sorted(dev(act_ref), False, tok, offsets, E, cu.down, out, variant=variant)
-    check_rows(host(out), ref, local, f"down {variant}")
+    t, route = ragged_route(rng, start, count)
+    check_variant(variant, rand_bf16(rng, (t, H), 4.0), None, cu, nu, route, str(variant))
 
 
 @pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
@@ -191,23 +206,10 @@ def test_gemm_variants_partial_tiles(rng, variant):
     h, start, count = 192, 2, 28
     if h % geo.bk:
         pytest.skip(f"{geo.suffix}: a stage of {geo.bk} k does not divide {h}")
-    ids = ragged_ids(rng)
-    t, s = ids.shape[0], ids.size
-    srt, tok, offsets = sorted_route(ids)
-    local = (srt.sorted_expert_ids >= start) & (srt.sorted_expert_ids < start + count)
+    t, route = ragged_route(rng, start, count)
+    s = t * TOP_K
     cu, nu = both(weights(rng, h=h, m=224, start=start, count=count))  # gate/up: N = 224, K = 192
-    x = rand_bf16(rng, (t, h), 4.0)
-    gate, up, act_ref = (np.zeros((s, 224), BF16) for _ in range(3))
-    NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
-    act = poisoned((s, 224), BF16)
-    with backend().stream:
-        grouped.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu, 2.0, act, variant=variant)
-    check_rows(host(act), act_ref, local, f"glu {geo.suffix}, N 224, K 192")
-    cu, nu = both(weights(rng, h=h, m=64, start=start, count=count))  # down: N = 192, K = 64
-    a = rand_bf16(rng, (s, 64))
-    ref = np.zeros((s, h), BF16)
-    NP.moe_gemm_sorted(a, nu.down, srt.sorted_token_ids, srt.expert_offsets, ref, False)
-    out = poisoned((s, h), BF16)
-    with backend().stream:
-        grouped.nvfp4_gemm_sorted(dev(a), False, tok, offsets, E, cu.down, out, variant=variant)
-    check_rows(host(out), ref, local, f"down {geo.suffix}, N 192, K 64")
+    cu64, nu64 = both(weights(rng, h=h, m=64, start=start, count=count))  # down: N = 192, K = 64
+    cu, nu = replace(cu, down=cu64.down), replace(nu, down=nu64.down)
+    check_variant(variant, rand_bf16(rng, (t, h), 4.0), rand_bf16(rng, (s, 64)), cu, nu, route,
+                  f"{geo.suffix}, gate/up N 224 K 192, down N 192 K 64")
