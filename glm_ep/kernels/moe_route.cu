@@ -38,65 +38,88 @@ moe_union_table(const int* __restrict__ ids, int* __restrict__ u_eid, int* __res
     if (last) u_slot[u * R + r] = i % K;
 }
 
-// A stable counting sort in ONE block of SORT_THREADS threads. Dynamic shared memory: the E running
-// positions, then a [warps][E] table. Histogram (shared atomics), exclusive scan, then the S flat
-// slots placed SORT_THREADS at a time: a slot's position is its expert's running position, plus the
-// counts of that expert in the chunk's earlier warps (a prefix over the table), plus its rank among
-// the equal ids of its own warp (match_any), which is flat order, so the sort is stable. Ids outside
-// [0, E) are not placed (the router never writes one).
-extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+// A stable counting sort in ONE block of SORT_THREADS threads (W warps). Warp w owns the contiguous
+// segment w of the S flat slots (whole 32-slot steps) and walks it twice in flat order. Dynamic shared
+// memory: the E expert starts, then a [W][E] table. Pass 1 counts each expert in each segment (per step,
+// the lowest lane of each group of equal ids, found by match_any, adds the group's size to its warp's
+// row: no atomics, no other warp's row); one thread an expert turns its column into the exclusive prefix
+// over the segments, and a block scan of the column totals gives the expert starts. Pass 2 places each
+// slot at its expert's start + its segment's prefix + its rank among the equal ids of its step, the
+// group's lowest lane moving the prefix on: flat order within a segment and across them, so the sort is
+// stable. The expert ids of the sorted slots are then written range by range (coalesced; one SM's
+// scattered stores are what the sort costs). Ids outside [0, E) are not placed (the router never
+// writes one).
+extern "C" __global__ void __launch_bounds__(SORT_THREADS, 1)
 moe_sort_by_expert(const int* __restrict__ ids, int S, int K, int E, int* __restrict__ sorted_token_ids,
                    int* __restrict__ sorted_expert_ids, int* __restrict__ expert_offsets,
                    int* __restrict__ token_to_perm) {
     constexpr int W = SORT_THREADS / 32;
-    int* run = (int*)dyn_smem;  // [E]
-    int* table = run + E;       // [W][E]
+    int* start = (int*)dyn_smem;  // [E]
+    int* table = start + E;       // [W][E]
+    __shared__ int warp_sum[W];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    for (int j = tid; j < E; j += SORT_THREADS) run[j] = 0;
+    const unsigned below = (1u << lane) - 1u;
+    const int seg = (S + 32 * W - 1) / (32 * W) * 32, lo = warp * seg, hi = min(S, lo + seg);
+    int* row = table + warp * E;
     for (int j = tid; j < W * E; j += SORT_THREADS) table[j] = 0;
     __syncthreads();
-    for (int i = tid; i < S; i += SORT_THREADS) {
-        const int e = ids[i];
-        if (e >= 0 && e < E) atomicAdd(&run[e], 1);
-    }
-    __syncthreads();
-    if (tid == 0) {
-        int acc = 0;
-        for (int e = 0; e < E; ++e) {
-            const int c = run[e];
-            expert_offsets[e] = acc;
-            run[e] = acc;
-            acc += c;
-        }
-        expert_offsets[E] = acc;
-    }
-    __syncthreads();
-    const unsigned below = (1u << lane) - 1u;
-    for (int base = 0; base < S; base += SORT_THREADS) {
-        const int i = base + tid;
-        int e = i < S ? ids[i] : -1;
+    for (int base = lo; base < hi; base += 32) {  // pass 1: the segment's counts
+        const int i = base + lane;
+        int e = i < hi ? ids[i] : -1;
         if (e >= E) e = -1;
         const unsigned peers = __match_any_sync(0xffffffffu, e);
-        if (e >= 0 && lane == __ffs(peers) - 1) table[warp * E + e] = __popc(peers);
-        __syncthreads();
-        for (int x = tid; x < E; x += SORT_THREADS) {  // table[w][x] <- position of warp w's first x
-            int acc = run[x];
-            for (int w = 0; w < W; ++w) {
-                const int c = table[w * E + x];
-                table[w * E + x] = acc;
-                acc += c;
-            }
-            run[x] = acc;
+        if (e >= 0 && lane == __ffs(peers) - 1) row[e] += __popc(peers);
+        __syncwarp();
+    }
+    __syncthreads();
+    for (int x = tid; x < E; x += SORT_THREADS) {  // table[w][x] <- x's slots in segments before w
+        int acc = 0;
+        for (int w = 0; w < W; ++w) {
+            const int c = table[w * E + x];
+            table[w * E + x] = acc;
+            acc += c;
         }
+        start[x] = acc;  // x's total, scanned below
+    }
+    __syncthreads();
+    int carry = 0;  // the exclusive scan of the totals, SORT_THREADS experts at a time
+    for (int x0 = 0; x0 < E; x0 += SORT_THREADS) {
+        const int x = x0 + tid, v = x < E ? start[x] : 0;
+        int incl = v;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int u = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += u;
+        }
+        if (lane == 31) warp_sum[warp] = incl;
         __syncthreads();
+        int before = carry;
+        for (int w = 0; w < warp; ++w) before += warp_sum[w];
+        if (x < E) {
+            start[x] = before + incl - v;
+            expert_offsets[x] = before + incl - v;
+        }
+        for (int w = 0; w < W; ++w) carry += warp_sum[w];
+        __syncthreads();
+    }
+    if (tid == 0) expert_offsets[E] = carry;
+    for (int base = lo; base < hi; base += 32) {  // pass 2: place the segment's slots
+        const int i = base + lane;
+        int e = i < hi ? ids[i] : -1;
+        if (e >= E) e = -1;
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        const int before = e >= 0 ? row[e] : 0;
+        __syncwarp();
         if (e >= 0) {
-            const int p = table[warp * E + e] + __popc(peers & below);
+            const int p = start[e] + before + __popc(peers & below);
             sorted_token_ids[p] = i / K;
-            sorted_expert_ids[p] = e;
             token_to_perm[i] = p;
+            if (lane == __ffs(peers) - 1) row[e] = before + __popc(peers);
         }
-        __syncthreads();
-        for (int j = tid; j < W * E; j += SORT_THREADS) table[j] = 0;
-        __syncthreads();
+        __syncwarp();
+    }
+    for (int x = warp; x < E; x += W) {  // sorted_expert_ids: each expert's range, a warp's coalesced stores
+        const int end = x + 1 < E ? start[x + 1] : carry;
+        for (int p = start[x] + lane; p < end; p += 32) sorted_expert_ids[p] = x;
     }
 }
