@@ -104,9 +104,14 @@ def test_gemm_sorted_glu(rng, start, count):
     check_rows(host(act), ref, local, "grouped gate + up + SwiGLU")
 
 
-def test_gemm_dequant_bit_exact(rng):
+@pytest.mark.parametrize("variant", [None, *grouped.GEMM_VARIANTS],
+                         ids=lambda v: "default" if v is None else grouped.GemmGeometry.of(v).suffix)
+def test_gemm_dequant_bit_exact(rng, variant):
     """One-hot rows pick single weights: out[i, n] must equal the NumPy dequantization of w[n, i]
-    rounded to bf16, bit for bit, over all 16 nibbles and all non-NaN E4M3 scale bytes."""
+    rounded to bf16, bit for bit, over all 16 nibbles and all non-NaN E4M3 scale bytes; through the
+    default launch and every variant (the engines dequantize on paths of their own)."""
+    if variant is not None:
+        runs_here(variant)
     n, k = 128, 256
     packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
     scale = rng.choice(np.setdiff1d(np.arange(256), [0x7F, 0xFF]), (n, k // 16)).astype(np.uint8)
@@ -120,7 +125,11 @@ def test_gemm_dequant_bit_exact(rng):
     ref = np.zeros((k, n), BF16)
     NP.moe_gemm_sorted(x, nu.gate, tok, offsets, ref, False)
     out = poisoned((k, n), BF16)
-    backend().moe_gemm_sorted(dev(x), cu.gate, dev(tok), dev(offsets), out, False)
+    if variant is None:
+        backend().moe_gemm_sorted(dev(x), cu.gate, dev(tok), dev(offsets), out, False)
+    else:
+        with backend().stream:
+            grouped.nvfp4_gemm_sorted(dev(x), False, dev(tok), dev(offsets), 1, cu.gate, out, variant=variant)
     got = host(out)
     assert_written(got, "one-hot rows")
     bad = got.view(np.uint16) != ref.view(np.uint16)

@@ -212,16 +212,21 @@ def test_moe_decode_glm_shape(rng):
     assert_close(got[[0, 2]], ref_down[[0, 2]], "glm-shape down")
 
 
-@pytest.mark.parametrize("t", [1, 37, 700, 4096])
-def test_sort_by_expert(rng, t):
-    """Stable and exact at every width: one chunk of slots, several, and a ragged last chunk."""
-    ids = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(t)]).astype(np.int32)
+@pytest.mark.parametrize("t,e", [(1, E), (37, E), (700, E), (4096, E), (37, 33), (700, 1500), (4097, 257)])
+def test_sort_by_expert(rng, t, e):
+    """Stable and exact at every width: one warp's segment of slots, several, ragged ends; expert
+    counts that are not a multiple of 32 or span two 1024-wide scan chunks (then a row may name an
+    expert twice)."""
+    if e == E:
+        ids = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(t)]).astype(np.int32)
+    else:
+        ids = rng.integers(0, e, (t, TOP_K), dtype=np.int32)
     ids[: t // 2, 0] = 5  # one expert far more popular than the rest
-    ref = routing.sort_by_expert(ids, E)
+    ref = routing.sort_by_expert(ids, e)
     s = t * TOP_K
-    bufs = [poisoned((s,), np.int32), poisoned((s,), np.int32), poisoned((E + 1,), np.int32),
+    bufs = [poisoned((s,), np.int32), poisoned((s,), np.int32), poisoned((e + 1,), np.int32),
             poisoned((t, TOP_K), np.int32)]
-    backend().sort_by_expert(dev(ids), E, *bufs)
+    backend().sort_by_expert(dev(ids), e, *bufs)
     for got, want, name in zip(bufs, (ref.sorted_token_ids, ref.sorted_expert_ids, ref.expert_offsets,
                                       ref.token_to_perm),
                                ("sorted_token_ids", "sorted_expert_ids", "expert_offsets", "token_to_perm")):
