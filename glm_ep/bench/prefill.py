@@ -110,7 +110,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["gemm_tflops"] = 6 * s * m * h / ((r["glu_us"] + r["down_us"]) * 1e-6) / 1e12
         r["variants"] = {}
         for v in NV.GEMM_VARIANTS:  # every tile shape on this width: the evidence for gemm_variant
-            if NV.GemmGeometry.of(v).mma == "wgmma" and not NV.wgmma_here():
+            if not NV.runs_here(v):
                 continue
             with stream:
                 glu = t(lambda: NV.nvfp4_gemm_sorted_glu(x, tok, offsets, model.n_routed_experts, moe.experts,

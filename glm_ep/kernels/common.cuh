@@ -62,6 +62,17 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// The inclusive prefix sum of v over lanes 0 .. lane (all 32 lanes take part).
+__device__ __forceinline__ int warp_inclusive_sum(int v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
+    }
+    return v;
+}
+
 // The clamped asymmetric SwiGLU of one element, on bf16 inputs: silu(min(g, L)) * clamp(u, -L, L)
 // in fp32, rounded once to bf16. NaN inputs propagate (the comparisons keep them).
 __device__ __forceinline__ bf16_t swiglu_one(float g, float u, float limit) {

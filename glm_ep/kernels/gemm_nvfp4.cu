@@ -86,13 +86,7 @@ __device__ __forceinline__ RowTile find_tile(const int* offsets, int start, int 
                 lo = offsets[start + e];
                 rows = offsets[start + e + 1] - lo;
             }
-            const int n = (rows + BM - 1) / BM;
-            int incl = n;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(0xffffffffu, incl, o);
-                if (lane >= o) incl += v;
-            }
+            const int n = (rows + BM - 1) / BM, incl = warp_inclusive_sum(n);
             const int first = before + incl - n;
             if (tile >= first && tile < first + n) {
                 const int r0 = (tile - first) * BM;

@@ -56,17 +56,19 @@ moe_sort_by_expert(const int* __restrict__ ids, int S, int K, int E, int* __rest
     constexpr int W = SORT_THREADS / 32;
     int* start = (int*)dyn_smem;  // [E]
     int* table = start + E;       // [W][E]
-    __shared__ int warp_sum[W];
+    __shared__ int warp_total[W];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const unsigned below = (1u << lane) - 1u;
     const int seg = (S + 32 * W - 1) / (32 * W) * 32, lo = warp * seg, hi = min(S, lo + seg);
     int* row = table + warp * E;
+    auto id_at = [&](int i) {  // slot i's expert; -1 past the segment or outside [0, E)
+        const int e = i < hi ? ids[i] : -1;
+        return e < E ? e : -1;
+    };
     for (int j = tid; j < W * E; j += SORT_THREADS) table[j] = 0;
     __syncthreads();
     for (int base = lo; base < hi; base += 32) {  // pass 1: the segment's counts
-        const int i = base + lane;
-        int e = i < hi ? ids[i] : -1;
-        if (e >= E) e = -1;
+        const int e = id_at(base + lane);
         const unsigned peers = __match_any_sync(0xffffffffu, e);
         if (e >= 0 && lane == __ffs(peers) - 1) row[e] += __popc(peers);
         __syncwarp();
@@ -84,29 +86,21 @@ moe_sort_by_expert(const int* __restrict__ ids, int S, int K, int E, int* __rest
     __syncthreads();
     int carry = 0;  // the exclusive scan of the totals, SORT_THREADS experts at a time
     for (int x0 = 0; x0 < E; x0 += SORT_THREADS) {
-        const int x = x0 + tid, v = x < E ? start[x] : 0;
-        int incl = v;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int u = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += u;
-        }
-        if (lane == 31) warp_sum[warp] = incl;
+        const int x = x0 + tid, v = x < E ? start[x] : 0, incl = warp_inclusive_sum(v);
+        if (lane == 31) warp_total[warp] = incl;
         __syncthreads();
         int before = carry;
-        for (int w = 0; w < warp; ++w) before += warp_sum[w];
+        for (int w = 0; w < warp; ++w) before += warp_total[w];
         if (x < E) {
             start[x] = before + incl - v;
             expert_offsets[x] = before + incl - v;
         }
-        for (int w = 0; w < W; ++w) carry += warp_sum[w];
+        for (int w = 0; w < W; ++w) carry += warp_total[w];
         __syncthreads();
     }
     if (tid == 0) expert_offsets[E] = carry;
     for (int base = lo; base < hi; base += 32) {  // pass 2: place the segment's slots
-        const int i = base + lane;
-        int e = i < hi ? ids[i] : -1;
-        if (e >= E) e = -1;
+        const int i = base + lane, e = id_at(i);
         const unsigned peers = __match_any_sync(0xffffffffu, e);
         const int before = e >= 0 ? row[e] : 0;
         __syncwarp();

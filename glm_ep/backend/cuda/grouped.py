@@ -77,7 +77,12 @@ def gemm_variant(slots: int, num_experts: int, k: int, wgmma: bool = False) -> V
     per_expert = slots / max(num_experts, 1)
     if wgmma and per_expert > GEMM_WGMMA_FROM and k % GEMM_WGMMA[3] == 0:
         return GEMM_WGMMA
-    v = GEMM_DEFAULT[next((bm for bm in sorted(GEMM_DEFAULT) if per_expert <= bm), max(GEMM_DEFAULT))]
+    bm = next((bm for bm in sorted(GEMM_DEFAULT) if per_expert <= bm), max(GEMM_DEFAULT))
+    return _fitting(GEMM_DEFAULT[bm], k)
+
+
+def _fitting(v: Variant, k: int) -> Variant:
+    """``v``, or its fallback where its stage does not divide the in width ``k``."""
     return v if k % v[3] == 0 else GEMM_FALLBACK.get(v, v)
 
 
@@ -86,6 +91,11 @@ def wgmma_here() -> bool:
     dev = current_device()
     return (ARCH_SPECIFIC["gemm_nvfp4.cu"].get(compute_capability(dev)) == "sm_90a"
             and arch_build("gemm_nvfp4.cu", dev) is not None)
+
+
+def runs_here(variant: Variant) -> bool:
+    """Whether this device runs ``variant`` (the wgmma ones only where ``wgmma_here``)."""
+    return GemmGeometry.of(variant).mma != "wgmma" or wgmma_here()
 
 
 #: the tiled and wgmma engines address x with 32-bit element offsets
@@ -97,15 +107,14 @@ def _geometry(variant: Variant | None, x: Any, slots: int, num_experts: int, k: 
     x too large for the tiled and wgmma engines' 32-bit offsets takes the register engine (asked for: a
     clear error)."""
     geo = GemmGeometry.of(variant or gemm_variant(slots, num_experts, k, wgmma_here()))
-    if variant is not None and geo.mma == "wgmma" and not wgmma_here():  # gemm_variant offers it only where it runs
+    if variant is not None and not runs_here(variant):  # gemm_variant offers wgmma only where it runs
         raise ValueError(f"{what}: variant {geo.suffix} needs wgmma (sm_90a, compute capability 9.0); this device "
                          f"is {compute_capability(current_device())}")
     if (geo.wm > 1 or geo.mma == "wgmma") and x.size >= X_OFFSET_LIMIT:
         if variant is not None:
             raise ValueError(f"{what}: x has {x.size} elements; variant {geo.suffix} addresses it with 32-bit "
                              f"offsets (fewer than {X_OFFSET_LIMIT}); split the call")
-        v = GEMM_DEFAULT[64]
-        geo = GemmGeometry.of(v if k % v[3] == 0 else GEMM_FALLBACK.get(v, v))
+        geo = GemmGeometry.of(_fitting(GEMM_DEFAULT[64], k))
     return geo
 
 
