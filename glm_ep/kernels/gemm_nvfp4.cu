@@ -99,16 +99,37 @@ __device__ __forceinline__ RowTile find_tile(const int* offsets, int start, int 
     return found;
 }
 
+// The lookup words of dequant_word: the low and high bytes of bf16 |e2m1| for magnitudes 0..3 and 4..7.
+struct DequantLut {
+    unsigned lo0, lo1, hi0, hi1;
+
+    static __device__ __forceinline__ DequantLut constants() {
+        return {0xc0800000u, 0xc0804000u, 0x3f3f3f00u, 0x40404040u};
+    }
+
+    // The same words in per-thread registers. ptxas keeps constant words in uniform registers and copies
+    // each into a per-thread one before every PRMT that reads it as data; ORed with a zero it cannot fold
+    // (the dynamic shared memory size is below 2^30) they stay per thread: four registers held for a tile.
+    static __device__ __forceinline__ DequantLut per_thread() {
+        unsigned dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        const unsigned z = (dyn >> 30) * threadIdx.x;
+        const DequantLut c = constants();
+        return {c.lo0 | z, c.lo1 | z, c.hi0 | z, c.hi1 | z};
+    }
+};
+
 // 8 nibbles (one word, k 2j in the low and 2j + 1 in the high nibble of byte j) times a block scale
 // held as the bf16 pair (e4m3 * 2^-8, e4m3 * 2^-8): b[j] = (k 2j, k 2j + 1) as an exact bf16 pair.
-__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsigned (&b)[4]) {
+__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsigned (&b)[4],
+                                             const DequantLut& lut = DequantLut::constants()) {
     const unsigned m = q & 0x77777777u, sh = q << 4;  // magnitudes; byte j's high nibble = q byte j's low nibble
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // nibbles 4h .. 4h + 3: bytes 2h and 2h + 1
         const unsigned idx = h ? m >> 16 : m;
-        const unsigned lo = prmt(0xc0800000u, 0xc0804000u, idx);                          // low bytes of |e2m1|
+        const unsigned lo = prmt(lut.lo0, lut.lo1, idx);                                   // low bytes of |e2m1|
         const unsigned sgn = prmt(q, sh, h ? 0xbfaeu : 0x9d8cu);                           // 0xff: negative
-        const unsigned hi = prmt(0x3f3f3f00u, 0x40404040u, idx) | (sgn & 0x80808080u);  // high bytes, signed
+        const unsigned hi = prmt(lut.hi0, lut.hi1, idx) | (sgn & 0x80808080u);            // high bytes, signed
         b[2 * h] = fma_bf16x2(prmt(lo, hi, 0x5140u), scale2x, 0x80008000u);      // exact product (+ -0)
         b[2 * h + 1] = fma_bf16x2(prmt(lo, hi, 0x7362u), scale2x, 0x80008000u);
     }
@@ -121,6 +142,14 @@ __device__ __forceinline__ unsigned scale_pair(unsigned byte) {
     float lo, hi;
     f16x2_to_f32(h, lo, hi);
     return prmt(__float_as_uint(lo), 0u, 0x3232u);
+}
+
+// Both E4M3 bytes of s16 (bytes 0 and 1) at once: s[i] = scale_pair(byte i), one fp16 pair widened.
+__device__ __forceinline__ void scale_pairs(unsigned s16, unsigned (&s)[2]) {
+    float f[2];
+    chunk_scales_f32(s16, f[0], f[1]);
+    s[0] = prmt(__float_as_uint(f[0]), 0u, 0x3232u);
+    s[1] = prmt(__float_as_uint(f[1]), 0u, 0x3232u);
 }
 
 // The block's K loop and its tile geometry: MT m16 tiles of x rows (BM = 16 MT, every warp covers

@@ -79,18 +79,20 @@ struct TileCopies {
 
     // the same from packed weights at w (their scales at w + W_BYTES)
     static __device__ __forceinline__ void dequant_split(const unsigned char* w, unsigned char* dq) {
+        const DequantLut lut = DequantLut::per_thread();
 #pragma unroll
         for (int i = 0; i < WP; ++i) {
             const int c = threadIdx.x + i * THREADS, n = c / (BK / 32), h = c % (BK / 32);
             const uint4 q = *reinterpret_cast<const uint4*>(w + 16 * c);
             const unsigned sw = *reinterpret_cast<const unsigned short*>(w + W_BYTES + n * (BK / 16) + 2 * h);
-            const unsigned s0 = scale_pair(sw & 0xffu), s1 = scale_pair(sw >> 8);
+            unsigned sp[2];
+            scale_pairs(sw, sp);
             const unsigned words[4] = {q.x, q.y, q.z, q.w};
             const int d0 = n * ROW + 16 * ((4 * h) ^ (n & 7));  // chunk 4h + j at d0 ^ 16 j
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 unsigned b[4];
-                dequant_word(words[j], j < 2 ? s0 : s1, b);
+                dequant_word(words[j], sp[j >> 1], b, lut);
                 *reinterpret_cast<uint4*>(dq + (d0 ^ (16 * j))) = make_uint4(b[0], b[1], b[2], b[3]);
             }
         }
