@@ -71,8 +71,9 @@ class PathLevers:
     ring_depth: tuple[int, ...] = (2, 2)  # ring stages per warp, likewise
     ring_warps_per_sm: int = 16  # warps per SM the ring grid aims at (fewer where its rings do not fit)
     ring_max_warps: int = 0  # cap on the ring grid's warps (0: none)
-    ring_f16: bool = True  # the down projection in the fp16-operand form: refused unless swiglu_limit bounds it
+    ring_f16: bool = False  # the down projection in the fp16-operand form: refused unless swiglu_limit bounds it
     ring_f16_hidden: bool = False  # gate and up too: the hidden state is unbounded (past 65504: inf); opt-in
+    ring_unscaled: bool = True  # projections outside the fp16 form: unscaled bf16 operands (false: scaled)
     ring_union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (0: block kernels)
     ring_union_slab: tuple[int, ...] = (2, 2)  # the union ring's slab and depth: (one projection, gate + up)
     ring_union_depth: tuple[int, ...] = (3, 3)

@@ -77,12 +77,14 @@ def test_the_fp16_form_only_where_the_limit_bounds_the_activation() -> None:
     """|act| <= max(L, 0.28) * L, rounded to bf16: inside fp16 (65504) up to L = 255.7 or so."""
     assert act_fits_f16(4.0) and act_fits_f16(255.7) and act_fits_f16(1e-3)
     assert not act_fits_f16(255.8) and not act_fits_f16(float("inf"))
-    assert RingConfig().forms(7.0) == (False, True)  # down only: the hidden state is unbounded
-    assert RingConfig(f16_hidden=True).forms(7.0) == (True, True)
-    assert RingConfig(f16=False).forms(1e6) == (False, False)
-    assert RingConfig(enabled=False).forms(1e6) == (False, False)
+    assert RingConfig().forms(1e6) == ("bf16u", "bf16u")  # exact for any input, whatever the limit
+    assert RingConfig(f16=True).forms(7.0) == ("bf16u", "f16")  # down only: the hidden state is unbounded
+    assert RingConfig(f16=True, f16_hidden=True).forms(7.0) == ("f16", "f16")
+    assert RingConfig(unscaled=False).forms(1e6) == ("bf16", "bf16")
+    assert RingConfig(f16=True, unscaled=False).forms(7.0) == ("bf16", "f16")
+    assert RingConfig(enabled=False, f16=True).forms(1e6) == ("bf16", "bf16")
     with pytest.raises(ConfigError, match=r"levers.ring_f16 = true: .* swiglu_limit = 300 .* set ring_f16 = false"):
-        RingConfig().forms(300.0)
-    topo = Topology.from_dict({"backend": "cuda"})
+        RingConfig(f16=True).forms(300.0)
+    topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_f16": True}})
     with pytest.raises(ConfigError, match=r"levers.ring_f16 = true: .* swiglu_limit = 300"):
         make_backend(topo, HERE, _cfg(swiglu_limit=300.0))

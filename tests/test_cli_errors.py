@@ -133,8 +133,10 @@ def test_fp16_form_the_swiglu_limit_does_not_bound(ckpt, x_file, tmp_path) -> No
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg["swiglu_limit"] = 300.0
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    fails(_forward(ckpt, x_file, tmp_path, "--backend", "cuda"), "levers.ring_f16 = true", "swiglu_limit = 300",
-          "set ring_f16 = false")
+    topo = tmp_path / "f16.toml"
+    topo.write_text("world = 2\ntp = 2\nep = 2\n[levers]\nring_f16 = true\n")
+    fails(_forward(ckpt, x_file, tmp_path, "--backend", "cuda", "--topology", str(topo)), "levers.ring_f16 = true",
+          "swiglu_limit = 300", "set ring_f16 = false")
 
 
 def test_topology_world_differs_from_mpi_size(ckpt, x_file, tmp_path) -> None:

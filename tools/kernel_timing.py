@@ -6,8 +6,8 @@ Each figure is the median replay time of a CUDA graph over ``--layers`` distinct
 weights stream from HBM, not L2), divided by the layer count, with the bytes it must read and
 that over the measured device copy bandwidth. Weights are random NVFP4 bytes and bf16 values:
 timing only, no numerics. ``--ring-variants`` first times the one-row routed kernels (glu, down,
-both) under each ``RingConfig`` (gemv_nvfp4.cu's block kernels, ring depths, warps per SM, the bf16 /
-fp16 forms; a backend built with each, on one stream, the experts uploaded again for its operand
+both) under each ``RingConfig`` (gemv_nvfp4.cu's block kernels, ring depths, warps per SM, the operand
+forms; a backend built with each, on one stream, the experts uploaded again for its operand
 forms), side by side in one run.
 """
 
@@ -177,13 +177,14 @@ def main() -> int:
         glu_mb, down_mb = expert_mb * TOP_K * 2 // 3, expert_mb * TOP_K // 3
 
         for name, cfg in (("blocks", RingConfig(enabled=False)),
-                          ("ring t4 d2/2 w16 bf16", RingConfig(f16=False)),
-                          ("ring t4 d2/2 w16 f16 (default: down only)", RingConfig(f16=True)),
+                          ("ring t4 d2/2 w16 bf16", RingConfig(unscaled=False)),
+                          ("ring t4 d2/2 w16 bf16u (default)", RingConfig()),
+                          ("ring t4 d2/2 w16 bf16u, f16 down", RingConfig(f16=True)),
                           ("ring t4 d2/2 w16 f16 all", RingConfig(f16=True, f16_hidden=True)),
-                          ("ring t4 d4/3 w8 bf16", RingConfig(depth=(4, 3), warps_per_sm=8, f16=False)),
-                          ("ring t4 d4/3 w8 f16", RingConfig(depth=(4, 3), warps_per_sm=8, f16=True)),
-                          ("ring t4 d2/2 w16 bf16 (again)", RingConfig(f16=False)),
-                          ("ring t4 d2/2 w16 f16 (again)", RingConfig(f16=True))):
+                          ("ring t4 d4/3 w8 bf16u", RingConfig(depth=(4, 3), warps_per_sm=8)),
+                          ("ring t4 d2/2 w16 bf16 (again)", RingConfig(unscaled=False)),
+                          ("ring t4 d2/2 w16 bf16u (again)", RingConfig()),
+                          ("ring t4 d2/2 w16 bf16u, f16 down (again)", RingConfig(f16=True))):
             rb = CudaBackend(0, cfg, stream=s)
             with s:
                 variant = [rb.upload_moe(w, LIMIT) for w in weights]  # device arrays: only the tables are new

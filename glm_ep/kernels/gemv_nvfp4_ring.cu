@@ -8,7 +8,7 @@
 // boundaries: the next item's loads are issued while the current one is still being multiplied.
 // The ids and the pointer tables are read once per warp, up front: lane j holds local slot j's.
 //
-// Numerics of the bf16 form are gemv_nvfp4.cu's (the fp16 form's: see consume_slab_f16): within a
+// Numerics of the bf16 form are gemv_nvfp4.cu's (the unscaled forms': consume_slab_unscaled): within a
 // slab the lanes take the same chunks (lane (g, t): chunk 4 s + t of rows n0 + g and n0 + g + 8 at
 // step s), so every output sees the same mma chain over K in the same order and the same final
 // roundings. Requires K % (128 T) == 0 and N % 16 == 0 (cuda/ring.py sends other shapes to
@@ -20,8 +20,10 @@
 // stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in cuda/ring.py):
 //   nvfp4_ring_moe_gemv_t{T}_d{D}   one projection, x[0] or x[slot]            P = 1
 //   nvfp4_ring_moe_glu_t{T}_d{D}    gate + up + clamped SwiGLU fused            P = 2
-//   nvfp4_ring_moe_{gemv,glu}_f16_t{T}_d{D}   the same in the fp16 form (consume_slab_f16: fp16
+//   nvfp4_ring_moe_{gemv,glu}_f16_t{T}_d{D}   the same in the fp16 form (consume_slab_unscaled, F = 1: fp16
 //       operands, x rounded to fp16, the block scale applied to each 16-k group's fp32 partial)
+//   nvfp4_ring_moe_{gemv,glu}_bf16u_t{T}_d{D} the unscaled bf16 form (F = 2: the same with bf16 operands,
+//       x as it is: exact for any bf16 input)
 // The verify (union) kernels on the same ring are gemv_nvfp4_union.cu's; what both share is in
 // nvfp4_ring.cuh.
 #include "common.cuh"
@@ -78,14 +80,16 @@ __device__ __forceinline__ void issue_slab(RingStage<P, T>& st, const ItemSrc<P>
         cp_async16(smem_u32(&st.x[0][32 * q + lane]), src.x + 256 * T * (size_t)b + 16 * (32 * q + lane));
 }
 
-// The fp16 form of consume_slab (F = 1, nvfp4_mma.cuh): per step and matrix, 8 mmas with zero C
-// whose 8 B columns split the work: column 2t + j holds x only for lane t's chunk, 16-k group j
-// (lanes g = 2t + j carry it: b0 for j = 0, b1 for j = 1), so lane (g, t) gets back the partials of
-// ITS chunk per row and group (d0: row g group 0, d1: row g group 1, d2 / d3: row g + 8), scales
-// them by the chunk's own E4M3 scales and adds them to acc[p][0] (row g) and acc[p][1] (row g + 8).
-// The four lanes of a quad are summed at the end of an item (finish_item).
-template <int P, int T>
-__device__ __forceinline__ void consume_slab_f16(const RingStage<P, T>& st, float (&acc)[P][4]) {
+// The unscaled forms of consume_slab (nvfp4_mma.cuh): F = 1, fp16 operands (x rounded to fp16); F = 2,
+// bf16 operands (x as it is). Per step and matrix, 8 mmas with zero C whose 8 B columns split the
+// work: column 2t + j holds x only for lane t's chunk, 16-k group j (lanes g = 2t + j carry it: b0 for
+// j = 0, b1 for j = 1), so lane (g, t) gets back the partials of ITS chunk per row and group (d0: row g
+// group 0, d1: row g group 1, d2 / d3: row g + 8), scales them by the chunk's own E4M3 scales and adds
+// them to acc[p][0] (row g) and acc[p][1] (row g + 8). The four lanes of a quad are summed at the end of
+// an item (finish_item).
+template <int P, int T, int F>
+__device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st, float (&acc)[P][4]) {
+    static_assert(F == 1 || F == 2, "the unscaled forms are fp16 (1) and bf16 (2)");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, j = g & 1;
     const unsigned keep = (g >> 1) == t ? 0xffffffffu : 0u, keep0 = j ? 0u : keep, keep1 = j ? keep : 0u;
 #pragma unroll
@@ -96,21 +100,29 @@ __device__ __forceinline__ void consume_slab_f16(const RingStage<P, T>& st, floa
         unsigned b0[8], b1[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const unsigned f = bf16x2_to_f16x2(xw[i]);
+            const unsigned f = F == 1 ? bf16x2_to_f16x2(xw[i]) : xw[i];
             b0[i] = f & keep0;
             b1[i] = f & keep1;
         }
 #pragma unroll
         for (int p = 0; p < P; ++p) {
             unsigned lo[16], hi[16];  // rows n0 + g and n0 + g + 8
-            decode_chunk_f16(st.w[p][g][swz(g, c)], lo);
-            decode_chunk_f16(st.w[p][g + 8][swz(g + 8, c)], hi);
+            if constexpr (F == 1) {
+                decode_chunk_f16(st.w[p][g][swz(g, c)], lo);
+                decode_chunk_f16(st.w[p][g + 8][swz(g + 8, c)], hi);
+            } else {
+                decode_chunk_bf16u(st.w[p][g][swz(g, c)], lo);
+                decode_chunk_bf16u(st.w[p][g + 8][swz(g + 8, c)], hi);
+            }
             float sg0, sg1, sh0, sh1;
             chunk_scales_f32(((const unsigned short*)&st.s[p][g][0])[c], sg0, sg1);
             chunk_scales_f32(((const unsigned short*)&st.s[p][g + 8][0])[c], sh0, sh1);
             float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-            for (int i = 0; i < 8; ++i) mma_f16(d, lo[i], hi[i], lo[8 + i], hi[8 + i], b0[i], b1[i]);
+            for (int i = 0; i < 8; ++i) {
+                if constexpr (F == 1) mma_f16(d, lo[i], hi[i], lo[8 + i], hi[8 + i], b0[i], b1[i]);
+                else mma_bf16(d, lo[i], hi[i], lo[8 + i], hi[8 + i], b0[i], b1[i]);
+            }
             acc[p][0] = fmaf(d[0], sg0, acc[p][0]);
             acc[p][0] = fmaf(d[1], sg1, acc[p][0]);
             acc[p][1] = fmaf(d[2], sh0, acc[p][1]);
@@ -119,7 +131,7 @@ __device__ __forceinline__ void consume_slab_f16(const RingStage<P, T>& st, floa
     }
 }
 
-// F = 1: sum the quad's per-chunk partials into the bf16 form's layout (acc[p][0]: row g,
+// F = 1, 2: sum the quad's per-chunk partials into the bf16 form's layout (acc[p][0]: row g,
 // acc[p][2]: row g + 8, on lanes t = 0).
 template <int P, int F>
 __device__ __forceinline__ void finish_item(float (&acc)[P][4]) {
@@ -171,7 +183,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         [&](int item) { item_src<P>(item / groups, (item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src); },
         [&](RingStage<P, T>& st, int b) { issue_slab<P, T>(st, src, b); },
         [&](const RingStage<P, T>& st) {
-            if constexpr (F != 0) consume_slab_f16<P, T>(st, acc);
+            if constexpr (F != 0) consume_slab_unscaled<P, T, F>(st, acc);
             else consume_slab<P, T>(st, acc);
         },
         [&](int item) {
@@ -215,11 +227,16 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
 
 RING_ENTRIES(4, 2, 0, )
 RING_ENTRIES(4, 2, 1, f16_)
+RING_ENTRIES(4, 2, 2, bf16u_)
 RING_ENTRIES(4, 3, 0, )
 RING_ENTRIES(4, 3, 1, f16_)
+RING_ENTRIES(4, 3, 2, bf16u_)
 RING_ENTRIES(4, 4, 0, )
 RING_ENTRIES(4, 4, 1, f16_)
+RING_ENTRIES(4, 4, 2, bf16u_)
 RING_ENTRIES(8, 2, 0, )
 RING_ENTRIES(8, 2, 1, f16_)
+RING_ENTRIES(8, 2, 2, bf16u_)
 RING_ENTRIES(8, 3, 0, )
 RING_ENTRIES(8, 3, 1, f16_)
+RING_ENTRIES(8, 3, 2, bf16u_)

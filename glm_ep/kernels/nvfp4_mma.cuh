@@ -124,6 +124,27 @@ __device__ __forceinline__ void decode_chunk_f16(const uint4& w, unsigned (&b)[1
     }
 }
 
+// The unscaled bf16 form: 32 nibbles -> 16 bf16 pairs of 2 e2m1 (exact: {0, 1, 2, 3, 4, 6, 8, 12}), the
+// block scale applied to fp32 partials as in the fp16 form, but the input stays bf16 (exact for any
+// bf16 x). Each magnitude's low and high bf16 bytes are looked up (PRMT), the sign ORed into the high
+// byte, one PRMT per pair interleaves them: 6 instructions per 4 nibbles.
+__device__ __forceinline__ void decode_chunk_bf16u(const uint4& w, unsigned (&b)[16]) {
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const unsigned wq = words[q], m = wq & 0x77777777u, sh = wq << 4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // nibbles 4h .. 4h + 3 of the word
+            const unsigned idx = h ? m >> 16 : m;
+            const unsigned lo = prmt(0x40008000u, 0x4000c080u, idx);                         // low bytes of bf16 2|v|
+            const unsigned sgn = prmt(wq, sh, h ? 0xbfaeu : 0x9d8cu);                        // 0xff where negative
+            const unsigned hi = prmt(0x40403f00u, 0x41414040u, idx) | (sgn & 0x80808080u);  // high bytes, signed
+            b[4 * q + 2 * h] = prmt(lo, hi, 0x5140u);      // nibbles 4h, 4h + 1
+            b[4 * q + 2 * h + 1] = prmt(lo, hi, 0x7362u);  // nibbles 4h + 2, 4h + 3
+        }
+    }
+}
+
 // The gate, up and clamped SwiGLU outputs of one element (each rounded once to bf16).
 __device__ __forceinline__ void glu_store(bf16_t* gate, bf16_t* up, bf16_t* act, int n, float g, float u,
                                           float limit) {

@@ -131,7 +131,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     def upload_dense(self, w: DenseWeights) -> DenseResident[Any]:
         return DenseResident(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
 
-    def _upload_proj(self, ws: list[Nvfp4Weight], what: str, f16: bool) -> Nvfp4Pointers:
+    def _upload_proj(self, ws: list[Nvfp4Weight], what: str, form: str) -> Nvfp4Pointers:
         shapes = {w.shape for w in ws}
         if len(shapes) > 1:
             raise ConfigError(f"{what}: experts disagree on the projection shape: {sorted(shapes)}")
@@ -145,7 +145,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             packed_ptrs=self.asarray(np.array([a.data.ptr for a in packed], dtype=np.uint64)),
             scale_ptrs=self.asarray(np.array([a.data.ptr for a in scale], dtype=np.uint64)),
             scale2=self.asarray(np.array(s2, dtype=np.float32)),
-            n=n, k=k, packed=packed, scale=scale, scale2_host=s2, f16=f16)
+            n=n, k=k, packed=packed, scale=scale, scale2_host=s2, form=form)
 
     @_on_stream
     def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[Any, Nvfp4Pointers]:
@@ -153,10 +153,10 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         (``RingConfig.forms``: a ConfigError where the levers ask for an fp16 form it does not bound)."""
         if w.router.dtype not in (BF16, F32):
             raise ConfigError(f"router weight dtype {w.router.dtype}, expected bfloat16 or float32")
-        f16_hidden, f16_act = self.ring.forms(swiglu_limit)
-        experts = RoutedExperts.of(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj", f16_hidden),
-                                   self._upload_proj([e.up for e in w.experts], "experts.up_proj", f16_hidden),
-                                   self._upload_proj([e.down for e in w.experts], "experts.down_proj", f16_act),
+        hidden_form, act_form = self.ring.forms(swiglu_limit)
+        experts = RoutedExperts.of(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj", hidden_form),
+                                   self._upload_proj([e.up for e in w.experts], "experts.up_proj", hidden_form),
+                                   self._upload_proj([e.down for e in w.experts], "experts.down_proj", act_form),
                                    w.expert_start, len(w.experts))
         bias = self.asarray(w.bias).astype(np.float32, copy=False)
         return MoeResident(self.asarray(w.router), bias, experts,

@@ -29,8 +29,8 @@ class Nvfp4Pointers:
     """One projection of every local expert, as the grouped kernels index it (the CUDA backend's
     form of an ``ExpertTable``'s weights): device arrays of the experts' packed / scale base
     pointers (uint64) and their fp32 ``scale_2``, by local id. The arrays the pointers point at are
-    kept alive in ``packed`` / ``scale``. ``f16``: the ring reads this projection's input in the
-    fp16 form (``RingConfig.forms``, decided at upload)."""
+    kept alive in ``packed`` / ``scale``. ``form``: the operand form in which the ring reads this
+    projection (``RingConfig.forms``, decided at upload)."""
 
     packed_ptrs: Any  # uint64 [count]
     scale_ptrs: Any  # uint64 [count]
@@ -40,7 +40,7 @@ class Nvfp4Pointers:
     packed: tuple[Any, ...]  # uint8 [n, k/2] per expert
     scale: tuple[Any, ...]  # uint8 (E4M3 bits) [n, k/16] per expert
     scale2_host: tuple[float, ...]
-    f16: bool = False
+    form: str = "bf16"
 
 
 def check_nvfp4_k(k: int, what: str) -> None:
@@ -87,7 +87,7 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointer
     check_shape("out", out_SN, (s, proj.n))
     x_stride = i64(proj.k if per_slot_input else 0)
     if ring.takes(proj.n, proj.k, s, 1):
-        blocks, smem, suffix = ring.geometry(proj.n, s, 1, proj.f16)
+        blocks, smem, suffix = ring.geometry(proj.n, s, 1, proj.form)
         launch(_RING, f"nvfp4_ring_moe_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, i32(s), i32(start),
                 i32(count), out_SN, i32(proj.n), i32(proj.k)), smem=smem)
@@ -108,7 +108,7 @@ def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, 
     for name, a in (("gate", gate_SN), ("up", up_SN), ("act", act_SN)):
         check(name, a, BF16, 2), check_shape(name, a, (s, n))
     if ring.takes(n, k, s, 2):
-        blocks, smem, suffix = ring.geometry(n, s, 2, gate.f16)
+        blocks, smem, suffix = ring.geometry(n, s, 2, gate.form)
         launch(_RING, f"nvfp4_ring_moe_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
                 ids_S, i32(s), i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k),

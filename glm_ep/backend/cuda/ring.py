@@ -1,12 +1,15 @@
 """How the one-row routed kernels run: the frozen lever set of the persistent decode ring
 (``gemv_nvfp4_ring.cu``), held by the CUDA backend from its construction, and its launch geometry.
 
-The ring's fp16-operand form (``consume_slab_f16``: the input rounded to fp16, fastest on H200) is
-exact only while the input fits fp16 (|v| <= 65504); the bf16 form is exact for any bf16 input.
-The down projection reads the clamped SwiGLU, bounded by the site's ``swiglu_limit``: its form is
-chosen once, at weight upload (``RingConfig.forms``), and refused where the limit does not bound
-it. Gate and up read the hidden state, which nothing bounds: the fp16 form there is an explicit
-opt-in (``f16_hidden``), off by default.
+The ring reads each projection in one of three operand forms, chosen once at weight upload
+(``RingConfig.forms``):
+- ``bf16``: the dequantized weight (e2m1 times its block scale) as bf16, one mma chain over K;
+- ``bf16u``: the unscaled e2m1 as bf16, the block scale applied to each 16-k group's fp32 partial;
+  the input as it is, so exact for any bf16 input;
+- ``f16``: the same with fp16 operands, the input rounded to fp16: exact only while the input fits
+  fp16 (|v| <= 65504). The down projection reads the clamped SwiGLU, bounded by the site's
+  ``swiglu_limit``; the form is refused where the limit does not bound it. Gate and up read the
+  hidden state, which nothing bounds: the fp16 form there is an explicit opt-in (``f16_hidden``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from glm_ep.topology import PathLevers
 RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T steps (K a multiple)
 RING_MAX_SLOTS = 32  # slots of one launch: lane j of a warp holds slot j's ids and pointers
 F16_MAX = 65504.0
+FORM_PREFIX = {"bf16": "", "bf16u": "bf16u_", "f16": "f16_"}  # operand form -> the ring entry's name prefix
 SILU_MIN = -0.2785  # the least value of silu(g) = g / (1 + exp(-g))
 
 
@@ -43,15 +47,17 @@ class RingConfig:
     projection, 1: gate + up): the slab (T steps of 128 k per ring stage) and the ring depth D
     (stages per warp); the warps per SM the grid aims at (fewer where the rings' shared memory does
     not fit); ``max_warps`` caps the grid (tests: several items per warp); ``f16``: the down
-    projection in the fp16 form; ``f16_hidden``: gate and up too."""
+    projection in the fp16 form; ``f16_hidden``: gate and up too; ``unscaled``: a projection not in
+    the fp16 form in the unscaled bf16 form (else the scaled one)."""
 
     enabled: bool = True
     slab: tuple[int, int] = (4, 4)
     depth: tuple[int, int] = (2, 2)  # fastest on H200 (docs/perf/NOTES.md)
     warps_per_sm: int = 16
     max_warps: int = 0
-    f16: bool = True  # gemv_nvfp4_ring.cu's consume_slab_f16 (docs/perf/NOTES.md, version 3)
+    f16: bool = False  # consume_slab_unscaled's fp16 form (F = 1): no faster than bf16u on H200 (NOTES.md)
     f16_hidden: bool = False
+    unscaled: bool = True
     union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (bf16 form)
     union_slab: tuple[int, int] = (2, 2)
     union_depth: tuple[int, int] = (3, 3)
@@ -68,33 +74,34 @@ class RingConfig:
     @classmethod
     def from_levers(cls, lv: PathLevers) -> "RingConfig":
         return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
-                   lv.ring_f16, lv.ring_f16_hidden, lv.ring_union_max_rows, tuple(lv.ring_union_slab),
-                   tuple(lv.ring_union_depth))
+                   lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_union_max_rows,
+                   tuple(lv.ring_union_slab), tuple(lv.ring_union_depth))
 
-    def forms(self, swiglu_limit: float) -> tuple[bool, bool]:
-        """(gate and up, down): whether the ring reads each projection's input in the fp16 form,
-        decided once for a site's experts. A ConfigError where ``f16`` asks for the down
+    def forms(self, swiglu_limit: float) -> tuple[str, str]:
+        """(gate and up, down): the operand form (``FORM_PREFIX``'s keys) in which the ring reads each
+        projection, decided once for a site's experts. A ConfigError where ``f16`` asks for the down
         projection's fp16 form and ``swiglu_limit`` does not keep the activation inside fp16."""
         if not self.enabled:
-            return False, False
+            return "bf16", "bf16"
         if self.f16 and not act_fits_f16(swiglu_limit):
             raise ConfigError(f"levers.ring_f16 = true: the routed down projection's fp16 form is exact only while "
                               f"every activation fits fp16 (|act| <= swiglu_limit^2 <= {F16_MAX:g}), and "
                               f"swiglu_limit = {swiglu_limit:g} does not bound it there; set ring_f16 = false")
-        return self.f16 and self.f16_hidden, self.f16
+        bf16 = "bf16u" if self.unscaled else "bf16"
+        return "f16" if self.f16 and self.f16_hidden else bf16, "f16" if self.f16 else bf16
 
     def takes(self, n: int, k: int, slots: int, p: int) -> bool:
         """Whether the ring serves a launch of ``slots`` slots of ``p`` [n, k] matrices."""
         return (self.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.slab[p - 1]) == 0
                 and slots <= RING_MAX_SLOTS)
 
-    def geometry(self, n: int, slots: int, p: int, f16: bool) -> tuple[int, int, str]:
+    def geometry(self, n: int, slots: int, p: int, form: str) -> tuple[int, int, str]:
         """(blocks, dynamic smem bytes, entry suffix): as even a share of the slots x row-group items
         per warp as the cap allows (warps_per_sm per SM, or fewer where the rings do not fit in the
         device's shared memory), RING_WARPS per block."""
         t, depth = self.slab[p - 1], self.depth[p - 1]
         smem = RING_WARPS * depth * ring_stage_bytes(p, t)
-        return self._blocks(slots * (n // MMA_ROWS), smem), smem, f"{'f16_' if f16 else ''}t{t}_d{depth}"
+        return self._blocks(slots * (n // MMA_ROWS), smem), smem, f"{FORM_PREFIX[form]}t{t}_d{depth}"
 
     def union_takes(self, n: int, k: int, rows: int, p: int) -> bool:
         """Whether the union ring serves ``rows`` rows of ``p`` [n, k] matrices."""
