@@ -52,6 +52,8 @@ def test_ring_levers_default_to_the_measured_ring_and_parse_from_toml() -> None:
     assert RingConfig.from_levers(PathLevers()) == RingConfig()  # the numbers of the ring as measured
     lv = Topology.from_dict({"levers": {"ring_slab": [8, 8], "ring_depth": [3, 2], "ring_max_warps": 7}}).levers
     assert RingConfig.from_levers(lv) == RingConfig(slab=(8, 8), depth=(3, 2), max_warps=7)
+    lv = Topology.from_dict({"levers": {"ring_unscaled": False, "ring_f16": True}}).levers
+    assert RingConfig.from_levers(lv).forms(7.0) == ("bf16", "f16")
 
 
 @pytest.mark.parametrize("levers,named", [

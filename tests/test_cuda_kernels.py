@@ -285,37 +285,37 @@ def test_expert_linear(rng):
 
 
 # ---- the persistent decode ring (gemv_nvfp4_ring.cu) against gemv_nvfp4.cu's path and NumPy ----------
-@pytest.mark.parametrize("ring", [
-    dict(enabled=False),  # gemv_nvfp4.cu's block-per-tile kernels
-    dict(),  # the default ring
-    dict(depth=(4, 3), warps_per_sm=8),
-    dict(depth=(2, 2), max_warps=3),  # several items per warp: the ring crosses item boundaries
-    dict(depth=(4, 4), max_warps=5),  # a ring deeper than an item's slabs
-    dict(slab=(8, 8), depth=(3, 2), max_warps=7),
-    dict(slab=(8, 8), depth=(2, 2), warps_per_sm=16),
-    dict(f16=False, unscaled=False),  # the scaled bf16 form (consume_slab) on every projection
-    dict(f16=False, unscaled=False, depth=(2, 2), max_warps=3),
-    dict(f16=False),  # the unscaled bf16 form (consume_slab_unscaled, F = 2) on every projection
-    dict(f16=False, depth=(2, 2), max_warps=3),
-    dict(f16=False, depth=(4, 3), warps_per_sm=8),
-    dict(f16=False, slab=(8, 8), depth=(3, 2), max_warps=7),
-    dict(f16=True),  # the fp16 form on the down projection only
-    dict(f16=True, f16_hidden=True),  # the fp16 form (consume_slab_unscaled, F = 1) on every projection
-    dict(f16=True, f16_hidden=True, depth=(2, 2), max_warps=3),
-    dict(f16=True, f16_hidden=True, depth=(4, 3), warps_per_sm=8),
-    dict(f16=True, f16_hidden=True, slab=(8, 8), depth=(3, 2), max_warps=7),
-], ids=["blocks", "default", "t4d4-3-w8", "t4d2-w3", "t4d4-w5", "t8d3-w7", "t8d2-w16", "bf16", "bf16-t4d2-w3",
-        "bf16u", "bf16u-t4d2-w3", "bf16u-t4d4-3-w8", "bf16u-t8d3-w7", "f16-down", "f16", "f16-t4d2-w3", "f16-t4d4-3-w8",
-        "f16-t8d3-w7"])
-def test_moe_decode_ring(rng, ring):
+UNSCALED, SCALED, FP16 = ("bf16u", "bf16u"), ("bf16", "bf16"), ("f16", "f16")  # (gate and up, down)
+
+
+@pytest.mark.parametrize("ring,forms", [
+    pytest.param(dict(enabled=False), SCALED, id="blocks"),  # gemv_nvfp4.cu's block-per-tile kernels
+    pytest.param(dict(), UNSCALED, id="default"),  # the unscaled bf16 form (consume_slab_unscaled, F = 2)
+    pytest.param(dict(depth=(4, 3), warps_per_sm=8), UNSCALED, id="t4d4-3-w8"),
+    pytest.param(dict(depth=(2, 2), max_warps=3), UNSCALED, id="t4d2-w3"),  # several items per warp
+    pytest.param(dict(depth=(4, 4), max_warps=5), UNSCALED, id="t4d4-w5"),  # a ring deeper than an item's slabs
+    pytest.param(dict(slab=(8, 8), depth=(3, 2), max_warps=7), UNSCALED, id="t8d3-w7"),
+    pytest.param(dict(slab=(8, 8), depth=(2, 2), warps_per_sm=16), UNSCALED, id="t8d2-w16"),
+    pytest.param(dict(unscaled=False), SCALED, id="bf16"),  # the scaled bf16 form (consume_slab)
+    pytest.param(dict(unscaled=False, depth=(2, 2), max_warps=3), SCALED, id="bf16-t4d2-w3"),
+    pytest.param(dict(unscaled=False, depth=(4, 3), warps_per_sm=8), SCALED, id="bf16-t4d4-3-w8"),
+    pytest.param(dict(unscaled=False, depth=(4, 4), max_warps=5), SCALED, id="bf16-t4d4-w5"),
+    pytest.param(dict(unscaled=False, slab=(8, 8), depth=(3, 2), max_warps=7), SCALED, id="bf16-t8d3-w7"),
+    pytest.param(dict(f16=True), ("bf16u", "f16"), id="f16-down"),  # the fp16 form on the down projection
+    pytest.param(dict(f16=True, unscaled=False), ("bf16", "f16"), id="f16-down-bf16"),
+    pytest.param(dict(f16=True, f16_hidden=True), FP16, id="f16"),  # consume_slab_unscaled, F = 1, everywhere
+    pytest.param(dict(f16=True, f16_hidden=True, depth=(2, 2), max_warps=3), FP16, id="f16-t4d2-w3"),
+    pytest.param(dict(f16=True, f16_hidden=True, depth=(4, 3), warps_per_sm=8), FP16, id="f16-t4d4-3-w8"),
+    pytest.param(dict(f16=True, f16_hidden=True, slab=(8, 8), depth=(3, 2), max_warps=7), FP16, id="f16-t8d3-w7"),
+])
+def test_moe_decode_ring(rng, ring, forms):
     """A backend built with each ring config, on the shared backend's stream (the helpers' buffers)."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
 
     be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
     h, m, start, count = 2048, 1024, 4, 6  # ids outside [4, 10) are remote; K = 1..4 slabs
     cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
-    cfg = RingConfig(**ring)
-    assert (cu.gate.weights.form, cu.down.weights.form) == cfg.forms(10.0)
+    assert (cu.gate.weights.form, cu.up.weights.form, cu.down.weights.form) == (forms[0], forms[0], forms[1])
     ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
     local = (ids >= start) & (ids < start + count)
     check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "ring glu", be)

@@ -1,6 +1,6 @@
 // The grouped GEMM's engines that dequantize each weight tile ONCE into shared memory: the tiled engine
 // (mma.sync, a WM x WN warp grid) and the wgmma engine (sm_90a). Part of gemm_nvfp4.cu, included after
-// its register engine: it uses GemmStage, RowTile, GEMM_NT, dequant_word and scale_pair from there, and
+// its register engine: it uses GemmStage, RowTile, GEMM_NT, DequantLut, dequant_word and scale_pairs from there, and
 // common.cuh, nvfp4_mma.cuh and async_copy.cuh (glm_ep/backend/cuda/loader.py inlines them all).
 #pragma once
 
