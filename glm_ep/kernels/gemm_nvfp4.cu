@@ -126,12 +126,10 @@ __device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsig
     const unsigned m = q & 0x77777777u, sh = q << 4;  // magnitudes; byte j's high nibble = q byte j's low nibble
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // nibbles 4h .. 4h + 3: bytes 2h and 2h + 1
-        const unsigned idx = h ? m >> 16 : m;
-        const unsigned lo = prmt(lut.lo0, lut.lo1, idx);                                   // low bytes of |e2m1|
-        const unsigned sgn = prmt(q, sh, h ? 0xbfaeu : 0x9d8cu);                           // 0xff: negative
-        const unsigned hi = prmt(lut.hi0, lut.hi1, idx) | (sgn & 0x80808080u);            // high bytes, signed
-        b[2 * h] = fma_bf16x2(prmt(lo, hi, 0x5140u), scale2x, 0x80008000u);      // exact product (+ -0)
-        b[2 * h + 1] = fma_bf16x2(prmt(lo, hi, 0x7362u), scale2x, 0x80008000u);
+        unsigned p0, p1;  // |e2m1| with its sign
+        lookup_bf16_pairs(q, m, sh, h, lut.lo0, lut.lo1, lut.hi0, lut.hi1, p0, p1);
+        b[2 * h] = fma_bf16x2(p0, scale2x, 0x80008000u);  // exact product (+ -0)
+        b[2 * h + 1] = fma_bf16x2(p1, scale2x, 0x80008000u);
     }
 }
 

@@ -25,13 +25,17 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], unsigned a0, unsigned a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The two block scales of a chunk (bytes 0 and 1 of s16) as bf16 pairs: mul = s, add = -144 s,
-// s = e4m3 * 2^-8 (the e4m3 bits shifted into an fp16, subnormals included, then widened).
-__device__ __forceinline__ void chunk_scales(unsigned s16, unsigned (&mul)[2], unsigned (&add)[2]) {
+// The two E4M3 scales of a chunk (bytes 0 and 1 of s16) as fp32 e4m3 * 2^-8 (exact, subnormals too).
+__device__ __forceinline__ void chunk_scales_f32(unsigned s16, float& s0, float& s1) {
     const unsigned x = prmt(s16, 0u, 0x5150u);  // [b0, 0, b1, 0]
-    const unsigned h2 = ((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 7);
+    f16x2_to_f32(((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 7), s0, s1);
+}
+
+// The two block scales of a chunk (bytes 0 and 1 of s16) as bf16 pairs: mul = s, add = -144 s,
+// s = e4m3 * 2^-8 (chunk_scales_f32).
+__device__ __forceinline__ void chunk_scales(unsigned s16, unsigned (&mul)[2], unsigned (&add)[2]) {
     float f[2];
-    f16x2_to_f32(h2, f[0], f[1]);
+    chunk_scales_f32(s16, f[0], f[1]);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         mul[i] = prmt(__float_as_uint(f[i]), 0u, 0x3232u);
@@ -101,12 +105,6 @@ __device__ __forceinline__ unsigned bf16x2_to_f16x2(unsigned v) {
     return d;
 }
 
-// The two E4M3 scales of a chunk (bytes 0 and 1 of s16) as fp32 e4m3 * 2^-8 (exact, subnormals too).
-__device__ __forceinline__ void chunk_scales_f32(unsigned s16, float& s0, float& s1) {
-    const unsigned x = prmt(s16, 0u, 0x5150u);  // [b0, 0, b1, 0]
-    f16x2_to_f32(((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 7), s0, s1);
-}
-
 // 32 nibbles (one 16-byte chunk) -> 16 fp16 pairs of 2 e2m1: b[i] holds k = 2i, 2i + 1 of the chunk.
 __device__ __forceinline__ void decode_chunk_f16(const uint4& w, unsigned (&b)[16]) {
     const unsigned words[4] = {w.x, w.y, w.z, w.w};
@@ -124,24 +122,33 @@ __device__ __forceinline__ void decode_chunk_f16(const uint4& w, unsigned (&b)[1
     }
 }
 
+// Nibbles 4h .. 4h + 3 of the word q (m = q & 0x77777777, sh = q << 4) as two bf16 pairs: each
+// magnitude picks (PRMT) its low byte from lo0 / lo1 and its high byte from hi0 / hi1 (magnitudes 0..3
+// / 4..7), the sign is ORed into the high byte, one PRMT per pair interleaves the bytes. p0: nibbles
+// 4h, 4h + 1; p1: nibbles 4h + 2, 4h + 3. 6 instructions.
+__device__ __forceinline__ void lookup_bf16_pairs(unsigned q, unsigned m, unsigned sh, int h, unsigned lo0,
+                                                  unsigned lo1, unsigned hi0, unsigned hi1, unsigned& p0,
+                                                  unsigned& p1) {
+    const unsigned idx = h ? m >> 16 : m;
+    const unsigned lo = prmt(lo0, lo1, idx);
+    const unsigned sgn = prmt(q, sh, h ? 0xbfaeu : 0x9d8cu);  // 0xff where negative
+    const unsigned hi = prmt(hi0, hi1, idx) | (sgn & 0x80808080u);
+    p0 = prmt(lo, hi, 0x5140u);
+    p1 = prmt(lo, hi, 0x7362u);
+}
+
 // The unscaled bf16 form: 32 nibbles -> 16 bf16 pairs of 2 e2m1 (exact: {0, 1, 2, 3, 4, 6, 8, 12}), the
 // block scale applied to fp32 partials as in the fp16 form, but the input stays bf16 (exact for any
-// bf16 x). Each magnitude's low and high bf16 bytes are looked up (PRMT), the sign ORed into the high
-// byte, one PRMT per pair interleaves them: 6 instructions per 4 nibbles.
+// bf16 x): lookup_bf16_pairs with the bytes of bf16 2|v|, 6 instructions per 4 nibbles.
 __device__ __forceinline__ void decode_chunk_bf16u(const uint4& w, unsigned (&b)[16]) {
     const unsigned words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         const unsigned wq = words[q], m = wq & 0x77777777u, sh = wq << 4;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // nibbles 4h .. 4h + 3 of the word
-            const unsigned idx = h ? m >> 16 : m;
-            const unsigned lo = prmt(0x40008000u, 0x4000c080u, idx);                         // low bytes of bf16 2|v|
-            const unsigned sgn = prmt(wq, sh, h ? 0xbfaeu : 0x9d8cu);                        // 0xff where negative
-            const unsigned hi = prmt(0x40403f00u, 0x41414040u, idx) | (sgn & 0x80808080u);  // high bytes, signed
-            b[4 * q + 2 * h] = prmt(lo, hi, 0x5140u);      // nibbles 4h, 4h + 1
-            b[4 * q + 2 * h + 1] = prmt(lo, hi, 0x7362u);  // nibbles 4h + 2, 4h + 3
-        }
+        for (int h = 0; h < 2; ++h)  // nibbles 4h .. 4h + 3 of the word
+            lookup_bf16_pairs(wq, m, sh, h, 0x40008000u, 0x4000c080u, 0x40403f00u, 0x41414040u, b[4 * q + 2 * h],
+                              b[4 * q + 2 * h + 1]);
     }
 }
 
