@@ -13,7 +13,9 @@ by the levers (``group_cap``); min is the ``prefill_gemm_min_rows`` lever.
 
 Every path writes ``[T*K, H]`` routed outputs, remote slots exactly zero (zeroed up front only where
 some experts are remote: otherwise every slot is written), and returns the
-permutation the combine must read them through (None when they are in ``(row, slot)`` order).
+permutation the combine must read them through (None when they are in ``(row, slot)`` order). Given a
+``SharedTail``, a one-row call also ends the site (``Backend.moe_down_shared_combine``: the shared
+expert's down projection and the combine, which a backend may run inside the routed down launch).
 Shape suffixes: T rows, H hidden, K top-k, M moe width, S = T*K slots.
 """
 
@@ -31,6 +33,18 @@ from glm_ep.topology import PathLevers
 from glm_ep.workspace import Workspace
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SharedTail:
+    """What a one-row sparse site does after its routed experts: the shared expert's down projection
+    (``down_HI``) on ``act_1I`` into ``shared_1H`` and the combine with ``wts_1K`` into ``out_1H``."""
+
+    act_1I: Any
+    down_HI: Any
+    wts_1K: Any
+    shared_1H: Any
+    out_1H: Any
 
 
 @dataclass
@@ -61,7 +75,10 @@ class ExpertDispatch:
             return "union"
         return "decode"  # one grouped GEMV per row
 
-    def __call__(self, x_TH: Any, ids_TK: Any, experts: RoutedExperts[Any], ws: Workspace) -> tuple[Any, Any | None]:
+    def __call__(self, x_TH: Any, ids_TK: Any, experts: RoutedExperts[Any], ws: Workspace,
+                 tail: SharedTail | None = None) -> tuple[Any, Any | None, bool]:
+        """(routed outputs, their permutation, whether ``tail`` ran: only on the one-row decode path
+        of a rank with routed experts; otherwise the caller combines)."""
         t, k, h = x_TH.shape[0], self.cfg.top_k, self.cfg.hidden
         routed_SH = ws.view("expert_out", t * k, h)
         if experts.count < self.cfg.num_experts:  # remote slots must add exactly zero
@@ -71,16 +88,23 @@ class ExpertDispatch:
             self._announced.add((path, t))
             log.info("routed experts: %d rows -> %s path", t, path)
         if experts.count == 0:  # this rank contributes no routed experts
-            return routed_SH, None
-        return getattr(self, f"_{path}")(x_TH, ids_TK, experts, ws, routed_SH)
+            return routed_SH, None, False
+        if path == "decode" and t == 1 and tail is not None:
+            self._decode(x_TH, ids_TK, experts, ws, routed_SH, tail)
+            return routed_SH, None, True
+        return (*getattr(self, f"_{path}")(x_TH, ids_TK, experts, ws, routed_SH), False)
 
-    def _decode(self, x_TH, ids_TK, experts, ws, routed_SH):
+    def _decode(self, x_TH, ids_TK, experts, ws, routed_SH, tail: SharedTail | None = None):
         be, k, m, lim = self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.swiglu_limit
         gate_KM, up_KM, act_KM = (ws.view(b, k, m) for b in ("a_gate", "a_up", "a_act"))
         for r in range(x_TH.shape[0]):
-            x_1H, ids_K = x_TH[r:r + 1], ids_TK[r]
+            x_1H, ids_K, routed_KH = x_TH[r:r + 1], ids_TK[r], routed_SH[r * k:(r + 1) * k]
             be.moe_gate_up_act(x_1H, experts, ids_K, lim, gate_KM, up_KM, act_KM)  # remote rows: unread
-            be.moe_gemv(act_KM, experts.down, ids_K, routed_SH[r * k:(r + 1) * k], per_slot_input=True)
+            if tail is None:
+                be.moe_gemv(act_KM, experts.down, ids_K, routed_KH, per_slot_input=True)
+            else:  # one row
+                be.moe_down_shared_combine(act_KM, experts.down, ids_K, routed_KH, tail.act_1I, tail.down_HI,
+                                           tail.wts_1K, tail.shared_1H, tail.out_1H)
         return routed_SH, None
 
     def _union(self, x_TH, ids_TK, experts, ws, routed_SH):

@@ -1,10 +1,10 @@
 """The two MLP sites. Each forward is a short pipeline that ends in ONE visible all-reduce.
 
 Sparse: route (with the shared expert's gate/up beside it where the workspace holds both) ->
-experts -> shared (its down projection fused with the combine where the backend can) -> combine
--> all_reduce. The combine runs BEFORE the reduce, so one collective sums both the EP partial
-(routed experts) and the TP partial (shared expert). Dense: gate/up -> clamped SwiGLU -> down ->
-all_reduce (only when tp > 1).
+experts -> shared (its down projection fused with the combine where the backend can; at one row,
+both inside the routed down launch) -> combine -> all_reduce. The combine runs BEFORE the reduce,
+so one collective sums both the EP partial (routed experts) and the TP partial (shared expert).
+Dense: gate/up -> clamped SwiGLU -> down -> all_reduce (only when tp > 1).
 Shape suffixes: T rows, H hidden, E experts, K top-k, I a projection width, S = T*K.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from glm_ep.backend.base import Backend, DenseResident, MoeResident
 from glm_ep.comm import Communicator
 from glm_ep.config import SiteConfig
-from glm_ep.experts import ExpertDispatch
+from glm_ep.experts import ExpertDispatch, SharedTail
 from glm_ep.routing import RouteParams
 from glm_ep.workspace import Workspace
 
@@ -97,14 +97,18 @@ class MoeSite:
         return ids_TK, wts_TK, act_TI
 
     def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
-        sh = self.moe.shared
+        sh, t = self.moe.shared, x_TH.shape[0]
         early = self.route_and_shared_glu(x_TH, ws) if sh is not None else None
         ids_TK, wts_TK = early[:2] if early else self.route(x_TH, ws)
-        routed_SH, perm_TK = self.experts(x_TH, ids_TK, self.moe.experts, ws)
-        if sh is None:
+        shared_TH = ws.view("shared_out", t, self.cfg.hidden) if sh is not None else None
+        # one row: the shared expert's down projection and the combine may run inside the routed down launch
+        tail = SharedTail(early[2], sh.down, wts_TK, shared_TH, out_TH) if early and t == 1 else None
+        routed_SH, perm_TK, done = self.experts(x_TH, ids_TK, self.moe.experts, ws, tail)
+        if done:
+            pass
+        elif sh is None:
             self.be.combine(routed_SH, wts_TK, None, out_TH, perm_TK)
         else:  # NOT scaled by routed_scaling_factor; its down projection ends in the combine
             act_TI = early[2] if early else clamped_swiglu(self.be, sh, self.cfg.swiglu_limit, x_TH, ws)
-            self.be.shared_down_combine(act_TI, sh.down, routed_SH, wts_TK,
-                                        ws.view("shared_out", x_TH.shape[0], self.cfg.hidden), out_TH, perm_TK)
+            self.be.shared_down_combine(act_TI, sh.down, routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
         return self.comm.all_reduce(out_TH) if self.reduces else out_TH

@@ -54,6 +54,22 @@ def test_ring_levers_default_to_the_measured_ring_and_parse_from_toml() -> None:
     assert RingConfig.from_levers(lv) == RingConfig(slab=(8, 8), depth=(3, 2), max_warps=7)
     lv = Topology.from_dict({"levers": {"ring_unscaled": False, "ring_f16": True}}).levers
     assert RingConfig.from_levers(lv).forms(7.0) == ("bf16", "f16")
+    lv = Topology.from_dict({"levers": {"ring_down_combine": False}}).levers
+    assert RingConfig.from_levers(lv) == RingConfig(down_combine=False)
+
+
+def test_down_combine_parts_cover_the_shared_width_in_routed_item_spans() -> None:
+    """A shared item sweeps a routed item's slabs at 32 T k each: at GLM-5.3-Flash's shape (hidden
+    4096, moe and shared width 2048) that is 512 k, so 4 items per row group at tp 1, 2 at tp 2."""
+    ring = RingConfig()
+    assert ring.down_combine_parts(4096, 2048, 2048) == 4
+    assert ring.down_combine_parts(4096, 2048, 1024) == 2
+    assert RingConfig(slab=(8, 4)).down_combine_parts(4096, 2048, 2048) == 4  # 2 slabs of 256 k
+    assert ring.down_combine_parts(4096, 2048, 768) == 0  # not a whole number of spans
+    assert ring.down_combine_parts(4104, 2048, 2048) == 0  # rows not in groups of 16
+    assert ring.down_combine_parts(4096, 2000, 2048) == 0  # the routed K is not whole slabs
+    assert ring.down_combine_parts(4096, 2048, 0) == 0
+    assert RingConfig(down_combine=False).down_combine_parts(4096, 2048, 2048) == 0
 
 
 @pytest.mark.parametrize("levers,named", [

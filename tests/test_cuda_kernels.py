@@ -321,3 +321,90 @@ def test_moe_decode_ring(rng, ring, forms):
     check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "ring glu", be)
     for proj, per_slot in (("gate", False), ("down", True)):
         check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, f"ring {proj}", be)
+
+
+# ---- one-row sites: the routed down ring with the shared expert's down projection and the combine ---------
+@pytest.mark.parametrize("ring,shared_k", [
+    pytest.param(dict(), 512, id="default-2parts"),  # h 2048, m 1024, T = 4: 2 slabs, 256 k per shared item
+    pytest.param(dict(), 256, id="default-1part"),
+    pytest.param(dict(max_warps=3), 768, id="w3-3parts"),  # several items per warp, shared and routed mixed
+    pytest.param(dict(depth=(4, 2), max_warps=5), 1024, id="t4d4-w5"),  # a ring deeper than an item's slabs
+    pytest.param(dict(slab=(8, 4), depth=(3, 2), max_warps=7), 512, id="t8d3-w7"),
+    pytest.param(dict(unscaled=False, max_warps=3), 512, id="bf16-w3"),
+    pytest.param(dict(f16=True), 512, id="f16"),
+])
+def test_moe_down_combine_ring(rng, ring, shared_k):
+    """``moe_down_shared_combine`` in ONE launch: the routed rows bit for bit the down ring's, the
+    site output within an ulp of ``linear`` + ``combine`` (the shared sums are added in another
+    order) and close to NumPy; the shared scratch is never written (the fused launch ran); the
+    arrival counts return to zero, so launches back to back and graph replays agree."""
+    import cupy
+
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
+    h, m, start, count = 2048, 1024, 4, 6
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
+    ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
+    local = (ids >= start) & (ids < start + count)
+    t = be.ring.slab[0]
+    assert be.ring.down_combine_parts(h, m, shared_k) == shared_k // (32 * t * (m // (128 * t)))
+    act, sh_act = rand_bf16(rng, (TOP_K, m)), rand_bf16(rng, (1, shared_k))
+    sh_down = rand_bf16(rng, (h, shared_k), shared_k ** -0.5)
+    wts = (rng.random((1, TOP_K)) * 2.5).astype(np.float32)
+    d_act, d_ids, d_sh_act, d_sh_down, d_wts = dev(act), dev(ids), dev(sh_act), dev(sh_down), dev(wts)
+
+    routed_sep, shared_sep, out_sep = dev(np.zeros((TOP_K, h), BF16)), poisoned((1, h), BF16), poisoned((1, h), BF16)
+    be.moe_gemv(d_act, cu.down, d_ids, routed_sep, True)
+    be.linear(d_sh_act, d_sh_down, shared_sep)
+    be.combine(routed_sep, d_wts, shared_sep, out_sep)
+    ref_routed, ref_shared, ref = np.zeros((TOP_K, h), BF16), np.empty((1, h), BF16), np.empty((1, h), BF16)
+    NP.moe_down_shared_combine(act, nu.down, ids, ref_routed, sh_act, sh_down, wts, ref_shared, ref)
+
+    routed, scratch, out = dev(np.zeros((TOP_K, h), BF16)), poisoned((1, h), BF16), poisoned((1, h), BF16)
+
+    def run():
+        be.moe_down_shared_combine(d_act, cu.down, d_ids, routed, d_sh_act, d_sh_down, d_wts, scratch, out)
+
+    run()
+    replay = be.capture(run)
+    for label in ("launch", "launch again", "replay", "replay again"):
+        if label.startswith("replay"):
+            replay()
+        elif label == "launch again":
+            run()
+        got, got_routed = host(out), host(routed)
+        assert unwritten(host(scratch)).all(), f"{label}: the shared scratch was written (the fused launch did not run)"
+        np.testing.assert_array_equal(got_routed.view(np.uint16), host(routed_sep).view(np.uint16), err_msg=label)
+        assert not got_routed[~local].view(np.uint16).any(), f"{label}: a remote slot is not zero"
+        assert_written(got, label)
+        assert_ulps(got, host(out_sep), f"down + shared + combine, {label}")
+        assert_close(got, ref, f"down + shared + combine against NumPy, {label}")
+        assert not host(be._dc_arrived).any(), f"{label}: the arrival counts were left non-zero"
+        cupy.cuda.runtime.memsetAsync(out.data.ptr, 0xFF, out.nbytes, be.stream.ptr)  # poison again
+
+
+def test_moe_down_combine_falls_back_where_the_ring_cannot():
+    """A shared width the ring's items cannot cover, and the lever off, take the separate launches:
+    the output is bit for bit the routed down launch, ``linear`` and ``combine``."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    rng = np.random.default_rng(5)
+    h, m = 2048, 1024
+    for ring, shared_k in ((RingConfig(), 384), (RingConfig(down_combine=False), 512)):
+        be = CudaBackend(0, ring, stream=backend().stream)
+        assert not be._down_combine_scratch(h, m, shared_k)
+        cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=4, num_experts=8), be)
+        ids = dev(np.array([0, 1, 2, 3, 0, 1, 2, 3], dtype=np.int32))
+        act, sh_act = dev(rand_bf16(rng, (TOP_K, m))), dev(rand_bf16(rng, (1, shared_k)))
+        sh_down = dev(rand_bf16(rng, (h, shared_k), shared_k ** -0.5))
+        wts = dev(np.full((1, TOP_K), 0.125, np.float32))
+        routed, scratch, out = poisoned((TOP_K, h), BF16), poisoned((1, h), BF16), poisoned((1, h), BF16)
+        be.moe_down_shared_combine(act, cu.down, ids, routed, sh_act, sh_down, wts, scratch, out)
+        sep_routed, sep_shared, sep = poisoned((TOP_K, h), BF16), poisoned((1, h), BF16), poisoned((1, h), BF16)
+        be.moe_gemv(act, cu.down, ids, sep_routed, True)
+        be.linear(sh_act, sh_down, sep_shared)
+        be.combine(sep_routed, wts, sep_shared, sep)
+        assert_written(host(out), "fallback")
+        np.testing.assert_array_equal(host(routed).view(np.uint16), host(sep_routed).view(np.uint16))
+        np.testing.assert_array_equal(host(out).view(np.uint16), host(sep).view(np.uint16))

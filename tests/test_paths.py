@@ -150,3 +150,29 @@ def test_chained_step_matches_float64_chain(contractive, rows: int, levers: Path
     for i in range(len(full)):
         h = (h.astype(np.float32) + stack.site_output(i, h).astype(np.float32)).astype(x.dtype)
     assert_ulps(h, y, "site by site vs step", ulps=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_one_row_sites_end_inside_the_routed_down_step(setup, monkeypatch, rows: int) -> None:
+    """At one row (with the shared activations beside the router) the site hands its shared down
+    projection and combine to ``moe_down_shared_combine`` and does not combine again; at two rows the
+    site combines. The output is the same bytes as the tight workspace's separate steps."""
+    from glm_ep.backend.numpy_backend import NumpyBackend
+
+    model, full, _, _ = setup
+    calls: list[str] = []
+    for name in ("moe_down_shared_combine", "shared_down_combine", "combine"):
+        def spy(self, *a, _real=getattr(NumpyBackend, name), _name=name, **k):
+            calls.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(NumpyBackend, name, spy)
+    x = random_x(600 + rows, rows, model.hidden_size)
+    roomy, tight = build_stack(full, model, max_rows=MAX_ROWS), build_stack(full, model, max_rows=rows)
+    for i in model.sparse_layers:
+        calls.clear()
+        got = roomy.site_output(i, x).copy()
+        want = ["moe_down_shared_combine", "shared_down_combine", "combine"] if rows == 1 else \
+            ["shared_down_combine", "combine"]
+        assert calls == want, f"site {i}, {rows} rows: {calls}"
+        assert_ulps(got, tight.site_output(i, x), f"site {i}, {rows} rows", ulps=0)

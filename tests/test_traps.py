@@ -193,7 +193,8 @@ def test_remote_slots_are_exactly_zero(rows: int, levers: PathLevers) -> None:
     ids, _ = build_stack(full, model).sites[0].route(x, Workspace(np, cfg, rows))
     ids = ids.copy()
     dispatch = ExpertDispatch(be, cfg, levers)
-    routed, perm = dispatch(x, ids, moe.experts, ws)
+    routed, perm, combined = dispatch(x, ids, moe.experts, ws)
+    assert not combined  # no SharedTail given: the caller combines
     perm = np.arange(rows * 8).reshape(rows, 8) if perm is None else np.asarray(perm)
     remote = ids < 16
     assert remote.any() and (~remote).any()

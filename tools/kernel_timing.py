@@ -164,6 +164,16 @@ def main() -> int:
         for m in moes:
             be.shared_down_combine(v(act, 1, M), m.shared.down, routed[0], wts[:1], out[:1], out[:1])
 
+    def down_shared_combine_fused():
+        for m in moes:
+            be.moe_down_shared_combine(v(act, TOP_K, M), m.experts.down, ids[0], routed[0], v(act, 1, M),
+                                       m.shared.down, wts[:1], out[:1], out[:1])
+
+    def down_then_shared_down_combine():
+        for m in moes:
+            be.moe_gemv(v(act, TOP_K, M), m.experts.down, ids[0], routed[0], per_slot_input=True)
+            be.shared_down_combine(v(act, 1, M), m.shared.down, routed[0], wts[:1], out[:1], out[:1])
+
     def dense_fused():
         for d in denses:
             be.gate_up_act(x[:1], d, LIMIT, *(v(b, 1, I) for b in (gate, up, act)))
@@ -219,6 +229,9 @@ def main() -> int:
     timed(shared_glu_only, 2 * M * H * 2, "shared expert gate + up + SwiGLU, 1 row", L)
     timed(shared_down_combine, M * H * 2, "shared expert down + combine, 1 row", L)
     timed(combine, TOP_K * H * 2, "combine, 1 row", L)
+    down_mb_all = expert_mb * TOP_K // 3 + M * H * 2
+    timed(down_shared_combine_fused, down_mb_all, "routed down + shared down + combine, 1 row (one launch)", L)
+    timed(down_then_shared_down_combine, down_mb_all, "routed down, then shared down + combine, 1 row (two launches)", L)
     timed(dense_fused, 3 * I * H * 2, "dense MLP, 1 row (fused glu + down)", len(denses))
 
     for r in (2, 4, 8):

@@ -203,6 +203,16 @@ class Backend(ABC, Generic[A, P]):
         self.linear(act_TI, down_HI, shared_TH)
         return self.combine(routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
 
+    def moe_down_shared_combine(self, act_KM: Any, table: ExpertTable[P], ids_K: Any, routed_KH: Any,
+                                shared_act_1I: Any, shared_down_HI: Any, wts_1K: Any, shared_1H: Any,
+                                out_1H: Any) -> Any:
+        """The end of a ONE-row sparse site: the routed down projection (``moe_gemv`` with a per-slot
+        input, into ``routed_KH``; its remote slots already zero), then ``shared_down_combine``. A
+        backend may run all of it at once (``shared_1H`` then unwritten); ``routed`` and ``out`` are
+        the same either way, up to the order in which the shared expert's sums are added."""
+        self.moe_gemv(act_KM, table, ids_K, routed_KH, per_slot_input=True)
+        return self.shared_down_combine(shared_act_1I, shared_down_HI, routed_KH, wts_1K, shared_1H, out_1H)
+
     @abstractmethod
     def add(self, a: Any, b: Any, out: Any) -> Any:
         """``out = bf16(a + b)`` (the residual of a chained stack)."""

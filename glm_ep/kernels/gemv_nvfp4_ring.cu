@@ -24,6 +24,8 @@
 //       operands, x rounded to fp16, the block scale applied to each 16-k group's fp32 partial)
 //   nvfp4_ring_moe_{gemv,glu}_bf16u_t{T}_d{D} the unscaled bf16 form (F = 2: the same with bf16 operands,
 //       x as it is: exact for any bf16 input)
+//   nvfp4_ring_moe_down_combine_{,f16_,bf16u_}t{T}_d{D}  the down projection (x[slot]) with the shared
+//       expert's down projection and the site's combine in the same launch (DownCombine, below)
 // The verify (union) kernels on the same ring are gemv_nvfp4_union.cu's; what both share is in
 // nvfp4_ring.cuh.
 #include "common.cuh"
@@ -164,36 +166,154 @@ __device__ __forceinline__ void store_item(const RingOut& o, int slot, int n0, i
     }
 }
 
-template <int P, int T, int D, int F>
+// ---- the routed down projection, the shared expert's down projection and the combine in ONE launch ----
+// The shared expert's bf16 down weights [N, Ksh] run as extra items of the down ring: item (part, group)
+// is 16 rows by Kp = 32 T * slabs k (Ksh = parts * Kp), a slab 32 T k (the 64 T bytes a stage row
+// holds), the same slab count as a routed item. Its fp32 sums go to partials[part][n]. Every finished
+// item (routed or shared) of a row group counts itself in arrived[group]; the warp that brings the
+// count to nlocal + parts combines the group's 16 rows: shared = bf16(partials summed in part order),
+// out = bf16(sum over slots k in order of bf16(wts[k] * routed[k]) + shared), elementwise.cu's combine
+// (remote slots read as the zeros written before the launch), and clears the count for the next launch.
+struct DownCombine {
+    const bf16_t* sh_w;  // [N, sh_k] the shared expert's down projection (this rank's TP slice)
+    const bf16_t* sh_x;  // [sh_k] its activations
+    int sh_k, parts;
+    float* partials;     // [parts, N]
+    unsigned* arrived;   // [N / 16], zero between launches
+    const float* wts;    // [S] the combine weights of the row
+    bf16_t* out;         // [N] the site's output row
+};
+
+// Slab b of a shared item: 16 rows x 32 T k of bf16 weights (no scales) and the 32 T k of x.
+template <int T>
+__device__ __forceinline__ void issue_bf16_slab(RingStage<1, T>& st, const ItemSrc<1>& src, int b) {
+    const int lane = threadIdx.x & 31;
+    issue_weights<1, T, 1, false>(st, src, b);
+    if (lane < 4 * T) cp_async16(smem_u32(&st.x[0][lane]), src.x + 64 * T * (size_t)b + 16 * lane);
+}
+
+// A landed bf16 slab into the bf16 form's layout (acc[0][0]: row g, acc[0][2]: row g + 8, lanes t = 0):
+// lane (g, t) takes pieces (8 k each) 4 q + t of rows g and g + 8, as the NVFP4 form takes chunks, and
+// x row 0 is the mma's B column 0.
+template <int T>
+__device__ __forceinline__ void consume_bf16_slab(const RingStage<1, T>& st, float (&acc)[1][4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int u = 0; u < T / 4; ++u) {
+        unsigned lo[16], hi[16];
+        uint4 xv[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int j = 4 * (4 * u + q) + t;
+            const uint4 a = st.w[0][g][swz(g, j)], b = st.w[0][g + 8][swz(g + 8, j)];
+            lo[4 * q] = a.x, lo[4 * q + 1] = a.y, lo[4 * q + 2] = a.z, lo[4 * q + 3] = a.w;
+            hi[4 * q] = b.x, hi[4 * q + 1] = b.y, hi[4 * q + 2] = b.z, hi[4 * q + 3] = b.w;
+            xv[q] = g == 0 ? st.x[0][j] : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint4& x4 = xv[i >> 1];
+            mma_bf16(acc[0], lo[2 * i], hi[2 * i], lo[2 * i + 1], hi[2 * i + 1], (i & 1) ? x4.z : x4.x,
+                     (i & 1) ? x4.w : x4.y);
+        }
+    }
+}
+
+// A finished item of row group n0 / 16 has been stored: count it, and combine the group if it is the last.
+__device__ __forceinline__ void arrive_and_combine(const DownCombine& dc, const bf16_t* routed, int S, int N, int n0,
+                                                   unsigned expected) {
+    const int lane = threadIdx.x & 31;
+    __syncwarp();  // every lane's stores happen before lane 0's release (cumulative), and the acquire before
+    unsigned before = 0u;  // every lane's reads below
+    if (lane == 0)
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(dc.arrived + (n0 >> 4))
+                     : "memory");
+    if (__shfl_sync(0xffffffffu, before, 0) + 1u != expected) return;
+    if (lane < 16) {
+        const int n = n0 + lane;
+        float sh = 0.0f;
+        for (int p = 0; p < dc.parts; ++p) sh = __fadd_rn(sh, __ldcg(dc.partials + (size_t)p * N + n));
+        float acc = 0.0f;
+        for (int k = 0; k < S; ++k)
+            acc = __fadd_rn(acc, __fmul_rn(dc.wts[k], bf16_to_f32(__ldcg(routed + (size_t)k * N + n))));
+        dc.out[n] = f32_to_bf16(__fadd_rn(acc, round_bf16(sh)));
+    }
+    if (lane == 0) dc.arrived[n0 >> 4] = 0u;
+}
+
+// DC: the routed items of down projection (P = 1) follow groups * dc.parts shared items, and every item
+// ends in arrive_and_combine.
+template <int P, int T, int D, int F, bool DC = false>
 __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_stride, const u64_t* const (&wp)[P],
                                          const u64_t* const (&sp)[P], const float* const (&s2)[P], const int* ids,
-                                         int S, int start, int count, const RingOut& o, int N, int K) {
+                                         int S, int start, int count, const RingOut& o, int N, int K,
+                                         const DownCombine& dc = DownCombine{}) {
+    static_assert(!DC || P == 1, "the combine ends the down projection");
     int my_slot;
     u64_t wb[P], sb[P];
     float fb[P];
     const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb);
-    const int groups = N >> 4;
+    const int groups = N >> 4, slabs = K / (128 * T);
+    const int shared_items = DC ? groups * dc.parts : 0;
     const int W = gridDim.x * RING_WARPS, w0 = blockIdx.x * RING_WARPS + (threadIdx.x >> 5);
     RingStage<P, T>* ring = reinterpret_cast<RingStage<P, T>*>(dyn_smem) + (threadIdx.x >> 5) * D;
     ItemSrc<P> src;
+    bool src_shared = false;  // the producer's item is a shared one
     float acc[P][4];
     zero_acc<P>(acc);
     ring_pipeline<D>(
-        ring, w0, W, nlocal * groups, K / (128 * T),
-        [&](int item) { item_src<P>(item / groups, (item % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src); },
-        [&](RingStage<P, T>& st, int b) { issue_slab<P, T>(st, src, b); },
-        [&](const RingStage<P, T>& st) {
+        ring, w0, W, shared_items + nlocal * groups, slabs,
+        [&](int item) {
+            src_shared = DC && item < shared_items;
+            if (src_shared) {
+                const int kp = 32 * T * slabs, part = item / groups, n0 = (item % groups) * 16;
+                src.w[0] = (const unsigned char*)(dc.sh_w + (size_t)n0 * dc.sh_k + (size_t)part * kp);
+                src.row_bytes = 2 * (size_t)dc.sh_k;
+                src.x = (const unsigned char*)(dc.sh_x + (size_t)part * kp);
+            } else {
+                const int r = item - shared_items;
+                item_src<P>(r / groups, (r % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
+            }
+        },
+        [&](RingStage<P, T>& st, int b) {
+            if constexpr (DC) {
+                if (src_shared) {
+                    issue_bf16_slab<T>(st, src, b);
+                    return;
+                }
+            }
+            issue_slab<P, T>(st, src, b);
+        },
+        [&](const RingStage<P, T>& st, int item) {
+            if constexpr (DC) {
+                if (item < shared_items) {
+                    consume_bf16_slab<T>(st, acc);
+                    return;
+                }
+            }
             if constexpr (F != 0) consume_slab_unscaled<P, T, F>(st, acc);
             else consume_slab<P, T>(st, acc);
         },
         [&](int item) {
-            const int j = item / groups;
+            if (DC && item < shared_items) {
+                const int n = (item % groups) * 16 + ((threadIdx.x & 31) >> 2);
+                if ((threadIdx.x & 3) == 0) {
+                    float* part = dc.partials + (size_t)(item / groups) * N;
+                    part[n] = acc[0][0];
+                    part[n + 8] = acc[0][2];
+                }
+                zero_acc<P>(acc);
+                arrive_and_combine(dc, o.out, S, N, (item % groups) * 16, nlocal + dc.parts);
+                return;
+            }
+            const int r = item - shared_items, j = r / groups;
             float f2[P];
 #pragma unroll
             for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, fb[p], j);
             finish_item<P, F>(acc);
-            store_item<P>(o, __shfl_sync(0xffffffffu, my_slot, j), (item % groups) * 16, N, f2, acc);
+            store_item<P>(o, __shfl_sync(0xffffffffu, my_slot, j), (r % groups) * 16, N, f2, acc);
             zero_acc<P>(acc);
+            if constexpr (DC) arrive_and_combine(dc, o.out, S, N, (r % groups) * 16, nlocal + dc.parts);
         });
 }
 
@@ -211,6 +331,18 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         const float* const s2[1] = {scale2};                                                                          \
         const RingOut o = {out, nullptr, nullptr, nullptr, 0.0f};                                                     \
         ring_moe<1, T, D, F>(x, x_slot_stride, wp, sp, s2, ids, S, start, count, o, N, K);                            \
+    }                                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_down_combine_##TAG##t##T##_d##D(        \
+        const bf16_t* __restrict__ x, const u64_t* __restrict__ packed_ptrs, const u64_t* __restrict__ scale_ptrs,    \
+        const float* __restrict__ scale2, const int* __restrict__ ids, int S, int start, int count, bf16_t* routed,   \
+        int N, int K, const bf16_t* __restrict__ sh_w, const bf16_t* __restrict__ sh_x, int sh_k, int parts,          \
+        float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out) {                \
+        const u64_t* const wp[1] = {packed_ptrs};                                                                     \
+        const u64_t* const sp[1] = {scale_ptrs};                                                                      \
+        const float* const s2[1] = {scale2};                                                                          \
+        const RingOut o = {routed, nullptr, nullptr, nullptr, 0.0f};                                                  \
+        const DownCombine dc = {sh_w, sh_x, sh_k, parts, partials, arrived, wts, out};                               \
+        ring_moe<1, T, D, F, true>(x, K, wp, sp, s2, ids, S, start, count, o, N, K, dc);                              \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_##TAG##t##T##_d##D(                 \
         const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale,    \

@@ -37,9 +37,9 @@ struct ItemSrc {
     size_t row_bytes, scale_row_bytes;
 };
 
-// Copy slab b of the item's weights and scales: 32 consecutive 16-byte pieces per instruction
+// Copy slab b of the item's weights and (SCALES) scales: 32 consecutive 16-byte pieces per instruction
 // (rows of 64 T contiguous bytes).
-template <int P, int T, int R>
+template <int P, int T, int R, bool SCALES = true>
 __device__ __forceinline__ void issue_weights(RingStage<P, T, R>& st, const ItemSrc<P>& src, int b) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -50,7 +50,7 @@ __device__ __forceinline__ void issue_weights(RingStage<P, T, R>& st, const Item
             cp_async16(smem_u32(&st.w[p][r][swz(r, j)]),
                        src.w[p] + (size_t)r * src.row_bytes + 64 * T * (size_t)b + 16 * j);
         }
-        constexpr int SC = 8 * T;  // scale pieces: 16 rows x T / 2 (T = 2: fewer than a warp's lanes)
+        constexpr int SC = SCALES ? 8 * T : 0;  // scale pieces: 16 rows x T / 2 (T = 2: fewer than a warp's lanes)
 #pragma unroll
         for (int q = 0; q < (SC + 31) / 32; ++q) {
             const int i = 32 * q + lane, r = i / (T / 2), j = i % (T / 2);
@@ -95,7 +95,7 @@ struct RingOut {
 // The per-warp cp.async pipeline of both ring forms. The warp's items are w0, w0 + W, ... < items,
 // each `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries. The steps are callables:
 // src(item) points the producer at an item, issue(stage, slab) copies a slab of the producer's item,
-// consume(stage) multiplies a landed slab into the caller's accumulators, finish(item) stores a
+// consume(stage, item) multiplies a landed slab of the item into the caller's accumulators, finish(item) stores a
 // finished item and clears them.
 template <int D, typename Stage, typename Src, typename Issue, typename Consume, typename Finish>
 __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int items, int slabs, Src&& src,
@@ -128,7 +128,7 @@ __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int it
         }
         cp_async_commit();
         fill = fill + 1 == D ? 0 : fill + 1;
-        consume(ring[stage]);
+        consume(ring[stage], c_item);
         stage = stage + 1 == D ? 0 : stage + 1;
         if (++c_s == slabs) {  // warp-uniform
             finish(c_item);

@@ -27,7 +27,7 @@ import numpy as np
 from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
 from glm_ep.backend.cuda import dense, elementwise, grouped, route
 from glm_ep.backend.cuda import nvfp4 as NV
-from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS
+from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.errors import ConfigError
@@ -69,6 +69,8 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
         # the fused router's block counter: zero between launches, and launches on one stream never overlap
         self._route_done = self.zero(cupy.empty(1, dtype=np.uint32))  # zeroed on this stream, in order
+        # the one-row down ring's combine scratch (nvfp4_moe_down_combine): sized at upload_moe, before any capture
+        self._dc_partials, self._dc_arrived = None, None
 
     @property
     def pci_bus_id(self) -> str:
@@ -158,6 +160,8 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
                                    self._upload_proj([e.up for e in w.experts], "experts.up_proj", hidden_form),
                                    self._upload_proj([e.down for e in w.experts], "experts.down_proj", act_form),
                                    w.expert_start, len(w.experts))
+        if w.shared is not None and experts.count:
+            self._down_combine_scratch(experts.down.weights.n, experts.down.weights.k, w.shared.down.shape[1])
         bias = self.asarray(w.bias).astype(np.float32, copy=False)
         return MoeResident(self.asarray(w.router), bias, experts,
                            self.upload_dense(w.shared) if w.shared is not None else None)
@@ -233,6 +237,32 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             dense.gemv_combine_bf16(act_TI, down_HI, routed_SH, wts_TK, out_TH)
             return out_TH
         return super().shared_down_combine(act_TI, down_HI, routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+
+    def _down_combine_scratch(self, n: int, k: int, shared_k: int) -> bool:
+        """Grow the down ring's combine scratch to hold an [n, k] down projection's site with a shared
+        expert of width ``shared_k``; False where the ring cannot run that site in one launch."""
+        parts = self.ring.down_combine_parts(n, k, shared_k)
+        if not parts:
+            return False
+        cupy = self.xp
+        if self._dc_partials is None or self._dc_partials.size < parts * n:
+            self._dc_partials = cupy.empty(parts * n, dtype=np.float32)
+        if self._dc_arrived is None or self._dc_arrived.size < n // MMA_ROWS:
+            self._dc_arrived = self.zero(cupy.empty(n // MMA_ROWS, dtype=np.uint32))
+        return True
+
+    @_on_stream
+    def moe_down_shared_combine(self, act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
+                                shared_1H, out_1H):
+        """One launch on the down ring (``nvfp4.nvfp4_moe_down_combine``) where the ring takes the shapes;
+        otherwise the routed down launch and ``shared_down_combine``."""
+        proj = table.weights
+        if (self._down_combine_scratch(proj.n, proj.k, shared_down_HI.shape[1])
+                and NV.nvfp4_moe_down_combine(act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
+                                              out_1H, self._dc_partials, self._dc_arrived, self.ring)):
+            return out_1H
+        return super().moe_down_shared_combine(act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
+                                               shared_1H, out_1H)
 
     @_on_stream
     def add(self, a, b, out):

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.loader import (BF16, I32, MMA_ROWS, NVFP4_WARPS, RING_WARPS, U8, UNION_MAX_IDS, UNION_MAX_ROWS,
-                                        cdiv, check, check_shape, i32, i64, launch, sm_count, split_k)
+from glm_ep.backend.cuda.loader import (BF16, F32, I32, MMA_ROWS, NVFP4_WARPS, RING_WARPS, U8, U32, UNION_MAX_IDS,
+                                        UNION_MAX_ROWS, cdiv, check, check_shape, i32, i64, launch, sm_count, split_k)
 from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.config import NVFP4_GROUP
 
@@ -96,6 +96,40 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointer
             i32(start), i32(count), out_SN, i32(proj.n), i32(proj.k))
     grid_x, ks = _mma_geometry(proj.n, proj.k, s)
     launch(_NVFP4, "nvfp4_mma_moe_gemv", (grid_x, s, 1), _NVFP4_BLOCK, head + (i32(ks),))
+
+
+def nvfp4_moe_down_combine(act_SK: Any, table: ExpertTable[Nvfp4Pointers], ids_S: Any, routed_SN: Any,
+                           shared_act_1I: Any, shared_down_NI: Any, wts_1S: Any, out_1N: Any, partials: Any,
+                           arrived: Any, ring: RingConfig) -> bool:
+    """ONE row's routed down projection (slot s on ``act[s]``), the shared expert's down projection
+    and the site's combine in ONE ring launch (``nvfp4_ring_moe_down_combine``): ``out`` as
+    ``linear`` + ``combine`` compute it (the shared sums added in another order), ``routed`` as
+    ``nvfp4_moe_gemv`` writes it (remote slots must already be zero). False, with nothing queued, where
+    the ring does not take the shapes (``RingConfig.down_combine_parts``). ``partials``: fp32 of at
+    least parts x n; ``arrived``: uint32 of at least n / 16, zero between launches (each launch leaves
+    it zero)."""
+    proj, start, count = table.weights, table.start, table.count
+    s, n, k = ids_S.size, proj.n, proj.k
+    shared_k = shared_down_NI.shape[1]
+    parts = ring.down_combine_parts(n, k, shared_k)
+    if not parts or not ring.takes(n, k, s, 1):
+        return False
+    check("act", act_SK, BF16), check("ids", ids_S, I32, 4), check("routed", routed_SN, BF16)
+    check("shared_act", shared_act_1I, BF16), check("shared_down", shared_down_NI, BF16)
+    check("wts", wts_1S, F32, 4), check("out", out_1N, BF16, 2)
+    check_shape("act", act_SK, (s, k)), check_shape("routed", routed_SN, (s, n))
+    check_shape("shared_act", shared_act_1I, (1, shared_k)), check_shape("shared_down", shared_down_NI, (n, shared_k))
+    check_shape("wts", wts_1S, (1, s)), check_shape("out", out_1N, (1, n))
+    check("partials", partials, F32, 4), check("arrived", arrived, U32, 4)
+    if partials.size < parts * n or arrived.size < n // MMA_ROWS:
+        raise ValueError(f"nvfp4_moe_down_combine: scratch of {partials.size} sums / {arrived.size} counts, the launch "
+                         f"needs {parts * n} / {n // MMA_ROWS}")
+    blocks, smem, suffix = ring.geometry(n, s, 1, proj.form, extra_items=parts * (n // MMA_ROWS))
+    launch(_RING, f"nvfp4_ring_moe_down_combine_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
+           (act_SK, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, i32(s), i32(start), i32(count),
+            routed_SN, i32(n), i32(k), shared_down_NI, shared_act_1I, i32(shared_k), i32(parts), partials, arrived,
+            wts_1S, out_1N), smem=smem)
+    return True
 
 
 def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, limit: float, gate_SN: Any,

@@ -48,7 +48,8 @@ class RingConfig:
     (stages per warp); the warps per SM the grid aims at (fewer where the rings' shared memory does
     not fit); ``max_warps`` caps the grid (tests: several items per warp); ``f16``: the down
     projection in the fp16 form; ``f16_hidden``: gate and up too; ``unscaled``: a projection not in
-    the fp16 form in the unscaled bf16 form (else the scaled one)."""
+    the fp16 form in the unscaled bf16 form (else the scaled one); ``down_combine``: at one row, the
+    shared expert's down projection and the site's combine run inside the routed down launch."""
 
     enabled: bool = True
     slab: tuple[int, int] = (4, 4)
@@ -58,6 +59,7 @@ class RingConfig:
     f16: bool = False  # consume_slab_unscaled's fp16 form (F = 1): no faster than bf16u on H200 (NOTES.md)
     f16_hidden: bool = False
     unscaled: bool = True
+    down_combine: bool = True  # one-row sites: the shared expert's down projection and the combine in the down ring
     union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (bf16 form)
     union_slab: tuple[int, int] = (2, 2)
     union_depth: tuple[int, int] = (3, 3)
@@ -74,7 +76,7 @@ class RingConfig:
     @classmethod
     def from_levers(cls, lv: PathLevers) -> "RingConfig":
         return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
-                   lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_union_max_rows,
+                   lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_down_combine, lv.ring_union_max_rows,
                    tuple(lv.ring_union_slab), tuple(lv.ring_union_depth))
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
@@ -95,13 +97,24 @@ class RingConfig:
         return (self.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.slab[p - 1]) == 0
                 and slots <= RING_MAX_SLOTS)
 
-    def geometry(self, n: int, slots: int, p: int, form: str) -> tuple[int, int, str]:
+    def geometry(self, n: int, slots: int, p: int, form: str, extra_items: int = 0) -> tuple[int, int, str]:
         """(blocks, dynamic smem bytes, entry suffix): as even a share of the slots x row-group items
-        per warp as the cap allows (warps_per_sm per SM, or fewer where the rings do not fit in the
-        device's shared memory), RING_WARPS per block."""
+        (and ``extra_items``) per warp as the cap allows (warps_per_sm per SM, or fewer where the
+        rings do not fit in the device's shared memory), RING_WARPS per block."""
         t, depth = self.slab[p - 1], self.depth[p - 1]
         smem = RING_WARPS * depth * ring_stage_bytes(p, t)
-        return self._blocks(slots * (n // MMA_ROWS), smem), smem, f"{FORM_PREFIX[form]}t{t}_d{depth}"
+        return self._blocks(slots * (n // MMA_ROWS) + extra_items, smem), smem, f"{FORM_PREFIX[form]}t{t}_d{depth}"
+
+    def down_combine_parts(self, n: int, k: int, shared_k: int) -> int:
+        """K slices of the shared expert's down projection [n, shared_k] when it runs as extra items
+        of the routed down ring ([n, k] per expert; ``nvfp4_ring_moe_down_combine``), 0 where it
+        cannot: a shared item sweeps as many slabs as a routed one, 32 T k each (a bf16 slab fills a
+        stage row's 64 T bytes), so shared_k must be a multiple of that span."""
+        t = self.slab[0]
+        if not self.down_combine or n % MMA_ROWS or k % (RING_STEP_K * t) or shared_k <= 0:
+            return 0
+        span = 32 * t * (k // (RING_STEP_K * t))
+        return shared_k // span if shared_k % span == 0 else 0
 
     def union_takes(self, n: int, k: int, rows: int, p: int) -> bool:
         """Whether the union ring serves ``rows`` rows of ``p`` [n, k] matrices."""
