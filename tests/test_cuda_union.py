@@ -92,11 +92,13 @@ def test_moe_union_ring(rng, ring, r):
 
 
 def test_union_ring_rows_independent(rng):
-    """The union ring runs each row through the same mma chain as the one-row ring (bf16 form): a
-    row's outputs are bit-identical whichever rows share its batch, and equal to its decode."""
+    """The union ring runs each row through the same mma chain as the one-row ring in the scaled
+    bf16 form (``unscaled = false``; the default unscaled form sums per 16-k group, another
+    chain): a row's outputs are bit-identical whichever rows share its batch, and equal to its
+    decode."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    be = CudaBackend(0, RingConfig(f16=False, union_max_rows=8), stream=backend().stream)
+    be = CudaBackend(0, RingConfig(f16=False, unscaled=False, union_max_rows=8), stream=backend().stream)
     h, m = 2048, 1024
     cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=E), be)
     ids8 = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(8)]).astype(np.int32)
