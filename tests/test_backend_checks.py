@@ -58,6 +58,39 @@ def test_ring_levers_default_to_the_measured_ring_and_parse_from_toml() -> None:
     assert RingConfig.from_levers(lv) == RingConfig(down_combine=False)
 
 
+def test_dependent_launch_lever_and_its_argument_marshalling() -> None:
+    """``pdl`` parses (default on) and reaches the backend; ``cuLaunchKernelEx``'s parameter array
+    holds a device array's pointer and a scalar's own bytes, and refuses what CuPy would guess at."""
+    import ctypes
+
+    import numpy as np
+
+    from glm_ep.backend.cuda import pdl
+
+    assert PathLevers().pdl and not Topology.from_dict({"levers": {"pdl": False}}).levers.pdl
+    with pytest.raises(ConfigError, match="pdl"):
+        Topology.from_dict({"levers": {"pdl": "yes"}})
+
+    class FakeDeviceArray:
+        class data:
+            ptr = 0xDEADBEEF000
+
+    args = (FakeDeviceArray(), np.int32(-7), np.int64(1 << 40), np.float32(1.5), np.uint64(0))
+    params, held = pdl.kernel_params(args)
+    got = [ctypes.string_at(params[i], h.nbytes) for i, h in enumerate(held)]
+    assert got == [np.uint64(0xDEADBEEF000).tobytes(), np.int32(-7).tobytes(), np.int64(1 << 40).tobytes(),
+                   np.float32(1.5).tobytes(), np.uint64(0).tobytes()]
+    with pytest.raises(TypeError, match="kernel argument 1: int"):
+        pdl.kernel_params((FakeDeviceArray(), 3))
+    assert "sm_80" in pdl.unsupported_reason((8, 0))
+    with pdl.dependent_launches(True):
+        assert pdl.active()
+        with pdl.dependent_launches(False):
+            assert not pdl.active()
+        assert pdl.active()
+    assert not pdl.active()
+
+
 def test_down_combine_parts_cover_the_shared_width_in_routed_item_spans() -> None:
     """A shared item sweeps a routed item's slabs at 32 T k each: at GLM-5.3-Flash's shape (hidden
     4096, moe and shared width 2048) that is 512 k, so 4 items per row group at tp 1, 2 at tp 2."""

@@ -173,6 +173,34 @@ def test_graph_replay(rows):
     assert rows in cuda._graphs, "the step was not captured"
 
 
+@pytest.mark.parametrize("rows", [1, 4, 300])
+def test_dependent_launches_change_no_bit(rows):
+    """Every kernel launched as a programmatic dependent of the one before it (the default from
+    sm_90 on) gives the bits plain launches give: a dense + 2 sparse stack, captured as a graph at
+    1 and 4 rows and eager at 300, over fresh inputs, against the same stack on a backend with
+    plain launches and against NumPy."""
+    from glm_ep.backend.cuda import CudaBackend
+    from glm_ep.backend.cuda.loader import compute_capability
+
+    on = backend()
+    assert on.pdl == (compute_capability(0) >= (9, 0))
+    off = CudaBackend(0, on.ring, stream=on.stream, dependent_launch=False)
+    assert not off.pdl
+    layer_types = ("dense", "sparse", "sparse")
+    cfg = SiteConfig.for_rank(model(layer_types), RankLayout(1, 0, 1, 1))
+    weights = full_weights(13, layer_types)
+    stacks = [build_stack(be, SelfComm(), cfg, weights, PathLevers(), max_rows=300) for be in (on, off)]
+    ref = build_stack(NumpyBackend(), SelfComm(), cfg, weights, PathLevers(), max_rows=300)
+    rng = np.random.default_rng(rows)
+    for step in range(3):
+        x = (int_rows(rng, rows).astype(np.float32) * 0.5).astype(BF16)
+        got_on, got_off = (np.array(host(st.step(dev(x))), copy=True) for st in stacks)
+        np.testing.assert_array_equal(got_on.view(np.uint16), got_off.view(np.uint16),
+                                      err_msg=f"step {step}, {rows} rows: dependent vs plain launches")
+        assert_close(got_on, np.array(ref.step(x), copy=True), f"step {step}, {rows} rows")
+    assert (rows in stacks[0]._graphs) == (rows <= 8)
+
+
 def test_nccl_one_rank():
     from mpi4py import MPI
 

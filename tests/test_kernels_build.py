@@ -188,3 +188,34 @@ def test_compiles(path: Path, arch: str, tmp_path: Path):
            str(tmp_path / "out.cubin"), str(src)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"nvcc -arch={arch} failed on {path.name}:\n{r.stdout}{r.stderr}"
+
+
+#: a PTX instruction that touches global or shared memory (a kernel parameter's ld.param does not)
+_MEMORY_OP = re.compile(r"^\s*(?:@%?\w+\s+)?(ld|st|atom|red|cp\.async|ldmatrix|stmatrix|prefetch|wgmma|cp\.reduce)"
+                        r"\b(?!\.param)")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_kernel_waits_for_its_predecessor_before_touching_memory(path: Path, tmp_path: Path):
+    """The backend launches every kernel as a programmatic dependent (``pdl``): correct only if each
+    entry's first global or shared memory access comes after ``griddepcontrol.wait``. Checked on the
+    PTX nvcc makes for sm_90, entry by entry (macro-made entries included)."""
+    src = tmp_path / path.name
+    src.write_text(loader.kernel_source(path.name))
+    ptx = tmp_path / "out.ptx"
+    r = subprocess.run([NVCC, "--ptx", "-arch=sm_90", "-std=c++17", *loader.define_options(), "-o", str(ptx),
+                        str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, f"nvcc --ptx failed on {path.name}:\n{r.stdout}{r.stderr}"
+    entries = re.split(r"^\.visible \.entry ", ptx.read_text(), flags=re.M)[1:]
+    assert entries, f"{path.name}: no kernel entries in its PTX"
+    bad = []
+    for body in entries:
+        name = body.split("(", 1)[0]
+        lines = body.splitlines()
+        wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
+        first = next((i for i, line in enumerate(lines) if _MEMORY_OP.match(line)), None)
+        if wait is None or (first is not None and first < wait):
+            bad.append(f"{name}: griddepcontrol.wait at line {wait}, first memory access at line {first}"
+                       + (f" ({lines[first].strip()})" if first is not None else ""))
+    assert not bad, f"{path.name}: entries that touch memory before waiting for their predecessor:\n" + "\n".join(bad)

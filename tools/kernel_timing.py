@@ -1,6 +1,6 @@
 """Time the CUDA backend's decode and verify steps at the GLM-5.3-Flash shape (one GPU).
 
-    python tools/kernel_timing.py [--layers 8] [--iters 20] [--ring-variants]
+    python tools/kernel_timing.py [--layers 8] [--iters 20] [--ring-variants] [--no-pdl]
 
 Each figure is the median replay time of a CUDA graph over ``--layers`` distinct layers (so the
 weights stream from HBM, not L2), divided by the layer count, with the bytes it must read and
@@ -35,8 +35,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--ring-variants", action="store_true")
+    ap.add_argument("--no-pdl", action="store_true", help="plain launches (no programmatic dependent launch)")
     args = ap.parse_args()
-    be = CudaBackend(0)
+    be = CudaBackend(0, dependent_launch=not args.no_pdl)
     s = be.stream
 
     def bf16(shape, std):
@@ -195,7 +196,7 @@ def main() -> int:
                           ("ring t4 d2/2 w16 bf16 (again)", RingConfig(unscaled=False)),
                           ("ring t4 d2/2 w16 bf16u (again)", RingConfig()),
                           ("ring t4 d2/2 w16 bf16u, f16 down (again)", RingConfig(f16=True))):
-            rb = CudaBackend(0, cfg, stream=s)
+            rb = CudaBackend(0, cfg, stream=s, dependent_launch=not args.no_pdl)
             with s:
                 variant = [rb.upload_moe(w, LIMIT) for w in weights]  # device arrays: only the tables are new
 

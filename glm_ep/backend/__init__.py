@@ -39,7 +39,8 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
         raise ConfigError(f"topology {topology.name!r} asks for backend = 'cuda', but CUDA is unusable on "
                           f"{placement.host} ({type(e).__name__}: {e}); install glm_ep[cuda13] (or "
                           "[cuda12]) or use backend = 'cpu'") from None
-    return CudaBackend(device_index(topology.devices, placement, visible), ring)
+    return CudaBackend(device_index(topology.devices, placement, visible), ring,
+                       dependent_launch=topology.levers.pdl)
 
 
 def make_comm(mpi_comm: Any, backend: Backend, topology: Any, placement: Placement,

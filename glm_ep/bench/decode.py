@@ -202,6 +202,17 @@ def run_bench(args: argparse.Namespace) -> int:
         peer_step = n_dense * peer.fastest_dense + n_sparse * peer.fastest_sparse
         note += f"; the fastest peer sites add up to {peer_step / 1e3:.1f} ms: {peer_step / us:.1f}x slower"
     rows.append(Row(f"decode step, {n_dense + n_sparse}-layer stack", us, step_bytes, copy_gbs, note))
+    if be.pdl:  # the same sites captured with plain launches: what programmatic dependent launch saves
+        be.pdl = False
+        try:
+            plain = MlpStack(be, comm, cfg, dense_sites + sparse_sites, levers, max_rows=8)
+            plain.step(x1)
+            us_plain = time_median(cp, stream, lambda: plain.step(x1), iters=max(iters // 10, 5))
+        finally:
+            be.pdl = True
+        rows.append(Row(f"decode step, {n_dense + n_sparse}-layer stack, plain launches", us_plain, step_bytes,
+                        copy_gbs, f"the same step captured without programmatic dependent launch (levers.pdl = "
+                        f"false): {us_plain / us:.3f}x the time"))
     out_dir = Path(args.out)
     write_results(out_dir, rows, bench_meta(device, copy_gbs))
     plot_results(out_dir)

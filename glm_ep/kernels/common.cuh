@@ -11,6 +11,18 @@ typedef unsigned long long u64_t;
 // The one dynamic shared-memory window of every kernel (each casts it to what it stages).
 extern __shared__ __align__(16) unsigned char dyn_smem[];
 
+// Programmatic dependent launch (sm_90 and later). Every kernel calls this first, before it reads
+// or writes global memory: it waits until the grid it depends on has finished and its writes are
+// visible, then lets the next grid on the stream place its blocks, which wait here in turn. The
+// loader launches with the attribute where the backend's `pdl` lever is on (the persistent rings
+// excepted); without it both instructions return at once, so the kernels are the same either way.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_f32(unsigned bits) {
     return __uint_as_float((bits & 0xffffu) << 16);
 }

@@ -21,18 +21,21 @@ static_assert(COMBINE_VEC == 8, "a combine thread's hidden elements are one 16-b
 extern "C" __global__ void __launch_bounds__(ELEM_THREADS)
 swiglu_bf16(const bf16_t* __restrict__ gate, const bf16_t* __restrict__ up, bf16_t* __restrict__ out,
             long long n, float limit) {
+    pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = swiglu_one(bf16_to_f32(gate[i]), bf16_to_f32(up[i]), limit);
 }
 
 extern "C" __global__ void __launch_bounds__(ELEM_THREADS)
 add_bf16(const bf16_t* __restrict__ a, const bf16_t* __restrict__ b, bf16_t* __restrict__ out, long long n) {
+    pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = f32_to_bf16(bf16_to_f32(a[i]) + bf16_to_f32(b[i]));
 }
 
 extern "C" __global__ void __launch_bounds__(ELEM_THREADS)
 bf16_to_f32_copy(const bf16_t* __restrict__ a, float* __restrict__ out, long long n) {
+    pdl_enter();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         out[i] = bf16_to_f32(a[i]);
 }
@@ -79,6 +82,7 @@ __device__ __forceinline__ void combine(const bf16_t* routed, const float* wts, 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 moe_combine(const bf16_t* __restrict__ routed, const float* __restrict__ wts, const bf16_t* shared,
             bf16_t* __restrict__ out, int H, int K) {
+    pdl_enter();
     combine<false>(routed, wts, nullptr, shared, out, H, K);
 }
 
@@ -86,5 +90,6 @@ moe_combine(const bf16_t* __restrict__ routed, const float* __restrict__ wts, co
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS)
 moe_combine_indexed(const bf16_t* __restrict__ routed, const int* __restrict__ perm, const float* __restrict__ wts,
                     const bf16_t* shared, bf16_t* __restrict__ out, int H, int K) {
+    pdl_enter();
     combine<true>(routed, wts, perm, shared, out, H, K);
 }

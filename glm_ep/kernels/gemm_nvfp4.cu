@@ -365,6 +365,7 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
         const int* __restrict__ expert_offsets, const u64_t* __restrict__ packed_ptrs,                           \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, int start, int count,             \
         bf16_t* __restrict__ out, int N, int K, int n_blocks) {                                                   \
+        pdl_enter();                                                                                              \
         gemm_sorted<G>(x, sorted_token_ids, expert_offsets, packed_ptrs, scale_ptrs, scale2, start, count, out,   \
                        N, K, n_blocks);                                                                           \
     }                                                                                                             \
@@ -375,6 +376,7 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
         const u64_t* __restrict__ up_packed, const u64_t* __restrict__ up_scale,                                 \
         const float* __restrict__ up_scale2, int start, int count, bf16_t* __restrict__ act, int N, int K,        \
         int n_blocks, float limit) {                                                                              \
+        pdl_enter();                                                                                              \
         gemm_sorted_glu<G>(x, sorted_token_ids, expert_offsets, gate_packed, gate_scale, gate_scale2, up_packed, \
                            up_scale, up_scale2, start, count, act, N, K, n_blocks, limit);                        \
     }

@@ -252,6 +252,7 @@ __device__ __forceinline__ void router_topk_glu(const bf16_t* x, long long x_row
         const bf16_t* __restrict__ x, long long x_row_stride, const WT* __restrict__ w, float* logits, int N,   \
         int K, int ksplit, const float* __restrict__ bias, int* __restrict__ ids, float* __restrict__ wts,     \
         int top_k, float routed_scale, int renormalize, int bf16_ladder, unsigned* done) {                   \
+        pdl_enter();                                                                                         \
         router_gemv_topk<R, WT>(x, x_row_stride, w, logits, N, K, ksplit, bias, ids, wts,                     \
                                 TopkParams{N, top_k, routed_scale, renormalize, bf16_ladder}, done, blockIdx.x, \
                                 gridDim.x);                                                                  \
@@ -262,6 +263,7 @@ __device__ __forceinline__ void router_topk_glu(const bf16_t* x, long long x_row
         float* __restrict__ wts, int top_k, float routed_scale, int renormalize, int bf16_ladder,             \
         unsigned* done, const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu, bf16_t* __restrict__ gate, \
         bf16_t* __restrict__ up, bf16_t* __restrict__ act, int N, int glu_ksplit, float limit) {             \
+        pdl_enter();                                                                                         \
         router_topk_glu<R, WT>(x, x_row_stride, w, logits, E, K, ksplit, router_blocks, bias, ids, wts,        \
                                TopkParams{E, top_k, routed_scale, renormalize, bf16_ladder}, done, wg, wu, gate, \
                                up, act, N, glu_ksplit, limit);                                               \
@@ -271,28 +273,33 @@ __device__ __forceinline__ void router_topk_glu(const bf16_t* x, long long x_row
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) bf16_gemv_r##R(                              \
         const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \
         bf16_t* __restrict__ out, long long out_row_stride, int N, int K, int ksplit) {                      \
+        pdl_enter();                                                                                         \
         gemv_plain<R, bf16_t, bf16_t>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit, blockIdx.x);    \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) bf16_glu_r##R(                               \
         const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ wg,                 \
         const bf16_t* __restrict__ wu, bf16_t* __restrict__ gate, bf16_t* __restrict__ up,                   \
         bf16_t* __restrict__ act, long long out_row_stride, int N, int K, int ksplit, float limit) {         \
+        pdl_enter();                                                                                         \
         gemv_glu<R>(x, x_row_stride, wg, wu, gate, up, act, out_row_stride, N, K, ksplit, limit, blockIdx.x); \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) bf16_gemv_combine_r##R(                      \
         const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \
         const bf16_t* __restrict__ routed, const float* __restrict__ wts, bf16_t* __restrict__ out, int N,    \
         int K, int ksplit, int top_k) {                                                                      \
+        pdl_enter();                                                                                         \
         gemv_combine<R>(x, x_row_stride, w, routed, wts, out, N, K, ksplit, top_k);                          \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_gemv_bf16w_r##R(                      \
         const bf16_t* __restrict__ x, long long x_row_stride, const bf16_t* __restrict__ w,                  \
         float* __restrict__ out, long long out_row_stride, int N, int K, int ksplit) {                       \
+        pdl_enter();                                                                                         \
         gemv_plain<R, bf16_t, float>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit, blockIdx.x);     \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(GEMV_THREADS) router_gemv_f32w_r##R(                       \
         const bf16_t* __restrict__ x, long long x_row_stride, const float* __restrict__ w,                   \
         float* __restrict__ out, long long out_row_stride, int N, int K, int ksplit) {                       \
+        pdl_enter();                                                                                         \
         gemv_plain<R, float, float>(x, x_row_stride, w, out, out_row_stride, N, K, ksplit, blockIdx.x);      \
     }                                                                                                        \
     ROUTER_ENTRIES(R, bf16w, bf16_t)                                                                         \

@@ -196,6 +196,7 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS)
 nvfp4_mma_gemv(const bf16_t* __restrict__ x, const unsigned char* __restrict__ packed,
                const unsigned char* __restrict__ scale, float scale2, bf16_t* __restrict__ out, int N, int K,
                int ksplit) {
+    pdl_enter();
     bf16_t* const o[2] = {writes_row0() ? out : nullptr, nullptr};
     mma_project(packed, scale, scale2, feeds_row0() ? x : nullptr, o, N, K, ksplit);
 }
@@ -205,6 +206,7 @@ nvfp4_mma_moe_gemv(const bf16_t* __restrict__ x, long long x_slot_stride, const 
                    const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2,
                    const int* __restrict__ ids, int start, int count, bf16_t* __restrict__ out, int N, int K,
                    int ksplit) {
+    pdl_enter();
     const int slot = blockIdx.y;
     int e;
     if (!local_expert(ids[slot], start, count, e)) return;
@@ -220,6 +222,7 @@ nvfp4_mma_moe_glu(const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_p
                   const float* __restrict__ up_scale2, const int* __restrict__ ids, int start, int count,
                   bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* __restrict__ act, int N, int K,
                   int ksplit, float limit) {
+    pdl_enter();
     const int slot = blockIdx.y;
     int e;
     if (!local_expert(ids[slot], start, count, e)) return;
@@ -244,6 +247,7 @@ nvfp4_mma_moe_gemv_union(const bf16_t* __restrict__ x, long long x_row_stride, l
                          const float* __restrict__ scale2, const int* __restrict__ u_eid, const int* __restrict__ u_slot,
                          int R, int start, int count, bf16_t* __restrict__ out, long long out_row_stride, int N,
                          int K, int ksplit) {
+    pdl_enter();
     int e;
     if (!local_expert(u_eid[blockIdx.y], start, count, e)) return;
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
@@ -268,6 +272,7 @@ nvfp4_mma_moe_glu_union(const bf16_t* __restrict__ x, long long x_row_stride, co
                         const int* __restrict__ u_slot, int R, int start, int count, bf16_t* __restrict__ gate,
                         bf16_t* __restrict__ up, bf16_t* __restrict__ act, long long out_row_stride, int N, int K,
                         int ksplit, float limit) {
+    pdl_enter();
     int e;
     if (!local_expert(u_eid[blockIdx.y], start, count, e)) return;
     const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;

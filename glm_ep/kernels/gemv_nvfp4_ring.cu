@@ -326,6 +326,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         const bf16_t* __restrict__ x, long long x_slot_stride, const u64_t* __restrict__ packed_ptrs,                 \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, const int* __restrict__ ids, int S,   \
         int start, int count, bf16_t* __restrict__ out, int N, int K) {                                               \
+        pdl_enter();                                                                                                  \
         const u64_t* const wp[1] = {packed_ptrs};                                                                     \
         const u64_t* const sp[1] = {scale_ptrs};                                                                      \
         const float* const s2[1] = {scale2};                                                                          \
@@ -337,6 +338,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         const float* __restrict__ scale2, const int* __restrict__ ids, int S, int start, int count, bf16_t* routed,   \
         int N, int K, const bf16_t* __restrict__ sh_w, const bf16_t* __restrict__ sh_x, int sh_k, int parts,          \
         float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out) {                \
+        pdl_enter();                                                                                                  \
         const u64_t* const wp[1] = {packed_ptrs};                                                                     \
         const u64_t* const sp[1] = {scale_ptrs};                                                                      \
         const float* const s2[1] = {scale2};                                                                          \
@@ -350,6 +352,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2, const int* __restrict__ ids, int S,  \
         int start, int count, bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* __restrict__ act, int N,    \
         int K, float limit) {                                                                                         \
+        pdl_enter();                                                                                                  \
         const u64_t* const wp[2] = {gate_packed, up_packed};                                                          \
         const u64_t* const sp[2] = {gate_scale, up_scale};                                                            \
         const float* const s2[2] = {gate_scale2, up_scale2};                                                          \

@@ -176,6 +176,7 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
         const u64_t* __restrict__ packed_ptrs, const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, \
         const int* __restrict__ u_eid, const int* __restrict__ u_slot, int U, int rows, int start, int count,       \
         bf16_t* __restrict__ out, long long out_row_stride, int N, int K) {                                          \
+        pdl_enter();                                                                                                 \
         const u64_t* const wp[1] = {packed_ptrs};                                                                   \
         const u64_t* const sp[1] = {scale_ptrs};                                                                    \
         const float* const s2[1] = {scale2};                                                                        \
@@ -190,6 +191,7 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
         const int* __restrict__ u_eid, const int* __restrict__ u_slot, int U, int rows, int start, int count,       \
         bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* __restrict__ act, long long out_row_stride,      \
         int N, int K, float limit) {                                                                                \
+        pdl_enter();                                                                                                \
         const u64_t* const wp[2] = {gate_packed, up_packed};                                                        \
         const u64_t* const sp[2] = {gate_scale, up_scale};                                                          \
         const float* const s2[2] = {gate_scale2, up_scale2};                                                        \

@@ -172,17 +172,20 @@ __device__ __forceinline__ void mma_glu(const bf16_t* __restrict__ x, long long 
     extern "C" __global__ void __launch_bounds__(MMA_GEMM_THREADS)                                              \
         bf16_mma_gemm_t##T(const bf16_t* x, long long x_row_stride, const bf16_t* w, bf16_t* out,                \
                            long long out_row_stride, int R, int N, int K, int ksplit) {                          \
+        pdl_enter();                                                                                             \
         mma_gemm<T / 8, bf16_t>(x, x_row_stride, w, out, out_row_stride, R, N, K, ksplit);                       \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MMA_GEMM_THREADS)                                              \
         bf16_mma_gemm_f32_t##T(const bf16_t* x, long long x_row_stride, const bf16_t* w, float* out,             \
                                long long out_row_stride, int R, int N, int K, int ksplit) {                      \
+        pdl_enter();                                                                                             \
         mma_gemm<T / 8, float>(x, x_row_stride, w, out, out_row_stride, R, N, K, ksplit);                        \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MMA_GEMM_THREADS)                                              \
         bf16_mma_glu_t##T(const bf16_t* x, long long x_row_stride, const bf16_t* wg, const bf16_t* wu,           \
                           bf16_t* gate, bf16_t* up, bf16_t* act, long long out_row_stride, int R, int N, int K,  \
                           int ksplit, float limit) {                                                             \
+        pdl_enter();                                                                                             \
         mma_glu<T / 8>(x, x_row_stride, wg, wu, gate, up, act, out_row_stride, R, N, K, ksplit, limit);          \
     }
 

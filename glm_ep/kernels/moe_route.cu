@@ -12,6 +12,7 @@
 // block would never run, so the wrapper refuses a wider group.
 extern "C" __global__ void __launch_bounds__(UNION_MAX_IDS)
 moe_union_table(const int* __restrict__ ids, int* __restrict__ u_eid, int* __restrict__ u_slot, int R, int K) {
+    pdl_enter();
     __shared__ int sid[UNION_MAX_IDS];
     __shared__ int is_first[UNION_MAX_IDS];
     const int n = R * K, i = threadIdx.x;
@@ -53,6 +54,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS, 1)
 moe_sort_by_expert(const int* __restrict__ ids, int S, int K, int E, int* __restrict__ sorted_token_ids,
                    int* __restrict__ sorted_expert_ids, int* __restrict__ expert_offsets,
                    int* __restrict__ token_to_perm) {
+    pdl_enter();
     constexpr int W = SORT_THREADS / 32;
     int* start = (int*)dyn_smem;  // [E]
     int* table = start + E;       // [W][E]

@@ -7,6 +7,7 @@
 extern "C" __global__ void __launch_bounds__(32)
 router_topk(const float* __restrict__ logits, const float* __restrict__ bias, int* __restrict__ ids,
             float* __restrict__ wts, int E, int K, float routed_scale, int renormalize, int bf16_ladder) {
+    pdl_enter();
     unsigned* key = (unsigned*)dyn_smem;
     __shared__ int chosen[ROUTER_MAX_TOP_K];
     const int t = blockIdx.x;

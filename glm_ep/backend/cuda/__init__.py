@@ -11,6 +11,7 @@
 | `ring`        | `RingConfig`: the decode ring's frozen levers, its geometry, the fp16 check  |
 | `grouped`     | the grouped NVFP4 prefill GEMM over expert-sorted rows, its tile variants    |
 | `nccl`        | the NCCL all-reduce for ranks that each own a GPU                            |
+| `pdl`         | programmatic dependent launch: `cuLaunchKernelEx` with the overlap attribute |
 
 The kernel sources stay in ``glm_ep/kernels/*.cu``. Nothing here imports CuPy at import time.
 """

@@ -14,35 +14,41 @@ decode or verify step as one CUDA graph.
 The wide prefill path (``sort_by_expert`` + ``moe_gemm_sorted``) sizes its grid from the slot
 count on the host and never reads device data back, like every other op. How the one-row routed
 kernels run is the frozen ``RingConfig`` the backend is built with (the topology's ring levers);
-the operand form of each projection is fixed when its experts are uploaded.
+the operand form of each projection is fixed when its experts are uploaded. On sm_90 and later
+every kernel is launched as a programmatic dependent of the one before it (``pdl``; the ``pdl``
+lever), so a launch overlaps its predecessor's tail.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import numpy as np
 
 from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
-from glm_ep.backend.cuda import dense, elementwise, grouped, route
+from glm_ep.backend.cuda import dense, elementwise, grouped, pdl, route
 from glm_ep.backend.cuda import nvfp4 as NV
-from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS
+from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, compute_capability
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import DenseWeights, MoeWeights
 
+log = logging.getLogger(__name__)
+
 FUSED_TOPK_MAX_SMEM = 48 * 1024  # the fused router's top-k scratch within every device's default per block
 
 
 def _on_stream(op):
-    """Run the op with the backend's stream current (CuPy launches on the current stream)."""
+    """Run the op with the backend's stream current (CuPy launches on the current stream) and its
+    kernels launched as programmatic dependents where the backend uses them."""
 
     @functools.wraps(op)
     def run(self, *args, **kwargs):
-        with self.stream:
+        with self.stream, pdl.dependent_launches(self.pdl):
             return op(self, *args, **kwargs)
 
     return run
@@ -52,15 +58,22 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     name = "cuda"
     capabilities = CAPABILITIES
 
-    def __init__(self, device: int = 0, ring: RingConfig = RingConfig(), stream: Any = None):
+    def __init__(self, device: int = 0, ring: RingConfig = RingConfig(), stream: Any = None,
+                 dependent_launch: bool = True):
         """``ring``: the one-row routed kernels' levers. ``stream``: the stream to queue on (default: a
-        new non-blocking one; another backend's, to share its order)."""
+        new non-blocking one; another backend's, to share its order). ``dependent_launch``: launch
+        every kernel as a programmatic dependent of the one before it (``pdl``) where the device
+        has it (sm_90 and later); elsewhere plain launches, said once in the log."""
         import cupy
 
         self.xp = cupy
         self.ring = ring
         self.device = cupy.cuda.Device(device)
         self.device.use()
+        why_not = pdl.unsupported_reason(compute_capability(device)) if dependent_launch else None
+        if why_not:
+            log.info("programmatic dependent launch off: %s", why_not)
+        self.pdl = dependent_launch and why_not is None
         # Every device op of the backend names this stream (``_on_stream``): it is never made CuPy's
         # current stream for good, since a ``with stream`` block (every op) ends by restoring the
         # stream below it on CuPy's stack, the default stream, whatever ``use()`` had set. A plain
