@@ -83,6 +83,12 @@ def test_dependent_launch_lever_and_its_argument_marshalling() -> None:
     with pytest.raises(TypeError, match="kernel argument 1: int"):
         pdl.kernel_params((FakeDeviceArray(), 3))
     assert "sm_80" in pdl.unsupported_reason((8, 0))
+    # the driver's structs as cuda.h lays them out (64-bit): CUlaunchConfig, CUlaunchAttribute
+    cfg, attr = pdl._LaunchConfig, pdl._LaunchAttribute
+    assert ctypes.sizeof(cfg) == 56 and ctypes.sizeof(attr) == 72 and pdl.PROGRAMMATIC_STREAM_SERIALIZATION == 6
+    assert [(f, getattr(cfg, f).offset) for f in ("grid", "block", "shared_mem", "stream", "attrs", "num_attrs")] == [
+        ("grid", 0), ("block", 12), ("shared_mem", 24), ("stream", 32), ("attrs", 40), ("num_attrs", 48)]
+    assert (attr.id.offset, attr.value.offset) == (0, 8)
     with pdl.dependent_launches(True):
         assert pdl.active()
         with pdl.dependent_launches(False):

@@ -335,9 +335,10 @@ def test_moe_decode_ring(rng, ring, forms):
 ])
 def test_moe_down_combine_ring(rng, ring, shared_k):
     """``moe_down_shared_combine`` in ONE launch: the routed rows bit for bit the down ring's, the
-    site output within an ulp of ``linear`` + ``combine`` (the shared sums are added in another
-    order) and close to NumPy; the shared scratch is never written (the fused launch ran); the
-    arrival counts return to zero, so launches back to back and graph replays agree."""
+    site output within an ulp of ``linear`` + ``combine`` here (the shared sums are added in another
+    order) and close to NumPy; the fused launch ran (its fp32 partials, poisoned before each call,
+    are all written, and the two-launch path's shared scratch is not); the arrival counts return
+    to zero, so launches back to back and graph replays agree."""
     import cupy
 
     from glm_ep.backend.cuda import CudaBackend, RingConfig
@@ -366,14 +367,22 @@ def test_moe_down_combine_ring(rng, ring, shared_k):
     def run():
         be.moe_down_shared_combine(d_act, cu.down, d_ids, routed, d_sh_act, d_sh_down, d_wts, scratch, out)
 
-    run()
+    def poison(a):
+        cupy.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, a.nbytes, be.stream.ptr)
+
+    parts = be.ring.down_combine_parts(h, m, shared_k)
+    run()  # loads the kernels outside the capture
     replay = be.capture(run)
     for label in ("launch", "launch again", "replay", "replay again"):
+        poison(out)
+        poison(be._dc_partials)
         if label.startswith("replay"):
             replay()
-        elif label == "launch again":
+        else:
             run()
         got, got_routed = host(out), host(routed)
+        partials = host(be._dc_partials)[:parts * h].view(np.uint32)
+        assert not (partials == 0xFFFFFFFF).any(), f"{label}: partials left unwritten (the fused launch did not run)"
         assert unwritten(host(scratch)).all(), f"{label}: the shared scratch was written (the fused launch did not run)"
         np.testing.assert_array_equal(got_routed.view(np.uint16), host(routed_sep).view(np.uint16), err_msg=label)
         assert not got_routed[~local].view(np.uint16).any(), f"{label}: a remote slot is not zero"
@@ -381,7 +390,6 @@ def test_moe_down_combine_ring(rng, ring, shared_k):
         assert_ulps(got, host(out_sep), f"down + shared + combine, {label}")
         assert_close(got, ref, f"down + shared + combine against NumPy, {label}")
         assert not host(be._dc_arrived).any(), f"{label}: the arrival counts were left non-zero"
-        cupy.cuda.runtime.memsetAsync(out.data.ptr, 0xFF, out.nbytes, be.stream.ptr)  # poison again
 
 
 def test_moe_down_combine_falls_back_where_the_ring_cannot():

@@ -48,6 +48,9 @@ __device__ __forceinline__ void f16x2_to_f32(unsigned h2, float& lo, float& hi) 
 
 // Streaming loads of weights (read once: keep them out of L1) and cached loads of activations.
 // Not volatile: they read memory no kernel writes while it runs, so the compiler may schedule them.
+// Under programmatic dependent launch the previous kernel may still be writing an activation when
+// this one's blocks start, so every load must stay after pdl_enter()'s wait: the loads sit in the
+// kernels' bodies behind it, and tests/test_kernels_build.py checks each entry's PTX for the order.
 __device__ __forceinline__ uint4 ld_stream_v4(const void* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"

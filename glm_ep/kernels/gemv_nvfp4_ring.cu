@@ -172,8 +172,9 @@ __device__ __forceinline__ void store_item(const RingOut& o, int slot, int n0, i
 // holds), the same slab count as a routed item. Its fp32 sums go to partials[part][n]. Every finished
 // item (routed or shared) of a row group counts itself in arrived[group]; the warp that brings the
 // count to nlocal + parts combines the group's 16 rows: shared = bf16(partials summed in part order),
-// out = bf16(sum over slots k in order of bf16(wts[k] * routed[k]) + shared), elementwise.cu's combine
+// out = bf16(fp32 sum over slots k in order of wts[k] * routed[k], + shared), elementwise.cu's combine
 // (remote slots read as the zeros written before the launch), and clears the count for the next launch.
+// No residual: the stack adds it.
 struct DownCombine {
     const bf16_t* sh_w;  // [N, sh_k] the shared expert's down projection (this rank's TP slice)
     const bf16_t* sh_x;  // [sh_k] its activations
@@ -197,6 +198,7 @@ __device__ __forceinline__ void issue_bf16_slab(RingStage<1, T>& st, const ItemS
 // x row 0 is the mma's B column 0.
 template <int T>
 __device__ __forceinline__ void consume_bf16_slab(const RingStage<1, T>& st, float (&acc)[1][4]) {
+    static_assert(T % 4 == 0, "a shared slab is T / 4 steps of four 8-k pieces per lane");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int u = 0; u < T / 4; ++u) {
@@ -223,12 +225,13 @@ __device__ __forceinline__ void consume_bf16_slab(const RingStage<1, T>& st, flo
 __device__ __forceinline__ void arrive_and_combine(const DownCombine& dc, const bf16_t* routed, int S, int N, int n0,
                                                    unsigned expected) {
     const int lane = threadIdx.x & 31;
-    __syncwarp();  // every lane's stores happen before lane 0's release (cumulative), and the acquire before
-    unsigned before = 0u;  // every lane's reads below
+    __syncwarp();  // every lane's stores happen before lane 0's release (cumulative)
+    unsigned before = 0u;
     if (lane == 0)
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(dc.arrived + (n0 >> 4))
                      : "memory");
-    if (__shfl_sync(0xffffffffu, before, 0) + 1u != expected) return;
+    if (__shfl_sync(0xffffffffu, before, 0) + 1u != expected) return;  // the same on every lane
+    __syncwarp();  // lane 0's acquire before every lane's reads below (a shuffle orders no memory)
     if (lane < 16) {
         const int n = n0 + lane;
         float sh = 0.0f;

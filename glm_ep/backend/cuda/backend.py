@@ -80,10 +80,11 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         # CuPy op of the caller therefore runs on the caller's stream; ``interop.runtime_stream``
         # orders the two, and ``copy`` moves data on this one.
         self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
-        # the fused router's block counter: zero between launches, and launches on one stream never overlap
+        # the fused router's block counter: zero between launches (a launch on this stream touches memory only
+        # once the one before it has finished, with or without programmatic dependent launch)
         self._route_done = self.zero(cupy.empty(1, dtype=np.uint32))  # zeroed on this stream, in order
         # the one-row down ring's combine scratch (nvfp4_moe_down_combine): sized at upload_moe, before any capture
-        self._dc_partials, self._dc_arrived = None, None
+        self._dc_partials, self._dc_arrived, self._dc_retired = None, None, []
 
     @property
     def pci_bus_id(self) -> str:
@@ -253,14 +254,25 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
 
     def _down_combine_scratch(self, n: int, k: int, shared_k: int) -> bool:
         """Grow the down ring's combine scratch to hold an [n, k] down projection's site with a shared
-        expert of width ``shared_k``; False where the ring cannot run that site in one launch."""
+        expert of width ``shared_k``; False where the ring cannot run that site in one launch, or the
+        scratch would have to grow while the stream is being captured (then the site takes two
+        launches). Upload sizes it for the model's sites, so a step never grows it. Buffers it
+        outgrows are kept: a graph captured earlier may still point at them."""
         parts = self.ring.down_combine_parts(n, k, shared_k)
         if not parts:
             return False
+        small_p = self._dc_partials is None or self._dc_partials.size < parts * n
+        small_a = self._dc_arrived is None or self._dc_arrived.size < n // MMA_ROWS
+        if not (small_p or small_a):
+            return True
+        if self.stream.is_capturing():
+            return False
         cupy = self.xp
-        if self._dc_partials is None or self._dc_partials.size < parts * n:
+        if small_p:
+            self._dc_retired.append(self._dc_partials)
             self._dc_partials = cupy.empty(parts * n, dtype=np.float32)
-        if self._dc_arrived is None or self._dc_arrived.size < n // MMA_ROWS:
+        if small_a:
+            self._dc_retired.append(self._dc_arrived)
             self._dc_arrived = self.zero(cupy.empty(n // MMA_ROWS, dtype=np.uint32))
         return True
 
