@@ -103,12 +103,10 @@ class MoeSite:
         shared_TH = ws.view("shared_out", t, self.cfg.hidden) if sh is not None else None
         # one row: the shared expert's down projection and the combine may run inside the routed down launch
         tail = SharedTail(early[2], sh.down, wts_TK, shared_TH, out_TH) if early and t == 1 else None
-        routed_SH, perm_TK, done = self.experts(x_TH, ids_TK, self.moe.experts, ws, tail)
-        if done:
-            pass
-        elif sh is None:
+        routed_SH, perm_TK, tail_done = self.experts(x_TH, ids_TK, self.moe.experts, ws, tail)
+        if sh is None:
             self.be.combine(routed_SH, wts_TK, None, out_TH, perm_TK)
-        else:  # NOT scaled by routed_scaling_factor; its down projection ends in the combine
+        elif not tail_done:  # NOT scaled by routed_scaling_factor; its down projection ends in the combine
             act_TI = early[2] if early else clamped_swiglu(self.be, sh, self.cfg.swiglu_limit, x_TH, ws)
             self.be.shared_down_combine(act_TI, sh.down, routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
         return self.comm.all_reduce(out_TH) if self.reduces else out_TH

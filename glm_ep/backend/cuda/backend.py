@@ -268,11 +268,11 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         if self.stream.is_capturing():
             return False
         cupy = self.xp
+        self._dc_retired += [b for b, small in ((self._dc_partials, small_p), (self._dc_arrived, small_a))
+                             if small and b is not None]
         if small_p:
-            self._dc_retired.append(self._dc_partials)
             self._dc_partials = cupy.empty(parts * n, dtype=np.float32)
         if small_a:
-            self._dc_retired.append(self._dc_arrived)
             self._dc_arrived = self.zero(cupy.empty(n // MMA_ROWS, dtype=np.uint32))
         return True
 
