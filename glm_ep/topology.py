@@ -75,6 +75,8 @@ class PathLevers:
     ring_f16: bool = False  # the down projection in the fp16-operand form: refused unless swiglu_limit bounds it
     ring_f16_hidden: bool = False  # gate and up too: the hidden state is unbounded (past 65504: inf); opt-in
     ring_unscaled: bool = True  # projections outside the fp16 form: unscaled bf16 operands (false: scaled)
+    ring_placed: bool = True  # the down projection's unscaled form decoded by bit placement (x scaled by 2^k)
+    ring_placed_hidden: bool = False  # gate and up too (measured no faster there: docs/perf/NOTES.md)
     ring_down_combine: bool = True  # one row: the shared expert's down projection + combine in the routed down launch
     ring_union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (0: block kernels)
     ring_union_slab: tuple[int, ...] = (2, 2)  # the union ring's slab and depth: (one projection, gate + up)

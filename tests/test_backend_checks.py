@@ -5,13 +5,14 @@ a GPU: the CUDA backend's capabilities and ring levers are checked before CuPy i
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
 
 from glm_ep.backend import make_backend
 from glm_ep.backend.cuda import CudaBackend, RingConfig
-from glm_ep.backend.cuda.ring import act_fits_f16
+from glm_ep.backend.cuda.ring import act_bound, act_fits_f16, act_shift
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
@@ -134,11 +135,19 @@ def test_the_fp16_form_only_where_the_limit_bounds_the_activation() -> None:
     """|act| <= max(L, 0.28) * L, rounded to bf16: inside fp16 (65504) up to L = 255.7 or so."""
     assert act_fits_f16(4.0) and act_fits_f16(255.7) and act_fits_f16(1e-3)
     assert not act_fits_f16(255.8) and not act_fits_f16(float("inf"))
-    assert RingConfig().forms(1e6) == ("bf16u", "bf16u")  # exact for any input, whatever the limit
+    assert RingConfig(placed=False).forms(1e6) == ("bf16u", "bf16u")  # exact for any input, whatever the limit
+    assert RingConfig().forms(1e6) == ("bf16u", "placed")  # the down projection placed: act below 1e12
     assert RingConfig(f16=True).forms(7.0) == ("bf16u", "f16")  # down only: the hidden state is unbounded
     assert RingConfig(f16=True, f16_hidden=True).forms(7.0) == ("f16", "f16")
     assert RingConfig(unscaled=False).forms(1e6) == ("bf16", "bf16")
     assert RingConfig(f16=True, unscaled=False).forms(7.0) == ("bf16", "f16")
+    # the placed form: gate and up whenever asked (the kernel scales x from the row), down where the limit
+    # bounds the activation
+    assert RingConfig(placed_hidden=True).forms(10.0) == ("placed", "placed")
+    assert act_shift(10.0) == 113 and act_shift(0.5) == 120 - math.frexp(act_bound(0.5))[1]
+    assert act_shift(2.0 ** 60) == 0 and RingConfig(placed_hidden=True).forms(2.0 ** 60) == ("placed", "bf16u")
+    assert RingConfig(placed_hidden=True, unscaled=False).forms(10.0) == ("bf16", "bf16")
+    assert RingConfig(placed_hidden=True, f16=True).forms(7.0) == ("placed", "f16")
     assert RingConfig(enabled=False, f16=True).forms(1e6) == ("bf16", "bf16")
     with pytest.raises(ConfigError, match=r"levers.ring_f16 = true: .* swiglu_limit = 300 .* set ring_f16 = false"):
         RingConfig(f16=True).forms(300.0)

@@ -189,12 +189,15 @@ def main() -> int:
 
         for name, cfg in (("blocks", RingConfig(enabled=False)),
                           ("ring t4 d2/2 w16 bf16", RingConfig(unscaled=False)),
-                          ("ring t4 d2/2 w16 bf16u (default)", RingConfig()),
+                          ("ring t4 d2/2 w16 bf16u", RingConfig(placed=False)),
+                          ("ring t4 d2/2 w16 placed down (default)", RingConfig()),
+                          ("ring t4 d2/2 w16 placed all", RingConfig(placed_hidden=True)),
                           ("ring t4 d2/2 w16 bf16u, f16 down", RingConfig(f16=True)),
                           ("ring t4 d2/2 w16 f16 all", RingConfig(f16=True, f16_hidden=True)),
-                          ("ring t4 d4/3 w8 bf16u", RingConfig(depth=(4, 3), warps_per_sm=8)),
+                          ("ring t4 d4/3 w8", RingConfig(depth=(4, 3), warps_per_sm=8)),
                           ("ring t4 d2/2 w16 bf16 (again)", RingConfig(unscaled=False)),
-                          ("ring t4 d2/2 w16 bf16u (again)", RingConfig()),
+                          ("ring t4 d2/2 w16 bf16u (again)", RingConfig(placed=False)),
+                          ("ring t4 d2/2 w16 placed down (again)", RingConfig()),
                           ("ring t4 d2/2 w16 bf16u, f16 down (again)", RingConfig(f16=True))):
             rb = CudaBackend(0, cfg, stream=s, dependent_launch=not args.no_pdl)
             with s:

@@ -24,7 +24,10 @@
 //       operands, x rounded to fp16, the block scale applied to each 16-k group's fp32 partial)
 //   nvfp4_ring_moe_{gemv,glu}_bf16u_t{T}_d{D} the unscaled bf16 form (F = 2: the same with bf16 operands,
 //       x as it is: exact for any bf16 input)
-//   nvfp4_ring_moe_down_combine_{,f16_,bf16u_}t{T}_d{D}  the down projection (x[slot]) with the shared
+//   nvfp4_ring_moe_{gemv,glu}_pl_t{T}_d{D} the placed form (F = 3: the unscaled bf16 form with the weights
+//       decoded by bit placement, e2m1 x 2^-126, and x paired to match and scaled by 2^xshift: for gate
+//       and up xshift follows the row's largest |x|, for the down projection the caller's bound)
+//   nvfp4_ring_moe_down_combine_{,f16_,bf16u_,pl_}t{T}_d{D}  the down projection (x[slot]) with the shared
 //       expert's down projection and the site's combine in the same launch (DownCombine, below)
 // The verify (union) kernels on the same ring are gemv_nvfp4_union.cu's; what both share is in
 // nvfp4_ring.cuh.
@@ -37,7 +40,7 @@
 template <int P>
 __device__ __forceinline__ int local_slots(const int* ids, int S, int start, int count, const u64_t* const (&wp)[P],
                                            const u64_t* const (&sp)[P], const float* const (&s2)[P], int& slot,
-                                           u64_t (&w)[P], u64_t (&s)[P], float (&f)[P]) {
+                                           u64_t (&w)[P], u64_t (&s)[P], float (&f)[P], float mult) {
     const int lane = threadIdx.x & 31;
     int e = -1;
     if (lane < S) {
@@ -54,7 +57,7 @@ __device__ __forceinline__ int local_slots(const int* ids, int S, int start, int
     for (int p = 0; p < P; ++p) {
         w[p] = m ? wp[p][le] : 0ull;
         s[p] = m ? sp[p][le] : 0ull;
-        f[p] = m ? s2[p][le] * 128.0f : 0.0f;
+        f[p] = m ? s2[p][le] * mult : 0.0f;
     }
     return __popc(mask);
 }
@@ -90,15 +93,22 @@ __device__ __forceinline__ void issue_slab(RingStage<P, T>& st, const ItemSrc<P>
 // them to acc[p][0] (row g) and acc[p][1] (row g + 8). The four lanes of a quad are summed at the end of
 // an item (finish_item).
 template <int P, int T, int F>
-__device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st, float (&acc)[P][4]) {
-    static_assert(F == 1 || F == 2, "the unscaled forms are fp16 (1) and bf16 (2)");
+__device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st, float (&acc)[P][4], unsigned xs2) {
+    static_assert(F >= 1 && F <= 3, "the unscaled forms are fp16 (1), bf16 (2) and placed bf16 (3)");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, j = g & 1;
     const unsigned keep = (g >> 1) == t ? 0xffffffffu : 0u, keep0 = j ? 0u : keep, keep1 = j ? keep : 0u;
 #pragma unroll
     for (int s = 0; s < T; ++s) {
         const int c = 4 * s + t;
         const uint4 xa = st.x[0][4 * c + 2 * j], xb = st.x[0][4 * c + 2 * j + 1];  // k 16 j .. 16 j + 15 of the chunk
-        const unsigned xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        unsigned xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        if constexpr (F == 3) {  // x as the placed pairs, times 2^xshift (exact)
+            const unsigned nat[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+            pair_halves(nat, xw);
+            pair_halves(nat + 4, xw + 4);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) xw[i] = fma_bf16x2(xw[i], xs2, 0x80008000u);
+        }
         unsigned b0[8], b1[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -112,9 +122,12 @@ __device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st,
             if constexpr (F == 1) {
                 decode_chunk_f16(st.w[p][g][swz(g, c)], lo);
                 decode_chunk_f16(st.w[p][g + 8][swz(g + 8, c)], hi);
-            } else {
+            } else if constexpr (F == 2) {
                 decode_chunk_bf16u(st.w[p][g][swz(g, c)], lo);
                 decode_chunk_bf16u(st.w[p][g + 8][swz(g + 8, c)], hi);
+            } else {
+                decode_chunk_placed(st.w[p][g][swz(g, c)], lo);
+                decode_chunk_placed(st.w[p][g + 8][swz(g + 8, c)], hi);
             }
             float sg0, sg1, sh0, sh1;
             chunk_scales_f32(((const unsigned short*)&st.s[p][g][0])[c], sg0, sg1);
@@ -149,6 +162,23 @@ __device__ __forceinline__ void finish_item(float (&acc)[P][4]) {
             acc[p][2] = r1;
         }
     }
+}
+
+// The placed form's shift for x row `x` (gate and up): 2^s puts the row's largest |x| below 2^120, so every
+// product with a placed weight (>= 2^-127) of an element within 2^119 of the largest is a normal fp32, and
+// nothing overflows. 0 for a row of zeros or one holding inf / NaN (they propagate as in the other forms).
+// Every lane of the warp reads the whole row (K % 8 == 0) and gets the same s.
+__device__ __forceinline__ int row_shift(const bf16_t* x, int K) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    unsigned m = 0u;
+    for (int i = threadIdx.x & 31; i < K / 8; i += 32) {
+        const uint4 v = __ldg(xv + i);
+        m = __vmaxu2(m, __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
+                                 __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu)));
+    }
+    m = __reduce_max_sync(0xffffffffu, max(m & 0xffffu, m >> 16));
+    const int e = (int)(m >> 7);  // the biased exponent of the largest |x|: it is below 2^(e - 126)
+    return m == 0u || e == 255 ? 0 : (e >= 119 ? 246 - e : 127);
 }
 
 template <int P>
@@ -246,16 +276,22 @@ __device__ __forceinline__ void arrive_and_combine(const DownCombine& dc, const 
 
 // DC: the routed items of down projection (P = 1) follow groups * dc.parts shared items, and every item
 // ends in arrive_and_combine.
+// xshift (F = 3, one projection): the power of two the caller bounds x by, or -1: x is one row (x_slot_stride
+// 0) and the kernel finds it, as gate + up always do.
+// The placed form's sums carry 2^(xshift - 134) against the other forms' 2^-7: the output scale takes
+// 2^(134 - xshift) (pre, then in f, both exact; pre is 1 unless xshift < 7).
 template <int P, int T, int D, int F, bool DC = false>
 __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_stride, const u64_t* const (&wp)[P],
                                          const u64_t* const (&sp)[P], const float* const (&s2)[P], const int* ids,
                                          int S, int start, int count, const RingOut& o, int N, int K,
-                                         const DownCombine& dc = DownCombine{}) {
+                                         const DownCombine& dc = DownCombine{}, int xshift = 0) {
     static_assert(!DC || P == 1, "the combine ends the down projection");
+    float mult = 1.0f, pre = 1.0f;  // F = 3: set by the pipeline's start, once the first copies are in flight
+    unsigned xs2 = 0u;
     int my_slot;
     u64_t wb[P], sb[P];
     float fb[P];
-    const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb);
+    const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb, F == 3 ? 1.0f : 128.0f);
     const int groups = N >> 4, slabs = K / (128 * T);
     const int shared_items = DC ? groups * dc.parts : 0;
     const int W = gridDim.x * RING_WARPS, w0 = blockIdx.x * RING_WARPS + (threadIdx.x >> 5);
@@ -294,7 +330,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
                     return;
                 }
             }
-            if constexpr (F != 0) consume_slab_unscaled<P, T, F>(st, acc);
+            if constexpr (F != 0) consume_slab_unscaled<P, T, F>(st, acc, xs2);
             else consume_slab<P, T>(st, acc);
         },
         [&](int item) {
@@ -312,11 +348,24 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
             const int r = item - shared_items, j = r / groups;
             float f2[P];
 #pragma unroll
-            for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, fb[p], j);
+            for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, fb[p], j) * mult;  // exact: a power of two
             finish_item<P, F>(acc);
+            if constexpr (F == 3) {
+#pragma unroll
+                for (int p = 0; p < P; ++p) acc[p][0] *= pre, acc[p][2] *= pre;
+            }
             store_item<P>(o, __shfl_sync(0xffffffffu, my_slot, j), (r % groups) * 16, N, f2, acc);
             zero_acc<P>(acc);
             if constexpr (DC) arrive_and_combine(dc, o.out, S, N, (r % groups) * 16, nlocal + dc.parts);
+        },
+        [&]() {
+            if constexpr (F == 3) {
+                if (P == 2 || xshift < 0) xshift = row_shift(x, K);
+                const int t = 134 - xshift;
+                pre = t > 127 ? exp2i(t - 127) : 1.0f;
+                mult = exp2i(t > 127 ? 127 : t);
+                xs2 = exp2i_bf16x2(xshift);
+            }
         });
 }
 
@@ -328,26 +377,26 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_gemv_##TAG##t##T##_d##D(                \
         const bf16_t* __restrict__ x, long long x_slot_stride, const u64_t* __restrict__ packed_ptrs,                 \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, const int* __restrict__ ids, int S,   \
-        int start, int count, bf16_t* __restrict__ out, int N, int K) {                                               \
+        int start, int count, bf16_t* __restrict__ out, int N, int K, int xshift) {                                   \
         pdl_enter();                                                                                                  \
         const u64_t* const wp[1] = {packed_ptrs};                                                                     \
         const u64_t* const sp[1] = {scale_ptrs};                                                                      \
         const float* const s2[1] = {scale2};                                                                          \
         const RingOut o = {out, nullptr, nullptr, nullptr, 0.0f};                                                     \
-        ring_moe<1, T, D, F>(x, x_slot_stride, wp, sp, s2, ids, S, start, count, o, N, K);                            \
+        ring_moe<1, T, D, F>(x, x_slot_stride, wp, sp, s2, ids, S, start, count, o, N, K, DownCombine{}, xshift);     \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_down_combine_##TAG##t##T##_d##D(        \
         const bf16_t* __restrict__ x, const u64_t* __restrict__ packed_ptrs, const u64_t* __restrict__ scale_ptrs,    \
         const float* __restrict__ scale2, const int* __restrict__ ids, int S, int start, int count, bf16_t* routed,   \
         int N, int K, const bf16_t* __restrict__ sh_w, const bf16_t* __restrict__ sh_x, int sh_k, int parts,          \
-        float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out) {                \
+        float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out, int xshift) {   \
         pdl_enter();                                                                                                  \
         const u64_t* const wp[1] = {packed_ptrs};                                                                     \
         const u64_t* const sp[1] = {scale_ptrs};                                                                      \
         const float* const s2[1] = {scale2};                                                                          \
         const RingOut o = {routed, nullptr, nullptr, nullptr, 0.0f};                                                  \
         const DownCombine dc = {sh_w, sh_x, sh_k, parts, partials, arrived, wts, out};                               \
-        ring_moe<1, T, D, F, true>(x, K, wp, sp, s2, ids, S, start, count, o, N, K, dc);                              \
+        ring_moe<1, T, D, F, true>(x, K, wp, sp, s2, ids, S, start, count, o, N, K, dc, xshift);                      \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_##TAG##t##T##_d##D(                 \
         const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale,    \
@@ -366,15 +415,20 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
 RING_ENTRIES(4, 2, 0, )
 RING_ENTRIES(4, 2, 1, f16_)
 RING_ENTRIES(4, 2, 2, bf16u_)
+RING_ENTRIES(4, 2, 3, pl_)
 RING_ENTRIES(4, 3, 0, )
 RING_ENTRIES(4, 3, 1, f16_)
 RING_ENTRIES(4, 3, 2, bf16u_)
+RING_ENTRIES(4, 3, 3, pl_)
 RING_ENTRIES(4, 4, 0, )
 RING_ENTRIES(4, 4, 1, f16_)
 RING_ENTRIES(4, 4, 2, bf16u_)
+RING_ENTRIES(4, 4, 3, pl_)
 RING_ENTRIES(8, 2, 0, )
 RING_ENTRIES(8, 2, 1, f16_)
 RING_ENTRIES(8, 2, 2, bf16u_)
+RING_ENTRIES(8, 2, 3, pl_)
 RING_ENTRIES(8, 3, 0, )
 RING_ENTRIES(8, 3, 1, f16_)
 RING_ENTRIES(8, 3, 2, bf16u_)
+RING_ENTRIES(8, 3, 3, pl_)

@@ -152,6 +152,42 @@ __device__ __forceinline__ void decode_chunk_bf16u(const uint4& w, unsigned (&b)
     }
 }
 
+// The placed form: no lookup. Nibbles p and p + 4 of a word (k 8q + p and 8q + p + 4 of the chunk's word q)
+// become one bf16 pair by bit placement: the sign to bit 15 / 31, the three magnitude bits (e1 e0 m) to
+// bits 8..6 / 24..22, i.e. e2m1 x 2^-126 (+-0.5 a bf16 subnormal, which the mma takes exactly). 4
+// instructions per pair (two shifts, two LOP3), no table. The x pair it meets must hold the same two k
+// (pair_halves), scaled by a power of two that keeps the products normal in fp32.
+__device__ __forceinline__ unsigned umulhi_asm(unsigned a, unsigned b) {
+    unsigned d;
+    asm("mul.hi.u32 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ void decode_chunk_placed(const uint4& w, unsigned (&b)[16]) {
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+    constexpr unsigned MAG = 0x01c001c0u, SGN = 0x80008000u;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const unsigned v = words[q];
+        b[4 * q] = ((v << 6) & MAG) | ((v << 12) & SGN);
+        b[4 * q + 1] = ((v << 2) & MAG) | ((v << 8) & SGN);
+        b[4 * q + 2] = (umulhi_asm(v, 1u << 30) & MAG) | ((v << 4) & SGN);  // v >> 2 on the FMA pipe
+        b[4 * q + 3] = (umulhi_asm(v, 1u << 26) & MAG) | (v & SGN);         // v >> 6
+    }
+}
+
+// Eight consecutive bf16 (words w[0..3] = k 0..7) as the pairs decode_chunk_placed makes: (k p, k p + 4).
+__device__ __forceinline__ void pair_halves(const unsigned* w, unsigned* out) {
+    out[0] = prmt(w[0], w[2], 0x5410u);
+    out[1] = prmt(w[0], w[2], 0x7632u);
+    out[2] = prmt(w[1], w[3], 0x5410u);
+    out[3] = prmt(w[1], w[3], 0x7632u);
+}
+
+// 2^e as fp32 (e in -126 .. 127) and as a bf16 pair.
+__device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
+__device__ __forceinline__ unsigned exp2i_bf16x2(int e) { return (unsigned)(e + 127) * 0x00800080u; }
+
 // The gate, up and clamped SwiGLU outputs of one element (each rounded once to bf16).
 __device__ __forceinline__ void glu_store(bf16_t* gate, bf16_t* up, bf16_t* act, int n, float g, float u,
                                           float limit) {

@@ -96,10 +96,16 @@ struct RingOut {
 // each `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries. The steps are callables:
 // src(item) points the producer at an item, issue(stage, slab) copies a slab of the producer's item,
 // consume(stage, item) multiplies a landed slab of the item into the caller's accumulators, finish(item) stores a
-// finished item and clears them.
-template <int D, typename Stage, typename Src, typename Issue, typename Consume, typename Finish>
+// finished item and clears them; start() runs once the first copies are in flight, before the first consume.
+struct NoStart {
+    __device__ __forceinline__ void operator()() const {}
+};
+
+template <int D, typename Stage, typename Src, typename Issue, typename Consume, typename Finish,
+          typename Start = NoStart>
 __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int items, int slabs, Src&& src,
-                                              Issue&& issue, Consume&& consume, Finish&& finish) {
+                                              Issue&& issue, Consume&& consume, Finish&& finish,
+                                              Start&& start = Start{}) {
     const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * slabs;  // this warp's slabs
     if (total == 0) return;
     int p_item = w0, p_s = 0;  // producer: (item, slab) of the next load
@@ -118,6 +124,7 @@ __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int it
         }
         cp_async_commit();
     }
+    start();
     int c_item = w0, c_s = 0, stage = 0, fill = D - 1;
     for (int f = 0; f < total; ++f) {
         cp_async_wait<D - 2>();  // slab f has landed (this lane's copies)

@@ -32,7 +32,7 @@ from glm_ep.backend.cuda import dense, elementwise, grouped, pdl, route
 from glm_ep.backend.cuda import nvfp4 as NV
 from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, compute_capability
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
-from glm_ep.backend.cuda.ring import RingConfig
+from glm_ep.backend.cuda.ring import RingConfig, act_shift
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import DenseWeights, MoeWeights
@@ -147,7 +147,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     def upload_dense(self, w: DenseWeights) -> DenseResident[Any]:
         return DenseResident(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
 
-    def _upload_proj(self, ws: list[Nvfp4Weight], what: str, form: str) -> Nvfp4Pointers:
+    def _upload_proj(self, ws: list[Nvfp4Weight], what: str, form: str, xshift: int = 0) -> Nvfp4Pointers:
         shapes = {w.shape for w in ws}
         if len(shapes) > 1:
             raise ConfigError(f"{what}: experts disagree on the projection shape: {sorted(shapes)}")
@@ -161,7 +161,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             packed_ptrs=self.asarray(np.array([a.data.ptr for a in packed], dtype=np.uint64)),
             scale_ptrs=self.asarray(np.array([a.data.ptr for a in scale], dtype=np.uint64)),
             scale2=self.asarray(np.array(s2, dtype=np.float32)),
-            n=n, k=k, packed=packed, scale=scale, scale2_host=s2, form=form)
+            n=n, k=k, packed=packed, scale=scale, scale2_host=s2, form=form, xshift=xshift)
 
     @_on_stream
     def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[Any, Nvfp4Pointers]:
@@ -172,7 +172,8 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         hidden_form, act_form = self.ring.forms(swiglu_limit)
         experts = RoutedExperts.of(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj", hidden_form),
                                    self._upload_proj([e.up for e in w.experts], "experts.up_proj", hidden_form),
-                                   self._upload_proj([e.down for e in w.experts], "experts.down_proj", act_form),
+                                   self._upload_proj([e.down for e in w.experts], "experts.down_proj", act_form,
+                                                     act_shift(swiglu_limit) if act_form == "placed" else 0),
                                    w.expert_start, len(w.experts))
         if w.shared is not None and experts.count:
             self._down_combine_scratch(experts.down.weights.n, experts.down.weights.k, w.shared.down.shape[1])

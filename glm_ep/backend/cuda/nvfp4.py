@@ -30,7 +30,8 @@ class Nvfp4Pointers:
     form of an ``ExpertTable``'s weights): device arrays of the experts' packed / scale base
     pointers (uint64) and their fp32 ``scale_2``, by local id. The arrays the pointers point at are
     kept alive in ``packed`` / ``scale``. ``form``: the operand form in which the ring reads this
-    projection (``RingConfig.forms``, decided at upload)."""
+    projection (``RingConfig.forms``, decided at upload); ``xshift``: the placed form's x scale
+    2^xshift (the down projection's, ``ring.act_shift``)."""
 
     packed_ptrs: Any  # uint64 [count]
     scale_ptrs: Any  # uint64 [count]
@@ -41,6 +42,7 @@ class Nvfp4Pointers:
     scale: tuple[Any, ...]  # uint8 (E4M3 bits) [n, k/16] per expert
     scale2_host: tuple[float, ...]
     form: str = "bf16"
+    xshift: int = 0
 
 
 def check_nvfp4_k(k: int, what: str) -> None:
@@ -87,10 +89,15 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointer
     check_shape("out", out_SN, (s, proj.n))
     x_stride = i64(proj.k if per_slot_input else 0)
     if ring.takes(proj.n, proj.k, s, 1):
-        blocks, smem, suffix = ring.geometry(proj.n, s, 1, proj.form)
+        # the placed form needs x's scale: the projection's bound, or (one x row) the kernel finds it (-1);
+        # per-slot rows without a bound take the unscaled bf16 form, the same weights
+        form, xshift = proj.form, proj.xshift
+        if form == "placed" and not xshift:
+            form, xshift = ("bf16u", 0) if per_slot_input else (form, -1)
+        blocks, smem, suffix = ring.geometry(proj.n, s, 1, form)
         launch(_RING, f"nvfp4_ring_moe_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, i32(s), i32(start),
-                i32(count), out_SN, i32(proj.n), i32(proj.k)), smem=smem, persistent=True)
+                i32(count), out_SN, i32(proj.n), i32(proj.k), i32(xshift)), smem=smem, persistent=True)
         return
     head = (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S,
             i32(start), i32(count), out_SN, i32(proj.n), i32(proj.k))
@@ -128,7 +135,7 @@ def nvfp4_moe_down_combine(act_SK: Any, table: ExpertTable[Nvfp4Pointers], ids_S
     launch(_RING, f"nvfp4_ring_moe_down_combine_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
            (act_SK, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, i32(s), i32(start), i32(count),
             routed_SN, i32(n), i32(k), shared_down_NI, shared_act_1I, i32(shared_k), i32(parts), partials, arrived,
-            wts_1S, out_1N), smem=smem, persistent=True)
+            wts_1S, out_1N, i32(proj.xshift)), smem=smem, persistent=True)
     return True
 
 

@@ -6,6 +6,11 @@ The ring reads each projection in one of three operand forms, chosen once at wei
 - ``bf16``: the dequantized weight (e2m1 times its block scale) as bf16, one mma chain over K;
 - ``bf16u``: the unscaled e2m1 as bf16, the block scale applied to each 16-k group's fp32 partial;
   the input as it is, so exact for any bf16 input;
+- ``placed``: the unscaled bf16 form with the weights decoded by bit placement (e2m1 x 2^-126, no
+  table) and x paired to match and scaled by a power of two that keeps every product a normal fp32:
+  for gate and up the kernel takes it from the row's largest |x|, for the down projection it is fixed
+  at upload from the activation's bound (``act_shift``; refused, for the unscaled bf16 form, where the
+  limit does not bound it below 2^113). The same products as ``bf16u``, paired in another order;
 - ``f16``: the same with fp16 operands, the input rounded to fp16: exact only while the input fits
   fp16 (|v| <= 65504). The down projection reads the clamped SwiGLU, bounded by the site's
   ``swiglu_limit``; the form is refused where the limit does not bound it. Gate and up read the
@@ -27,17 +32,37 @@ from glm_ep.topology import PathLevers
 RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T steps (K a multiple)
 RING_MAX_SLOTS = 32  # slots of one launch: lane j of a warp holds slot j's ids and pointers
 F16_MAX = 65504.0
-FORM_PREFIX = {"bf16": "", "bf16u": "bf16u_", "f16": "f16_"}  # operand form -> the ring entry's name prefix
+# operand form -> the ring entry's name prefix
+FORM_PREFIX = {"bf16": "", "bf16u": "bf16u_", "placed": "pl_", "f16": "f16_"}
 SILU_MIN = -0.2785  # the least value of silu(g) = g / (1 + exp(-g))
 
 
-def act_fits_f16(swiglu_limit: float) -> bool:
-    """Whether every clamped SwiGLU output fits fp16: ``|silu(min(g, L)) * clamp(u, -L, L)|`` is at
-    most ``max(L, 0.2785) * L``, rounded to bf16 once (the activation's rounding)."""
+def act_bound(swiglu_limit: float) -> float:
+    """The largest |clamped SwiGLU output|: ``|silu(min(g, L)) * clamp(u, -L, L)|`` is at most
+    ``max(L, 0.2785) * L``, rounded to bf16 once (the activation's rounding); inf for no finite limit."""
     if not math.isfinite(swiglu_limit):
-        return False
+        return math.inf
     bound = np.float32(max(swiglu_limit, -SILU_MIN)) * np.float32(swiglu_limit)
-    return float(np.array(bound, np.float32).astype(BF16)) <= F16_MAX
+    return float(np.array(bound, np.float32).astype(BF16))
+
+
+def act_fits_f16(swiglu_limit: float) -> bool:
+    """Whether every clamped SwiGLU output fits fp16."""
+    return act_bound(swiglu_limit) <= F16_MAX
+
+
+PLACED_TOP = 120  # the placed form scales x so that its largest |value| is below 2^PLACED_TOP
+PLACED_MIN_SHIFT = 7  # ... by at least 2^7: the output scale 2^(134 - shift) stays an fp32 (gemv_nvfp4_ring.cu)
+
+
+def act_shift(swiglu_limit: float) -> int:
+    """The placed down projection's x scale 2^shift: the activation's bound below 2^PLACED_TOP, at most
+    2^127 (a bf16 power of two); 0 where no shift >= PLACED_MIN_SHIFT does it (no placed form then)."""
+    bound = act_bound(swiglu_limit)
+    if not math.isfinite(bound) or bound <= 0:
+        return 0
+    shift = min(127, PLACED_TOP - math.frexp(bound)[1])  # bound < 2^e
+    return shift if shift >= PLACED_MIN_SHIFT else 0
 
 
 @dataclass(frozen=True)
@@ -48,8 +73,11 @@ class RingConfig:
     (stages per warp); the warps per SM the grid aims at (fewer where the rings' shared memory does
     not fit); ``max_warps`` caps the grid (tests: several items per warp); ``f16``: the down
     projection in the fp16 form; ``f16_hidden``: gate and up too; ``unscaled``: a projection not in
-    the fp16 form in the unscaled bf16 form (else the scaled one); ``down_combine``: at one row, the
-    shared expert's down projection and the site's combine run inside the routed down launch."""
+    the fp16 form in the unscaled bf16 form (else the scaled one); ``placed``: the down projection's
+    unscaled form decoded by bit placement (the ``placed`` form, where the limit bounds the
+    activation); ``placed_hidden``: gate and up too; ``down_combine``: at
+    one row, the shared expert's down projection and the site's combine run inside the routed down
+    launch."""
 
     enabled: bool = True
     slab: tuple[int, int] = (4, 4)
@@ -59,6 +87,8 @@ class RingConfig:
     f16: bool = False  # consume_slab_unscaled's fp16 form (F = 1): no faster than bf16u on H200 (NOTES.md)
     f16_hidden: bool = False
     unscaled: bool = True
+    placed: bool = True  # the down projection in the placed form, where the limit bounds it (NOTES.md)
+    placed_hidden: bool = False  # gate and up too: no faster on H200 (NOTES.md)
     down_combine: bool = True  # one-row sites: the shared expert's down projection and the combine in the down ring
     union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (bf16 form)
     union_slab: tuple[int, int] = (2, 2)
@@ -76,7 +106,8 @@ class RingConfig:
     @classmethod
     def from_levers(cls, lv: PathLevers) -> "RingConfig":
         return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
-                   lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_down_combine, lv.ring_union_max_rows,
+                   lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_placed, lv.ring_placed_hidden,
+                   lv.ring_down_combine, lv.ring_union_max_rows,
                    tuple(lv.ring_union_slab), tuple(lv.ring_union_depth))
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
@@ -90,7 +121,9 @@ class RingConfig:
                               f"every activation fits fp16 (|act| <= swiglu_limit^2 <= {F16_MAX:g}), and "
                               f"swiglu_limit = {swiglu_limit:g} does not bound it there; set ring_f16 = false")
         bf16 = "bf16u" if self.unscaled else "bf16"
-        return "f16" if self.f16 and self.f16_hidden else bf16, "f16" if self.f16 else bf16
+        hidden = "placed" if self.placed_hidden and self.unscaled else bf16
+        act = "placed" if self.placed and self.unscaled and act_shift(swiglu_limit) else bf16
+        return "f16" if self.f16 and self.f16_hidden else hidden, "f16" if self.f16 else act
 
     def takes(self, n: int, k: int, slots: int, p: int) -> bool:
         """Whether the ring serves a launch of ``slots`` slots of ``p`` [n, k] matrices."""
