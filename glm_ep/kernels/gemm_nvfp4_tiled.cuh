@@ -200,10 +200,11 @@ struct GemmTiled : TileCopies<16 * MT * WM, 32 * WN, BK, 32 * WM * WN> {
 // ---- The wgmma engine (sm_90a): the tiled engine's 128 x 128 tile and shared-memory layout, its mma on
 // the asynchronous warpgroup instruction -----------------------------------------------------------------
 // ONE warpgroup of 4 warps per block covers the whole tile as two wgmma m64n128k16 per 16 k (x rows 0-63
-// and 64-127), both operands read from shared memory by descriptor. The x rows and the dequantized
-// weight tile already lie as wgmma's K-major 128-byte-swizzled layout wants them (128-byte rows, chunk c
-// of row r at c ^ (r & 7), 8-row groups 1024 bytes apart, every tile 1024-byte aligned), so step kk of
-// 16 k is the descriptor moved 32 kk bytes. The wgmma of k block kb stays in flight while the same
+// and 64-127; a tile of at most 64 rows, an expert's last, issues only the first), both operands read
+// from shared memory by descriptor. The x rows and the dequantized weight tile already lie as wgmma's
+// K-major 128-byte-swizzled layout wants them (128-byte rows, chunk c of row r at c ^ (r & 7), 8-row
+// groups 1024 bytes apart, every tile 1024-byte aligned), so step kk of 16 k is the descriptor moved
+// 32 kk bytes. The wgmma of k block kb stays in flight while the same
 // threads refill the stage of block kb - 1 and dequantize block kb + 1, and across the next barrier:
 // one warpgroup per block means "my wgmma of kb - 1 is done" frees its buffers for the whole block.
 // Accumulators: per n8 tile j, d[4j .. 4j + 3] is the mma.sync C fragment of rows 16 warp + g, + 8
@@ -296,6 +297,7 @@ struct GemmWg : TileCopies<128, 128, BK, 128> {
         auto ws_at = [&](int s) { return ws + s * (W_BYTES + S_BYTES); };
         auto generic = [&](unsigned a) { return base + (a - smem); };
         const int kblocks = K / BK;
+        const bool upper = tile.rows > 64;
 #pragma unroll
         for (int s = 0; s < 3; ++s) {
             if (s < kblocks) this->load_split(xs_at(s), ws_at(s), x);
@@ -312,9 +314,10 @@ struct GemmWg : TileCopies<128, 128, BK, 128> {
             const u64_t da = sw128_desc(xs_at(xcur)), db = sw128_desc(dq + (kb & 1) * DEQ);
             wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) {
-                wgmma_m64n128k16(d0, da + 2 * kk, db + 2 * kk);
-                wgmma_m64n128k16(d1, da + (64 * 128 >> 4) + 2 * kk, db + 2 * kk);
+            for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n128k16(d0, da + 2 * kk, db + 2 * kk);
+            if (upper) {  // block-uniform: a tile of at most 64 rows leaves x rows 64 .. 127 out
+#pragma unroll
+                for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n128k16(d1, da + (64 * 128 >> 4) + 2 * kk, db + 2 * kk);
             }
             wgmma_commit();
             wgmma_wait<1>();  // k block kb - 1's wgmma is done: its x slot and its bf16 tile are free
