@@ -92,18 +92,22 @@ __device__ __forceinline__ void issue_slab(RingStage<P, T>& st, const ItemSrc<P>
 // group 0, d1: row g group 1, d2 / d3: row g + 8), scales them by the chunk's own E4M3 scales and adds
 // them to acc[p][0] (row g) and acc[p][1] (row g + 8). The four lanes of a quad are summed at the end of
 // an item (finish_item).
-template <int P, int T, int F>
-__device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st, float (&acc)[P][4], unsigned xs2) {
+// XB (F = 3): x comes from the block's prepared copy (xb: the slab's 128 T k, paired and scaled), not the stage.
+template <int P, int T, int F, bool XB = false>
+__device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st, float (&acc)[P][4], unsigned xs2,
+                                                      const uint4* xb = nullptr) {
     static_assert(F >= 1 && F <= 3, "the unscaled forms are fp16 (1), bf16 (2) and placed bf16 (3)");
+    static_assert(!XB || F == 3, "a prepared x is the placed form's");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, j = g & 1;
     const unsigned keep = (g >> 1) == t ? 0xffffffffu : 0u, keep0 = j ? 0u : keep, keep1 = j ? keep : 0u;
 #pragma unroll
     for (int s = 0; s < T; ++s) {
         const int c = 4 * s + t;
-        const uint4 xa = st.x[0][4 * c + 2 * j], xb = st.x[0][4 * c + 2 * j + 1];  // k 16 j .. 16 j + 15 of the chunk
-        unsigned xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-        if constexpr (F == 3) {  // x as the placed pairs, times 2^xshift (exact)
-            const unsigned nat[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        const uint4 x0 = XB ? xb[4 * c + 2 * j] : st.x[0][4 * c + 2 * j];  // k 16 j .. 16 j + 15 of the chunk
+        const uint4 x1 = XB ? xb[4 * c + 2 * j + 1] : st.x[0][4 * c + 2 * j + 1];
+        unsigned xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        if constexpr (F == 3 && !XB) {  // x as the placed pairs, times 2^xshift (exact)
+            const unsigned nat[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
             pair_halves(nat, xw);
             pair_halves(nat + 4, xw + 4);
 #pragma unroll
@@ -179,6 +183,38 @@ __device__ __forceinline__ int row_shift(const bf16_t* x, int K) {
     m = __reduce_max_sync(0xffffffffu, max(m & 0xffffu, m >> 16));
     const int e = (int)(m >> 7);  // the biased exponent of the largest |x|: it is below 2^(e - 126)
     return m == 0u || e == 255 ? 0 : (e >= 119 ? 246 - e : 127);
+}
+
+// The placed gate + up's x, once per block (every thread of it): the shift of row_shift over the block,
+// then x paired (pair_halves) and times 2^shift into xb[K / 8], read by every warp's consume. Returns the
+// shift.
+__device__ __forceinline__ int prepare_x_block(const bf16_t* x, int K, uint4* xb) {
+    __shared__ unsigned warp_max[RING_WARPS];
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    unsigned m = 0u;
+    for (int i = threadIdx.x; i < K / 8; i += RING_THREADS) {
+        const uint4 v = __ldg(xv + i);
+        m = __vmaxu2(m, __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
+                                 __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu)));
+    }
+    m = __reduce_max_sync(0xffffffffu, max(m & 0xffffu, m >> 16));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < RING_WARPS; ++w) m = max(m, warp_max[w]);
+    const int e = (int)(m >> 7);
+    const int shift = m == 0u || e == 255 ? 0 : (e >= 119 ? 246 - e : 127);  // as row_shift
+    const unsigned s2 = exp2i_bf16x2(shift);
+    for (int i = threadIdx.x; i < K / 8; i += RING_THREADS) {
+        const uint4 v = __ldg(xv + i);
+        const unsigned nat[4] = {v.x, v.y, v.z, v.w};
+        unsigned p[4];
+        pair_halves(nat, p);
+        xb[i] = make_uint4(fma_bf16x2(p[0], s2, 0x80008000u), fma_bf16x2(p[1], s2, 0x80008000u),
+                           fma_bf16x2(p[2], s2, 0x80008000u), fma_bf16x2(p[3], s2, 0x80008000u));
+    }
+    __syncthreads();
+    return shift;
 }
 
 template <int P>
@@ -286,6 +322,8 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
                                          int S, int start, int count, const RingOut& o, int N, int K,
                                          const DownCombine& dc = DownCombine{}, int xshift = 0) {
     static_assert(!DC || P == 1, "the combine ends the down projection");
+    constexpr bool XB = F == 3 && P == 2;  // placed gate + up: x prepared once per block, after the rings
+    uint4* xblk = reinterpret_cast<uint4*>(dyn_smem + RING_WARPS * D * sizeof(RingStage<P, T>));
     float mult = 1.0f, pre = 1.0f;  // F = 3: set by the pipeline's start, once the first copies are in flight
     unsigned xs2 = 0u;
     int my_slot;
@@ -321,16 +359,18 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
                     return;
                 }
             }
-            issue_slab<P, T>(st, src, b);
+            if constexpr (XB) issue_weights<P, T, 1>(st, src, b);
+            else issue_slab<P, T>(st, src, b);
         },
-        [&](const RingStage<P, T>& st, int item) {
+        [&](const RingStage<P, T>& st, int item, int slab) {
             if constexpr (DC) {
                 if (item < shared_items) {
                     consume_bf16_slab<T>(st, acc);
                     return;
                 }
             }
-            if constexpr (F != 0) consume_slab_unscaled<P, T, F>(st, acc, xs2);
+            if constexpr (XB) consume_slab_unscaled<P, T, F, true>(st, acc, xs2, xblk + slab * 16 * T);
+            else if constexpr (F != 0) consume_slab_unscaled<P, T, F>(st, acc, xs2);
             else consume_slab<P, T>(st, acc);
         },
         [&](int item) {
@@ -360,7 +400,8 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         },
         [&]() {
             if constexpr (F == 3) {
-                if (P == 2 || xshift < 0) xshift = row_shift(x, K);
+                if (XB) xshift = prepare_x_block(x, K, xblk);
+                else if (xshift < 0) xshift = row_shift(x, K);
                 const int t = 134 - xshift;
                 pre = t > 127 ? exp2i(t - 127) : 1.0f;
                 mult = exp2i(t > 127 ? 127 : t);

@@ -95,8 +95,9 @@ struct RingOut {
 // The per-warp cp.async pipeline of both ring forms. The warp's items are w0, w0 + W, ... < items,
 // each `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries. The steps are callables:
 // src(item) points the producer at an item, issue(stage, slab) copies a slab of the producer's item,
-// consume(stage, item) multiplies a landed slab of the item into the caller's accumulators, finish(item) stores a
-// finished item and clears them; start() runs once the first copies are in flight, before the first consume.
+// consume(stage, item, slab) multiplies a landed slab of the item into the caller's accumulators, finish(item)
+// stores a finished item and clears them; start() runs once on every warp (a warp without items too, so it may
+// hold a block barrier), once the first copies are in flight, before the first consume.
 struct NoStart {
     __device__ __forceinline__ void operator()() const {}
 };
@@ -107,7 +108,10 @@ __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int it
                                               Issue&& issue, Consume&& consume, Finish&& finish,
                                               Start&& start = Start{}) {
     const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * slabs;  // this warp's slabs
-    if (total == 0) return;
+    if (total == 0) {
+        start();
+        return;
+    }
     int p_item = w0, p_s = 0;  // producer: (item, slab) of the next load
     src(p_item);
     auto advance = [&]() {
@@ -135,7 +139,7 @@ __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int it
         }
         cp_async_commit();
         fill = fill + 1 == D ? 0 : fill + 1;
-        consume(ring[stage], c_item);
+        consume(ring[stage], c_item, c_s);
         stage = stage + 1 == D ? 0 : stage + 1;
         if (++c_s == slabs) {  // warp-uniform
             finish(c_item);

@@ -149,7 +149,7 @@ def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, 
     for name, a in (("gate", gate_SN), ("up", up_SN), ("act", act_SN)):
         check(name, a, BF16, 2), check_shape(name, a, (s, n))
     if ring.takes(n, k, s, 2):
-        blocks, smem, suffix = ring.geometry(n, s, 2, gate.form)
+        blocks, smem, suffix = ring.geometry(n, s, 2, gate.form, k=k)
         launch(_RING, f"nvfp4_ring_moe_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
                 ids_S, i32(s), i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k),

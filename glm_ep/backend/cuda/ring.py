@@ -130,12 +130,14 @@ class RingConfig:
         return (self.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.slab[p - 1]) == 0
                 and slots <= RING_MAX_SLOTS)
 
-    def geometry(self, n: int, slots: int, p: int, form: str, extra_items: int = 0) -> tuple[int, int, str]:
+    def geometry(self, n: int, slots: int, p: int, form: str, extra_items: int = 0, k: int = 0
+                 ) -> tuple[int, int, str]:
         """(blocks, dynamic smem bytes, entry suffix): as even a share of the slots x row-group items
         (and ``extra_items``) per warp as the cap allows (warps_per_sm per SM, or fewer where the
-        rings do not fit in the device's shared memory), RING_WARPS per block."""
+        rings do not fit in the device's shared memory), RING_WARPS per block. Placed gate + up
+        (``k``: their in width) keep the block's prepared x row after the rings."""
         t, depth = self.slab[p - 1], self.depth[p - 1]
-        smem = RING_WARPS * depth * ring_stage_bytes(p, t)
+        smem = RING_WARPS * depth * ring_stage_bytes(p, t) + (2 * k if form == "placed" and p == 2 else 0)
         return self._blocks(slots * (n // MMA_ROWS) + extra_items, smem), smem, f"{FORM_PREFIX[form]}t{t}_d{depth}"
 
     def down_combine_parts(self, n: int, k: int, shared_k: int) -> int:
