@@ -40,7 +40,7 @@
 template <int P>
 __device__ __forceinline__ int local_slots(const int* ids, int S, int start, int count, const u64_t* const (&wp)[P],
                                            const u64_t* const (&sp)[P], const float* const (&s2)[P], int& slot,
-                                           u64_t (&w)[P], u64_t (&s)[P], float (&f)[P], float mult) {
+                                           u64_t (&w)[P], u64_t (&s)[P], float (&f)[P]) {
     const int lane = threadIdx.x & 31;
     int e = -1;
     if (lane < S) {
@@ -57,7 +57,7 @@ __device__ __forceinline__ int local_slots(const int* ids, int S, int start, int
     for (int p = 0; p < P; ++p) {
         w[p] = m ? wp[p][le] : 0ull;
         s[p] = m ? sp[p][le] : 0ull;
-        f[p] = m ? s2[p][le] * mult : 0.0f;
+        f[p] = m ? s2[p][le] * 128.0f : 0.0f;
     }
     return __popc(mask);
 }
@@ -169,7 +169,7 @@ __device__ __forceinline__ void finish_item(float (&acc)[P][4]) {
 }
 
 // The placed form's shift for x row `x` (gate and up): 2^s puts the row's largest |x| below 2^120, so every
-// product with a placed weight (>= 2^-127) of an element within 2^119 of the largest is a normal fp32, and
+// product with a placed weight (>= 2^-127) of an element within 2^118 of the largest is a normal fp32, and
 // nothing overflows. 0 for a row of zeros or one holding inf / NaN (they propagate as in the other forms).
 // Every lane of the warp reads the whole row (K % 8 == 0) and gets the same s.
 __device__ __forceinline__ int row_shift(const bf16_t* x, int K) {
@@ -314,8 +314,10 @@ __device__ __forceinline__ void arrive_and_combine(const DownCombine& dc, const 
 // ends in arrive_and_combine.
 // xshift (F = 3, one projection): the power of two the caller bounds x by, or -1: x is one row (x_slot_stride
 // 0) and the kernel finds it, as gate + up always do.
-// The placed form's sums carry 2^(xshift - 134) against the other forms' 2^-7: the output scale takes
-// 2^(134 - xshift) (pre, then in f, both exact; pre is 1 unless xshift < 7).
+// The placed form's sums are the unscaled bf16 form's times 2^(xshift - 127): a finished item's sums are
+// multiplied back by 2^(127 - xshift) (exact; in two factors past 2^127) before the same output scale
+// (scale_2 x 128), so they overflow exactly where the unscaled form's do. The down projection's bound
+// (act_shift) holds only for a clamped SwiGLU of the site's limit: a larger input would become inf.
 template <int P, int T, int D, int F, bool DC = false>
 __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_stride, const u64_t* const (&wp)[P],
                                          const u64_t* const (&sp)[P], const float* const (&s2)[P], const int* ids,
@@ -324,12 +326,12 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     static_assert(!DC || P == 1, "the combine ends the down projection");
     constexpr bool XB = F == 3 && P == 2;  // placed gate + up: x prepared once per block, after the rings
     uint4* xblk = reinterpret_cast<uint4*>(dyn_smem + RING_WARPS * D * sizeof(RingStage<P, T>));
-    float mult = 1.0f, pre = 1.0f;  // F = 3: set by the pipeline's start, once the first copies are in flight
+    float pre = 1.0f, pre2 = 1.0f;  // F = 3: set by the pipeline's start, once the first copies are in flight
     unsigned xs2 = 0u;
     int my_slot;
     u64_t wb[P], sb[P];
     float fb[P];
-    const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb, F == 3 ? 1.0f : 128.0f);
+    const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb);
     const int groups = N >> 4, slabs = K / (128 * T);
     const int shared_items = DC ? groups * dc.parts : 0;
     const int W = gridDim.x * RING_WARPS, w0 = blockIdx.x * RING_WARPS + (threadIdx.x >> 5);
@@ -338,7 +340,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     bool src_shared = false;  // the producer's item is a shared one
     float acc[P][4];
     zero_acc<P>(acc);
-    ring_pipeline<D>(
+    ring_pipeline<D, XB>(
         ring, w0, W, shared_items + nlocal * groups, slabs,
         [&](int item) {
             src_shared = DC && item < shared_items;
@@ -388,11 +390,11 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
             const int r = item - shared_items, j = r / groups;
             float f2[P];
 #pragma unroll
-            for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, fb[p], j) * mult;  // exact: a power of two
+            for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, fb[p], j);
             finish_item<P, F>(acc);
             if constexpr (F == 3) {
 #pragma unroll
-                for (int p = 0; p < P; ++p) acc[p][0] *= pre, acc[p][2] *= pre;
+                for (int p = 0; p < P; ++p) acc[p][0] = acc[p][0] * pre * pre2, acc[p][2] = acc[p][2] * pre * pre2;
             }
             store_item<P>(o, __shfl_sync(0xffffffffu, my_slot, j), (r % groups) * 16, N, f2, acc);
             zero_acc<P>(acc);
@@ -402,9 +404,9 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
             if constexpr (F == 3) {
                 if (XB) xshift = prepare_x_block(x, K, xblk);
                 else if (xshift < 0) xshift = row_shift(x, K);
-                const int t = 134 - xshift;
-                pre = t > 127 ? exp2i(t - 127) : 1.0f;
-                mult = exp2i(t > 127 ? 127 : t);
+                const int t = 127 - xshift;  // 0 .. 135
+                pre = exp2i(t > 127 ? 127 : t);
+                pre2 = exp2i(t > 127 ? t - 127 : 0);
                 xs2 = exp2i_bf16x2(xshift);
             }
         });

@@ -57,7 +57,9 @@ PLACED_MIN_SHIFT = 7  # ... by at least 2^7: the output scale 2^(134 - shift) st
 
 def act_shift(swiglu_limit: float) -> int:
     """The placed down projection's x scale 2^shift: the activation's bound below 2^PLACED_TOP, at most
-    2^127 (a bf16 power of two); 0 where no shift >= PLACED_MIN_SHIFT does it (no placed form then)."""
+    2^127 (a bf16 power of two); 0 where no shift >= PLACED_MIN_SHIFT does it (no placed form then).
+    A contract on the projection's input: a clamped SwiGLU of this limit, as the site computes it; an
+    input past the bound times 2^(128 - PLACED_TOP) would overflow to inf in the kernel."""
     bound = act_bound(swiglu_limit)
     if not math.isfinite(bound) or bound <= 0:
         return 0
