@@ -28,13 +28,14 @@
 //       decoded by bit placement, e2m1 x 2^-126, and x paired to match and scaled by 2^xshift: for gate
 //       and up xshift follows the row's largest |x|, for the down projection the caller's bound)
 //   nvfp4_ring_moe_down_combine_{,f16_,bf16u_,pl_}t{T}_d{D}  the down projection (x[slot]) with the shared
-//       expert's down projection and the site's combine in the same launch (DownCombine, below)
+//       expert's down projection and the site's combine in the same launch (DownCombine, ring_down_combine.cuh)
 // The verify (union) kernels on the same ring are gemv_nvfp4_union.cu's; what both share is in
 // nvfp4_ring.cuh.
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
 #include "async_copy.cuh"
 #include "nvfp4_ring.cuh"
+#include "ring_down_combine.cuh"
 
 // Lane j: the j-th local slot (slot index, matrix base pointers, scale_2); returns the count.
 template <int P>
@@ -108,10 +109,8 @@ __device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st,
         unsigned xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
         if constexpr (F == 3 && !XB) {  // x as the placed pairs, times 2^xshift (exact)
             const unsigned nat[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-            pair_halves(nat, xw);
-            pair_halves(nat + 4, xw + 4);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) xw[i] = fma_bf16x2(xw[i], xs2, 0x80008000u);
+            placed_x8(nat, xs2, xw);
+            placed_x8(nat + 4, xs2, xw + 4);
         }
         unsigned b0[8], b1[8];
 #pragma unroll
@@ -168,50 +167,31 @@ __device__ __forceinline__ void finish_item(float (&acc)[P][4]) {
     }
 }
 
-// The placed form's shift for x row `x` (gate and up): 2^s puts the row's largest |x| below 2^120, so every
-// product with a placed weight (>= 2^-127) of an element within 2^118 of the largest is a normal fp32, and
-// nothing overflows. 0 for a row of zeros or one holding inf / NaN (they propagate as in the other forms).
-// Every lane of the warp reads the whole row (K % 8 == 0) and gets the same s.
+// The placed form's shift for x row `x` (placed_shift): every lane of the warp reads the whole row
+// (K % 8 == 0) and gets the same shift.
 __device__ __forceinline__ int row_shift(const bf16_t* x, int K) {
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    unsigned m = 0u;
-    for (int i = threadIdx.x & 31; i < K / 8; i += 32) {
-        const uint4 v = __ldg(xv + i);
-        m = __vmaxu2(m, __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
-                                 __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu)));
-    }
-    m = __reduce_max_sync(0xffffffffu, max(m & 0xffffu, m >> 16));
-    const int e = (int)(m >> 7);  // the biased exponent of the largest |x|: it is below 2^(e - 126)
-    return m == 0u || e == 255 ? 0 : (e >= 119 ? 246 - e : 127);
+    const unsigned m = abs_max_bits(reinterpret_cast<const uint4*>(x), threadIdx.x & 31, 32, K / 8);
+    return placed_shift(__reduce_max_sync(0xffffffffu, m));
 }
 
-// The placed gate + up's x, once per block (every thread of it): the shift of row_shift over the block,
-// then x paired (pair_halves) and times 2^shift into xb[K / 8], read by every warp's consume. Returns the
-// shift.
+// The placed gate + up's x, once per block (every thread of it): row_shift's shift over the block, then x
+// as placed_x8 makes it into xb[K / 8], read by every warp's consume. Returns the shift.
 __device__ __forceinline__ int prepare_x_block(const bf16_t* x, int K, uint4* xb) {
     __shared__ unsigned warp_max[RING_WARPS];
     const uint4* xv = reinterpret_cast<const uint4*>(x);
-    unsigned m = 0u;
-    for (int i = threadIdx.x; i < K / 8; i += RING_THREADS) {
-        const uint4 v = __ldg(xv + i);
-        m = __vmaxu2(m, __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
-                                 __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu)));
-    }
-    m = __reduce_max_sync(0xffffffffu, max(m & 0xffffu, m >> 16));
+    unsigned m = __reduce_max_sync(0xffffffffu, abs_max_bits(xv, threadIdx.x, RING_THREADS, K / 8));
     if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
     __syncthreads();
 #pragma unroll
     for (int w = 0; w < RING_WARPS; ++w) m = max(m, warp_max[w]);
-    const int e = (int)(m >> 7);
-    const int shift = m == 0u || e == 255 ? 0 : (e >= 119 ? 246 - e : 127);  // as row_shift
+    const int shift = placed_shift(m);
     const unsigned s2 = exp2i_bf16x2(shift);
     for (int i = threadIdx.x; i < K / 8; i += RING_THREADS) {
         const uint4 v = __ldg(xv + i);
         const unsigned nat[4] = {v.x, v.y, v.z, v.w};
         unsigned p[4];
-        pair_halves(nat, p);
-        xb[i] = make_uint4(fma_bf16x2(p[0], s2, 0x80008000u), fma_bf16x2(p[1], s2, 0x80008000u),
-                           fma_bf16x2(p[2], s2, 0x80008000u), fma_bf16x2(p[3], s2, 0x80008000u));
+        placed_x8(nat, s2, p);
+        xb[i] = make_uint4(p[0], p[1], p[2], p[3]);
     }
     __syncthreads();
     return shift;
@@ -230,84 +210,6 @@ __device__ __forceinline__ void store_item(const RingOut& o, int slot, int n0, i
         glu_store(o.gate + off, o.up + off, o.act + off, n, acc[0][0] * f[0], acc[P - 1][0] * f[P - 1], o.limit);
         glu_store(o.gate + off, o.up + off, o.act + off, n + 8, acc[0][2] * f[0], acc[P - 1][2] * f[P - 1], o.limit);
     }
-}
-
-// ---- the routed down projection, the shared expert's down projection and the combine in ONE launch ----
-// The shared expert's bf16 down weights [N, Ksh] run as extra items of the down ring: item (part, group)
-// is 16 rows by Kp = 32 T * slabs k (Ksh = parts * Kp), a slab 32 T k (the 64 T bytes a stage row
-// holds), the same slab count as a routed item. Its fp32 sums go to partials[part][n]. Every finished
-// item (routed or shared) of a row group counts itself in arrived[group]; the warp that brings the
-// count to nlocal + parts combines the group's 16 rows: shared = bf16(partials summed in part order),
-// out = bf16(fp32 sum over slots k in order of wts[k] * routed[k], + shared), elementwise.cu's combine
-// (remote slots read as the zeros written before the launch), and clears the count for the next launch.
-// No residual: the stack adds it.
-struct DownCombine {
-    const bf16_t* sh_w;  // [N, sh_k] the shared expert's down projection (this rank's TP slice)
-    const bf16_t* sh_x;  // [sh_k] its activations
-    int sh_k, parts;
-    float* partials;     // [parts, N]
-    unsigned* arrived;   // [N / 16], zero between launches
-    const float* wts;    // [S] the combine weights of the row
-    bf16_t* out;         // [N] the site's output row
-};
-
-// Slab b of a shared item: 16 rows x 32 T k of bf16 weights (no scales) and the 32 T k of x.
-template <int T>
-__device__ __forceinline__ void issue_bf16_slab(RingStage<1, T>& st, const ItemSrc<1>& src, int b) {
-    const int lane = threadIdx.x & 31;
-    issue_weights<1, T, 1, false>(st, src, b);
-    if (lane < 4 * T) cp_async16(smem_u32(&st.x[0][lane]), src.x + 64 * T * (size_t)b + 16 * lane);
-}
-
-// A landed bf16 slab into the bf16 form's layout (acc[0][0]: row g, acc[0][2]: row g + 8, lanes t = 0):
-// lane (g, t) takes pieces (8 k each) 4 q + t of rows g and g + 8, as the NVFP4 form takes chunks, and
-// x row 0 is the mma's B column 0.
-template <int T>
-__device__ __forceinline__ void consume_bf16_slab(const RingStage<1, T>& st, float (&acc)[1][4]) {
-    static_assert(T % 4 == 0, "a shared slab is T / 4 steps of four 8-k pieces per lane");
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int u = 0; u < T / 4; ++u) {
-        unsigned lo[16], hi[16];
-        uint4 xv[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int j = 4 * (4 * u + q) + t;
-            const uint4 a = st.w[0][g][swz(g, j)], b = st.w[0][g + 8][swz(g + 8, j)];
-            lo[4 * q] = a.x, lo[4 * q + 1] = a.y, lo[4 * q + 2] = a.z, lo[4 * q + 3] = a.w;
-            hi[4 * q] = b.x, hi[4 * q + 1] = b.y, hi[4 * q + 2] = b.z, hi[4 * q + 3] = b.w;
-            xv[q] = g == 0 ? st.x[0][j] : make_uint4(0u, 0u, 0u, 0u);
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const uint4& x4 = xv[i >> 1];
-            mma_bf16(acc[0], lo[2 * i], hi[2 * i], lo[2 * i + 1], hi[2 * i + 1], (i & 1) ? x4.z : x4.x,
-                     (i & 1) ? x4.w : x4.y);
-        }
-    }
-}
-
-// A finished item of row group n0 / 16 has been stored: count it, and combine the group if it is the last.
-__device__ __forceinline__ void arrive_and_combine(const DownCombine& dc, const bf16_t* routed, int S, int N, int n0,
-                                                   unsigned expected) {
-    const int lane = threadIdx.x & 31;
-    __syncwarp();  // every lane's stores happen before lane 0's release (cumulative)
-    unsigned before = 0u;
-    if (lane == 0)
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(dc.arrived + (n0 >> 4))
-                     : "memory");
-    if (__shfl_sync(0xffffffffu, before, 0) + 1u != expected) return;  // the same on every lane
-    __syncwarp();  // lane 0's acquire before every lane's reads below (a shuffle orders no memory)
-    if (lane < 16) {
-        const int n = n0 + lane;
-        float sh = 0.0f;
-        for (int p = 0; p < dc.parts; ++p) sh = __fadd_rn(sh, __ldcg(dc.partials + (size_t)p * N + n));
-        float acc = 0.0f;
-        for (int k = 0; k < S; ++k)
-            acc = __fadd_rn(acc, __fmul_rn(dc.wts[k], bf16_to_f32(__ldcg(routed + (size_t)k * N + n))));
-        dc.out[n] = f32_to_bf16(__fadd_rn(acc, round_bf16(sh)));
-    }
-    if (lane == 0) dc.arrived[n0 >> 4] = 0u;
 }
 
 // DC: the routed items of down projection (P = 1) follow groups * dc.parts shared items, and every item

@@ -188,6 +188,32 @@ __device__ __forceinline__ void pair_halves(const unsigned* w, unsigned* out) {
 __device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
 __device__ __forceinline__ unsigned exp2i_bf16x2(int e) { return (unsigned)(e + 127) * 0x00800080u; }
 
+// Eight natural bf16 (w[0..3]) as the placed form's x: paired (pair_halves), times s2 = 2^shift (exact).
+__device__ __forceinline__ void placed_x8(const unsigned* w, unsigned s2, unsigned* out) {
+    pair_halves(w, out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = fma_bf16x2(out[i], s2, 0x80008000u);
+}
+
+// The largest |x| (bf16 bits; NaN above inf) over uint4s first, first + stride, ... < n of xv.
+__device__ __forceinline__ unsigned abs_max_bits(const uint4* xv, int first, int stride, int n) {
+    unsigned m = 0u;
+    for (int i = first; i < n; i += stride) {
+        const uint4 v = __ldg(xv + i);
+        m = __vmaxu2(m, __vmaxu2(__vmaxu2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu),
+                                 __vmaxu2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu)));
+    }
+    return max(m & 0xffffu, m >> 16);
+}
+
+// The placed form's shift for an x row whose largest |x| has the bf16 bits m: 2^s puts it below 2^120, so
+// every product with a placed weight (>= 2^-127) of an element within 2^118 of the largest is a normal fp32,
+// and nothing overflows. 0 for a row of zeros or one holding inf / NaN (they propagate as in the other forms).
+__device__ __forceinline__ int placed_shift(unsigned m) {
+    const int e = (int)(m >> 7);  // the biased exponent of the largest |x|: it is below 2^(e - 126)
+    return m == 0u || e == 255 ? 0 : (e >= 119 ? 246 - e : 127);
+}
+
 // The gate, up and clamped SwiGLU outputs of one element (each rounded once to bf16).
 __device__ __forceinline__ void glu_store(bf16_t* gate, bf16_t* up, bf16_t* act, int n, float g, float u,
                                           float limit) {

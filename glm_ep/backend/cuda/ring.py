@@ -52,7 +52,7 @@ def act_fits_f16(swiglu_limit: float) -> bool:
 
 
 PLACED_TOP = 120  # the placed form scales x so that its largest |value| is below 2^PLACED_TOP
-PLACED_MIN_SHIFT = 7  # ... by at least 2^7: the output scale 2^(134 - shift) stays an fp32 (gemv_nvfp4_ring.cu)
+PLACED_MIN_SHIFT = 7  # ... by at least 2^7, else small activations' products leave fp32's normal range
 
 
 def act_shift(swiglu_limit: float) -> int:
