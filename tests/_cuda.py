@@ -14,7 +14,7 @@ from glm_ep import nvfp4
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
-from helpers import BF16, rand_bf16
+from helpers import BF16, assert_close, rand_bf16
 
 #: the kernel tests' shape: hidden, moe width, experts, top-k (plus GLM-5.3-Flash's where named)
 H, M, E, TOP_K = 256, 128, 32, 8
@@ -92,3 +92,34 @@ def moe_weights(rng, h=H, m=M, start=0, count=E, num_experts=E, router_dtype=np.
     router = (rng.standard_normal((num_experts, h)) / np.sqrt(h)).astype(router_dtype)
     bias = (7.0 + 0.01 * rng.standard_normal(num_experts)).astype(np.float32)
     return MoeWeights(router, bias, start, experts, shared)
+
+
+# ---- the decode checks the kernel and ring tests share ----------------------------------------------
+def check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, label, be=None):
+    """One decode moe_gemv against NumPy: local slots within bf16 rounding, remote rows untouched."""
+    pc, pn = getattr(cu, proj), getattr(nu, proj)
+    kin, n = pn.weights[0].shape[1], pn.weights[0].shape[0]
+    x = rand_bf16(rng, (TOP_K if per_slot else 1, kin))
+    ref = np.zeros((TOP_K, n), BF16)
+    NumpyBackend().moe_gemv(x, pn, ids, ref, per_slot)
+    out = poisoned((TOP_K, n), BF16)
+    (be or backend()).moe_gemv(dev(x), pc, dev(ids), out, per_slot)
+    got = host(out)
+    assert unwritten(got[~local]).all(), f"{label}: a remote slot's output was written"
+    assert_written(got[local], label)
+    assert_close(got[local], ref[local], label)
+
+
+def check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, label, be=None):
+    """Decode gate + up + SwiGLU against NumPy; act rows of remote slots are unspecified."""
+    x = rand_bf16(rng, (1, h), 3.0)
+    refs = [np.zeros((TOP_K, m), BF16) for _ in range(3)]
+    NumpyBackend().moe_gate_up_act(x, nu, ids, 1.0, *refs)
+    outs = [poisoned((TOP_K, m), BF16) for _ in range(3)]
+    (be or backend()).moe_gate_up_act(dev(x), cu, dev(ids), 1.0, *outs)
+    for name, o, r in zip(("gate", "up", "act"), outs, refs):
+        got = host(o)
+        if name != "act":
+            assert unwritten(got[~local]).all(), f"{label} {name}: a remote slot was written"
+        assert_written(got[local], name)
+        assert_close(got[local], r[local], f"{label} {name}")

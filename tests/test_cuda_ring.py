@@ -1,0 +1,216 @@
+"""The persistent decode ring (gemv_nvfp4_ring.cu) in each operand form and geometry, its fused down +
+shared + combine launch and the placed form's scaling, against gemv_nvfp4.cu's path and NumPy: outputs
+poisoned before each run, values within bf16 rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from glm_ep.backend.numpy_backend import NumpyBackend
+
+from _cuda import (TOP_K, assert_written, backend, both, check_moe_gate_up_act, check_moe_gemv, dev, host,
+                   moe_weights, poisoned, requires_cuda, unwritten)
+from helpers import BF16, assert_close, assert_ulps, rand_bf16
+
+pytestmark = [pytest.mark.cuda, requires_cuda]
+
+NP = NumpyBackend()
+
+
+# ---- the persistent decode ring (gemv_nvfp4_ring.cu) against gemv_nvfp4.cu's path and NumPy ----------
+UNSCALED, SCALED, FP16, PLACED = ("bf16u", "bf16u"), ("bf16", "bf16"), ("f16", "f16"), ("placed", "placed")
+DEFAULT = ("bf16u", "placed")  # (gate and up, down)
+
+
+@pytest.mark.parametrize("ring,forms", [
+    pytest.param(dict(enabled=False), SCALED, id="blocks"),  # gemv_nvfp4.cu's block-per-tile kernels
+    pytest.param(dict(), DEFAULT, id="default"),  # gate and up unscaled bf16 (F = 2), down placed (F = 3)
+    pytest.param(dict(depth=(4, 3), warps_per_sm=8), DEFAULT, id="t4d4-3-w8"),
+    pytest.param(dict(depth=(2, 2), max_warps=3), DEFAULT, id="t4d2-w3"),  # several items per warp
+    pytest.param(dict(depth=(4, 4), max_warps=5), DEFAULT, id="t4d4-w5"),  # a ring deeper than an item's slabs
+    pytest.param(dict(slab=(8, 8), depth=(3, 2), max_warps=7), DEFAULT, id="t8d3-w7"),
+    pytest.param(dict(slab=(8, 8), depth=(2, 2), warps_per_sm=16), DEFAULT, id="t8d2-w16"),
+    pytest.param(dict(unscaled=False), SCALED, id="bf16"),  # the scaled bf16 form (consume_slab)
+    pytest.param(dict(unscaled=False, depth=(2, 2), max_warps=3), SCALED, id="bf16-t4d2-w3"),
+    pytest.param(dict(unscaled=False, depth=(4, 3), warps_per_sm=8), SCALED, id="bf16-t4d4-3-w8"),
+    pytest.param(dict(unscaled=False, depth=(4, 4), max_warps=5), SCALED, id="bf16-t4d4-w5"),
+    pytest.param(dict(unscaled=False, slab=(8, 8), depth=(3, 2), max_warps=7), SCALED, id="bf16-t8d3-w7"),
+    pytest.param(dict(f16=True), ("bf16u", "f16"), id="f16-down"),  # the fp16 form on the down projection
+    pytest.param(dict(f16=True, unscaled=False), ("bf16", "f16"), id="f16-down-bf16"),
+    pytest.param(dict(f16=True, f16_hidden=True), FP16, id="f16"),  # consume_slab_unscaled, F = 1, everywhere
+    pytest.param(dict(f16=True, f16_hidden=True, depth=(2, 2), max_warps=3), FP16, id="f16-t4d2-w3"),
+    pytest.param(dict(f16=True, f16_hidden=True, depth=(4, 3), warps_per_sm=8), FP16, id="f16-t4d4-3-w8"),
+    pytest.param(dict(f16=True, f16_hidden=True, slab=(8, 8), depth=(3, 2), max_warps=7), FP16, id="f16-t8d3-w7"),
+    pytest.param(dict(placed=False), UNSCALED, id="bf16u"),  # the unscaled bf16 form everywhere (F = 2)
+    pytest.param(dict(placed=False, depth=(2, 2), max_warps=3), UNSCALED, id="bf16u-t4d2-w3"),
+    pytest.param(dict(placed_hidden=True), PLACED, id="placed"),  # consume_slab_unscaled, F = 3, everywhere
+    pytest.param(dict(placed_hidden=True, depth=(2, 2), max_warps=3), PLACED, id="placed-t4d2-w3"),
+    pytest.param(dict(placed_hidden=True, slab=(8, 8), depth=(3, 2), max_warps=7), PLACED, id="placed-t8d3-w7"),
+    pytest.param(dict(placed_hidden=True, f16=True), ("placed", "f16"), id="placed-f16-down"),
+])
+def test_moe_decode_ring(rng, ring, forms):
+    """A backend built with each ring config, on the shared backend's stream (the helpers' buffers)."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
+    h, m, start, count = 2048, 1024, 4, 6  # ids outside [4, 10) are remote; K = 1..4 slabs
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
+    assert (cu.gate.weights.form, cu.up.weights.form, cu.down.weights.form) == (forms[0], forms[0], forms[1])
+    ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
+    local = (ids >= start) & (ids < start + count)
+    check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "ring glu", be)
+    for proj, per_slot in (("gate", False), ("down", True)):
+        check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, f"ring {proj}", be)
+
+
+# ---- one-row sites: the routed down ring with the shared expert's down projection and the combine ---------
+@pytest.mark.parametrize("ring,shared_k", [
+    pytest.param(dict(), 512, id="default-2parts"),  # h 2048, m 1024, T = 4: 2 slabs, 256 k per shared item
+    pytest.param(dict(), 256, id="default-1part"),
+    pytest.param(dict(max_warps=3), 768, id="w3-3parts"),  # several items per warp, shared and routed mixed
+    pytest.param(dict(depth=(4, 2), max_warps=5), 1024, id="t4d4-w5"),  # a ring deeper than an item's slabs
+    pytest.param(dict(slab=(8, 4), depth=(3, 2), max_warps=7), 512, id="t8d3-w7"),
+    pytest.param(dict(unscaled=False, max_warps=3), 512, id="bf16-w3"),
+    pytest.param(dict(f16=True), 512, id="f16"),
+    pytest.param(dict(placed=False), 512, id="bf16u"),
+    pytest.param(dict(placed=False, max_warps=3), 768, id="bf16u-w3-3parts"),
+])
+def test_moe_down_combine_ring(rng, ring, shared_k):
+    """``moe_down_shared_combine`` in ONE launch: the routed rows bit for bit the down ring's, the
+    site output within an ulp of ``linear`` + ``combine`` here (the shared sums are added in another
+    order) and close to NumPy; the fused launch ran (its fp32 partials, poisoned before each call,
+    are all written, and the two-launch path's shared scratch is not); the arrival counts return
+    to zero, so launches back to back and graph replays agree."""
+    import cupy
+
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
+    h, m, start, count = 2048, 1024, 4, 6
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
+    ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
+    local = (ids >= start) & (ids < start + count)
+    t = be.ring.slab[0]
+    assert be.ring.down_combine_parts(h, m, shared_k) == shared_k // (32 * t * (m // (128 * t)))
+    act, sh_act = rand_bf16(rng, (TOP_K, m)), rand_bf16(rng, (1, shared_k))
+    sh_down = rand_bf16(rng, (h, shared_k), shared_k ** -0.5)
+    wts = (rng.random((1, TOP_K)) * 2.5).astype(np.float32)
+    d_act, d_ids, d_sh_act, d_sh_down, d_wts = dev(act), dev(ids), dev(sh_act), dev(sh_down), dev(wts)
+
+    routed_sep, shared_sep, out_sep = dev(np.zeros((TOP_K, h), BF16)), poisoned((1, h), BF16), poisoned((1, h), BF16)
+    be.moe_gemv(d_act, cu.down, d_ids, routed_sep, True)
+    be.linear(d_sh_act, d_sh_down, shared_sep)
+    be.combine(routed_sep, d_wts, shared_sep, out_sep)
+    ref_routed, ref_shared, ref = np.zeros((TOP_K, h), BF16), np.empty((1, h), BF16), np.empty((1, h), BF16)
+    NP.moe_down_shared_combine(act, nu.down, ids, ref_routed, sh_act, sh_down, wts, ref_shared, ref)
+
+    routed, scratch, out = dev(np.zeros((TOP_K, h), BF16)), poisoned((1, h), BF16), poisoned((1, h), BF16)
+
+    def run():
+        be.moe_down_shared_combine(d_act, cu.down, d_ids, routed, d_sh_act, d_sh_down, d_wts, scratch, out)
+
+    def poison(a):
+        cupy.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, a.nbytes, be.stream.ptr)
+
+    parts = be.ring.down_combine_parts(h, m, shared_k)
+    run()  # loads the kernels outside the capture
+    replay = be.capture(run)
+    for label in ("launch", "launch again", "replay", "replay again"):
+        poison(out)
+        poison(be._dc_partials)
+        if label.startswith("replay"):
+            replay()
+        else:
+            run()
+        got, got_routed = host(out), host(routed)
+        partials = host(be._dc_partials)[:parts * h].view(np.uint32)
+        assert not (partials == 0xFFFFFFFF).any(), f"{label}: partials left unwritten (the fused launch did not run)"
+        assert unwritten(host(scratch)).all(), f"{label}: the shared scratch was written (the fused launch did not run)"
+        np.testing.assert_array_equal(got_routed.view(np.uint16), host(routed_sep).view(np.uint16), err_msg=label)
+        assert not got_routed[~local].view(np.uint16).any(), f"{label}: a remote slot is not zero"
+        assert_written(got, label)
+        assert_ulps(got, host(out_sep), f"down + shared + combine, {label}")
+        assert_close(got, ref, f"down + shared + combine against NumPy, {label}")
+        assert not host(be._dc_arrived).any(), f"{label}: the arrival counts were left non-zero"
+
+
+def test_moe_down_combine_falls_back_where_the_ring_cannot():
+    """A shared width the ring's items cannot cover, and the lever off, take the separate launches:
+    the output is bit for bit the routed down launch, ``linear`` and ``combine``."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    rng = np.random.default_rng(5)
+    h, m = 2048, 1024
+    for ring, shared_k in ((RingConfig(), 384), (RingConfig(down_combine=False), 512)):
+        be = CudaBackend(0, ring, stream=backend().stream)
+        assert not be._down_combine_scratch(h, m, shared_k)
+        cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=4, num_experts=8), be)
+        ids = dev(np.array([0, 1, 2, 3, 0, 1, 2, 3], dtype=np.int32))
+        act, sh_act = dev(rand_bf16(rng, (TOP_K, m))), dev(rand_bf16(rng, (1, shared_k)))
+        sh_down = dev(rand_bf16(rng, (h, shared_k), shared_k ** -0.5))
+        wts = dev(np.full((1, TOP_K), 0.125, np.float32))
+        routed, scratch, out = poisoned((TOP_K, h), BF16), poisoned((1, h), BF16), poisoned((1, h), BF16)
+        be.moe_down_shared_combine(act, cu.down, ids, routed, sh_act, sh_down, wts, scratch, out)
+        sep_routed, sep_shared, sep = poisoned((TOP_K, h), BF16), poisoned((1, h), BF16), poisoned((1, h), BF16)
+        be.moe_gemv(act, cu.down, ids, sep_routed, True)
+        be.linear(sh_act, sh_down, sep_shared)
+        be.combine(sep_routed, wts, sep_shared, sep)
+        assert_written(host(out), "fallback")
+        np.testing.assert_array_equal(host(routed).view(np.uint16), host(sep_routed).view(np.uint16))
+        np.testing.assert_array_equal(host(out).view(np.uint16), host(sep).view(np.uint16))
+
+
+# ---- the placed form: x's power-of-two scale -------------------------------------------------------------
+def test_placed_ring_scales_with_x(rng):
+    """The placed form scales x by a power of two it picks from the row (gate and up) or the activation
+    bound (down), and takes it back out of the outputs exactly: x * 2^k gives gate and up * 2^k bit for
+    bit for k far beyond bf16's comfortable range (every product stays a normal fp32), matches the
+    unscaled bf16 form within an ulp or two (the same products, paired in another order) and NumPy; a
+    zero row gives zeros; the down projection and the single-row gemv (which finds its own scale) match
+    the unscaled form likewise."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    placed = CudaBackend(0, RingConfig(placed_hidden=True), stream=backend().stream)
+    plain = CudaBackend(0, RingConfig(placed=False), stream=backend().stream)
+    h, m, start, count = 2048, 1024, 0, 8
+    w = moe_weights(rng, h=h, m=m, start=start, count=count, num_experts=8)
+    cu_p, nu = both(w, placed)
+    cu_u, _ = both(w, plain)
+    assert (cu_p.gate.weights.form, cu_p.down.weights.form) == ("placed", "placed")
+    assert cu_p.down.weights.xshift == 113  # act <= 100 at limit 10: below 2^7, scaled to below 2^120
+    ids = np.array([0, 3, 5, 7, 1, 2, 4, 6], dtype=np.int32)
+    x = rand_bf16(rng, (1, h), 3.0)
+    ref = [np.zeros((TOP_K, m), BF16) for _ in range(3)]
+    NP.moe_gate_up_act(x, nu, ids, 1e30, *ref)
+
+    def glu(be, cu, xx):
+        outs = [poisoned((TOP_K, m), BF16) for _ in range(3)]
+        be.moe_gate_up_act(dev(xx), cu, dev(ids), 1e30, *outs)  # no clamp: gate and up scale with x
+        return [host(o) for o in outs[:2]]
+
+    base = glu(placed, cu_p, x)
+    for o, u, r, name in zip(base, glu(plain, cu_u, x), ref, ("gate", "up")):
+        assert_written(o, name)
+        assert_ulps(o, u, f"placed {name} against bf16u", 2)
+        assert_close(o, r, f"placed {name} against NumPy")
+    for k in (-100, -60, -20, 17, 60, 100):
+        xs = (x.astype(np.float32) * np.float32(2.0 ** k)).astype(BF16)
+        assert np.array_equal(xs.astype(np.float32), x.astype(np.float32) * 2.0 ** k)  # exact in bf16
+        for o, b, name in zip(glu(placed, cu_p, xs), base, ("gate", "up")):
+            want = (b.astype(np.float64) * 2.0 ** k).astype(np.float32).astype(BF16)
+            np.testing.assert_array_equal(o.view(np.uint16), want.view(np.uint16), err_msg=f"{name}, x * 2^{k}")
+    for o in glu(placed, cu_p, np.zeros_like(x)):
+        np.testing.assert_array_equal(o.astype(np.float32), 0.0)
+
+    act = rand_bf16(rng, (TOP_K, m), 2.0)
+    downs = []
+    for be, cu in ((placed, cu_p), (plain, cu_u)):
+        out = poisoned((TOP_K, h), BF16)
+        be.moe_gemv(dev(act), cu.down, dev(ids), out, True)
+        downs.append(host(out))
+    assert_written(downs[0], "placed down")
+    assert_ulps(downs[0], downs[1], "placed down against bf16u", 2)
+    one = poisoned((TOP_K, m), BF16)
+    placed.moe_gemv(dev(x), cu_p.gate, dev(ids), one, False)  # one x row, no bound: the kernel finds it
+    assert_ulps(host(one), base[0], "placed gemv (own scale) against the glu's gate", 2)
