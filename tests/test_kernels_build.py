@@ -71,12 +71,9 @@ def test_instantiated_variants():
     assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
     assert all(int(bm) == 16 * int(mt) * int(wm) and int(wm) > 1 for bm, mt, wm, *_ in tiled), tiled
     wgmma = re.findall(r"^GEMM_WGMMA\((\d+), (\d+), \d+\)", gemm, re.M)
-    wgrs = re.findall(r"^GEMM_WGRS\((\d+), (\d+), (\d+), \d+\)", gemm, re.M)
-    assert wgrs
     found = {(int(bm), 1, int(w), int(bk), int(st), "sync") for bm, _, w, bk, st in rows}
     found |= {(int(bm), int(wm), int(wn), int(bk), int(st), "sync") for bm, _, wm, wn, bk, st in tiled}
     found |= {(128, 1, 4, int(bk), int(st), "wgmma") for bk, st in wgmma}
-    found |= {(128, 2, int(bn) // 32, int(bk), int(st), "wgmma_rs") for bn, bk, st in wgrs}
     assert found == set(loader.GEMM_VARIANTS)
     ring = (loader.KERNEL_DIR / "gemv_nvfp4_ring.cu").read_text()
     for form in ("0, ", "1, f16_", "2, bf16u_", "3, pl_"):  # scaled bf16, fp16, unscaled bf16, placed

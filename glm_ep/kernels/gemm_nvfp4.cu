@@ -119,25 +119,18 @@ struct DequantLut {
     }
 };
 
-// 8 nibbles (one word, k 2j in the low and 2j + 1 in the high nibble of byte j) times block scales held as
-// bf16 pairs (e4m3 * 2^-8, e4m3 * 2^-8), s01 for bytes 0 and 1, s23 for bytes 2 and 3: b[j] = (k 2j, k 2j + 1)
-// as an exact bf16 pair.
-__device__ __forceinline__ void dequant_word(unsigned q, unsigned s01, unsigned s23, unsigned (&b)[4],
-                                             const DequantLut& lut) {
+// 8 nibbles (one word, k 2j in the low and 2j + 1 in the high nibble of byte j) times a block scale
+// held as the bf16 pair (e4m3 * 2^-8, e4m3 * 2^-8): b[j] = (k 2j, k 2j + 1) as an exact bf16 pair.
+__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsigned (&b)[4],
+                                             const DequantLut& lut = DequantLut::constants()) {
     const unsigned m = q & 0x77777777u, sh = q << 4;  // magnitudes; byte j's high nibble = q byte j's low nibble
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // nibbles 4h .. 4h + 3: bytes 2h and 2h + 1
         unsigned p0, p1;  // |e2m1| with its sign
         lookup_bf16_pairs(q, m, sh, h, lut.lo0, lut.lo1, lut.hi0, lut.hi1, p0, p1);
-        b[2 * h] = fma_bf16x2(p0, h ? s23 : s01, 0x80008000u);  // exact product (+ -0)
-        b[2 * h + 1] = fma_bf16x2(p1, h ? s23 : s01, 0x80008000u);
+        b[2 * h] = fma_bf16x2(p0, scale2x, 0x80008000u);  // exact product (+ -0)
+        b[2 * h + 1] = fma_bf16x2(p1, scale2x, 0x80008000u);
     }
-}
-
-// ... one block scale for all 8
-__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsigned (&b)[4],
-                                             const DequantLut& lut = DequantLut::constants()) {
-    dequant_word(q, scale2x, scale2x, b, lut);
 }
 
 // An E4M3 byte as the bf16 pair (e4m3 * 2^-8, e4m3 * 2^-8): the bits shifted into an fp16 (e4m3 * 2^-8,
@@ -270,52 +263,6 @@ struct Gemm {
 
 
 #include "gemm_nvfp4_tiled.cuh"
-// A block's row tile and where its BN weight rows come from: tile row n of half h (n in [h BN/2, (h + 1)
-// BN/2)) is weight row n - h BN/2 of wb[h] / sb[h], rows at or past valid[h] zero-filled. tile.e < 0: no tile.
-struct TileSources {
-    RowTile tile;
-    int n0;  // the block's first output column
-    const unsigned char* wb[2];
-    const unsigned char* sb[2];
-    int valid[2];
-
-    // one projection: weight rows n0 .. n0 + BN - 1
-    template <int BM, int BN>
-    static __device__ __forceinline__ TileSources proj(const int* offsets, int start, int count, int n_blocks,
-                                                       const u64_t* packed_ptrs, const u64_t* scale_ptrs, int N,
-                                                       int K) {
-        TileSources s;
-        s.tile = find_tile<BM>(offsets, start, count, blockIdx.x / n_blocks);
-        if (s.tile.e < 0) return s;
-        const int half = BN / 2, n0 = (blockIdx.x % n_blocks) * BN;
-        const unsigned char* packed = (const unsigned char*)packed_ptrs[s.tile.e];
-        const unsigned char* scale = (const unsigned char*)scale_ptrs[s.tile.e];
-        s.n0 = n0;
-        s.wb[0] = packed + (size_t)n0 * (K >> 1), s.wb[1] = packed + (size_t)(n0 + half) * (K >> 1);
-        s.sb[0] = scale + (size_t)n0 * (K >> 4), s.sb[1] = scale + (size_t)(n0 + half) * (K >> 4);
-        s.valid[0] = N - n0, s.valid[1] = N - n0 - half;
-        return s;
-    }
-
-    // the fused GLU: gate rows n0 .. n0 + BN/2 - 1 (tile rows [0, BN/2)), then the same up rows
-    template <int BM, int BN>
-    static __device__ __forceinline__ TileSources glu(const int* offsets, int start, int count, int n_blocks,
-                                                      const u64_t* gate_packed, const u64_t* gate_scale,
-                                                      const u64_t* up_packed, const u64_t* up_scale, int N, int K) {
-        TileSources s;
-        s.tile = find_tile<BM>(offsets, start, count, blockIdx.x / n_blocks);
-        if (s.tile.e < 0) return s;
-        const int e = s.tile.e, n0 = (blockIdx.x % n_blocks) * (BN / 2);
-        s.n0 = n0;
-        s.wb[0] = (const unsigned char*)gate_packed[e] + (size_t)n0 * (K >> 1);
-        s.wb[1] = (const unsigned char*)up_packed[e] + (size_t)n0 * (K >> 1);
-        s.sb[0] = (const unsigned char*)gate_scale[e] + (size_t)n0 * (K >> 4);
-        s.sb[1] = (const unsigned char*)up_scale[e] + (size_t)n0 * (K >> 4);
-        s.valid[0] = s.valid[1] = N - n0;
-        return s;
-    }
-};
-
 
 template <class G>
 __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,
@@ -324,14 +271,14 @@ __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const 
                                             const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2,
                                             int start, int count, bf16_t* __restrict__ out, int N, int K,
                                             int n_blocks) {
-    const TileSources src = TileSources::proj<G::BM, G::BN>(expert_offsets, start, count, n_blocks, packed_ptrs,
-                                                            scale_ptrs, N, K);
-    if (src.tile.e < 0) return;
-    const RowTile& tile = src.tile;
-    const int n0 = src.n0;
-    const auto& wb = src.wb;
-    const auto& sb = src.sb;
-    const auto& valid = src.valid;
+    const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks);
+    if (tile.e < 0) return;
+    const int half = G::BN / 2, n0 = (blockIdx.x % n_blocks) * G::BN;
+    const unsigned char* packed = (const unsigned char*)packed_ptrs[tile.e];
+    const unsigned char* scale = (const unsigned char*)scale_ptrs[tile.e];
+    const unsigned char* const wb[2] = {packed + (size_t)n0 * (K >> 1), packed + (size_t)(n0 + half) * (K >> 1)};
+    const unsigned char* const sb[2] = {scale + (size_t)n0 * (K >> 4), scale + (size_t)(n0 + half) * (K >> 4)};
+    const int valid[2] = {N - n0, N - n0 - half};
     constexpr int MT = G::M_TILES, NT = G::N_TILES;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * G::M0_STEP;  // the warp's weight rows and x rows
@@ -370,14 +317,14 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                                                 const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2,
                                                 int start, int count, bf16_t* __restrict__ act, int N, int K,
                                                 int n_blocks, float limit) {
-    const TileSources src = TileSources::glu<G::BM, G::BN>(expert_offsets, start, count, n_blocks, gate_packed,
-                                                           gate_scale, up_packed, up_scale, N, K);
-    if (src.tile.e < 0) return;
-    const RowTile& tile = src.tile;
-    const int half = G::BN / 2, n0 = src.n0;
-    const auto& wb = src.wb;
-    const auto& sb = src.sb;
-    const auto& valid = src.valid;
+    const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks);
+    if (tile.e < 0) return;
+    const int half = G::BN / 2, n0 = (blockIdx.x % n_blocks) * half;  // tile rows [0, half): gate, then up
+    const unsigned char* const wb[2] = {(const unsigned char*)gate_packed[tile.e] + (size_t)n0 * (K >> 1),
+                                        (const unsigned char*)up_packed[tile.e] + (size_t)n0 * (K >> 1)};
+    const unsigned char* const sb[2] = {(const unsigned char*)gate_scale[tile.e] + (size_t)n0 * (K >> 4),
+                                        (const unsigned char*)up_scale[tile.e] + (size_t)n0 * (K >> 4)};
+    const int valid[2] = {N - n0, N - n0};
     constexpr int MT = G::M_TILES, NT = G::N_TILES, NH = NT / 2;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * G::M0_STEP;
@@ -411,21 +358,16 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
         }
 }
 
-#include "gemm_nvfp4_wgrs.cuh"
-
-// The entry points of engine G (THREADS threads): nvfp4_gemm_sorted[_glu]_SUFFIX, through the block functions
-// SORTED and GLU (gemm_sorted[_glu], or the register-operand wgmma engine's gemm_sorted[_glu]_rs).
-#define GEMM_ENTRIES(SUFFIX, G, THREADS, MIN_BLOCKS) \
-    GEMM_ENTRIES_OF(SUFFIX, G, THREADS, MIN_BLOCKS, gemm_sorted, gemm_sorted_glu)
-#define GEMM_ENTRIES_OF(SUFFIX, G, THREADS, MIN_BLOCKS, SORTED, GLU)                                            \
+// The entry points of engine G (THREADS threads): nvfp4_gemm_sorted[_glu]_SUFFIX.
+#define GEMM_ENTRIES(SUFFIX, G, THREADS, MIN_BLOCKS)                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_gemm_sorted_##SUFFIX(                \
         const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,                                  \
         const int* __restrict__ expert_offsets, const u64_t* __restrict__ packed_ptrs,                           \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, int start, int count,             \
         bf16_t* __restrict__ out, int N, int K, int n_blocks) {                                                   \
         pdl_enter();                                                                                              \
-        SORTED<G>(x, sorted_token_ids, expert_offsets, packed_ptrs, scale_ptrs, scale2, start, count, out, N, K,   \
-                  n_blocks);                                                                                      \
+        gemm_sorted<G>(x, sorted_token_ids, expert_offsets, packed_ptrs, scale_ptrs, scale2, start, count, out,   \
+                       N, K, n_blocks);                                                                           \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_gemm_sorted_glu_##SUFFIX(            \
         const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,                                  \
@@ -435,8 +377,8 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
         const float* __restrict__ up_scale2, int start, int count, bf16_t* __restrict__ act, int N, int K,        \
         int n_blocks, float limit) {                                                                              \
         pdl_enter();                                                                                              \
-        GLU<G>(x, sorted_token_ids, expert_offsets, gate_packed, gate_scale, gate_scale2, up_packed, up_scale,     \
-               up_scale2, start, count, act, N, K, n_blocks, limit);                                              \
+        gemm_sorted_glu<G>(x, sorted_token_ids, expert_offsets, gate_packed, gate_scale, gate_scale2, up_packed, \
+                           up_scale, up_scale2, start, count, act, N, K, n_blocks, limit);                        \
     }
 
 // The variants, (BM, WM, WN, BK, STAGES, mma) in glm_ep/backend/cuda/loader.py's GEMM_VARIANTS; each one's
@@ -463,15 +405,6 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/loader.py");                      \
     GEMM_ENTRIES(m128wgk##BK, Gemm_m128wgk##BK, 128, MIN_BLOCKS)
 
-// Register-operand wgmma engine (sm_90a; 128 x BN tiles, a warpgroup per 64 weight rows):
-// nvfp4_gemm_sorted[_glu]_m128n{BN}wgr{STAGES}k{BK}.
-#define GEMM_WGRS(BN, BK, STAGES, MIN_BLOCKS)                                                                             \
-    typedef GemmWgRs<BN, BK, STAGES> Gemm_m128n##BN##wgr##STAGES##k##BK;                                         \
-    static_assert(Gemm_m128n##BN##wgr##STAGES##k##BK::SMEM + 1024 == GEMM_SMEM_M128N##BN##WGR##STAGES##K##BK,  \
-                  "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/loader.py");                      \
-    GEMM_ENTRIES_OF(m128n##BN##wgr##STAGES##k##BK, Gemm_m128n##BN##wgr##STAGES##k##BK, 2 * BN, MIN_BLOCKS,      \
-                    gemm_sorted_rs, gemm_sorted_glu_rs)
-
 // Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/loader.py (a variant it lacks does not compile).
 GEMM_VARIANT(16, 1, 4, 64, 4, 4)
 GEMM_VARIANT(32, 2, 4, 64, 4, 3)
@@ -484,6 +417,3 @@ GEMM_VARIANT(128, 8, 8, 64, 3, 1)
 GEMM_TILED(64, 2, 2, 4, 64, 3, 2)
 GEMM_TILED(128, 4, 2, 4, 64, 3, 2)
 GEMM_WGMMA(64, 4, 2)
-GEMM_WGRS(128, 64, 4, 2)
-GEMM_WGRS(128, 64, 5, 1)
-GEMM_WGRS(256, 64, 4, 1)

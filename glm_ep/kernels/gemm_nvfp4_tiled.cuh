@@ -19,9 +19,7 @@ __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
 }
 
 // The copies and the dequantization of a BM x BN tile by THREADS threads (the tiled and wgmma engines).
-// W_SWIZZLE (BK = 64: a weight row is two 16-byte pieces): piece h of row n lies at h ^ ((n >> 2) & 1), so
-// the register-operand wgmma engine's lanes, which read rows g = 0..7 whole, hit disjoint banks.
-template <int BM, int BN, int BK, int THREADS, bool W_SWIZZLE = false>
+template <int BM, int BN, int BK, int THREADS>
 struct TileCopies {
     static constexpr int CH = BK / 8, ROW = 2 * BK;   // 16-byte chunks and bytes of an x row / a bf16 weight row
     static constexpr int XC = BM * CH / THREADS;       // x copies per thread and stage
@@ -35,10 +33,6 @@ struct TileCopies {
                   "share one swizzle");
     static_assert(BN <= THREADS, "one scale row a thread");
     static_assert(STAGE == sizeof(GemmStage<BM, BN, BK>), "the loader sizes the stages as GemmStage");
-    static_assert(!W_SWIZZLE || BK == 64, "the piece swizzle is for two pieces a row");
-
-    // where weight piece c (row c / (BK / 32), piece c % (BK / 32)) lies in a stage's packed weights
-    static __device__ __forceinline__ int piece_slot(int c) { return W_SWIZZLE ? c ^ ((c >> 3) & 1) : c; }
 
     // This thread's copies; every source stays a valid address (zero-filled copies read row 0) and moves
     // one stage along per load.
@@ -64,7 +58,7 @@ struct TileCopies {
         }
 #pragma unroll
         for (int i = 0; i < WP; ++i) {
-            cp_async16_zfill(wst + 16 * piece_slot(tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
+            cp_async16_zfill(wst + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
             wsrc[i] += BK / 2;
         }
         if (tid < BN) {
@@ -89,7 +83,7 @@ struct TileCopies {
 #pragma unroll
         for (int i = 0; i < WP; ++i) {
             const int c = threadIdx.x + i * THREADS, n = c / (BK / 32), h = c % (BK / 32);
-            const uint4 q = *reinterpret_cast<const uint4*>(w + 16 * piece_slot(c));
+            const uint4 q = *reinterpret_cast<const uint4*>(w + 16 * c);
             const unsigned sw = *reinterpret_cast<const unsigned short*>(w + W_BYTES + n * (BK / 16) + 2 * h);
             unsigned sp[2];
             scale_pairs(sw, sp);

@@ -38,7 +38,7 @@ class GemmGeometry:
     wn: int  # warps along the weight rows, 32 each
     bk: int  # k per pipeline stage
     stages: int
-    mma: str  # "sync" (mma.sync), "wgmma" or "wgmma_rs" (sm_90a)
+    mma: str  # "sync" (mma.sync) or "wgmma" (sm_90a)
 
     @classmethod
     def of(cls, variant: Variant) -> "GemmGeometry":
@@ -95,7 +95,7 @@ def wgmma_here() -> bool:
 
 def runs_here(variant: Variant) -> bool:
     """Whether this device runs ``variant`` (the wgmma ones only where ``wgmma_here``)."""
-    return GemmGeometry.of(variant).mma == "sync" or wgmma_here()
+    return GemmGeometry.of(variant).mma != "wgmma" or wgmma_here()
 
 
 #: the tiled and wgmma engines address x with 32-bit element offsets
@@ -110,7 +110,7 @@ def _geometry(variant: Variant | None, x: Any, slots: int, num_experts: int, k: 
     if variant is not None and not runs_here(variant):  # gemm_variant offers wgmma only where it runs
         raise ValueError(f"{what}: variant {geo.suffix} needs wgmma (sm_90a, compute capability 9.0); this device "
                          f"is {compute_capability(current_device())}")
-    if (geo.wm > 1 or geo.mma != "sync") and x.size >= X_OFFSET_LIMIT:
+    if (geo.wm > 1 or geo.mma == "wgmma") and x.size >= X_OFFSET_LIMIT:
         if variant is not None:
             raise ValueError(f"{what}: x has {x.size} elements; variant {geo.suffix} addresses it with 32-bit "
                              f"offsets (fewer than {X_OFFSET_LIMIT}); split the call")

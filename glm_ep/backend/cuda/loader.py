@@ -72,16 +72,13 @@ CAPABILITIES = Capabilities(max_row_group=UNION_MAX_ROWS, max_union_ids=UNION_MA
                             max_top_k=ROUTER_MAX_TOP_K, grouped_gemm=True, capture=True)
 
 # ---- the kernel variants and the shared-memory layouts the launches are sized by ----------------
-#: gemm_nvfp4.cu's GEMM_VARIANT (WM = 1), GEMM_TILED (WM > 1), GEMM_WGMMA and GEMM_WGRS lines: (rows per tile
-#: BM, warps along the rows WM, warps of 32 weight rows along the columns WN, k per stage BK, stages, the mma:
-#: "sync" (mma.sync, every arch), "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile,
-#: both operands from shared memory) or "wgmma_rs" (sm_90a: a warpgroup per 64 weight rows, WM = 2 warps per 32,
-#: the weights dequantized into registers as the A operand))
+#: gemm_nvfp4.cu's GEMM_VARIANT (WM = 1), GEMM_TILED (WM > 1) and GEMM_WGMMA lines: (rows per tile BM, warps
+#: along the rows WM, warps of 32 weight rows along the columns WN, k per stage BK, stages, the mma: "sync"
+#: (mma.sync, every arch) or "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
 GEMM_VARIANTS = ((16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4, 64, 4, "sync"),
                  (64, 1, 8, 64, 4, "sync"), (64, 1, 4, 128, 3, "sync"), (64, 1, 8, 128, 3, "sync"),
                  (128, 1, 4, 64, 3, "sync"), (128, 1, 8, 64, 3, "sync"),
-                 (64, 2, 4, 64, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"),
-                 (128, 2, 4, 64, 4, "wgmma_rs"), (128, 2, 4, 64, 5, "wgmma_rs"), (128, 2, 8, 64, 4, "wgmma_rs"))
+                 (64, 2, 4, 64, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))
 #: gemv_nvfp4_ring.cu's RING_ENTRIES lines: (steps of 128 k per slab T, ring depth D)
 RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
 #: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x rows a union stage holds (a group's
@@ -99,13 +96,10 @@ def gemm_stage_bytes(bm: int, bn: int, bk: int) -> int:
 def gemm_smem_bytes(bm: int, wm: int, wn: int, bk: int, stages: int, mma: str = "sync") -> int:
     """A variant's dynamic shared memory: its stages, and for the tiled engine (WM > 1) two bf16 weight
     tiles (the dequantized stage and the next). The wgmma engine: ``stages`` slots of x rows, one fewer
-    of packed weights, the two bf16 tiles, and 1024 bytes to align them; the register-operand one: its
-    stages (no bf16 tiles) and the alignment."""
+    of packed weights, the two bf16 tiles, and 1024 bytes to align them."""
     bn = 32 * wn
     if mma == "wgmma":
         return stages * bm * bk * 2 + (stages - 1) * (gemm_stage_bytes(0, bn, bk)) + 2 * bn * bk * 2 + 1024
-    if mma == "wgmma_rs":
-        return stages * gemm_stage_bytes(bm, bn, bk) + 1024
     return stages * gemm_stage_bytes(bm, bn, bk) + (2 * bn * bk * 2 if wm > 1 else 0)
 
 
@@ -113,8 +107,6 @@ def gemm_suffix(bm: int, wm: int, wn: int, bk: int, stages: int, mma: str = "syn
     """The entry-point suffix of a variant (``nvfp4_gemm_sorted[_glu]_{suffix}``)."""
     if mma == "wgmma":
         return f"m{bm}wgk{bk}"
-    if mma == "wgmma_rs":
-        return f"m{bm}n{32 * wn}wgr{stages}k{bk}"
     return f"m{bm}w{wn}k{bk}" if wm == 1 else f"m{bm}w{wm}x{wn}k{bk}"
 
 
