@@ -1,0 +1,118 @@
+"""Measurement: does the one-row routed gate + up launch (the decode glu ring) run faster with more
+resident warps? The same bytes two ways (one GPU, random NVFP4 weights, graph replay over --layers
+distinct layers, medians):
+
+    python3 tools/glu_occupancy_probe.py [--layers 8] [--iters 20]
+
+- the site's shape: 8 slots of [2048, 4096] gate and up, 1024 items of 16 rows (one per warp);
+- the same weights split along K: 16 slots of [2048, 2048], 2048 items of half the slabs, what a
+  glu ring whose items are K halves would sweep (without the halves' combine).
+Each under every slab T with a depth-2 gate + up entry (``loader.RING_KERNELS``; T = 4: 20 KB a warp,
+10 warps an SM; a half-size T = 2 entry held to 128 registers gives 16), in the unscaled bf16 and the
+placed forms. Then (--sweep) the
+site's glu at 2..32 slots of [2048, 4096] (T = 4, bf16u): time against bytes, whose intercept is what a
+launch costs besides its bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import ml_dtypes
+import numpy as np
+
+BF16 = ml_dtypes.bfloat16
+M, E_LOCAL, LIMIT = 2048, 32, 10.0
+
+
+def main() -> int:
+    import cupy as cp
+
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+    from glm_ep.backend.cuda.loader import RING_KERNELS
+    from glm_ep.nvfp4 import Nvfp4Weight
+    from glm_ep.weights import ExpertWeights, MoeWeights
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="only the slot sweep")
+    args = ap.parse_args()
+    base = CudaBackend(0)
+    s = base.stream
+
+    def fp4(n, k):
+        packed = cp.random.randint(0, 256, (n, k // 2), dtype=cp.int32).astype(cp.uint8)
+        scale = cp.random.randint(0x30, 0x3C, (n, k // 16), dtype=cp.int32).astype(cp.uint8)
+        return Nvfp4Weight(packed, scale, 1.0 / 384)
+
+    def layers(h):
+        return [MoeWeights(cp.zeros((E_LOCAL, h), BF16), cp.zeros(E_LOCAL, cp.float32), 0,
+                           tuple(ExpertWeights(fp4(M, h), fp4(M, h), fp4(h, M)) for _ in range(E_LOCAL)), None)
+                for _ in range(args.layers)]
+
+    with s:
+        shapes = {4096: layers(4096), 2048: layers(2048)}
+        x = {h: (cp.random.standard_normal((1, h), dtype=cp.float32)).astype(BF16) for h in shapes}
+        gate, up, act = (cp.empty((E_LOCAL, M), BF16) for _ in range(3))
+    rng = np.random.default_rng(0)
+    ids = {n: cp.asarray(rng.choice(E_LOCAL, n, replace=False).astype(np.int32)) for n in (2, 4, 8, 16, 24, 32)}
+
+    def glu_bytes(slots):  # gate + up of the slots at K 4096: packed nibbles and E4M3 scales
+        return slots * 2 * M * 4096 * 9 // 16
+
+    nbytes = glu_bytes(8)
+
+    def timed(fn, label, nbytes=nbytes):
+        fn()
+        graph = base.capture(fn)
+        graph()
+        s.synchronize()
+        times = []
+        for _ in range(args.iters):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(s)
+            graph()
+            b.record(s)
+            b.synchronize()
+            times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / args.layers)
+        us = float(np.median(times))
+        print(f"{label:<58s} {us:7.1f} us  {nbytes / us / 1e3:6.0f} GB/s", flush=True)
+        return us
+
+    if args.sweep:
+        rb = CudaBackend(0, RingConfig(placed=False), stream=s)
+        with s:
+            moes = [rb.upload_moe(w, LIMIT) for w in shapes[4096]]
+        pts = []
+        for slots in (2, 4, 8, 16, 24, 32):
+            def glu(slots=slots):
+                for m in moes:
+                    rb.moe_gate_up_act(x[4096], m.experts, ids[slots], LIMIT, gate[:slots], up[:slots], act[:slots])
+
+            pts.append((glu_bytes(slots), timed(glu, f"bf16u T=4: {slots} slots x K 4096", glu_bytes(slots))))
+        b, t = np.array(pts, dtype=np.float64).T
+        slope, icpt = np.polyfit(b, t, 1)
+        print(f"fit: {icpt:.1f} us + bytes / {1e-3 / slope:.0f} GB/s")
+        return 0
+
+    for rep in range(2):
+        for form, placed in (("bf16u", False), ("placed", True)):
+            for t in sorted({t for t, d in RING_KERNELS if d == 2 and t <= 4}, reverse=True):
+                cfg = RingConfig(slab=(4, t), depth=(2, 2), placed=False, placed_hidden=placed)
+                rb = CudaBackend(0, cfg, stream=s)
+                for h, slots in ((4096, 8), (2048, 16)):
+                    with s:
+                        moes = [rb.upload_moe(w, LIMIT) for w in shapes[h]]
+
+                    def glu(rb=rb, moes=moes, h=h, slots=slots):
+                        for m in moes:
+                            rb.moe_gate_up_act(x[h], m.experts, ids[slots], LIMIT, gate[:slots], up[:slots],
+                                               act[:slots])
+
+                    timed(glu, f"[{rep}] {form} T={t}: {slots} slots x K {h} ({slots * M // 16} items)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
