@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="only the slot sweep")
+    ap.add_argument("--eager", type=int, default=0, help="only N eager launches of the site's glu (for ncu)")
     args = ap.parse_args()
     base = CudaBackend(0)
     s = base.stream
@@ -80,6 +81,14 @@ def main() -> int:
         print(f"{label:<58s} {us:7.1f} us  {nbytes / us / 1e3:6.0f} GB/s", flush=True)
         return us
 
+    if args.eager:
+        with s:
+            moes = [base.upload_moe(w, LIMIT) for w in shapes[4096]]
+            for i in range(args.eager):
+                base.moe_gate_up_act(x[4096], moes[i % len(moes)].experts, ids[8], LIMIT, gate[:8], up[:8], act[:8])
+        s.synchronize()
+        return 0
+
     if args.sweep:
         rb = CudaBackend(0, RingConfig(placed=False), stream=s)
         with s:
@@ -98,8 +107,8 @@ def main() -> int:
 
     for rep in range(2):
         for form, placed in (("bf16u", False), ("placed", True)):
-            for t in sorted({t for t, d in RING_KERNELS if d == 2 and t <= 4}, reverse=True):
-                cfg = RingConfig(slab=(4, t), depth=(2, 2), placed=False, placed_hidden=placed)
+            for t, depth in sorted({(t, d) for t, d in RING_KERNELS if t * d <= 12}, reverse=True):
+                cfg = RingConfig(slab=(4, t), depth=(2, depth), placed=False, placed_hidden=placed)
                 rb = CudaBackend(0, cfg, stream=s)
                 for h, slots in ((4096, 8), (2048, 16)):
                     with s:
@@ -110,7 +119,7 @@ def main() -> int:
                             rb.moe_gate_up_act(x[h], m.experts, ids[slots], LIMIT, gate[:slots], up[:slots],
                                                act[:slots])
 
-                    timed(glu, f"[{rep}] {form} T={t}: {slots} slots x K {h} ({slots * M // 16} items)")
+                    timed(glu, f"[{rep}] {form} T={t} D={depth}: {slots} slots x K {h} ({slots * M // 16} items)")
     return 0
 
 
