@@ -161,69 +161,6 @@ def test_moe_down_combine_falls_back_where_the_ring_cannot():
         np.testing.assert_array_equal(host(out).view(np.uint16), host(sep).view(np.uint16))
 
 
-# ---- one-row sites in ONE launch: the gate + up ring and the down + shared + combine ring on the same warps ----
-@pytest.mark.parametrize("ring", [
-    pytest.param(dict(site=True), id="default"),  # gate and up unscaled bf16, down placed
-    pytest.param(dict(site=True, placed=False), id="bf16u"),
-    pytest.param(dict(site=True, max_warps=3), id="w3"),  # one block: both warps sweep gate + up, then down
-    pytest.param(dict(site=True, max_warps=40), id="w40"),  # gate + up items on every warp, several each
-])
-def test_moe_site_one_launch(rng, ring, monkeypatch):
-    """``moe_decode_site`` as ONE launch: gate, up, act, the routed rows and the site output bit for bit
-    the two launches' (the same mma chains, the same combine), remote slots untouched; the launch ran
-    (``nvfp4_moe_site`` returned True); its counts return to zero, so launches back to back and graph
-    replays agree."""
-    import cupy
-
-    from glm_ep.backend.cuda import CudaBackend, RingConfig
-    from glm_ep.backend.cuda import nvfp4 as NV
-
-    ran = []
-    site = NV.nvfp4_moe_site
-    monkeypatch.setattr(NV, "nvfp4_moe_site", lambda *a: ran.append(site(*a)) or ran[-1])
-    one = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
-    two = CudaBackend(0, RingConfig(**{**ring, "site": False}), stream=backend().stream)
-    h, m, start, count, shared_k = 2048, 1024, 4, 6, 512
-    weights = moe_weights(rng, h=h, m=m, start=start, count=count)
-    cu_one, _ = both(weights, one)
-    cu_two, _ = both(weights, two)
-    ids = dev(np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32))
-    local = (host(ids) >= start) & (host(ids) < start + count)
-    x, sh_act = dev(rand_bf16(rng, (1, h), 4.0)), dev(rand_bf16(rng, (1, shared_k)))
-    sh_down = dev(rand_bf16(rng, (h, shared_k), shared_k ** -0.5))
-    wts = dev((rng.random((1, TOP_K)) * 2.5).astype(np.float32))
-
-    def buffers():
-        return ([poisoned((TOP_K, m), BF16) for _ in range(3)], dev(np.zeros((TOP_K, h), BF16)),
-                poisoned((1, h), BF16), poisoned((1, h), BF16))
-
-    (g2, u2, a2), routed2, sh2, out2 = buffers()
-    two.moe_decode_site(x, cu_two, ids, 7.0, g2, u2, a2, routed2, sh_act, sh_down, wts, sh2, out2)
-    assert ran == [] or not any(ran), "the lever off still took the one-launch site"
-    (g1, u1, a1), routed1, sh1, out1 = buffers()
-
-    def run():
-        one.moe_decode_site(x, cu_one, ids, 7.0, g1, u1, a1, routed1, sh_act, sh_down, wts, sh1, out1)
-
-    run()  # loads the kernel outside the capture
-    replay = one.capture(run)
-    for label in ("launch", "launch again", "replay", "replay again"):
-        for a in (g1, u1, a1, out1):
-            cupy.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, a.nbytes, one.stream.ptr)
-        replay() if label.startswith("replay") else run()
-        assert ran and ran[-1], f"{label}: the one-launch site did not run"
-        for name, got, ref in (("gate", g1, g2), ("up", u1, u2), ("act", a1, a2)):
-            got, ref = host(got), host(ref)
-            assert unwritten(got[~local]).all(), f"{label}: {name} of a remote slot was written"
-            np.testing.assert_array_equal(got[local].view(np.uint16), ref[local].view(np.uint16),
-                                          err_msg=f"{name}, {label}")
-        np.testing.assert_array_equal(host(routed1).view(np.uint16), host(routed2).view(np.uint16), err_msg=label)
-        assert_written(host(out1), label)
-        np.testing.assert_array_equal(host(out1).view(np.uint16), host(out2).view(np.uint16), err_msg=label)
-        assert not host(one._site_link).any(), f"{label}: the site's counts were left non-zero"
-        assert not host(one._dc_arrived).any(), f"{label}: the arrival counts were left non-zero"
-
-
 # ---- the placed form: x's power-of-two scale -------------------------------------------------------------
 def test_placed_ring_scales_with_x(rng):
     """The placed form scales x by a power of two it picks from the row (gate and up) or the activation

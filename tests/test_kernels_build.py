@@ -79,9 +79,6 @@ def test_instantiated_variants():
     for form in ("0, ", "1, f16_", "2, bf16u_", "3, pl_"):  # scaled bf16, fp16, unscaled bf16, placed
         found = re.findall(rf"^RING_ENTRIES\((\d+), (\d+), {form}\)", ring, re.M)
         assert {(int(t), int(d)) for t, d in found} == set(loader.RING_KERNELS), (form, found)
-    code = {0: "bf16", 1: "f16", 2: "bf16u", 3: "placed"}  # ring_moe's F
-    site = re.findall(r"^RING_SITE_ENTRY\((\d+), (\d+), (\d), (\d), \w+\)", ring, re.M)
-    assert {(int(t), int(d), code[int(fg)], code[int(fd)]) for t, d, fg, fd in site} == set(loader.RING_SITE_KERNELS)
     mma = (loader.KERNEL_DIR / "mma_bf16.cu").read_text()
     assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == loader.MMA_GEMM_TIERS
 
@@ -227,16 +224,3 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(path: Pat
             bad.append(f"{name}: griddepcontrol.wait at line {wait}, first memory access at line {first}"
                        + (f" ({lines[first].strip()})" if first is not None else ""))
     assert not bad, f"{path.name}: entries that touch memory before waiting for their predecessor:\n" + "\n".join(bad)
-
-
-def test_site_geometry_refuses_what_it_does_not_build():
-    """The one-launch site runs only with its lever on, one slab and depth for both rings and a pair of
-    operand forms gemv_nvfp4_ring.cu instantiates (decided before any device query)."""
-    from glm_ep.backend.cuda.ring import RingConfig
-
-    shapes = (2048, 4096, 8)
-    assert RingConfig().site_geometry(*shapes, ("bf16u", "placed"), 0) is None  # the lever is off by default
-    assert RingConfig(site=True, slab=(8, 4)).site_geometry(*shapes, ("bf16u", "placed"), 0) is None
-    assert RingConfig(site=True, depth=(3, 2)).site_geometry(*shapes, ("bf16u", "placed"), 0) is None
-    assert RingConfig(site=True).site_geometry(*shapes, ("placed", "placed"), 0) is None
-    assert RingConfig(site=True).site_geometry(*shapes, ("bf16", "bf16"), 0) is None

@@ -212,27 +212,6 @@ __device__ __forceinline__ void store_item(const RingOut& o, int slot, int n0, i
     }
 }
 
-// A finished item's stores are done: count it in *c (lane 0's release covers every lane's stores).
-__device__ __forceinline__ void arrive_link(unsigned* c) {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(c) : "memory");
-}
-
-// Wait until *c reaches `expected` (lane 0 acquires; the warp's reads after it see what the counted items stored).
-// A count that never arrives traps (about a second) instead of hanging the device.
-__device__ __forceinline__ void wait_link(const unsigned* c, unsigned expected) {
-    if ((threadIdx.x & 31) == 0) {
-        unsigned v, spins = 0;
-        for (;;) {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
-            if (v >= expected) break;
-            if (++spins > (1u << 24)) __trap();
-            __nanosleep(500);
-        }
-    }
-    __syncwarp();
-}
-
 // DC: the routed items of down projection (P = 1) follow groups * dc.parts shared items, and every item
 // ends in arrive_and_combine.
 // xshift (F = 3, one projection): the power of two the caller bounds x by, or -1: x is one row (x_slot_stride
@@ -241,18 +220,12 @@ __device__ __forceinline__ void wait_link(const unsigned* c, unsigned expected) 
 // multiplied back by 2^(127 - xshift) (exact; in two factors past 2^127) before the same output scale
 // (scale_2 x 128), so they overflow exactly where the unscaled form's do. The down projection's bound
 // (act_shift) holds only for a clamped SwiGLU of the site's limit: a larger input would become inf.
-// LINK (the one-launch site, ring_site): 1, every finished item counts itself in link[its slot] (release);
-// 2, a routed item first waits (acquire) until link[its slot] reaches link_expected. warp_bytes: each warp's
-// share of the shared memory (0: its D stages); w_rot rotates the warps' order over the items.
-template <int P, int T, int D, int F, bool DC = false, int LINK = 0>
+template <int P, int T, int D, int F, bool DC = false>
 __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_stride, const u64_t* const (&wp)[P],
                                          const u64_t* const (&sp)[P], const float* const (&s2)[P], const int* ids,
                                          int S, int start, int count, const RingOut& o, int N, int K,
-                                         const DownCombine& dc = DownCombine{}, int xshift = 0,
-                                         unsigned* link = nullptr, unsigned link_expected = 0, int warp_bytes = 0,
-                                         int w_rot = 0) {
+                                         const DownCombine& dc = DownCombine{}, int xshift = 0) {
     static_assert(!DC || P == 1, "the combine ends the down projection");
-    static_assert(LINK == 0 || !(F == 3 && P == 2), "a linked gate + up keeps no block barrier");
     constexpr bool XB = F == 3 && P == 2;  // placed gate + up: x prepared once per block, after the rings
     uint4* xblk = reinterpret_cast<uint4*>(dyn_smem + RING_WARPS * D * sizeof(RingStage<P, T>));
     float pre = 1.0f, pre2 = 1.0f;  // F = 3: set by the pipeline's start, once the first copies are in flight
@@ -263,9 +236,8 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb);
     const int groups = N >> 4, slabs = K / (128 * T);
     const int shared_items = DC ? groups * dc.parts : 0;
-    const int W = gridDim.x * RING_WARPS, w0 = (blockIdx.x * RING_WARPS + (threadIdx.x >> 5) + w_rot) % W;
-    RingStage<P, T>* ring = reinterpret_cast<RingStage<P, T>*>(
-        dyn_smem + (threadIdx.x >> 5) * (warp_bytes ? warp_bytes : D * (int)sizeof(RingStage<P, T>)));
+    const int W = gridDim.x * RING_WARPS, w0 = blockIdx.x * RING_WARPS + (threadIdx.x >> 5);
+    RingStage<P, T>* ring = reinterpret_cast<RingStage<P, T>*>(dyn_smem) + (threadIdx.x >> 5) * D;
     ItemSrc<P> src;
     bool src_shared = false;  // the producer's item is a shared one
     float acc[P][4];
@@ -281,7 +253,6 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
                 src.x = (const unsigned char*)(dc.sh_x + (size_t)part * kp);
             } else {
                 const int r = item - shared_items;
-                if constexpr (LINK == 2) wait_link(link + __shfl_sync(0xffffffffu, my_slot, r / groups), link_expected);
                 item_src<P>(r / groups, (r % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
             }
         },
@@ -329,7 +300,6 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
             }
             store_item<P>(o, __shfl_sync(0xffffffffu, my_slot, j), (r % groups) * 16, N, f2, acc);
             zero_acc<P>(acc);
-            if constexpr (LINK == 1) arrive_link(link + __shfl_sync(0xffffffffu, my_slot, j));
             if constexpr (DC) arrive_and_combine(dc, o.out, S, N, (r % groups) * 16, nlocal + dc.parts);
         },
         [&]() {
@@ -387,49 +357,6 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         ring_moe<2, T, D, F>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K);                                        \
     }
 
-// The one-row routed site in ONE launch (ring_site): the gate + up + SwiGLU ring (form FG) and then, on the same
-// warps, the down + shared down + combine ring (form FD, xshift as the down projection's), a routed down item
-// of slot j starting once slot j's M / 16 gate + up items have counted themselves in link[j]. The warps without
-// gate + up items take the first down items (the shared expert's, which need no count). Every warp's shared
-// memory is the larger of the two rings' (warp_bytes); all blocks are resident at once (the grid is at most
-// RING_SITE_BLOCKS an SM), so the waits only ever wait on running warps. The combiner of the last row group
-// clears the counts (DownCombine::link) for the next launch.
-#ifndef RING_SITE_BLOCKS
-#error "RING_SITE_BLOCKS is set by glm_ep/backend/cuda/loader.py"
-#endif
-#define RING_SITE_ENTRY(T, D, FG, FD, TAG)                                                                         \
-    extern "C" __global__ void __launch_bounds__(RING_THREADS, RING_SITE_BLOCKS)                                 \
-        nvfp4_ring_moe_site_##TAG##t##T##_d##D(                                                                    \
-        const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale, \
-        const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,                                \
-        const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2,                                   \
-        const u64_t* __restrict__ down_packed, const u64_t* __restrict__ down_scale,                               \
-        const float* __restrict__ down_scale2, const int* __restrict__ ids,                                        \
-        int S, int start, int count, bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* act, int M, int H,  \
-        float limit, bf16_t* routed, const bf16_t* __restrict__ sh_w, const bf16_t* __restrict__ sh_x, int sh_k,    \
-        int parts, float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out,     \
-        int xshift, unsigned* link, int glu_warps) {                                                               \
-        pdl_enter();                                                                                               \
-        constexpr int WB = D * (int)sizeof(RingStage<2, T>);                                                       \
-        static_assert(sizeof(RingStage<2, T>) >= sizeof(RingStage<1, T>), "the gate + up stage is the larger");    \
-        const u64_t* const gwp[2] = {gate_packed, up_packed};                                                      \
-        const u64_t* const gsp[2] = {gate_scale, up_scale};                                                        \
-        const float* const gs2[2] = {gate_scale2, up_scale2};                                                      \
-        const RingOut og = {nullptr, gate, up, act, limit};                                                        \
-        ring_moe<2, T, D, FG, false, 1>(x, 0, gwp, gsp, gs2, ids, S, start, count, og, M, H, DownCombine{}, 0, link, \
-                                        0, WB);                                                                    \
-        const u64_t* const dwp[1] = {down_packed};                                                                 \
-        const u64_t* const dsp[1] = {down_scale};                                                                  \
-        const float* const ds2[1] = {down_scale2};                                                                 \
-        const RingOut od = {routed, nullptr, nullptr, nullptr, 0.0f};                                              \
-        const DownCombine dc = {sh_w, sh_x, sh_k, parts, partials, arrived, wts, out, link, S};                   \
-        const int W = gridDim.x * RING_WARPS;                                                                      \
-        ring_moe<1, T, D, FD, true, 2>(act, M, dwp, dsp, ds2, ids, S, start, count, od, H, M, dc, xshift, link,   \
-                                       (unsigned)(M >> 4), WB, (W - glu_warps % W) % W);                           \
-    }
-
-RING_SITE_ENTRY(4, 2, 2, 2, bf16u_bf16u_)
-RING_SITE_ENTRY(4, 2, 2, 3, bf16u_pl_)
 RING_ENTRIES(4, 2, 0, )
 RING_ENTRIES(4, 2, 1, f16_)
 RING_ENTRIES(4, 2, 2, bf16u_)

@@ -19,8 +19,6 @@ struct DownCombine {
     unsigned* arrived;   // [N / 16], zero between launches
     const float* wts;    // [S] the combine weights of the row
     bf16_t* out;         // [N] the site's output row
-    unsigned* link;      // the one-launch site (ring_site): [link_slots] gate + up counts, then the combined groups'
-    int link_slots;      // count; the combiner of the last group clears them all. nullptr: none
 };
 
 // Slab b of a shared item: 16 rows x 32 T k of bf16 weights (no scales) and the 32 T k of x.
@@ -80,12 +78,4 @@ __device__ __forceinline__ void arrive_and_combine(const DownCombine& dc, const 
         dc.out[n] = f32_to_bf16(__fadd_rn(acc, round_bf16(sh)));
     }
     if (lane == 0) dc.arrived[n0 >> 4] = 0u;
-    if (dc.link) {  // every down item has passed its wait once every group is combined
-        unsigned done = 0u;
-        if (lane == 0)
-            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(done) : "l"(dc.link + dc.link_slots)
-                         : "memory");
-        if (__shfl_sync(0xffffffffu, done, 0) + 1u == (unsigned)(N >> 4))
-            for (int i = lane; i <= dc.link_slots; i += 32) dc.link[i] = 0u;
-    }
 }

@@ -32,7 +32,7 @@ from glm_ep.backend.cuda import dense, elementwise, grouped, pdl, route
 from glm_ep.backend.cuda import nvfp4 as NV
 from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, compute_capability
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
-from glm_ep.backend.cuda.ring import RING_MAX_SLOTS, RingConfig, act_shift
+from glm_ep.backend.cuda.ring import RingConfig, act_shift
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.weights import DenseWeights, MoeWeights
@@ -85,8 +85,6 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         self._route_done = self.zero(cupy.empty(1, dtype=np.uint32))  # zeroed on this stream, in order
         # the one-row down ring's combine scratch (nvfp4_moe_down_combine): sized at upload_moe, before any capture
         self._dc_partials, self._dc_arrived, self._dc_retired = None, None, []
-        # the one-launch site's counts (nvfp4_moe_site): zero between launches
-        self._site_link = self.zero(cupy.empty(RING_MAX_SLOTS + 1, dtype=np.uint32))
 
     @property
     def pci_bus_id(self) -> str:
@@ -291,20 +289,6 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             return out_1H
         return super().moe_down_shared_combine(act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
                                                shared_1H, out_1H)
-
-    @_on_stream
-    def moe_decode_site(self, x_1H, experts, ids_K, limit, gate_KM, up_KM, act_KM, routed_KH, shared_act_1I,
-                        shared_down_HI, wts_1K, shared_1H, out_1H):
-        """One launch (``nvfp4.nvfp4_moe_site``) where the ``site`` lever and the shapes allow it; otherwise
-        the gate + up launch and ``moe_down_shared_combine``."""
-        down = experts.down.weights
-        if (self.ring.site and self._down_combine_scratch(down.n, down.k, shared_down_HI.shape[1])
-                and NV.nvfp4_moe_site(x_1H, experts, ids_K, limit, gate_KM, up_KM, act_KM, routed_KH, shared_act_1I,
-                                      shared_down_HI, wts_1K, out_1H, self._dc_partials, self._dc_arrived,
-                                      self._site_link, self.ring)):
-            return out_1H
-        return super().moe_decode_site(x_1H, experts, ids_K, limit, gate_KM, up_KM, act_KM, routed_KH, shared_act_1I,
-                                       shared_down_HI, wts_1K, shared_1H, out_1H)
 
     @_on_stream
     def add(self, a, b, out):

@@ -38,7 +38,6 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 # ---- compile-time constants (-D) and the kernel limits they fix ---------------------------------
 NVFP4_WARPS = 8  # warps per NVFP4 GEMV block
 RING_WARPS = 2  # warps per block of the persistent decode kernels (gemv_nvfp4_ring.cu)
-RING_SITE_BLOCKS = 5  # blocks an SM of the one-launch site (nvfp4_ring_moe_site: its __launch_bounds__)
 GEMV_WARPS = 8  # warps per bf16 GEMV block
 GEMV_ROWS_PER_WARP = 2  # rows per warp-group of a bf16 GEMV
 GEMV_MAX_ROWS = 8  # widest batch-M tier (bf16_gemv_r1 .. r8)
@@ -56,7 +55,6 @@ SORT_THREADS = 1024
 DEFINES = {
     "NVFP4_WARPS": NVFP4_WARPS,
     "RING_WARPS": RING_WARPS,
-    "RING_SITE_BLOCKS": RING_SITE_BLOCKS,
     "GEMV_WARPS": GEMV_WARPS,
     "GEMV_ROWS_PER_WARP": GEMV_ROWS_PER_WARP,
     "MMA_GEMM_WARPS": MMA_GEMM_WARPS,
@@ -83,8 +81,6 @@ GEMM_VARIANTS = ((16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4
                  (64, 2, 4, 64, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))
 #: gemv_nvfp4_ring.cu's RING_ENTRIES lines: (steps of 128 k per slab T, ring depth D)
 RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
-#: gemv_nvfp4_ring.cu's RING_SITE_ENTRY lines: (T, D, gate + up form, down form)
-RING_SITE_KERNELS = ((4, 2, "bf16u", "bf16u"), (4, 2, "bf16u", "placed"))
 #: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x rows a union stage holds (a group's
 #: rows rounded up)
 UNION_RING_KERNELS = ((2, 3), (4, 2))

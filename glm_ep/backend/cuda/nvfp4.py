@@ -139,47 +139,6 @@ def nvfp4_moe_down_combine(act_SK: Any, table: ExpertTable[Nvfp4Pointers], ids_S
     return True
 
 
-def nvfp4_moe_site(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, limit: float, gate_SM: Any,
-                   up_SM: Any, act_SM: Any, routed_SN: Any, shared_act_1I: Any, shared_down_NI: Any, wts_1S: Any,
-                   out_1N: Any, partials: Any, arrived: Any, link: Any, ring: RingConfig) -> bool:
-    """ONE row's routed experts, the shared expert's down projection and the site's combine in ONE launch
-    (``nvfp4_ring_moe_site``): ``nvfp4_moe_glu`` then ``nvfp4_moe_down_combine`` on the same warps, each
-    slot's down items started once its gate + up items are stored; the same ``gate``, ``up``, ``act``,
-    ``routed`` and ``out``. False, with nothing queued, where it does not run (``RingConfig.site_geometry``,
-    ``down_combine_parts``). ``link``: uint32 of at least slots + 1, zero between launches (each launch
-    leaves it zero); ``partials`` and ``arrived`` as ``nvfp4_moe_down_combine``'s."""
-    gate, up, down, start, count = (experts.gate.weights, experts.up.weights, experts.down.weights, experts.start,
-                                    experts.count)
-    s, m, h = ids_S.size, gate.n, gate.k
-    if (up.n, up.k, up.form) != (m, h, gate.form) or (down.n, down.k) != (h, m):
-        return False
-    shared_k = shared_down_NI.shape[1]
-    parts = ring.down_combine_parts(h, m, shared_k)
-    geo = ring.site_geometry(m, h, s, (gate.form, down.form), parts * (h // MMA_ROWS)) if parts else None
-    if geo is None:
-        return False
-    check("x", x_1K, BF16), check("ids", ids_S, I32, 4), check_shape("x", x_1K, (1, h))
-    for name, a in (("gate", gate_SM), ("up", up_SM), ("act", act_SM)):
-        check(name, a, BF16, 2), check_shape(name, a, (s, m))
-    check("routed", routed_SN, BF16), check_shape("routed", routed_SN, (s, h))
-    check("shared_act", shared_act_1I, BF16), check("shared_down", shared_down_NI, BF16)
-    check("wts", wts_1S, F32, 4), check("out", out_1N, BF16, 2)
-    check_shape("shared_act", shared_act_1I, (1, shared_k)), check_shape("shared_down", shared_down_NI, (h, shared_k))
-    check_shape("wts", wts_1S, (1, s)), check_shape("out", out_1N, (1, h))
-    check("partials", partials, F32, 4), check("arrived", arrived, U32, 4), check("link", link, U32, 4)
-    if partials.size < parts * h or arrived.size < h // MMA_ROWS or link.size < s + 1:
-        raise ValueError(f"nvfp4_moe_site: scratch of {partials.size} sums / {arrived.size} counts / {link.size} "
-                         f"links, the launch needs {parts * h} / {h // MMA_ROWS} / {s + 1}")
-    blocks, smem, glu_warps, suffix = geo
-    launch(_RING, f"nvfp4_ring_moe_site_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
-           (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
-            down.packed_ptrs, down.scale_ptrs, down.scale2, ids_S, i32(s), i32(start), i32(count), gate_SM, up_SM,
-            act_SM, i32(m), i32(h), np.float32(limit), routed_SN, shared_down_NI, shared_act_1I, i32(shared_k),
-            i32(parts), partials, arrived, wts_1S, out_1N, i32(down.xshift), link, i32(glu_warps)),
-           smem=smem, persistent=True)
-    return True
-
-
 def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, limit: float, gate_SN: Any,
                   up_SN: Any, act_SN: Any, ring: RingConfig) -> None:
     """Decode gate, up and the clamped SwiGLU of every slot of one row in ONE launch."""

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm_ep.backend.cuda.loader import (BF16, MMA_ROWS, RING_KERNELS, RING_SITE_BLOCKS, RING_SITE_KERNELS, RING_WARPS,
-                                        UNION_RING_KERNELS, UNION_RING_ROWS, cdiv, ring_stage_bytes, sm_count,
-                                        smem_per_sm)
+from glm_ep.backend.cuda.loader import (BF16, MMA_ROWS, RING_KERNELS, RING_WARPS, UNION_RING_KERNELS, UNION_RING_ROWS,
+                                        cdiv, ring_stage_bytes, sm_count, smem_per_sm)
 from glm_ep.errors import ConfigError
 from glm_ep.topology import PathLevers
 
@@ -80,8 +79,7 @@ class RingConfig:
     unscaled form decoded by bit placement (the ``placed`` form, where the limit bounds the
     activation); ``placed_hidden``: gate and up too; ``down_combine``: at
     one row, the shared expert's down projection and the site's combine run inside the routed down
-    launch; ``site``: the gate + up ring too (one launch from the routed experts to the site's output,
-    where ``site_geometry`` allows)."""
+    launch."""
 
     enabled: bool = True
     slab: tuple[int, int] = (4, 4)
@@ -94,7 +92,6 @@ class RingConfig:
     placed: bool = True  # the down projection in the placed form, where the limit bounds it (NOTES.md)
     placed_hidden: bool = False  # gate and up too: no faster on H200 (NOTES.md)
     down_combine: bool = True  # one-row sites: the shared expert's down projection and the combine in the down ring
-    site: bool = False  # ... and the gate + up ring in the same launch (nvfp4_ring_moe_site)
     union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (bf16 form)
     union_slab: tuple[int, int] = (2, 2)
     union_depth: tuple[int, int] = (3, 3)
@@ -112,7 +109,7 @@ class RingConfig:
     def from_levers(cls, lv: PathLevers) -> "RingConfig":
         return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
                    lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_placed, lv.ring_placed_hidden,
-                   lv.ring_down_combine, lv.ring_site, lv.ring_union_max_rows,
+                   lv.ring_down_combine, lv.ring_union_max_rows,
                    tuple(lv.ring_union_slab), tuple(lv.ring_union_depth))
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
@@ -155,30 +152,6 @@ class RingConfig:
             return 0
         span = 32 * t * (k // (RING_STEP_K * t))
         return shared_k // span if shared_k % span == 0 else 0
-
-    def site_geometry(self, m: int, h: int, slots: int, forms: tuple[str, str], shared_items: int
-                      ) -> tuple[int, int, int, str] | None:
-        """(blocks, dynamic smem bytes, warps with gate + up items, entry suffix) of the one-launch site
-        (``nvfp4_ring_moe_site``: gate/up [m, h], down [h, m], ``shared_items`` shared down items), or None
-        where it does not run: the lever off, a (gate + up form, down form) pair or slab and depth it does not
-        instantiate (``loader.RING_SITE_KERNELS``), or shapes a ring does not take. Every block of its grid must be
-        resident at once (its down items wait on its gate + up items): at most RING_SITE_BLOCKS an SM, each
-        warp holding the gate + up ring's stages."""
-        t, depth = self.slab[1], self.depth[1]
-        if (not self.site or (self.slab[0], self.depth[0]) != (t, depth) or (t, depth, *forms) not in RING_SITE_KERNELS
-                or not (self.takes(m, h, slots, 2) and self.takes(h, m, slots, 1))):
-            return None
-        smem = RING_WARPS * depth * ring_stage_bytes(2, t)
-        sm_smem, reserved = smem_per_sm()
-        per_sm = min(RING_SITE_BLOCKS, self.warps_per_sm // RING_WARPS, sm_smem // (smem + reserved))
-        blocks = sm_count() * per_sm
-        if self.max_warps:
-            blocks = min(blocks, max(1, self.max_warps // RING_WARPS))
-        items = max(slots * (m // MMA_ROWS), slots * (h // MMA_ROWS) + shared_items)
-        blocks = min(blocks, cdiv(items, RING_WARPS))
-        glu_warps = min(blocks * RING_WARPS, slots * (m // MMA_ROWS))
-        prefix = FORM_PREFIX[forms[0]] + FORM_PREFIX[forms[1]]
-        return blocks, smem, glu_warps, f"{prefix}t{t}_d{depth}"
 
     def union_takes(self, n: int, k: int, rows: int, p: int) -> bool:
         """Whether the union ring serves ``rows`` rows of ``p`` [n, k] matrices."""
