@@ -161,6 +161,100 @@ def test_moe_down_combine_falls_back_where_the_ring_cannot():
         np.testing.assert_array_equal(host(out).view(np.uint16), host(sep).view(np.uint16))
 
 
+# ---- one-row sites with the shared expert's down items in the gate + up launch ---------------------------------
+@pytest.mark.parametrize("ring,shared_k", [
+    pytest.param(dict(), 512, id="default-1part"),  # h 2048: a gate + up item spans 512 k of the shared width
+    pytest.param(dict(), 1536, id="default-3parts"),
+    pytest.param(dict(placed=False), 1024, id="bf16u-2parts"),
+    pytest.param(dict(max_warps=3), 1024, id="w3"),  # fewer warps than routed items: every item round robin
+    pytest.param(dict(max_warps=400), 512, id="w400"),  # 16 warps left over for the 128 shared items
+])
+def test_moe_site_shared_in_glu(rng, ring, shared_k, monkeypatch):
+    """``moe_decode_site`` with the shared expert's down items in the gate + up launch: gate, up, act and the
+    routed rows bit for bit the default launches', remote slots untouched, the site output within an ulp of
+    theirs (the shared sums split into other parts) and close to NumPy; the gate + up launch took the shared
+    items (``nvfp4_moe_glu`` returned their parts); the arrival counts return to zero, so launches back to
+    back and graph replays agree."""
+    import cupy
+
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+    from glm_ep.backend.cuda import nvfp4 as NV
+
+    parts_seen = []
+    glu = NV.nvfp4_moe_glu
+    monkeypatch.setattr(NV, "nvfp4_moe_glu", lambda *a, **kw: parts_seen.append(glu(*a, **kw)) or parts_seen[-1])
+    one = CudaBackend(0, RingConfig(shared_glu=True, **ring), stream=backend().stream)
+    two = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
+    h, m, start, count = 2048, 1024, 4, 6
+    weights = moe_weights(rng, h=h, m=m, start=start, count=count)
+    (cu_one, nu), (cu_two, _) = both(weights, one), both(weights, two)
+    ids_h = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
+    ids, local = dev(ids_h), (ids_h >= start) & (ids_h < start + count)
+    x_h, sh_act_h = rand_bf16(rng, (1, h), 4.0), rand_bf16(rng, (1, shared_k))
+    sh_down_h = rand_bf16(rng, (h, shared_k), shared_k ** -0.5)
+    wts_h = (rng.random((1, TOP_K)) * 2.5).astype(np.float32)
+    x, sh_act, sh_down, wts = dev(x_h), dev(sh_act_h), dev(sh_down_h), dev(wts_h)
+
+    def buffers():
+        return ([poisoned((TOP_K, m), BF16) for _ in range(3)], dev(np.zeros((TOP_K, h), BF16)),
+                poisoned((1, h), BF16), poisoned((1, h), BF16))
+
+    (g2, u2, a2), routed2, sh2, out2 = buffers()
+    two.moe_decode_site(x, cu_two, ids, 7.0, g2, u2, a2, routed2, sh_act, sh_down, wts, sh2, out2)
+    assert not any(parts_seen), "the lever off still put shared items in the gate + up launch"
+    ref_routed, ref_shared, ref = np.zeros((TOP_K, h), BF16), np.empty((1, h), BF16), np.empty((1, h), BF16)
+    NP.moe_down_shared_combine(host(a2), nu.down, ids_h, ref_routed, sh_act_h, sh_down_h, wts_h, ref_shared, ref)
+    (g1, u1, a1), routed1, sh1, out1 = buffers()
+
+    def run():
+        one.moe_decode_site(x, cu_one, ids, 7.0, g1, u1, a1, routed1, sh_act, sh_down, wts, sh1, out1)
+
+    run()  # loads the kernels outside the capture
+    replay = one.capture(run)
+    for label in ("launch", "launch again", "replay", "replay again"):
+        for a in (g1, u1, a1, out1, one._dc_partials):
+            cupy.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, a.nbytes, one.stream.ptr)
+        replay() if label.startswith("replay") else run()
+        assert parts_seen and parts_seen[-1] == shared_k // 512, f"{label}: the shared items did not ride gate + up"
+        for name, got, want in (("gate", g1, g2), ("up", u1, u2), ("act", a1, a2)):
+            got, want = host(got), host(want)
+            assert unwritten(got[~local]).all(), f"{label}: {name} of a remote slot was written"
+            np.testing.assert_array_equal(got[local].view(np.uint16), want[local].view(np.uint16),
+                                          err_msg=f"{name}, {label}")
+        np.testing.assert_array_equal(host(routed1).view(np.uint16), host(routed2).view(np.uint16), err_msg=label)
+        got = host(out1)
+        assert_written(got, label)
+        assert unwritten(host(sh1)).all(), f"{label}: the shared scratch was written (the two-launch tail ran)"
+        assert_ulps(got, host(out2), f"site output, {label}")
+        assert_close(got, ref, f"site output against NumPy, {label}")
+        assert not host(one._dc_arrived).any(), f"{label}: the arrival counts were left non-zero"
+
+
+def test_shared_in_glu_falls_back_where_the_ring_cannot(rng):
+    """A shared width that is not a multiple of a gate + up item's span: the default launches, and the same
+    bits as the lever off."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    h, m, shared_k = 2048, 1024, 768  # 768 is not a multiple of 512
+    one = CudaBackend(0, RingConfig(shared_glu=True), stream=backend().stream)
+    two = CudaBackend(0, RingConfig(), stream=backend().stream)
+    assert one.ring.glu_shared_parts(m, h, shared_k, "bf16u") == 0
+    weights = moe_weights(rng, h=h, m=m, start=0, count=4, num_experts=8)
+    cus = [both(weights, be)[0] for be in (one, two)]
+    ids = dev(np.array([0, 1, 2, 3, 0, 1, 2, 3], dtype=np.int32))
+    x, sh_act = dev(rand_bf16(rng, (1, h))), dev(rand_bf16(rng, (1, shared_k)))
+    sh_down = dev(rand_bf16(rng, (h, shared_k), shared_k ** -0.5))
+    wts = dev(np.full((1, TOP_K), 0.125, np.float32))
+    outs = []
+    for be, cu in zip((one, two), cus):
+        bufs = [poisoned((TOP_K, m), BF16) for _ in range(3)]
+        routed, sh, out = dev(np.zeros((TOP_K, h), BF16)), poisoned((1, h), BF16), poisoned((1, h), BF16)
+        be.moe_decode_site(x, cu, ids, 7.0, *bufs, routed, sh_act, sh_down, wts, sh, out)
+        outs.append(host(out))
+    assert_written(outs[0], "fallback")
+    np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+
+
 # ---- the placed form: x's power-of-two scale -------------------------------------------------------------
 def test_placed_ring_scales_with_x(rng):
     """The placed form scales x by a power of two it picks from the row (gate and up) or the activation
