@@ -99,12 +99,12 @@ class ExpertDispatch:
         gate_KM, up_KM, act_KM = (ws.view(b, k, m) for b in ("a_gate", "a_up", "a_act"))
         for r in range(x_TH.shape[0]):
             x_1H, ids_K, routed_KH = x_TH[r:r + 1], ids_TK[r], routed_SH[r * k:(r + 1) * k]
+            be.moe_gate_up_act(x_1H, experts, ids_K, lim, gate_KM, up_KM, act_KM)  # remote rows: unread
             if tail is None:
-                be.moe_gate_up_act(x_1H, experts, ids_K, lim, gate_KM, up_KM, act_KM)  # remote rows: unread
                 be.moe_gemv(act_KM, experts.down, ids_K, routed_KH, per_slot_input=True)
-            else:  # one row, to the site's output
-                be.moe_decode_site(x_1H, experts, ids_K, lim, gate_KM, up_KM, act_KM, routed_KH, tail.act_1I,
-                                   tail.down_HI, tail.wts_1K, tail.shared_1H, tail.out_1H)
+            else:  # one row
+                be.moe_down_shared_combine(act_KM, experts.down, ids_K, routed_KH, tail.act_1I, tail.down_HI,
+                                           tail.wts_1K, tail.shared_1H, tail.out_1H)
         return routed_SH, None
 
     def _union(self, x_TH, ids_TK, experts, ws, routed_SH):

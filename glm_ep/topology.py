@@ -78,7 +78,6 @@ class PathLevers:
     ring_placed: bool = True  # the down projection's unscaled form decoded by bit placement (x scaled by 2^k)
     ring_placed_hidden: bool = False  # gate and up too (measured no faster there: docs/perf/NOTES.md)
     ring_down_combine: bool = True  # one row: the shared expert's down projection + combine in the routed down launch
-    ring_shared_glu: bool = False  # ... the shared expert's down items in the routed gate + up launch instead
     ring_union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (0: block kernels)
     ring_union_slab: tuple[int, ...] = (2, 2)  # the union ring's slab and depth: (one projection, gate + up)
     ring_union_depth: tuple[int, ...] = (3, 3)

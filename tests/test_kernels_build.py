@@ -79,9 +79,6 @@ def test_instantiated_variants():
     for form in ("0, ", "1, f16_", "2, bf16u_", "3, pl_"):  # scaled bf16, fp16, unscaled bf16, placed
         found = re.findall(rf"^RING_ENTRIES\((\d+), (\d+), {form}\)", ring, re.M)
         assert {(int(t), int(d)) for t, d in found} == set(loader.RING_KERNELS), (form, found)
-    code = {0: "bf16", 1: "f16", 2: "bf16u", 3: "placed"}  # ring_moe's F
-    glu_sh = re.findall(r"^RING_GLU_SH_ENTRY\((\d+), (\d+), (\d), \w*\)", ring, re.M)
-    assert {(int(t), int(d), code[int(f)]) for t, d, f in glu_sh} == set(loader.RING_GLU_SH_KERNELS)
     mma = (loader.KERNEL_DIR / "mma_bf16.cu").read_text()
     assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == loader.MMA_GEMM_TIERS
 
@@ -227,17 +224,3 @@ def test_every_kernel_waits_for_its_predecessor_before_touching_memory(path: Pat
             bad.append(f"{name}: griddepcontrol.wait at line {wait}, first memory access at line {first}"
                        + (f" ({lines[first].strip()})" if first is not None else ""))
     assert not bad, f"{path.name}: entries that touch memory before waiting for their predecessor:\n" + "\n".join(bad)
-
-
-def test_glu_shared_parts():
-    """The shared expert's down items ride the gate + up ring only with the lever (and down_combine) on, an
-    instantiated (slab, depth, form) and a shared width in whole gate + up item spans (32 T k a slab)."""
-    from glm_ep.backend.cuda.ring import RingConfig
-
-    on = RingConfig(shared_glu=True)
-    assert on.glu_shared_parts(2048, 4096, 2048, "bf16u") == 2  # T = 4: 8 slabs of 128 k, a span of 1024
-    assert on.glu_shared_parts(2048, 4096, 1536, "bf16u") == 0
-    assert on.glu_shared_parts(2048, 4096, 2048, "placed") == 0  # no such entry (its block barrier)
-    assert RingConfig().glu_shared_parts(2048, 4096, 2048, "bf16u") == 0  # the lever is off by default
-    assert RingConfig(shared_glu=True, down_combine=False).glu_shared_parts(2048, 4096, 2048, "bf16u") == 0
-    assert RingConfig(shared_glu=True, depth=(2, 3)).glu_shared_parts(2048, 4096, 2048, "bf16u") == 0

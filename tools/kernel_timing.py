@@ -175,16 +175,6 @@ def main() -> int:
             be.moe_gemv(v(act, TOP_K, M), m.experts.down, ids[0], routed[0], per_slot_input=True)
             be.shared_down_combine(v(act, 1, M), m.shared.down, routed[0], wts[:1], out[:1], out[:1])
 
-    sg_be = CudaBackend(0, RingConfig(shared_glu=True), stream=s, dependent_launch=not args.no_pdl)
-    with s:
-        sg_moes = [sg_be.upload_moe(w, LIMIT) for w in weights]  # the same device arrays, new tables
-        sh_act = bf16((1, M), 1.0)
-
-    def routed_site(b, ms):  # the routed experts to the site's output, as a one-row site runs them
-        for m in ms:
-            b.moe_decode_site(x[:1], m.experts, ids[0], LIMIT, *(v(buf, TOP_K, M) for buf in (gate, up, act)),
-                              routed[0], sh_act, m.shared.down, wts[:1], out[:1], out[:1])
-
     def dense_fused():
         for d in denses:
             be.gate_up_act(x[:1], d, LIMIT, *(v(b, 1, I) for b in (gate, up, act)))
@@ -246,10 +236,6 @@ def main() -> int:
     down_mb_all = expert_mb * TOP_K // 3 + M * H * 2
     timed(down_shared_combine_fused, down_mb_all, "routed down + shared down + combine, 1 row (one launch)", L)
     timed(down_then_shared_down_combine, down_mb_all, "routed down, then shared down + combine, 1 row (two launches)", L)
-    site_mb = expert_mb * TOP_K + M * H * 2
-    for _ in range(2):
-        timed(lambda: routed_site(be, moes), site_mb, "routed + shared down + combine (default)", L)
-        timed(lambda: routed_site(sg_be, sg_moes), site_mb, "routed + shared down + combine (shared_glu)", L)
     timed(dense_fused, 3 * I * H * 2, "dense MLP, 1 row (fused glu + down)", len(denses))
 
     for r in (2, 4, 8):

@@ -213,17 +213,6 @@ class Backend(ABC, Generic[A, P]):
         self.moe_gemv(act_KM, table, ids_K, routed_KH, per_slot_input=True)
         return self.shared_down_combine(shared_act_1I, shared_down_HI, routed_KH, wts_1K, shared_1H, out_1H)
 
-    def moe_decode_site(self, x_1H: Any, experts: RoutedExperts[P], ids_K: Any, limit: float, gate_KM: Any,
-                        up_KM: Any, act_KM: Any, routed_KH: Any, shared_act_1I: Any, shared_down_HI: Any,
-                        wts_1K: Any, shared_1H: Any, out_1H: Any) -> Any:
-        """A ONE-row sparse site from its routed experts to its output: ``moe_gate_up_act`` then
-        ``moe_down_shared_combine``. A backend may split the work between its launches otherwise; ``gate``,
-        ``up``, ``act``, ``routed`` and ``out`` are the same either way (up to the order of the shared
-        expert's sums)."""
-        self.moe_gate_up_act(x_1H, experts, ids_K, limit, gate_KM, up_KM, act_KM)
-        return self.moe_down_shared_combine(act_KM, experts.down, ids_K, routed_KH, shared_act_1I, shared_down_HI,
-                                            wts_1K, shared_1H, out_1H)
-
     @abstractmethod
     def add(self, a: Any, b: Any, out: Any) -> Any:
         """``out = bf16(a + b)`` (the residual of a chained stack)."""

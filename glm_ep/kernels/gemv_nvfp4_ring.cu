@@ -212,25 +212,20 @@ __device__ __forceinline__ void store_item(const RingOut& o, int slot, int n0, i
     }
 }
 
-// The shared expert's bf16 down items (ring_down_combine.cuh) ride one of two rings. DC: the down projection
-// (P = 1), dc.item_parts x groups of them BEFORE the routed items, and every item ends in arrive_and_combine
-// (item_parts may be 0: they ran in the gate + up launch, and the combine only reads their partials). SH: the
-// gate + up ring (P = 2), dc.parts x (dc.sh_n / 16) of them AFTER the routed items, on the warps the routed
-// items leave free (WarpItems::main_then_extra), each writing its partial sums for the down launch's combine.
-// A shared item's slab fills the first matrix's part of the stage and accumulator.
+// DC: the routed items of down projection (P = 1) follow groups * dc.parts shared items, and every item
+// ends in arrive_and_combine.
 // xshift (F = 3, one projection): the power of two the caller bounds x by, or -1: x is one row (x_slot_stride
 // 0) and the kernel finds it, as gate + up always do.
 // The placed form's sums are the unscaled bf16 form's times 2^(xshift - 127): a finished item's sums are
 // multiplied back by 2^(127 - xshift) (exact; in two factors past 2^127) before the same output scale
 // (scale_2 x 128), so they overflow exactly where the unscaled form's do. The down projection's bound
 // (act_shift) holds only for a clamped SwiGLU of the site's limit: a larger input would become inf.
-template <int P, int T, int D, int F, bool DC = false, bool SH = false>
+template <int P, int T, int D, int F, bool DC = false>
 __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_stride, const u64_t* const (&wp)[P],
                                          const u64_t* const (&sp)[P], const float* const (&s2)[P], const int* ids,
                                          int S, int start, int count, const RingOut& o, int N, int K,
                                          const DownCombine& dc = DownCombine{}, int xshift = 0) {
     static_assert(!DC || P == 1, "the combine ends the down projection");
-    static_assert(!SH || (P == 2 && F != 3), "the shared items ride a gate + up ring without a block barrier");
     constexpr bool XB = F == 3 && P == 2;  // placed gate + up: x prepared once per block, after the rings
     uint4* xblk = reinterpret_cast<uint4*>(dyn_smem + RING_WARPS * D * sizeof(RingStage<P, T>));
     float pre = 1.0f, pre2 = 1.0f;  // F = 3: set by the pipeline's start, once the first copies are in flight
@@ -239,38 +234,32 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     u64_t wb[P], sb[P];
     float fb[P];
     const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb);
-    const int groups = N >> 4, slabs = K / (128 * T), routed_items = nlocal * groups;
-    const int sh_groups = SH ? dc.sh_n >> 4 : groups;
-    const int shared_items = DC ? groups * dc.item_parts : SH ? sh_groups * dc.parts : 0;
-    const int sh0 = SH ? routed_items : 0, r0 = DC ? shared_items : 0;  // the first shared and routed items
+    const int groups = N >> 4, slabs = K / (128 * T);
+    const int shared_items = DC ? groups * dc.parts : 0;
     const int W = gridDim.x * RING_WARPS, w0 = blockIdx.x * RING_WARPS + (threadIdx.x >> 5);
-    const WarpItems its = SH ? WarpItems::main_then_extra(w0, W, routed_items, shared_items)
-                             : WarpItems::round_robin(w0, W, shared_items + routed_items);
-    auto is_shared = [&](int item) { return (DC || SH) && item >= sh0 && item < sh0 + shared_items; };
     RingStage<P, T>* ring = reinterpret_cast<RingStage<P, T>*>(dyn_smem) + (threadIdx.x >> 5) * D;
     ItemSrc<P> src;
     bool src_shared = false;  // the producer's item is a shared one
     float acc[P][4];
     zero_acc<P>(acc);
     ring_pipeline<D, XB>(
-        ring, its, slabs,
+        ring, w0, W, shared_items + nlocal * groups, slabs,
         [&](int item) {
-            src_shared = is_shared(item);
+            src_shared = DC && item < shared_items;
             if (src_shared) {
-                const int q = item - sh0, kp = 32 * T * slabs, part = q / sh_groups, n0 = (q % sh_groups) * 16;
+                const int kp = 32 * T * slabs, part = item / groups, n0 = (item % groups) * 16;
                 src.w[0] = (const unsigned char*)(dc.sh_w + (size_t)n0 * dc.sh_k + (size_t)part * kp);
                 src.row_bytes = 2 * (size_t)dc.sh_k;
                 src.x = (const unsigned char*)(dc.sh_x + (size_t)part * kp);
             } else {
-                const int r = item - r0;
+                const int r = item - shared_items;
                 item_src<P>(r / groups, (r % groups) * 16, wb, sb, x, x_slot_stride, my_slot, K, src);
             }
         },
         [&](RingStage<P, T>& st, int b) {
-            if constexpr (DC || SH) {
+            if constexpr (DC) {
                 if (src_shared) {
-                    const ItemSrc<1> s1 = {{src.w[0]}, {src.s[0]}, src.x, src.row_bytes, src.scale_row_bytes};
-                    issue_bf16_slab<T>(reinterpret_cast<RingStage<1, T>&>(st), s1, b);
+                    issue_bf16_slab<T>(st, src, b);
                     return;
                 }
             }
@@ -278,10 +267,9 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
             else issue_slab<P, T>(st, src, b);
         },
         [&](const RingStage<P, T>& st, int item, int slab) {
-            if constexpr (DC || SH) {
-                if (is_shared(item)) {
-                    consume_bf16_slab<T>(reinterpret_cast<const RingStage<1, T>&>(st),
-                                         reinterpret_cast<float(&)[1][4]>(acc));
+            if constexpr (DC) {
+                if (item < shared_items) {
+                    consume_bf16_slab<T>(st, acc);
                     return;
                 }
             }
@@ -290,18 +278,18 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
             else consume_slab<P, T>(st, acc);
         },
         [&](int item) {
-            if ((DC || SH) && is_shared(item)) {
-                const int q = item - sh0, n = (q % sh_groups) * 16 + ((threadIdx.x & 31) >> 2);
+            if (DC && item < shared_items) {
+                const int n = (item % groups) * 16 + ((threadIdx.x & 31) >> 2);
                 if ((threadIdx.x & 3) == 0) {
-                    float* part = dc.partials + (size_t)(q / sh_groups) * dc.sh_n;
+                    float* part = dc.partials + (size_t)(item / groups) * N;
                     part[n] = acc[0][0];
                     part[n + 8] = acc[0][2];
                 }
                 zero_acc<P>(acc);
-                if constexpr (DC) arrive_and_combine(dc, o.out, S, N, (q % groups) * 16, nlocal + dc.item_parts);
+                arrive_and_combine(dc, o.out, S, N, (item % groups) * 16, nlocal + dc.parts);
                 return;
             }
-            const int r = item - r0, j = r / groups;
+            const int r = item - shared_items, j = r / groups;
             float f2[P];
 #pragma unroll
             for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, fb[p], j);
@@ -312,7 +300,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
             }
             store_item<P>(o, __shfl_sync(0xffffffffu, my_slot, j), (r % groups) * 16, N, f2, acc);
             zero_acc<P>(acc);
-            if constexpr (DC) arrive_and_combine(dc, o.out, S, N, (r % groups) * 16, nlocal + dc.item_parts);
+            if constexpr (DC) arrive_and_combine(dc, o.out, S, N, (r % groups) * 16, nlocal + dc.parts);
         },
         [&]() {
             if constexpr (F == 3) {
@@ -346,14 +334,13 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         const bf16_t* __restrict__ x, const u64_t* __restrict__ packed_ptrs, const u64_t* __restrict__ scale_ptrs,    \
         const float* __restrict__ scale2, const int* __restrict__ ids, int S, int start, int count, bf16_t* routed,   \
         int N, int K, const bf16_t* __restrict__ sh_w, const bf16_t* __restrict__ sh_x, int sh_k, int parts,          \
-        float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out, int xshift,     \
-        int item_parts) {                                                                                             \
+        float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out, int xshift) {   \
         pdl_enter();                                                                                                  \
         const u64_t* const wp[1] = {packed_ptrs};                                                                     \
         const u64_t* const sp[1] = {scale_ptrs};                                                                      \
         const float* const s2[1] = {scale2};                                                                          \
         const RingOut o = {routed, nullptr, nullptr, nullptr, 0.0f};                                                  \
-        const DownCombine dc = {sh_w, sh_x, sh_k, parts, partials, arrived, wts, out, item_parts, N};                \
+        const DownCombine dc = {sh_w, sh_x, sh_k, parts, partials, arrived, wts, out};                               \
         ring_moe<1, T, D, F, true>(x, K, wp, sp, s2, ids, S, start, count, o, N, K, dc, xshift);                      \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_##TAG##t##T##_d##D(                 \
@@ -370,26 +357,6 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         ring_moe<2, T, D, F>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K);                                        \
     }
 
-// Gate + up with the shared expert's down items after the routed ones (SH): nvfp4_ring_moe_glu_sh_{TAG}t{T}_d{D}.
-#define RING_GLU_SH_ENTRY(T, D, F, TAG)                                                                            \
-    extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_sh_##TAG##t##T##_d##D(           \
-        const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale, \
-        const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,                                \
-        const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2, const int* __restrict__ ids, int S, \
-        int start, int count, bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* __restrict__ act, int N, \
-        int K, float limit, const bf16_t* __restrict__ sh_w, const bf16_t* __restrict__ sh_x, int sh_n, int sh_k,  \
-        int parts, float* partials) {                                                                              \
-        pdl_enter();                                                                                               \
-        const u64_t* const wp[2] = {gate_packed, up_packed};                                                       \
-        const u64_t* const sp[2] = {gate_scale, up_scale};                                                         \
-        const float* const s2[2] = {gate_scale2, up_scale2};                                                       \
-        const RingOut o = {nullptr, gate, up, act, limit};                                                         \
-        const DownCombine dc = {sh_w, sh_x, sh_k, parts, partials, nullptr, nullptr, nullptr, 0, sh_n};            \
-        ring_moe<2, T, D, F, false, true>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K, dc);                   \
-    }
-
-RING_GLU_SH_ENTRY(4, 2, 2, bf16u_)
-RING_GLU_SH_ENTRY(4, 2, 0, )
 RING_ENTRIES(4, 2, 0, )
 RING_ENTRIES(4, 2, 1, f16_)
 RING_ENTRIES(4, 2, 2, bf16u_)

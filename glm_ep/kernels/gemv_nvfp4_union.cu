@@ -147,7 +147,7 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
     float acc[P][4];
     zero_acc<P>(acc);
     ring_pipeline<D>(
-        ring, WarpItems::round_robin(w0, W, nlocal * groups), K / (128 * T),
+        ring, w0, W, nlocal * groups, K / (128 * T),
         [&](int item) { union_src<P, R>(item / groups, (item % groups) * 16, wb, sb, ents, K, src); },
         [&](RingStage<P, T, R>& st, int b) { issue_union_slab<P, T, R>(st, src, b); },
         [&](const RingStage<P, T, R>& st, int, int) { consume_slab<P, T, R>(st, acc); },

@@ -92,27 +92,8 @@ struct RingOut {
     float limit;
 };
 
-// The items one warp sweeps: first, first + step, ... (count of them).
-struct WarpItems {
-    int first, step, count;
-
-    // items w0, w0 + W, ... < items (W warps in the grid)
-    static __device__ __forceinline__ WarpItems round_robin(int w0, int W, int items) {
-        return {w0, W, w0 < items ? (items - w0 + W - 1) / W : 0};
-    }
-
-    // items [0, g) one a warp on warps 0 .. g - 1, items [g, g + s) round robin over the other warps (where
-    // g < W; else every item round robin): a launch's main items never queue behind its extra ones
-    static __device__ __forceinline__ WarpItems main_then_extra(int w0, int W, int g, int s) {
-        if (g >= W) return round_robin(w0, W, g + s);
-        if (w0 < g) return {w0, W, 1};
-        const int spare = W - g, j = w0 - g;
-        return {g + j, spare, j < s ? (s - j + spare - 1) / spare : 0};
-    }
-};
-
-// The per-warp cp.async pipeline of both ring forms. The warp's items are `its` (WarpItems), each `slabs`
-// slabs; D - 1 slabs stay in flight ACROSS item boundaries. The steps are callables:
+// The per-warp cp.async pipeline of both ring forms. The warp's items are w0, w0 + W, ... < items,
+// each `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries. The steps are callables:
 // src(item) points the producer at an item, issue(stage, slab) copies a slab of the producer's item,
 // consume(stage, item, slab) multiplies a landed slab of the item into the caller's accumulators, finish(item)
 // stores a finished item and clears them; start() runs once on every warp (a warp without items too), once the
@@ -124,23 +105,23 @@ struct NoStart {
 
 template <int D, bool BARRIER = false, typename Stage, typename Src, typename Issue, typename Consume,
           typename Finish, typename Start = NoStart>
-__device__ __forceinline__ void ring_pipeline(Stage* ring, const WarpItems& its, int slabs, Src&& src,
+__device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int items, int slabs, Src&& src,
                                               Issue&& issue, Consume&& consume, Finish&& finish,
                                               Start&& start = Start{}) {
-    const int total = its.count * slabs;  // this warp's slabs (maybe none)
+    const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * slabs;  // this warp's slabs (maybe none)
     if constexpr (!BARRIER) {
         if (total == 0) {
             start();
             return;
         }
     }
-    int p_item = its.first, p_n = 0, p_s = 0;  // producer: (item, its ordinal, slab) of the next load
+    int p_item = w0, p_s = 0;  // producer: (item, slab) of the next load
     if (total) src(p_item);
     auto advance = [&]() {
         if (++p_s < slabs) return;
         p_s = 0;
-        p_item += its.step;
-        if (++p_n < its.count) src(p_item);
+        p_item += W;
+        if (p_item < items) src(p_item);
     };
 #pragma unroll
     for (int d = 0; d < D - 1; ++d) {
@@ -151,7 +132,7 @@ __device__ __forceinline__ void ring_pipeline(Stage* ring, const WarpItems& its,
         cp_async_commit();
     }
     start();
-    int c_item = its.first, c_s = 0, stage = 0, fill = D - 1;
+    int c_item = w0, c_s = 0, stage = 0, fill = D - 1;
     for (int f = 0; f < total; ++f) {
         cp_async_wait<D - 2>();  // slab f has landed (this lane's copies)
         __syncwarp();            // ... and every lane's; every lane is done with slab f - 1's stage
@@ -166,7 +147,7 @@ __device__ __forceinline__ void ring_pipeline(Stage* ring, const WarpItems& its,
         if (++c_s == slabs) {  // warp-uniform
             finish(c_item);
             c_s = 0;
-            c_item += its.step;
+            c_item += W;
         }
     }
 }

@@ -3,12 +3,11 @@
 // common.cuh, nvfp4_mma.cuh, async_copy.cuh and nvfp4_ring.cuh.
 #pragma once
 
-// The shared expert's bf16 down weights [N, Ksh] run as extra items of the down ring (or of the gate + up ring
-// before it, gemv_nvfp4_ring.cu's SH): item (part, group)
+// The shared expert's bf16 down weights [N, Ksh] run as extra items of the down ring: item (part, group)
 // is 16 rows by Kp = 32 T * slabs k (Ksh = parts * Kp), a slab 32 T k (the 64 T bytes a stage row
 // holds), the same slab count as a routed item. Its fp32 sums go to partials[part][n]. Every finished
 // item (routed or shared) of a row group counts itself in arrived[group]; the warp that brings the
-// count to nlocal + item_parts combines the group's 16 rows: shared = bf16(partials summed in part order),
+// count to nlocal + parts combines the group's 16 rows: shared = bf16(partials summed in part order),
 // out = bf16(fp32 sum over slots k in order of wts[k] * routed[k], + shared), elementwise.cu's combine
 // (remote slots read as the zeros written before the launch), and clears the count for the next launch.
 // No residual: the stack adds it.
@@ -20,8 +19,6 @@ struct DownCombine {
     unsigned* arrived;   // [N / 16], zero between launches
     const float* wts;    // [S] the combine weights of the row
     bf16_t* out;         // [N] the site's output row
-    int item_parts;      // the parts run as items of this launch (DC: parts, or 0 where the gate + up launch ran them)
-    int sh_n;            // rows of sh_w (the down projection's N)
 };
 
 // Slab b of a shared item: 16 rows x 32 T k of bf16 weights (no scales) and the 32 T k of x.

@@ -291,28 +291,6 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
                                                shared_1H, out_1H)
 
     @_on_stream
-    def moe_decode_site(self, x_1H, experts, ids_K, limit, gate_KM, up_KM, act_KM, routed_KH, shared_act_1I,
-                        shared_down_HI, wts_1K, shared_1H, out_1H):
-        """With the ``shared_glu`` lever, the shared expert's down items ride the gate + up launch
-        (``nvfp4.nvfp4_moe_glu`` with ``shared``) and the down launch only combines their sums; otherwise, or
-        where the rings cannot, the gate + up launch and ``moe_down_shared_combine``."""
-        down, gate = experts.down.weights, experts.gate.weights
-        shared_k = shared_down_HI.shape[1]
-        parts = self.ring.glu_shared_parts(gate.n, gate.k, shared_k, gate.form)
-        if (parts and self._down_combine_scratch(down.n, down.k, shared_k)
-                and self._dc_partials.size >= parts * down.n and self.ring.takes(down.n, down.k, ids_K.size, 1)):
-            parts = NV.nvfp4_moe_glu(x_1H, experts, ids_K, limit, gate_KM, up_KM, act_KM, self.ring,
-                                     shared=(shared_down_HI, shared_act_1I, self._dc_partials))
-            if parts and NV.nvfp4_moe_down_combine(act_KM, experts.down, ids_K, routed_KH, shared_act_1I,
-                                                   shared_down_HI, wts_1K, out_1H, self._dc_partials,
-                                                   self._dc_arrived, self.ring, glu_parts=parts):
-                return out_1H
-            return self.moe_down_shared_combine(act_KM, experts.down, ids_K, routed_KH, shared_act_1I,
-                                                shared_down_HI, wts_1K, shared_1H, out_1H)
-        return super().moe_decode_site(x_1H, experts, ids_K, limit, gate_KM, up_KM, act_KM, routed_KH, shared_act_1I,
-                                       shared_down_HI, wts_1K, shared_1H, out_1H)
-
-    @_on_stream
     def add(self, a, b, out):
         elementwise.add(a, b, out)
         return out

@@ -81,8 +81,6 @@ GEMM_VARIANTS = ((16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4
                  (64, 2, 4, 64, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))
 #: gemv_nvfp4_ring.cu's RING_ENTRIES lines: (steps of 128 k per slab T, ring depth D)
 RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
-#: gemv_nvfp4_ring.cu's RING_GLU_SH_ENTRY lines: (T, D, gate + up form)
-RING_GLU_SH_KERNELS = ((4, 2, "bf16u"), (4, 2, "bf16"))
 #: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x rows a union stage holds (a group's
 #: rows rounded up)
 UNION_RING_KERNELS = ((2, 3), (4, 2))

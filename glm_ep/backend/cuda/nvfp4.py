@@ -107,19 +107,18 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointer
 
 def nvfp4_moe_down_combine(act_SK: Any, table: ExpertTable[Nvfp4Pointers], ids_S: Any, routed_SN: Any,
                            shared_act_1I: Any, shared_down_NI: Any, wts_1S: Any, out_1N: Any, partials: Any,
-                           arrived: Any, ring: RingConfig, glu_parts: int = 0) -> bool:
+                           arrived: Any, ring: RingConfig) -> bool:
     """ONE row's routed down projection (slot s on ``act[s]``), the shared expert's down projection
     and the site's combine in ONE ring launch (``nvfp4_ring_moe_down_combine``): ``out`` as
     ``linear`` + ``combine`` compute it (the shared sums added in another order), ``routed`` as
-    ``nvfp4_moe_gemv`` writes it (remote slots must already be zero). ``glu_parts``: the shared expert's
-    down sums are already in ``partials``, in that many parts (``nvfp4_moe_glu`` with ``shared``), and
-    this launch only combines them. False, with nothing queued, where the ring does not take the shapes
-    (``RingConfig.down_combine_parts``). ``partials``: fp32 of at least parts x n; ``arrived``: uint32
-    of at least n / 16, zero between launches (each launch leaves it zero)."""
+    ``nvfp4_moe_gemv`` writes it (remote slots must already be zero). False, with nothing queued, where
+    the ring does not take the shapes (``RingConfig.down_combine_parts``). ``partials``: fp32 of at
+    least parts x n; ``arrived``: uint32 of at least n / 16, zero between launches (each launch leaves
+    it zero)."""
     proj, start, count = table.weights, table.start, table.count
     s, n, k = ids_S.size, proj.n, proj.k
     shared_k = shared_down_NI.shape[1]
-    parts = glu_parts or ring.down_combine_parts(n, k, shared_k)
+    parts = ring.down_combine_parts(n, k, shared_k)
     if not parts or not ring.takes(n, k, s, 1):
         return False
     check("act", act_SK, BF16), check("ids", ids_S, I32, 4), check("routed", routed_SN, BF16)
@@ -132,58 +131,34 @@ def nvfp4_moe_down_combine(act_SK: Any, table: ExpertTable[Nvfp4Pointers], ids_S
     if partials.size < parts * n or arrived.size < n // MMA_ROWS:
         raise ValueError(f"nvfp4_moe_down_combine: scratch of {partials.size} sums / {arrived.size} counts, the launch "
                          f"needs {parts * n} / {n // MMA_ROWS}")
-    item_parts = 0 if glu_parts else parts
-    blocks, smem, suffix = ring.geometry(n, s, 1, proj.form, extra_items=item_parts * (n // MMA_ROWS))
+    blocks, smem, suffix = ring.geometry(n, s, 1, proj.form, extra_items=parts * (n // MMA_ROWS))
     launch(_RING, f"nvfp4_ring_moe_down_combine_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
            (act_SK, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, i32(s), i32(start), i32(count),
             routed_SN, i32(n), i32(k), shared_down_NI, shared_act_1I, i32(shared_k), i32(parts), partials, arrived,
-            wts_1S, out_1N, i32(proj.xshift), i32(item_parts)), smem=smem, persistent=True)
+            wts_1S, out_1N, i32(proj.xshift)), smem=smem, persistent=True)
     return True
 
 
 def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, limit: float, gate_SN: Any,
-                  up_SN: Any, act_SN: Any, ring: RingConfig, shared: tuple[Any, Any, Any] | None = None) -> int:
-    """Decode gate, up and the clamped SwiGLU of every slot of one row in ONE launch. ``shared``:
-    (the shared expert's down weights [h, i], its activation [1, i], fp32 partials): its down projection's
-    sums ride the same launch where the ring allows it (``RingConfig.glu_shared_parts``), partials[p, n]
-    for K slice p, for ``nvfp4_moe_down_combine(glu_parts=...)`` to combine. Returns the parts written
-    (0: none, the shared expert left to the down launch)."""
+                  up_SN: Any, act_SN: Any, ring: RingConfig) -> None:
+    """Decode gate, up and the clamped SwiGLU of every slot of one row in ONE launch."""
     gate, up, start, count = experts.gate.weights, experts.up.weights, experts.start, experts.count
     s, n, k = ids_S.size, gate.n, gate.k
     check("x", x_1K, BF16), check("ids", ids_S, I32, 4)
     check_shape("x", x_1K, (1, k))
     for name, a in (("gate", gate_SN), ("up", up_SN), ("act", act_SN)):
         check(name, a, BF16, 2), check_shape(name, a, (s, n))
-    parts = 0
-    if shared is not None and ring.takes(n, k, s, 2):
-        sh_down, sh_act, partials = shared
-        sh_n, sh_k = sh_down.shape
-        parts = ring.glu_shared_parts(n, k, sh_k, gate.form) if sh_n % MMA_ROWS == 0 else 0
-    if parts:
-        check("shared_down", sh_down, BF16), check("shared_act", sh_act, BF16)
-        check_shape("shared_act", sh_act, (1, sh_k))
-        check("partials", partials, F32, 4)
-        if partials.size < parts * sh_n:
-            raise ValueError(f"nvfp4_moe_glu: {partials.size} partial sums, the shared items need {parts * sh_n}")
-        blocks, smem, suffix = ring.glu_shared_geometry(n, s, gate.form, parts * (sh_n // MMA_ROWS))
-        launch(_RING, f"nvfp4_ring_moe_glu_sh_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
-               (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
-                ids_S, i32(s), i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k),
-                np.float32(limit), sh_down, sh_act, i32(sh_n), i32(sh_k), i32(parts), partials),
-               smem=smem, persistent=True)
-        return parts
     if ring.takes(n, k, s, 2):
         blocks, smem, suffix = ring.geometry(n, s, 2, gate.form, k=k)
         launch(_RING, f"nvfp4_ring_moe_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
                 ids_S, i32(s), i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k),
                 np.float32(limit)), smem=smem, persistent=True)
-        return 0
+        return
     head = (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
             ids_S, i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k))
     grid_x, ks = _mma_geometry(n, k, 2 * s)
     launch(_NVFP4, "nvfp4_mma_moe_glu", (grid_x, s, 1), _NVFP4_BLOCK, head + (i32(ks), np.float32(limit)))
-    return 0
 
 
 def _union_dims(u_eid_U: Any, u_slot_UR: Any, out_RKN: Any, what: str) -> tuple[int, int]:

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm_ep.backend.cuda.loader import (BF16, MMA_ROWS, RING_GLU_SH_KERNELS, RING_KERNELS, RING_WARPS,
-                                        UNION_RING_KERNELS, UNION_RING_ROWS, cdiv, ring_stage_bytes, sm_count,
-                                        smem_per_sm)
+from glm_ep.backend.cuda.loader import (BF16, MMA_ROWS, RING_KERNELS, RING_WARPS, UNION_RING_KERNELS, UNION_RING_ROWS,
+                                        cdiv, ring_stage_bytes, sm_count, smem_per_sm)
 from glm_ep.errors import ConfigError
 from glm_ep.topology import PathLevers
 
@@ -80,8 +79,7 @@ class RingConfig:
     unscaled form decoded by bit placement (the ``placed`` form, where the limit bounds the
     activation); ``placed_hidden``: gate and up too; ``down_combine``: at
     one row, the shared expert's down projection and the site's combine run inside the routed down
-    launch; ``shared_glu``: the shared expert's down items run in the gate + up launch instead (on the warps
-    its routed items leave free) and the down launch only combines their sums."""
+    launch."""
 
     enabled: bool = True
     slab: tuple[int, int] = (4, 4)
@@ -94,7 +92,6 @@ class RingConfig:
     placed: bool = True  # the down projection in the placed form, where the limit bounds it (NOTES.md)
     placed_hidden: bool = False  # gate and up too: no faster on H200 (NOTES.md)
     down_combine: bool = True  # one-row sites: the shared expert's down projection and the combine in the down ring
-    shared_glu: bool = False  # ... its down items in the gate + up ring instead, on the warps its items leave free
     union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (bf16 form)
     union_slab: tuple[int, int] = (2, 2)
     union_depth: tuple[int, int] = (3, 3)
@@ -112,7 +109,7 @@ class RingConfig:
     def from_levers(cls, lv: PathLevers) -> "RingConfig":
         return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
                    lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_placed, lv.ring_placed_hidden,
-                   lv.ring_down_combine, lv.ring_shared_glu, lv.ring_union_max_rows,
+                   lv.ring_down_combine, lv.ring_union_max_rows,
                    tuple(lv.ring_union_slab), tuple(lv.ring_union_depth))
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
@@ -155,31 +152,6 @@ class RingConfig:
             return 0
         span = 32 * t * (k // (RING_STEP_K * t))
         return shared_k // span if shared_k % span == 0 else 0
-
-    def glu_shared_parts(self, m: int, h: int, shared_k: int, form: str) -> int:
-        """K slices of the shared expert's down projection when its items ride the one-row gate + up ring
-        (gate/up [m, h]; ``nvfp4_ring_moe_glu_sh``), 0 where they cannot: the lever off (or ``down_combine``
-        off), a (slab, depth, form) without that entry, or a shared width that is not a multiple of a gate
-        + up item's span (32 T k per slab, as many slabs as a gate + up item)."""
-        t, depth = self.slab[1], self.depth[1]
-        if (not (self.shared_glu and self.down_combine) or (t, depth, form) not in RING_GLU_SH_KERNELS
-                or h % (RING_STEP_K * t) or shared_k <= 0):
-            return 0
-        span = 32 * t * (h // (RING_STEP_K * t))
-        return shared_k // span if shared_k % span == 0 else 0
-
-    def glu_shared_geometry(self, m: int, slots: int, form: str, shared_items: int) -> tuple[int, int, str]:
-        """(blocks, dynamic smem bytes, entry suffix) of the gate + up launch with ``shared_items`` shared
-        down items: its routed items one a warp where the grid holds them, the shared ones on the warps left
-        (``WarpItems::main_then_extra``), so up to every warp the rings' shared memory allows."""
-        t, depth = self.slab[1], self.depth[1]
-        smem = RING_WARPS * depth * ring_stage_bytes(2, t)
-        sm_smem, reserved = smem_per_sm()
-        cap = sm_count() * min(self.warps_per_sm, sm_smem // (smem + reserved) * RING_WARPS)
-        if self.max_warps:
-            cap = min(cap, self.max_warps)
-        warps = max(1, min(cap, slots * (m // MMA_ROWS) + shared_items))
-        return cdiv(warps, RING_WARPS), smem, f"{FORM_PREFIX[form]}t{t}_d{depth}"
 
     def union_takes(self, n: int, k: int, rows: int, p: int) -> bool:
         """Whether the union ring serves ``rows`` rows of ``p`` [n, k] matrices."""
