@@ -7,11 +7,11 @@ distinct layers, medians):
 - the site's shape: 8 slots of [2048, 4096] gate and up, 1024 items of 16 rows (one per warp);
 - the same weights split along K: 16 slots of [2048, 2048], 2048 items of half the slabs, what a
   glu ring whose items are K halves would sweep (without the halves' combine).
-Each under every slab T with a depth-2 gate + up entry (``loader.RING_KERNELS``; T = 4: 20 KB a warp,
-10 warps an SM; a half-size T = 2 entry held to 128 registers gives 16), in the unscaled bf16 and the
-placed forms. Then (--sweep) the
-site's glu at 2..32 slots of [2048, 4096] (T = 4, bf16u): time against bytes, whose intercept is what a
-launch costs besides its bytes.
+Each under every (slab T, depth D) of ``loader.RING_KERNELS`` with T x D <= 12 (T = 4, D = 2: 20 KB a warp,
+10 warps an SM; half-size T = 2 entries, added for a run and held to 128 registers, gave 16), in the
+unscaled bf16 and the placed forms. ``--sweep``: the site's glu at 2..32 slots of [2048, 4096] (T = 4,
+bf16u), time against bytes, whose intercept is what a launch costs besides its bytes. ``--eager N``: N
+eager launches of the site's glu, for a profiler.
 """
 
 from __future__ import annotations
