@@ -30,7 +30,7 @@ def main() -> int:
 
     from glm_ep.backend.cuda import CudaBackend, RingConfig
     from glm_ep.backend.cuda.loader import RING_KERNELS
-    from glm_ep.nvfp4 import Nvfp4Weight
+    from glm_ep.bench.common import gpu_nvfp4, graph_median_us
     from glm_ep.weights import ExpertWeights, MoeWeights
 
     ap = argparse.ArgumentParser()
@@ -42,14 +42,10 @@ def main() -> int:
     base = CudaBackend(0)
     s = base.stream
 
-    def fp4(n, k):
-        packed = cp.random.randint(0, 256, (n, k // 2), dtype=cp.int32).astype(cp.uint8)
-        scale = cp.random.randint(0x30, 0x3C, (n, k // 16), dtype=cp.int32).astype(cp.uint8)
-        return Nvfp4Weight(packed, scale, 1.0 / 384)
-
     def layers(h):
         return [MoeWeights(cp.zeros((E_LOCAL, h), BF16), cp.zeros(E_LOCAL, cp.float32), 0,
-                           tuple(ExpertWeights(fp4(M, h), fp4(M, h), fp4(h, M)) for _ in range(E_LOCAL)), None)
+                           tuple(ExpertWeights(gpu_nvfp4(cp, M, h), gpu_nvfp4(cp, M, h), gpu_nvfp4(cp, h, M))
+                                 for _ in range(E_LOCAL)), None)
                 for _ in range(args.layers)]
 
     with s:
@@ -65,19 +61,7 @@ def main() -> int:
     nbytes = glu_bytes(8)
 
     def timed(fn, label, nbytes=nbytes):
-        fn()
-        graph = base.capture(fn)
-        graph()
-        s.synchronize()
-        times = []
-        for _ in range(args.iters):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            graph()
-            b.record(s)
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / args.layers)
-        us = float(np.median(times))
+        us = graph_median_us(cp, s, base.capture, fn, args.iters, args.layers)
         print(f"{label:<58s} {us:7.1f} us  {nbytes / us / 1e3:6.0f} GB/s", flush=True)
         return us
 

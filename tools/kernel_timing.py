@@ -27,7 +27,7 @@ def main() -> int:
     import cupy as cp
 
     from glm_ep.backend.cuda import CudaBackend, RingConfig
-    from glm_ep.nvfp4 import Nvfp4Weight
+    from glm_ep.bench.common import gpu_nvfp4, graph_median_us
     from glm_ep.routing import RouteParams
     from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
@@ -43,28 +43,11 @@ def main() -> int:
     def bf16(shape, std):
         return (cp.random.standard_normal(shape, dtype=cp.float32) * std).astype(BF16)
 
-    def fp4(n, k):
-        packed = cp.random.randint(0, 256, (n, k // 2), dtype=cp.int32).astype(cp.uint8)
-        scale = cp.random.randint(0x30, 0x3C, (n, k // 16), dtype=cp.int32).astype(cp.uint8)
-        return Nvfp4Weight(packed, scale, 1.0 / 384)
-
     def dense(width):
         return DenseWeights(bf16((width, H), H ** -0.5), bf16((width, H), H ** -0.5), bf16((H, width), width ** -0.5))
 
     def timed(fn, nbytes, label, per=1):
-        fn()
-        graph = be.capture(fn)
-        graph()
-        s.synchronize()
-        times = []
-        for _ in range(args.iters):
-            a, b = cp.cuda.Event(), cp.cuda.Event()
-            a.record(s)
-            graph()
-            b.record(s)
-            b.synchronize()
-            times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / per)
-        us = float(np.median(times))
+        us = graph_median_us(cp, s, be.capture, fn, args.iters, per)
         print(f"{label:<44s} {us:9.1f} us  {nbytes / 1e6:8.1f} MB  {nbytes / us / 1e3:7.0f} GB/s  "
               f"{100 * nbytes / us / 1e3 / copy_gbs:5.1f}% of copy", flush=True)
         return us
@@ -88,7 +71,8 @@ def main() -> int:
     with s:
         weights = [MoeWeights(bf16((E_ROUTER, H), H ** -0.5),
                               (7 + 0.02 * cp.random.standard_normal(E_ROUTER, dtype=cp.float32)),
-                              0, tuple(ExpertWeights(fp4(M, H), fp4(M, H), fp4(H, M)) for _ in range(E_LOCAL)),
+                              0, tuple(ExpertWeights(gpu_nvfp4(cp, M, H), gpu_nvfp4(cp, M, H), gpu_nvfp4(cp, H, M))
+                                       for _ in range(E_LOCAL)),
                               dense(M))
                    for _ in range(L)]
         moes = [be.upload_moe(w, LIMIT) for w in weights]

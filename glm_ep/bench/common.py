@@ -43,6 +43,26 @@ def time_median(cp: Any, stream: Any, fn: Callable[[], None], iters: int, warmup
     return statistics.median(per_call)
 
 
+def graph_median_us(cp: Any, stream: Any, capture: Callable[[Callable[[], None]], Callable[[], None]],
+                    fn: Callable[[], None], iters: int, per: int = 1) -> float:
+    """``fn`` captured as one CUDA graph (``capture``: a backend's) and replayed ``iters`` times after a
+    warm-up call and a warm-up replay: the median replay time divided by ``per`` (e.g. the layers it
+    sweeps), in microseconds."""
+    fn()
+    graph = capture(fn)
+    graph()
+    stream.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        graph()
+        end.record(stream)
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / per)
+    return statistics.median(times)
+
+
 def torch_time_us(fn: Callable[[], Any], iters: int, warmup: int = 3, repeats: int = 7) -> float:
     """``time_median`` for the PyTorch peers: the median over ``repeats`` of the mean of ``iters``
     calls, with torch's CUDA events on its current stream, under ``no_grad``; microseconds."""
@@ -137,7 +157,7 @@ def gpu_bf16(cp: Any, shape: tuple[int, ...], std: float) -> Any:
     return _ready(cp, (cp.random.standard_normal(shape, dtype=cp.float32) * std).astype(BF16))
 
 
-def _nvfp4(cp: Any, n: int, k: int) -> Nvfp4Weight:
+def gpu_nvfp4(cp: Any, n: int, k: int) -> Nvfp4Weight:
     packed = cp.random.randint(0, 256, size=(n, k // 2), dtype=cp.int32).astype(cp.uint8)
     # E4M3 bytes 0x30..0x3b: block scales in [0.5, 1.375], never NaN
     scale = cp.random.randint(0x30, 0x3C, size=(n, k // 16), dtype=cp.int32).astype(cp.uint8)
@@ -151,6 +171,6 @@ def gpu_dense(cp: Any, width: int, h: int) -> DenseWeights:
 
 def gpu_moe(cp: Any, model: ModelConfig) -> MoeWeights:
     h, m, e = model.hidden_size, model.moe_intermediate_size, model.n_routed_experts
-    experts = tuple(ExpertWeights(_nvfp4(cp, m, h), _nvfp4(cp, m, h), _nvfp4(cp, h, m)) for _ in range(e))
+    experts = tuple(ExpertWeights(gpu_nvfp4(cp, m, h), gpu_nvfp4(cp, m, h), gpu_nvfp4(cp, h, m)) for _ in range(e))
     bias = _ready(cp, (7.0 + 0.02 * cp.random.standard_normal(e, dtype=cp.float32)).astype(cp.float32))
     return MoeWeights(gpu_bf16(cp, (e, h), h ** -0.5), bias, 0, experts, gpu_dense(cp, model.shared_intermediate, h))
