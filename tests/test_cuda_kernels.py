@@ -140,63 +140,6 @@ def test_gate_up_act(rng, t):
         assert_close(got, r, f"gate_up_act {name} t={t}")
 
 
-def _stream_scratch():
-    """The streaming GEMM's split-K scratch: poisoned partial sums, zeroed counters."""
-    import cupy
-    from glm_ep.backend.cuda import dense
-
-    n_partials, n_arrived = dense.stream_scratch_sizes()
-    return poisoned((n_partials,), np.float32), backend().zero(cupy.empty(n_arrived, dtype=np.uint32))
-
-
-# K slices: the launch's own choice, one, two, and more slices than a short K has stages (empty slices);
-# K = 1056 ends in a stage of one step, N = 600 / 200 in a part row block
-@pytest.mark.parametrize("t", [1, 8, 9, 16, 33, 64])
-@pytest.mark.parametrize("k,ksplit", [(4096, None), (4096, 1), (1056, 2), (1056, 8)])
-def test_stream_gemm(rng, t, k, ksplit):
-    """The streaming GEMM (dense-FFN-sized weights) against NumPy, every output written, the split-K
-    counters back at zero after the launch, and a K split as close to the unsplit sum as fp32 sums in
-    another order are (a slice lost or counted twice is off by its share)."""
-    from glm_ep.backend.cuda import dense
-
-    n = 600
-    x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
-    ref = np.empty((t, n), BF16)
-    NP.linear(x, w, ref)
-    partials, arrived = _stream_scratch()
-    d_x, d_w, out, whole = dev(x), dev(w), poisoned((t, n), BF16), poisoned((t, n), BF16)
-    with backend().stream:
-        dense.stream_gemm_bf16(d_x, d_w, out, partials, arrived, ksplit)
-        dense.stream_gemm_bf16(d_x, d_w, whole, partials, arrived, 1)
-    got = host(out)
-    assert_written(got, "stream_gemm")
-    assert_close(got, ref, f"stream_gemm t={t} k={k} ksplit={ksplit}")
-    assert_close(got, host(whole), "K slices against one slice", tol=1e-3)  # fp32 sums in another order
-    assert not host(arrived).any(), "split-K counters left nonzero"
-
-
-@pytest.mark.parametrize("t", [5, 9, 64])
-@pytest.mark.parametrize("k,ksplit", [(4096, None), (1056, 4)])
-def test_stream_glu(rng, t, k, ksplit):
-    from glm_ep.backend.cuda import dense
-
-    i = 200
-    x = rand_bf16(rng, (t, k))
-    w = DenseWeights(rand_bf16(rng, (i, k), 2 * k ** -0.5), rand_bf16(rng, (i, k), 2 * k ** -0.5),
-                     rand_bf16(rng, (k, i), i ** -0.5))
-    refs = [np.empty((t, i), BF16) for _ in range(3)]
-    NP.gate_up_act(x, w, 1.5, *refs)
-    partials, arrived = _stream_scratch()
-    outs = [poisoned((t, i), BF16) for _ in range(3)]
-    with backend().stream:
-        dense.stream_glu_bf16(dev(x), dev(w.gate), dev(w.up), 1.5, *outs, partials, arrived, ksplit)
-    for name, o, r in zip(("gate", "up", "act"), outs, refs):
-        got = host(o)
-        assert_written(got, name)
-        assert_close(got, r, f"stream_glu {name} t={t} k={k} ksplit={ksplit}")
-    assert not host(arrived).any(), "split-K counters left nonzero"
-
-
 # ---- routed experts ------------------------------------------------------------------------------
 @pytest.mark.parametrize("proj,per_slot", [("gate", False), ("down", True)])
 def test_moe_gemv_decode(rng, proj, per_slot):

@@ -13,9 +13,7 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.cuda.loader import (BF16, F32, GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, MMA_GEMM_TIERS,
-                                        MMA_GEMM_WARPS, STREAM_MAX_SLOTS, STREAM_TIERS, STREAM_VARIANTS, U32,
-                                        cdiv, check, check_shape, current_device, device_attr, i32, i64, launch,
-                                        sm_count, split_k)
+                                        MMA_GEMM_WARPS, cdiv, check, check_shape, i32, i64, launch, sm_count, split_k)
 
 GEMV_CHUNK = 8  # k per 16-byte bf16 chunk: K must be a multiple
 MMA_GEMM_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM
@@ -132,101 +130,6 @@ def mma_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, 
     launch(_MMA, f"bf16_mma_glu_t{tier}", (grid_x, 1, 1), (MMA_GEMM_WARPS * 32, 1, 1),
            (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(r), i32(n), i32(k), i32(ks),
             np.float32(limit)), smem=smem)
-
-
-# ---- streaming tensor-core GEMM, weights of a dense FFN's size (mma_bf16.cu, bf16_stream_*) ----------
-STREAM_MAX_ROWS = STREAM_TIERS[-1]
-STREAM_MIN_STAGES = 4  # stages of STREAM_STAGE_K k a K slice keeps at least
-
-
-def _stream_tier(r: int, what: str) -> int:
-    if not 1 <= r <= STREAM_MAX_ROWS:
-        raise ValueError(f"{what}: {r} rows; the streaming tiers cover 1..{STREAM_MAX_ROWS}")
-    return next(t for t in STREAM_TIERS if r <= t)
-
-
-def stream_geometry(n: int, k: int, glu: bool, ksplit: int | None = None,
-                    variant: tuple[int, int] = STREAM_VARIANTS[0]) -> tuple[int, int]:
-    """(grid.x, K slices S) of a streaming launch: row blocks of 32 W weight rows (glu: 16 W gate + 16 W up),
-    each split into S K slices while the launch still holds at most one block per SM (every block resident
-    at once, all with the same bytes to stream) and a slice keeps STREAM_MIN_STAGES stages; ``ksplit``
-    fixes S (the sweep in tools/dense_tiers.py)."""
-    warps, ks_k = variant
-    blocks = cdiv(n, warps * (16 if glu else 32))
-    if ksplit is None:
-        sms, stages = sm_count(), cdiv(k, ks_k)
-        ksplit = 1
-        while blocks * ksplit * 2 <= sms and stages >= 2 * ksplit * STREAM_MIN_STAGES:
-            ksplit *= 2
-    return blocks * ksplit, ksplit
-
-
-def stream_scratch_sizes() -> tuple[int, int]:
-    """(fp32 partial sums, arrival counters) that serve any streaming launch that splits K: such a launch
-    has at most one block per SM, each with 2 x 8 x 4 partial sums per thread at the widest tier."""
-    sms = sm_count()
-    return sms * 2 * (STREAM_MAX_ROWS // 8) * 4 * max(w for w, _ in STREAM_VARIANTS) * 32, sms
-
-
-def _stream_plan(x_RK: Any, n: int, glu: bool, partials: Any, arrived: Any, ksplit: int | None,
-                 variant: tuple[int, int] | None, what: str, slots: int | None = None) -> tuple[str, int, int, int, int, int, int, int, Any, Any]:
-    """A streaming launch's checked shape: (entry suffix, threads, rows, in width, grid.x, K slices, dynamic
-    smem, ring stages, and the scratch arguments)."""
-    r, k = x_RK.shape
-    tier = _stream_tier(r, what)
-    warps, ks_k = variant = variant or STREAM_VARIANTS[0]
-    if k % MMA_GEMM_K_STEP:
-        raise ValueError(f"{what}: in width {k} is not a multiple of {MMA_GEMM_K_STEP} (one tensor-core step)")
-    check("x", x_RK, BF16)
-    grid_x, ks = stream_geometry(n, k, glu, ksplit, variant)
-    if ks > 1:
-        check("partials", partials, F32, 4), check("arrived", arrived, U32, 4)
-        need = grid_x * 2 * (tier // 8) * 4 * warps * 32
-        if partials.size < need or arrived.size < grid_x // ks:
-            raise ValueError(f"{what}: scratch of {partials.size} partial sums and {arrived.size} counters, "
-                             f"expected at least {need} and {grid_x // ks}")
-    else:  # not read: a null pointer stands in for scratch the caller need not have
-        partials = arrived = np.uint64(0)
-    stage = (warps * 32 + tier) * ks_k * 2  # a line of each weight row and x row
-    slots = slots or min(STREAM_MAX_SLOTS,
-                         (device_attr(current_device(), "MaxSharedMemoryPerBlockOptin") - 1024) // stage)
-    if slots < 2:
-        raise ValueError(f"{what}: a ring stage of {stage} bytes does not fit twice in this device's shared memory")
-    return f"t{tier}_w{warps}k{ks_k}", 32 * warps, r, k, grid_x, ks, slots * stage, slots, partials, arrived
-
-
-def stream_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any, partials: Any, arrived: Any, ksplit: int | None = None,
-                     variant: tuple[int, int] | None = None, slots: int | None = None) -> None:
-    """``out = x @ w^T`` for R <= 64 rows, every weight read once, streamed at the byte rate; ``out`` bf16
-    or fp32. ``partials`` / ``arrived``: the split-K scratch (``stream_scratch_sizes``; counters zero
-    between launches, as every launch leaves them)."""
-    n = w_NK.shape[0]
-    sfx, threads, r, k, grid_x, ks, smem, slots, partials, arrived = _stream_plan(
-        x_RK, n, False, partials, arrived, ksplit, variant, "stream_gemm_bf16", slots)
-    check("w", w_NK, BF16), check_shape("w", w_NK, (n, k))
-    if out_RN.dtype not in (BF16, F32):
-        raise TypeError(f"out: dtype {out_RN.dtype}, expected bfloat16 or float32")
-    check("out", out_RN, out_RN.dtype, 2), check_shape("out", out_RN, (r, n))
-    entry = f"bf16_stream_gemm_{'f32_' if out_RN.dtype == F32 else ''}{sfx}"
-    launch(_MMA, entry, (grid_x, 1, 1), (threads, 1, 1),
-           (x_RK, i64(k), w_NK, out_RN, i64(n), i32(r), i32(n), i32(k), i32(ks), i32(slots), partials, arrived),
-           smem=smem)
-
-
-def stream_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any,
-                    partials: Any, arrived: Any, ksplit: int | None = None,
-                    variant: tuple[int, int] | None = None, slots: int | None = None) -> None:
-    """gate, up and the clamped SwiGLU of a bf16 MLP for R <= 64 rows in ONE streaming launch."""
-    n = wg_NK.shape[0]
-    sfx, threads, r, k, grid_x, ks, smem, slots, partials, arrived = _stream_plan(
-        x_RK, n, True, partials, arrived, ksplit, variant, "stream_glu_bf16", slots)
-    for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
-        check(name, w, BF16), check_shape(name, w, (n, k))
-    for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
-        check(name, a, BF16, 2), check_shape(name, a, (r, n))
-    launch(_MMA, f"bf16_stream_glu_{sfx}", (grid_x, 1, 1), (threads, 1, 1),
-           (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(r), i32(n), i32(k), i32(ks),
-            i32(slots), np.float32(limit), partials, arrived), smem=smem)
 
 
 # ---- bf16 GEMV (1..8 rows) -----------------------------------------------------------------------

@@ -44,11 +44,6 @@ GEMV_MAX_ROWS = 8  # widest batch-M tier (bf16_gemv_r1 .. r8)
 MMA_ROWS = 16  # weight rows per warp group of the NVFP4 kernels: the m16n8k16 mma's A operand
 MMA_GEMM_WARPS = 8  # warps per block of the 9..64-row tensor-core GEMM (mma_bf16.cu)
 MMA_GEMM_TIERS = (16, 32, 64)  # rows one launch covers (bf16_mma_*_t{T}); past the last: cuBLAS
-#: the streaming tensor-core GEMM's (warps a block, k a stage) variants (mma_bf16.cu, bf16_stream_*_w{W}k{KS}): the
-#: first serves, the rest are measured against it (tools/dense_tiers.py)
-STREAM_VARIANTS = ((8, 64), (4, 128), (8, 128), (4, 64), (2, 256), (4, 256), (1, 256), (1, 128))
-STREAM_MAX_SLOTS = 6  # stages of its ring at most (cp.async.wait_group's count, 0..6, is an immediate)
-STREAM_TIERS = (8, 16, 32, 64)  # rows one streaming launch covers (bf16_stream_*_t{T})
 ELEM_THREADS = 256
 COMBINE_THREADS = 128
 COMBINE_VEC = 8  # hidden elements per combine thread: one 16-byte vector of bf16
