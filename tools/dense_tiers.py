@@ -1,5 +1,9 @@
-"""Measurement: the 9..64-row bf16 tensor-core GEMM (mma_bf16.cu) against cuBLAS, per shape, graph-free
-but kernel-bound (the same launch back to back): which rows and widths each should serve."""
+"""Measurement: the bf16 projections of 1..64 rows on each engine, per shape, graph-free but kernel-bound (the same
+launch back to back): the batch-M GEMV (<= 8 rows), the tensor-core GEMM (mma_bf16.cu, 9..64 rows) and cuBLAS
+(gate, up, then the SwiGLU pass for the gate + up shapes); medians in us, and the weight bytes over the time in
+TB/s: which rows and widths each should serve."""
+import argparse
+
 import cupy as cp
 import ml_dtypes
 import numpy as np
@@ -9,6 +13,10 @@ from glm_ep.backend.cuda.elementwise import swiglu
 from glm_ep.bench.common import time_median
 
 BF16 = ml_dtypes.bfloat16
+ap = argparse.ArgumentParser(description=__doc__)
+ap.add_argument("--rows", type=int, nargs="+", default=[9, 16, 24, 32, 40, 48, 56, 64])
+ap.add_argument("--shapes", nargs="+", default=["dense_glu", "dense_down", "shared_glu", "shared_down"])
+args = ap.parse_args()
 s = cp.cuda.Stream(non_blocking=True)
 s.use()
 
@@ -18,18 +26,34 @@ def rnd(shape):
 
 
 H = 4096
-print("shape rows mma_us cublas_us")
-for name, n, k, glu in (("dense_glu", 12288, H, True), ("dense_down", H, 12288, False),
-                        ("shared_glu", 2048, H, True), ("shared_down", H, 2048, False)):
+SHAPES = {"dense_glu": (12288, H, True), "dense_down": (H, 12288, False), "shared_glu": (2048, H, True),
+          "shared_down": (H, 2048, False)}
+print("shape rows engine us TB/s", flush=True)
+for name in args.shapes:
+    n, k, glu = SHAPES[name]
     wg, wu = rnd((n, k)), rnd((n, k))
-    for rows in (9, 16, 24, 32, 40, 48, 56, 64):
+    nbytes = (2 if glu else 1) * n * k * 2
+    for rows in args.rows:
         x = rnd((rows, k))
         g, u, a = (cp.empty((rows, n), dtype=BF16) for _ in range(3))
+        runs = {}
         if glu:
-            mma = lambda: K.mma_glu_bf16(x, wg, wu, 7.0, g, u, a)
+            if rows <= K.GEMV_MAX_ROWS:
+                runs["gemv"] = lambda: K.glu_bf16(x, wg, wu, 7.0, g, u, a)
+            else:
+                runs["mma"] = lambda: K.mma_glu_bf16(x, wg, wu, 7.0, g, u, a)
+
             def cub():
-                K.gemm_bf16(x, wg, g); K.gemm_bf16(x, wu, u); swiglu(g, u, 7.0, a)
+                K.gemm_bf16(x, wg, g)
+                K.gemm_bf16(x, wu, u)
+                swiglu(g, u, 7.0, a)
+            runs["cublas"] = cub
         else:
-            mma = lambda: K.mma_gemm_bf16(x, wg, g)
-            cub = lambda: K.gemm_bf16(x, wg, g)
-        print(name, rows, round(time_median(cp, s, mma, 20), 1), round(time_median(cp, s, cub, 20), 1), flush=True)
+            if rows <= K.GEMV_MAX_ROWS:
+                runs["gemv"] = lambda: K.gemv_bf16(x, wg, g)
+            else:
+                runs["mma"] = lambda: K.mma_gemm_bf16(x, wg, g)
+            runs["cublas"] = lambda: K.gemm_bf16(x, wg, g)
+        for engine, fn in runs.items():
+            us = time_median(cp, s, fn, 20)
+            print(name, rows, engine, round(us, 1), round(nbytes / us / 1e6, 2), flush=True)

@@ -5,6 +5,8 @@ block a band of `band` consecutive rows, `line` bytes of every row of its band a
   ldg     ld.global.nc.L1::no_allocate 16 bytes a thread, two stages of loads in flight in registers
   cpasync cp.async.cg 16 bytes a thread into a shared-memory ring of `depth` stages (the decode ring's and the
           streaming GEMM's mechanism)
+  warpring cp.async as above, but every warp streams its own band through its own ring (no block barrier);
+          `band` is then a warp's rows, `threads` / 32 warps a block
   bulk    cp.async.bulk (the copy engine, sm_90): one bulk copy of a row's line per row, an mbarrier per slot
 Printed: TB/s for each (mechanism, band, line, ring depth, threads a block, blocks)."""
 import argparse
@@ -82,6 +84,43 @@ extern "C" __global__ void cpasync(const uint4* __restrict__ m, int row_bytes, i
     if (acc == 0x12345678u) out[0] = 1.0f;
 }
 
+extern "C" __global__ void warpring(const uint4* __restrict__ m, int row_bytes, int band, int line, int stages,
+                                    int depth, float* out) {
+    // every WARP its own band of `band` rows (the block's warps own consecutive bands) and its own ring of
+    // `depth` stages: cp.async by its lanes, waits on its own groups, no block-wide barrier
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const int cpl = line / 16, per_stage = band * cpl, stage_bytes = band * line;
+    unsigned char* ring = smem + (size_t)warp * depth * stage_bytes;
+    const char* base = (const char*)m + ((size_t)blockIdx.x * nwarps + warp) * band * row_bytes;
+    auto load = [&](int s) {
+        if (s < stages) {
+            for (int i = lane; i < per_stage; i += 32) {
+                const char* a = base + (size_t)(i / cpl) * row_bytes + (size_t)s * line + (i % cpl) * 16;
+                const unsigned dst = su32(ring + (s % depth) * stage_bytes + i * 16);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(a) : "memory");
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    for (int s = 0; s < depth - 1; ++s) load(s);
+    unsigned acc = 0;
+    for (int s = 0; s < stages; ++s) {
+        switch (depth) {
+            case 2: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+            case 3: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+            default: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+        }
+        __syncwarp();
+        load(s + depth - 1);
+        for (int i = lane; i < per_stage; i += 32) {
+            const uint4 v = *(const uint4*)(ring + (s % depth) * stage_bytes + i * 16);
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+        __syncwarp();
+    }
+    if (acc == 0x12345678u) out[0] = 1.0f;
+}
+
 extern "C" __global__ void bulk(const uint4* __restrict__ m, int row_bytes, int band, int line, int stages,
                                 int depth, float* out) {
     // slot d: band * line bytes at smem + d * stage_bytes; its mbarrier at the end of the ring
@@ -144,12 +183,16 @@ CONFIGS = (  # (mechanism, band, line, depth, threads)
     ("cpasync", 32, 512, 4, 128), ("cpasync", 32, 512, 2, 128), ("cpasync", 16, 512, 4, 128),
     ("cpasync", 16, 512, 2, 128), ("cpasync", 16, 512, 6, 128), ("cpasync", 8, 1024, 4, 128),
     ("bulk", 256, 128, 5, 256), ("bulk", 64, 512, 5, 256), ("bulk", 32, 512, 4, 128), ("bulk", 16, 512, 4, 128),
-    ("bulk", 16, 1024, 4, 128), ("bulk", 8, 2048, 4, 64), ("bulk", 32, 2048, 3, 128))
+    ("bulk", 16, 1024, 4, 128), ("bulk", 8, 2048, 4, 64), ("bulk", 32, 2048, 3, 128),
+    ("warpring", 16, 512, 2, 256), ("warpring", 16, 512, 3, 256), ("warpring", 32, 512, 2, 128),
+    ("warpring", 8, 1024, 2, 256), ("warpring", 16, 512, 2, 128), ("warpring", 32, 256, 2, 256),
+    ("warpring", 32, 128, 4, 256))
 for rep in range(2):  # twice: the spread between the two is the noise
     for mech, band, line, depth, threads in CONFIGS:
         fn = mod.get_function(mech)
-        blocks, stages = rows // band, row_bytes // line
-        smem = depth * band * line + (64 if mech == "bulk" else 0)
+        bands = threads // 32 if mech == "warpring" else 1  # bands a block
+        blocks, stages = rows // (band * bands), row_bytes // line
+        smem = bands * depth * band * line + (64 if mech == "bulk" else 0)
         if mech == "ldg":
             call = lambda: fn((blocks,), (threads,), (m, row_bytes, band, line, stages, out))
         else:
