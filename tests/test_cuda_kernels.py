@@ -124,6 +124,108 @@ def test_linear_large_weight_on_stream(rng, t):
     assert_close(got, ref, f"linear (cuBLAS) t={t}")
 
 
+def _wstream_scratch():
+    """The warp-streaming GEMM's split-K scratch: poisoned partial sums, zeroed counters."""
+    import cupy
+    from glm_ep.backend.cuda import dense
+
+    n_partials, n_arrived = dense.wstream_scratch_sizes()
+    return poisoned((n_partials,), np.float32), backend().zero(cupy.empty(n_arrived, dtype=np.uint32))
+
+
+# K = 4096 splits 4 ways over N = 600's ten row blocks, 2080 (65 steps) 2 ways with a one-step last stage,
+# 1056 not at all; N = 600 and 200 end in part row blocks
+@pytest.mark.parametrize("t", [1, 5, 8, 9, 16])
+@pytest.mark.parametrize("k", [4096, 2080, 1056])
+def test_wstream_gemm(rng, t, k):
+    """The warp-streaming GEMM against NumPy, every output written, the split-K counters back at zero."""
+    from glm_ep.backend.cuda import dense
+
+    n = 600
+    x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
+    ref = np.empty((t, n), BF16)
+    NP.linear(x, w, ref)
+    partials, arrived = _wstream_scratch()
+    out = poisoned((t, n), BF16)
+    with backend().stream:
+        dense.wstream_gemm_bf16(dev(x), dev(w), out, partials, arrived)
+    got = host(out)
+    assert_written(got, "wstream_gemm")
+    assert_close(got, ref, f"wstream_gemm t={t} k={k} (K slices {dense.wstream_geometry(n, k, False)[1]})")
+    assert not host(arrived).any(), "split-K counters left nonzero"
+
+
+@pytest.mark.parametrize("t", [5, 9, 16])
+@pytest.mark.parametrize("k", [4096, 2080])
+def test_wstream_glu(rng, t, k):
+    from glm_ep.backend.cuda import dense
+
+    i = 200
+    x = rand_bf16(rng, (t, k))
+    w = DenseWeights(rand_bf16(rng, (i, k), 2 * k ** -0.5), rand_bf16(rng, (i, k), 2 * k ** -0.5),
+                     rand_bf16(rng, (k, i), i ** -0.5))
+    refs = [np.empty((t, i), BF16) for _ in range(3)]
+    NP.gate_up_act(x, w, 1.5, *refs)
+    partials, arrived = _wstream_scratch()
+    outs = [poisoned((t, i), BF16) for _ in range(3)]
+    with backend().stream:
+        dense.wstream_glu_bf16(dev(x), dev(w.gate), dev(w.up), 1.5, *outs, partials, arrived)
+    for name, o, r in zip(("gate", "up", "act"), outs, refs):
+        got = host(o)
+        assert_written(got, name)
+        assert_close(got, r, f"wstream_glu {name} t={t} k={k} (K slices {dense.wstream_geometry(i, k, True)[1]})")
+    assert not host(arrived).any(), "split-K counters left nonzero"
+
+
+def test_dense_ffn_engine_by_rows():
+    """The measured split: the warp-streaming GEMM serves a dense-FFN-sized gate + up at 5..16 rows and a plain
+    projection of that size at 5..8, never a smaller weight (shared expert, router: the GEMV and the GEMM above
+    stay ahead there)."""
+    from glm_ep.backend.cuda import dense
+
+    large = np.empty((2 * dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), BF16)
+    small = np.empty((dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), BF16)
+    for t in range(1, 20):
+        x = np.empty((t, 4096), BF16)
+        assert dense.wstream_takes(x, large, glu=True) == (5 <= t <= 16), f"{t} rows, dense-FFN gate + up"
+        assert dense.wstream_takes(x, large, glu=False) == (5 <= t <= 8), f"{t} rows, dense-FFN down"
+        for glu in (True, False):
+            assert not dense.wstream_takes(x, small, glu), f"{t} rows, shared-expert weight"
+
+
+def test_dense_ffn_rows_in_graph(rng):
+    """A dense FFN of GLM's width at 6 rows (the warp-streaming GEMM, K split on the down projection) captured
+    as a graph and replayed with fresh inputs: gate, up, act and down match NumPy every time."""
+    from glm_ep.backend.cuda import dense
+
+    be = backend()
+    h = i = 4096  # I x H past dense.MMA_GEMM_MAX_WEIGHT
+    w = DenseWeights(rand_bf16(rng, (i, h), 2 * h ** -0.5), rand_bf16(rng, (i, h), 2 * h ** -0.5),
+                     rand_bf16(rng, (h, i), i ** -0.5))
+    resident, t = be.upload_dense(w), 6
+    assert dense.wstream_takes(np.empty((t, h), BF16), w.gate, glu=True)
+    assert dense.wstream_takes(np.empty((t, i), BF16), w.down, glu=False)
+    d_x = dev(rand_bf16(rng, (t, h)))
+    outs = [poisoned((t, i), BF16) for _ in range(3)] + [poisoned((t, h), BF16)]
+
+    def step():
+        be.gate_up_act(d_x, resident, 1.5, *outs[:3])
+        be.linear(outs[2], resident.down, outs[3])
+
+    replay = be.capture(step)
+    for n in range(2):
+        x = rand_bf16(rng, (t, h))
+        be.from_host(d_x, x)
+        replay()
+        refs = [np.empty((t, i), BF16) for _ in range(3)] + [np.empty((t, h), BF16)]
+        NP.gate_up_act(x, w, 1.5, *refs[:3])
+        NP.linear(refs[2], w.down, refs[3])
+        for name, o, r in zip(("gate", "up", "act", "down"), outs, refs):
+            got = host(o)
+            assert_written(got, name)
+            assert_close(got, r, f"replay {n}: {name}")
+
+
 @pytest.mark.parametrize("t", [1, 2, 5, 8, 9, 20, 64, 65])
 def test_gate_up_act(rng, t):
     i = 200

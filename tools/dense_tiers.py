@@ -1,5 +1,6 @@
 """Measurement: the bf16 projections of 1..64 rows on each engine, per shape, graph-free but kernel-bound (the same
-launch back to back): the batch-M GEMV (<= 8 rows), the tensor-core GEMM (mma_bf16.cu, 9..64 rows) and cuBLAS
+launch back to back): the batch-M GEMV (<= 8 rows), the warp-streaming GEMM (<= 16 rows), the tensor-core GEMM
+(mma_bf16.cu, 9..64 rows) and cuBLAS
 (gate, up, then the SwiGLU pass for the gate + up shapes); medians in us, and the weight bytes over the time in
 TB/s: which rows and widths each should serve."""
 import argparse
@@ -28,6 +29,8 @@ def rnd(shape):
 H = 4096
 SHAPES = {"dense_glu": (12288, H, True), "dense_down": (H, 12288, False), "shared_glu": (2048, H, True),
           "shared_down": (H, 2048, False)}
+n_part, n_arr = K.wstream_scratch_sizes()
+partials, arrived = cp.empty(n_part, dtype=cp.float32), cp.zeros(n_arr, dtype=cp.uint32)
 print("shape rows engine us TB/s", flush=True)
 for name in args.shapes:
     n, k, glu = SHAPES[name]
@@ -42,6 +45,8 @@ for name in args.shapes:
                 runs["gemv"] = lambda: K.glu_bf16(x, wg, wu, 7.0, g, u, a)
             else:
                 runs["mma"] = lambda: K.mma_glu_bf16(x, wg, wu, 7.0, g, u, a)
+            if rows <= K.WSTREAM_MAX_ROWS:
+                runs["wstream"] = lambda: K.wstream_glu_bf16(x, wg, wu, 7.0, g, u, a, partials, arrived)
 
             def cub():
                 K.gemm_bf16(x, wg, g)
@@ -53,6 +58,8 @@ for name in args.shapes:
                 runs["gemv"] = lambda: K.gemv_bf16(x, wg, g)
             else:
                 runs["mma"] = lambda: K.mma_gemm_bf16(x, wg, g)
+            if rows <= K.WSTREAM_MAX_ROWS:
+                runs["wstream"] = lambda: K.wstream_gemm_bf16(x, wg, g, partials, arrived)
             runs["cublas"] = lambda: K.gemm_bf16(x, wg, g)
         for engine, fn in runs.items():
             us = time_median(cp, s, fn, 20)

@@ -240,7 +240,7 @@ def main() -> int:
                 be.linear(v(act, r, I), d.down, out[:r])
 
         timed(routed_union, expert_mb * uniq, f"routed experts, {r} rows (union of {uniq})", L)
-        timed(dense_rows, 3 * I * H * 2, f"dense MLP, {r} rows (batch-M)", len(denses))
+        timed(dense_rows, 3 * I * H * 2, f"dense MLP, {r} rows", len(denses))
     return 0
 
 

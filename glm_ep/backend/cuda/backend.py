@@ -3,8 +3,8 @@
 | rows  | dense / shared MLP                         | router              | routed experts (NVFP4)                     |
 |-------|--------------------------------------------|---------------------|--------------------------------------------|
 | 1     | GEMV; gate + up + SwiGLU fused             | GEMV (fp32) + top-k, ONE launch, with the shared expert's gate + up | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
-| 2..8  | batch-M GEMV, one weight read for all rows | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns): on the decode ring's pipeline up to `ring_union_max_rows` rows, block kernels above |
-| 9..64 | weights up to 2048 x 4096 (shared expert): tensor-core GEMM (mma_bf16.cu), one weight read for all rows, gate + up + SwiGLU fused; larger (dense FFN): cuBLAS | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
+| 2..8  | batch-M GEMV, one weight read for all rows; weights past 2048 x 4096 (dense FFN) from 5 rows: the warp-streaming tensor-core GEMM (each warp its own rows and ring), gate + up + SwiGLU fused | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns): on the decode ring's pipeline up to `ring_union_max_rows` rows, block kernels above |
+| 9..64 | weights up to 2048 x 4096 (shared expert): tensor-core GEMM (mma_bf16.cu), one weight read for all rows, gate + up + SwiGLU fused; larger (dense FFN): gate + up + SwiGLU on the warp-streaming GEMM to 16 rows, cuBLAS otherwise | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
 | > 64  | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | the grouped GEMM                           |
 
 Everything a step runs is queued on ``self.stream`` (non-blocking, current only inside each op:
@@ -83,6 +83,10 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         # the fused router's block counter: zero between launches (a launch on this stream touches memory only
         # once the one before it has finished, with or without programmatic dependent launch)
         self._route_done = self.zero(cupy.empty(1, dtype=np.uint32))  # zeroed on this stream, in order
+        # the warp-streaming GEMM's split-K scratch (dense FFN, 5..16 rows): fixed size, counters zero between launches
+        n_partials, n_arrived = dense.wstream_scratch_sizes()
+        self._ws_partials = cupy.empty(n_partials, dtype=np.float32)
+        self._ws_arrived = self.zero(cupy.empty(n_arrived, dtype=np.uint32))
         # the one-row down ring's combine scratch (nvfp4_moe_down_combine): sized at upload_moe, before any capture
         self._dc_partials, self._dc_arrived, self._dc_retired = None, None, []
 
@@ -184,7 +188,9 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     # ---- dense ops -------------------------------------------------------------------------
     @_on_stream
     def linear(self, x_TK, w_NK, out_TN):
-        if x_TK.shape[0] <= GEMV_MAX_ROWS:
+        if dense.wstream_takes(x_TK, w_NK, glu=False):
+            dense.wstream_gemm_bf16(x_TK, w_NK, out_TN, self._ws_partials, self._ws_arrived)
+        elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.gemv_bf16(x_TK, w_NK, out_TN)
         elif dense.mma_gemm_takes(x_TK, w_NK):
             dense.mma_gemm_bf16(x_TK, w_NK, out_TN)
@@ -312,7 +318,10 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
 
     @_on_stream
     def gate_up_act(self, x_TK, w, limit, gate_TI, up_TI, act_TI):
-        if x_TK.shape[0] <= GEMV_MAX_ROWS:
+        if dense.wstream_takes(x_TK, w.gate, glu=True):
+            dense.wstream_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI, self._ws_partials,
+                                   self._ws_arrived)
+        elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
         elif dense.mma_gemm_takes(x_TK, w.gate):
             dense.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)

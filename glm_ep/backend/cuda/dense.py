@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.cuda.loader import (BF16, F32, GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, MMA_GEMM_TIERS,
-                                        MMA_GEMM_WARPS, cdiv, check, check_shape, i32, i64, launch, sm_count, split_k)
+                                        MMA_GEMM_WARPS, U32, WSTREAM_DEPTH, WSTREAM_TIERS, WSTREAM_WARPS, cdiv, check,
+                                        check_shape, i32, i64, launch, sm_count, smem_per_sm, split_k)
 
 GEMV_CHUNK = 8  # k per 16-byte bf16 chunk: K must be a multiple
 MMA_GEMM_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM
@@ -130,6 +131,95 @@ def mma_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, 
     launch(_MMA, f"bf16_mma_glu_t{tier}", (grid_x, 1, 1), (MMA_GEMM_WARPS * 32, 1, 1),
            (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(r), i32(n), i32(k), i32(ks),
             np.float32(limit)), smem=smem)
+
+
+# ---- warp-streaming tensor-core GEMM, dense-FFN-sized weights at 5..16 rows (mma_bf16.cu, bf16_wstream_*) ----
+WSTREAM_MIN_ROWS = 5  # below: the batch-M GEMV
+WSTREAM_MAX_ROWS = WSTREAM_TIERS[-1]  # gate + up + SwiGLU
+WSTREAM_PLAIN_MAX_ROWS = 8  # a plain projection (the down): past 8 rows cuBLAS, faster there and never captured
+WSTREAM_STAGE_K = 256  # k of one stage of a warp's ring: 512 bytes of each of its 16 weight rows
+WSTREAM_SMEM = WSTREAM_WARPS * WSTREAM_DEPTH * 16 * WSTREAM_STAGE_K * 2  # a block's rings
+
+
+def wstream_takes(x_RK: Any, w_NK: Any, glu: bool) -> bool:
+    """Whether the warp-streaming GEMM serves this call: a weight past MMA_GEMM_MAX_WEIGHT elements (the dense
+    FFN's), K in whole 32-k steps, WSTREAM_MIN_ROWS..WSTREAM_MAX_ROWS rows for gate + up + SwiGLU and
+    ..WSTREAM_PLAIN_MAX_ROWS for a plain projection. Measured on H200 (docs/perf/NOTES.md, "The warp-streaming
+    GEMM"): on the [12288, 4096] gate + up it is the fastest engine at 5..16 rows (59-63 us; the GEMV 72-89,
+    the 9..64-row GEMM 89-95, cuBLAS 61-70 with its SwiGLU pass); on the [4096, 12288] down it beats the GEMV
+    at 5..8 rows (36 against 39-52 us) but not cuBLAS (31), which the captured 1..8-row steps cannot call."""
+    r, k = x_RK.shape
+    return (WSTREAM_MIN_ROWS <= r <= (WSTREAM_MAX_ROWS if glu else WSTREAM_PLAIN_MAX_ROWS)
+            and w_NK.size > MMA_GEMM_MAX_WEIGHT and k % MMA_GEMM_K_STEP == 0)
+
+
+def wstream_resident_blocks() -> int:
+    """Blocks of the warp-streaming GEMM the device holds at once (shared memory decides: 3 an SM on sm_90)."""
+    total, reserved = smem_per_sm()
+    return sm_count() * max(1, total // (WSTREAM_SMEM + reserved))
+
+
+def wstream_geometry(n: int, k: int, glu: bool) -> tuple[int, int]:
+    """(grid.x, K slices S): row blocks of 16 rows a warp (glu: 8 gate + 8 up), each split into S K slices while
+    every block of the launch is resident at once and a slice keeps two stages."""
+    blocks, resident = cdiv(n, WSTREAM_WARPS * (8 if glu else 16)), wstream_resident_blocks()
+    ks = 1
+    while blocks * ks * 2 <= resident and cdiv(k, WSTREAM_STAGE_K) >= 4 * ks:
+        ks *= 2
+    return blocks * ks, ks
+
+
+def wstream_scratch_sizes() -> tuple[int, int]:
+    """(fp32 partial sums, arrival counters) that serve any warp-streaming launch that splits K (all its blocks
+    resident, each with 4 x 2 partial sums per thread at the widest tier)."""
+    resident = wstream_resident_blocks()
+    return resident * (WSTREAM_MAX_ROWS // 8) * 4 * WSTREAM_WARPS * 32, resident
+
+
+def _wstream_plan(x_RK: Any, n: int, glu: bool, partials: Any, arrived: Any,
+                  what: str) -> tuple[int, int, int, int, int, Any, Any]:
+    """A warp-streaming launch's checked shape: (rows, in width, tier, grid.x, K slices, scratch arguments)."""
+    r, k = x_RK.shape
+    if not 1 <= r <= WSTREAM_MAX_ROWS:
+        raise ValueError(f"{what}: {r} rows; the warp-streaming tiers cover 1..{WSTREAM_MAX_ROWS}")
+    if k % MMA_GEMM_K_STEP:
+        raise ValueError(f"{what}: in width {k} is not a multiple of {MMA_GEMM_K_STEP} (one tensor-core step)")
+    check("x", x_RK, BF16)
+    tier = next(t for t in WSTREAM_TIERS if r <= t)
+    grid_x, ks = wstream_geometry(n, k, glu)
+    check("partials", partials, F32, 4), check("arrived", arrived, U32, 4)
+    need = grid_x * (tier // 8) * 4 * WSTREAM_WARPS * 32 if ks > 1 else 0
+    if partials.size < need or arrived.size < grid_x // ks:
+        raise ValueError(f"{what}: scratch of {partials.size} partial sums and {arrived.size} counters, expected at "
+                         f"least {need} and {grid_x // ks}")
+    return r, k, tier, grid_x, ks, partials, arrived
+
+
+def wstream_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any, partials: Any, arrived: Any) -> None:
+    """``out = bf16(x @ w^T)`` for R <= 16 rows, every weight read once, each warp streaming its own rows.
+    ``partials`` / ``arrived``: the split-K scratch (``wstream_scratch_sizes``; counters zero between launches,
+    as every launch leaves them)."""
+    n = w_NK.shape[0]
+    r, k, tier, grid_x, ks, partials, arrived = _wstream_plan(x_RK, n, False, partials, arrived, "wstream_gemm_bf16")
+    check("w", w_NK, BF16), check_shape("w", w_NK, (n, k))
+    check("out", out_RN, BF16, 2), check_shape("out", out_RN, (r, n))
+    launch(_MMA, f"bf16_wstream_gemm_t{tier}", (grid_x, 1, 1), (WSTREAM_WARPS * 32, 1, 1),
+           (x_RK, i64(k), w_NK, out_RN, i64(n), i32(r), i32(n), i32(k), i32(ks), partials, arrived),
+           smem=WSTREAM_SMEM)
+
+
+def wstream_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any,
+                     partials: Any, arrived: Any) -> None:
+    """gate, up and the clamped SwiGLU of a bf16 MLP for R <= 16 rows in ONE warp-streaming launch."""
+    n = wg_NK.shape[0]
+    r, k, tier, grid_x, ks, partials, arrived = _wstream_plan(x_RK, n, True, partials, arrived, "wstream_glu_bf16")
+    for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
+        check(name, w, BF16), check_shape(name, w, (n, k))
+    for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
+        check(name, a, BF16, 2), check_shape(name, a, (r, n))
+    launch(_MMA, f"bf16_wstream_glu_t{tier}", (grid_x, 1, 1), (WSTREAM_WARPS * 32, 1, 1),
+           (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(r), i32(n), i32(k), i32(ks),
+            np.float32(limit), partials, arrived), smem=WSTREAM_SMEM)
 
 
 # ---- bf16 GEMV (1..8 rows) -----------------------------------------------------------------------

@@ -44,6 +44,9 @@ GEMV_MAX_ROWS = 8  # widest batch-M tier (bf16_gemv_r1 .. r8)
 MMA_ROWS = 16  # weight rows per warp group of the NVFP4 kernels: the m16n8k16 mma's A operand
 MMA_GEMM_WARPS = 8  # warps per block of the 9..64-row tensor-core GEMM (mma_bf16.cu)
 MMA_GEMM_TIERS = (16, 32, 64)  # rows one launch covers (bf16_mma_*_t{T}); past the last: cuBLAS
+WSTREAM_WARPS = 4  # warps per block of the warp-streaming GEMM (mma_bf16.cu, bf16_wstream_*), each its own ring
+WSTREAM_DEPTH = 2  # stages of each warp's ring (16 rows x 512 bytes a stage)
+WSTREAM_TIERS = (8, 16)  # rows one warp-streaming launch covers (bf16_wstream_*_t{T})
 ELEM_THREADS = 256
 COMBINE_THREADS = 128
 COMBINE_VEC = 8  # hidden elements per combine thread: one 16-byte vector of bf16
@@ -58,6 +61,8 @@ DEFINES = {
     "GEMV_WARPS": GEMV_WARPS,
     "GEMV_ROWS_PER_WARP": GEMV_ROWS_PER_WARP,
     "MMA_GEMM_WARPS": MMA_GEMM_WARPS,
+    "WSTREAM_WARPS": WSTREAM_WARPS,
+    "WSTREAM_DEPTH": WSTREAM_DEPTH,
     "ELEM_THREADS": ELEM_THREADS,
     "COMBINE_THREADS": COMBINE_THREADS,
     "COMBINE_VEC": COMBINE_VEC,
