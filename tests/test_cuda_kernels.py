@@ -124,56 +124,65 @@ def test_linear_large_weight_on_stream(rng, t):
     assert_close(got, ref, f"linear (cuBLAS) t={t}")
 
 
-def _wstream_scratch():
-    """The warp-streaming GEMM's split-K scratch: poisoned partial sums, zeroed counters."""
+def _wstream_scratch(blocks: int = 0):
+    """The warp-streaming GEMM's split-K scratch for the launches the backend makes and for ``blocks`` blocks
+    (a fixed split may pass what the device holds at once): poisoned partial sums, zeroed counters."""
     import cupy
     from glm_ep.backend.cuda import dense
 
     n_partials, n_arrived = dense.wstream_scratch_sizes()
-    return poisoned((n_partials,), np.float32), backend().zero(cupy.empty(n_arrived, dtype=np.uint32))
+    n_partials = max(n_partials, blocks * 2 * 4 * dense.WSTREAM_WARPS * 32)
+    return (poisoned((n_partials,), np.float32),
+            backend().zero(cupy.empty(max(n_arrived, blocks), dtype=np.uint32)))
 
 
-# K = 4096 splits 4 ways over N = 600's ten row blocks, 2080 (65 steps) 2 ways with a one-step last stage,
-# 1056 not at all; N = 600 and 200 end in part row blocks
+# K splits: the launch's own choice (which depends on the device's SM count), and fixed ones so every device
+# runs one slice, an odd count and more slices than K = 1056 has stages (empty slices). K = 2080 (65 steps)
+# ends in a one-step stage; N = 600 ends in a part row block.
 @pytest.mark.parametrize("t", [1, 5, 8, 9, 16])
-@pytest.mark.parametrize("k", [4096, 2080, 1056])
-def test_wstream_gemm(rng, t, k):
-    """The warp-streaming GEMM against NumPy, every output written, the split-K counters back at zero."""
+@pytest.mark.parametrize("k,ksplit", [(4096, None), (4096, 1), (4096, 3), (2080, None), (2080, 2), (1056, 8)])
+def test_wstream_gemm(rng, t, k, ksplit):
+    """The warp-streaming GEMM against NumPy, every output written, the split-K counters back at zero, and
+    a second launch bit for bit the first (the slices are added in slice order, whichever block comes last)."""
     from glm_ep.backend.cuda import dense
 
     n = 600
     x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
     ref = np.empty((t, n), BF16)
     NP.linear(x, w, ref)
-    partials, arrived = _wstream_scratch()
-    out = poisoned((t, n), BF16)
+    grid, ks = dense.wstream_geometry(n, k, False, ksplit)
+    partials, arrived = _wstream_scratch(grid)
+    d_x, d_w, out, again = dev(x), dev(w), poisoned((t, n), BF16), poisoned((t, n), BF16)
     with backend().stream:
-        dense.wstream_gemm_bf16(dev(x), dev(w), out, partials, arrived)
+        dense.wstream_gemm_bf16(d_x, d_w, out, partials, arrived, ksplit)
+        dense.wstream_gemm_bf16(d_x, d_w, again, partials, arrived, ksplit)
     got = host(out)
     assert_written(got, "wstream_gemm")
-    assert_close(got, ref, f"wstream_gemm t={t} k={k} (K slices {dense.wstream_geometry(n, k, False)[1]})")
+    assert_close(got, ref, f"wstream_gemm t={t} k={k} (K slices {ks})")
+    np.testing.assert_array_equal(host(again).view(np.uint16), got.view(np.uint16), err_msg="a second launch")
     assert not host(arrived).any(), "split-K counters left nonzero"
 
 
+# i = 203: the last warp's gate / up rows run past N
 @pytest.mark.parametrize("t", [5, 9, 16])
-@pytest.mark.parametrize("k", [4096, 2080])
-def test_wstream_glu(rng, t, k):
+@pytest.mark.parametrize("i,k,ksplit", [(200, 4096, None), (203, 4096, 1), (203, 2080, 3)])
+def test_wstream_glu(rng, t, i, k, ksplit):
     from glm_ep.backend.cuda import dense
 
-    i = 200
     x = rand_bf16(rng, (t, k))
     w = DenseWeights(rand_bf16(rng, (i, k), 2 * k ** -0.5), rand_bf16(rng, (i, k), 2 * k ** -0.5),
                      rand_bf16(rng, (k, i), i ** -0.5))
     refs = [np.empty((t, i), BF16) for _ in range(3)]
     NP.gate_up_act(x, w, 1.5, *refs)
-    partials, arrived = _wstream_scratch()
+    grid, ks = dense.wstream_geometry(i, k, True, ksplit)
+    partials, arrived = _wstream_scratch(grid)
     outs = [poisoned((t, i), BF16) for _ in range(3)]
     with backend().stream:
-        dense.wstream_glu_bf16(dev(x), dev(w.gate), dev(w.up), 1.5, *outs, partials, arrived)
+        dense.wstream_glu_bf16(dev(x), dev(w.gate), dev(w.up), 1.5, *outs, partials, arrived, ksplit)
     for name, o, r in zip(("gate", "up", "act"), outs, refs):
         got = host(o)
         assert_written(got, name)
-        assert_close(got, r, f"wstream_glu {name} t={t} k={k} (K slices {dense.wstream_geometry(i, k, True)[1]})")
+        assert_close(got, r, f"wstream_glu {name} t={t} i={i} k={k} (K slices {ks})")
     assert not host(arrived).any(), "split-K counters left nonzero"
 
 

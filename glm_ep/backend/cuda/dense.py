@@ -154,19 +154,25 @@ def wstream_takes(x_RK: Any, w_NK: Any, glu: bool) -> bool:
 
 
 def wstream_resident_blocks() -> int:
-    """Blocks of the warp-streaming GEMM the device holds at once (shared memory decides: 3 an SM on sm_90)."""
+    """Blocks of the warp-streaming GEMM the device holds at once, as shared memory allows (3 an SM on sm_90;
+    registers allow 3 too while a thread keeps to 168: 157 at the 16-row tier). A launch past it stays correct:
+    no block waits on another."""
     total, reserved = smem_per_sm()
     return sm_count() * max(1, total // (WSTREAM_SMEM + reserved))
 
 
-def wstream_geometry(n: int, k: int, glu: bool) -> tuple[int, int]:
+def wstream_geometry(n: int, k: int, glu: bool, ksplit: int | None = None) -> tuple[int, int]:
     """(grid.x, K slices S): row blocks of 16 rows a warp (glu: 8 gate + 8 up), each split into S K slices while
-    every block of the launch is resident at once and a slice keeps two stages."""
-    blocks, resident = cdiv(n, WSTREAM_WARPS * (8 if glu else 16)), wstream_resident_blocks()
-    ks = 1
-    while blocks * ks * 2 <= resident and cdiv(k, WSTREAM_STAGE_K) >= 4 * ks:
-        ks *= 2
-    return blocks * ks, ks
+    every block of the launch is resident at once and K holds two stages a slice. A slice is whole stages, so
+    the last slices may be short or empty (they add zeros). ``ksplit`` fixes S (tests, tools)."""
+    blocks = cdiv(n, WSTREAM_WARPS * (8 if glu else 16))
+    if ksplit is None:
+        resident, ksplit = wstream_resident_blocks(), 1
+        while blocks * ksplit * 2 <= resident and cdiv(k, WSTREAM_STAGE_K) >= 4 * ksplit:
+            ksplit *= 2
+    if ksplit < 1:
+        raise ValueError(f"K slices: {ksplit}, expected at least 1")
+    return blocks * ksplit, ksplit
 
 
 def wstream_scratch_sizes() -> tuple[int, int]:
@@ -176,7 +182,7 @@ def wstream_scratch_sizes() -> tuple[int, int]:
     return resident * (WSTREAM_MAX_ROWS // 8) * 4 * WSTREAM_WARPS * 32, resident
 
 
-def _wstream_plan(x_RK: Any, n: int, glu: bool, partials: Any, arrived: Any,
+def _wstream_plan(x_RK: Any, n: int, glu: bool, partials: Any, arrived: Any, ksplit: int | None,
                   what: str) -> tuple[int, int, int, int, int, Any, Any]:
     """A warp-streaming launch's checked shape: (rows, in width, tier, grid.x, K slices, scratch arguments)."""
     r, k = x_RK.shape
@@ -186,21 +192,24 @@ def _wstream_plan(x_RK: Any, n: int, glu: bool, partials: Any, arrived: Any,
         raise ValueError(f"{what}: in width {k} is not a multiple of {MMA_GEMM_K_STEP} (one tensor-core step)")
     check("x", x_RK, BF16)
     tier = next(t for t in WSTREAM_TIERS if r <= t)
-    grid_x, ks = wstream_geometry(n, k, glu)
+    grid_x, ks = wstream_geometry(n, k, glu, ksplit)
     check("partials", partials, F32, 4), check("arrived", arrived, U32, 4)
-    need = grid_x * (tier // 8) * 4 * WSTREAM_WARPS * 32 if ks > 1 else 0
-    if partials.size < need or arrived.size < grid_x // ks:
+    # one K slice: neither is touched (and the grid may pass what the device holds at once)
+    need, counters = (grid_x * (tier // 8) * 4 * WSTREAM_WARPS * 32, grid_x // ks) if ks > 1 else (0, 0)
+    if partials.size < need or arrived.size < counters:
         raise ValueError(f"{what}: scratch of {partials.size} partial sums and {arrived.size} counters, expected at "
-                         f"least {need} and {grid_x // ks}")
+                         f"least {need} and {counters}")
     return r, k, tier, grid_x, ks, partials, arrived
 
 
-def wstream_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any, partials: Any, arrived: Any) -> None:
+def wstream_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any, partials: Any, arrived: Any,
+                      ksplit: int | None = None) -> None:
     """``out = bf16(x @ w^T)`` for R <= 16 rows, every weight read once, each warp streaming its own rows.
     ``partials`` / ``arrived``: the split-K scratch (``wstream_scratch_sizes``; counters zero between launches,
     as every launch leaves them)."""
     n = w_NK.shape[0]
-    r, k, tier, grid_x, ks, partials, arrived = _wstream_plan(x_RK, n, False, partials, arrived, "wstream_gemm_bf16")
+    r, k, tier, grid_x, ks, partials, arrived = _wstream_plan(x_RK, n, False, partials, arrived, ksplit,
+                                                              "wstream_gemm_bf16")
     check("w", w_NK, BF16), check_shape("w", w_NK, (n, k))
     check("out", out_RN, BF16, 2), check_shape("out", out_RN, (r, n))
     launch(_MMA, f"bf16_wstream_gemm_t{tier}", (grid_x, 1, 1), (WSTREAM_WARPS * 32, 1, 1),
@@ -209,10 +218,11 @@ def wstream_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any, partials: Any, arrived:
 
 
 def wstream_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any,
-                     partials: Any, arrived: Any) -> None:
+                     partials: Any, arrived: Any, ksplit: int | None = None) -> None:
     """gate, up and the clamped SwiGLU of a bf16 MLP for R <= 16 rows in ONE warp-streaming launch."""
     n = wg_NK.shape[0]
-    r, k, tier, grid_x, ks, partials, arrived = _wstream_plan(x_RK, n, True, partials, arrived, "wstream_glu_bf16")
+    r, k, tier, grid_x, ks, partials, arrived = _wstream_plan(x_RK, n, True, partials, arrived, ksplit,
+                                                              "wstream_glu_bf16")
     for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
         check(name, w, BF16), check_shape(name, w, (n, k))
     for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
