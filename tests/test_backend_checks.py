@@ -154,3 +154,27 @@ def test_the_fp16_form_only_where_the_limit_bounds_the_activation() -> None:
     topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_f16": True}})
     with pytest.raises(ConfigError, match=r"levers.ring_f16 = true: .* swiglu_limit = 300"):
         make_backend(topo, HERE, _cfg(swiglu_limit=300.0))
+
+
+@pytest.mark.parametrize("sms,smem,resident", [(132, 233472, 396), (48, 102400, 48)], ids=["H200", "GB10"])
+def test_warp_streaming_geometry_on_small_and_large_devices(monkeypatch, sms: int, smem: int,
+                                                            resident: int) -> None:
+    """The dense FFN's warp-streaming launches on an H200 and on a device that holds one block an SM (GB10):
+    K splits only while every block stays resident, and a one-slice launch, whose grid may pass what the
+    device holds, asks for no split-K scratch."""
+    from glm_ep.backend.cuda import dense
+
+    monkeypatch.setattr(dense, "sm_count", lambda: sms)
+    monkeypatch.setattr(dense, "smem_per_sm", lambda: (smem, 1024))
+    assert dense.wstream_resident_blocks() == resident
+    n_partials, n_arrived = dense.wstream_scratch_sizes()
+    for n, k, glu in ((12288, 4096, True), (4096, 12288, False), (6144, 4096, True), (4096, 6144, False)):
+        grid, ks = dense.wstream_geometry(n, k, glu)
+        blocks = -(-n // (dense.WSTREAM_WARPS * (8 if glu else 16)))
+        assert grid == blocks * ks and ks >= 1
+        assert ks == 1 or grid <= resident, f"{n} x {k}: {ks} slices, {grid} blocks past {resident} resident"
+        need, counters = dense.wstream_scratch_need(grid, ks, dense.WSTREAM_MAX_ROWS)
+        assert need <= n_partials and counters <= n_arrived, f"{n} x {k}: scratch short"
+    assert dense.wstream_geometry(12288, 4096, True) == (384, 1)  # 384 blocks hold 12 warps an SM on the H200
+    assert dense.wstream_geometry(4096, 12288, False) == ((256, 4) if sms == 132 else (64, 1))
+    assert dense.wstream_scratch_need(384, 1, 16) == (0, 0)

@@ -182,6 +182,14 @@ def wstream_scratch_sizes() -> tuple[int, int]:
     return resident * (WSTREAM_MAX_ROWS // 8) * 4 * WSTREAM_WARPS * 32, resident
 
 
+def wstream_scratch_need(grid_x: int, ksplit: int, tier: int) -> tuple[int, int]:
+    """(fp32 partial sums, arrival counters) a launch of ``grid_x`` blocks in ``ksplit`` K slices at ``tier`` rows
+    reads: none with one slice (the kernel never touches them, and its grid may pass what the device holds)."""
+    if ksplit == 1:
+        return 0, 0
+    return grid_x * (tier // 8) * 4 * WSTREAM_WARPS * 32, grid_x // ksplit
+
+
 def _wstream_plan(x_RK: Any, n: int, glu: bool, partials: Any, arrived: Any, ksplit: int | None,
                   what: str) -> tuple[int, int, int, int, int, Any, Any]:
     """A warp-streaming launch's checked shape: (rows, in width, tier, grid.x, K slices, scratch arguments)."""
@@ -194,8 +202,7 @@ def _wstream_plan(x_RK: Any, n: int, glu: bool, partials: Any, arrived: Any, ksp
     tier = next(t for t in WSTREAM_TIERS if r <= t)
     grid_x, ks = wstream_geometry(n, k, glu, ksplit)
     check("partials", partials, F32, 4), check("arrived", arrived, U32, 4)
-    # one K slice: neither is touched (and the grid may pass what the device holds at once)
-    need, counters = (grid_x * (tier // 8) * 4 * WSTREAM_WARPS * 32, grid_x // ks) if ks > 1 else (0, 0)
+    need, counters = wstream_scratch_need(grid_x, ks, tier)
     if partials.size < need or arrived.size < counters:
         raise ValueError(f"{what}: scratch of {partials.size} partial sums and {arrived.size} counters, expected at "
                          f"least {need} and {counters}")
