@@ -66,12 +66,6 @@ MMA_GEMM_MAX_ROWS = MMA_GEMM_TIERS[-1]
 MMA_GEMM_K_STEP = 32  # k of one step of a warp (two m16n8k16 mma): K must be a multiple
 
 
-def _mma_tier(r: int, what: str) -> int:
-    if not 1 <= r <= MMA_GEMM_MAX_ROWS:
-        raise ValueError(f"{what}: {r} rows; the tensor-core tiers cover 1..{MMA_GEMM_MAX_ROWS} (wider goes to cuBLAS)")
-    return next(t for t in MMA_GEMM_TIERS if r <= t)
-
-
 def _mma_geometry(n: int, k: int, p: int, tier: int) -> tuple[int, int, int]:
     """(grid.x, ksplit, dynamic smem): K split over 1..MMA_GEMM_WARPS warps of a block until the launch
     holds MMA_GEMM_WARPS_PER_SM warps per SM, each slice keeping >= 16 steps of 32 k; the slices'
@@ -95,13 +89,26 @@ def mma_gemm_takes(x_RK: Any, w_NK: Any) -> bool:
             and w_NK.size <= MMA_GEMM_MAX_WEIGHT)
 
 
-def _mma_rows(x_RK: Any, what: str) -> tuple[int, int, int]:
+def _mma_rows(x_RK: Any, what: str, tiers: tuple[int, ...] = MMA_GEMM_TIERS) -> tuple[int, int, int]:
+    """A tensor-core launch's checked x: (rows, in width, the tier of ``tiers`` that holds the rows)."""
     r, k = x_RK.shape
-    tier = _mma_tier(r, what)
+    if not 1 <= r <= tiers[-1]:
+        raise ValueError(f"{what}: {r} rows; its tensor-core tiers cover 1..{tiers[-1]} (wider goes elsewhere)")
     if k % MMA_GEMM_K_STEP:
         raise ValueError(f"{what}: in width {k} is not a multiple of {MMA_GEMM_K_STEP} (one tensor-core step)")
     check("x", x_RK, BF16)
-    return r, k, tier
+    return r, k, next(t for t in tiers if r <= t)
+
+
+def _check_glu(wg_NK: Any, wu_NK: Any, gate_RN: Any, up_RN: Any, act_RN: Any, r: int, k: int) -> int:
+    """The gate and up weights ([N, K] bf16) and the gate, up and act outputs ([R, N] bf16) of a fused gate +
+    up + SwiGLU launch; returns N."""
+    n = wg_NK.shape[0]
+    for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
+        check(name, w, BF16), check_shape(name, w, (n, k))
+    for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
+        check(name, a, BF16, 2), check_shape(name, a, (r, n))
+    return n
 
 
 def mma_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any) -> None:
@@ -122,11 +129,7 @@ def mma_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any) -> None:
 def mma_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any) -> None:
     """gate, up and the clamped SwiGLU of a bf16 MLP for R <= 64 rows in ONE tensor-core launch."""
     r, k, tier = _mma_rows(x_RK, "mma_glu_bf16")
-    n = wg_NK.shape[0]
-    for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
-        check(name, w, BF16), check_shape(name, w, (n, k))
-    for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
-        check(name, a, BF16, 2), check_shape(name, a, (r, n))
+    n = _check_glu(wg_NK, wu_NK, gate_RN, up_RN, act_RN, r, k)
     grid_x, ks, smem = _mma_geometry(n, k, 2, tier)
     launch(_MMA, f"bf16_mma_glu_t{tier}", (grid_x, 1, 1), (MMA_GEMM_WARPS * 32, 1, 1),
            (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(r), i32(n), i32(k), i32(ks),
@@ -193,13 +196,7 @@ def wstream_scratch_need(grid_x: int, ksplit: int, tier: int) -> tuple[int, int]
 def _wstream_plan(x_RK: Any, n: int, glu: bool, partials: Any, arrived: Any, ksplit: int | None,
                   what: str) -> tuple[int, int, int, int, int, Any, Any]:
     """A warp-streaming launch's checked shape: (rows, in width, tier, grid.x, K slices, scratch arguments)."""
-    r, k = x_RK.shape
-    if not 1 <= r <= WSTREAM_MAX_ROWS:
-        raise ValueError(f"{what}: {r} rows; the warp-streaming tiers cover 1..{WSTREAM_MAX_ROWS}")
-    if k % MMA_GEMM_K_STEP:
-        raise ValueError(f"{what}: in width {k} is not a multiple of {MMA_GEMM_K_STEP} (one tensor-core step)")
-    check("x", x_RK, BF16)
-    tier = next(t for t in WSTREAM_TIERS if r <= t)
+    r, k, tier = _mma_rows(x_RK, what, WSTREAM_TIERS)
     grid_x, ks = wstream_geometry(n, k, glu, ksplit)
     check("partials", partials, F32, 4), check("arrived", arrived, U32, 4)
     need, counters = wstream_scratch_need(grid_x, ks, tier)
@@ -230,10 +227,7 @@ def wstream_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: A
     n = wg_NK.shape[0]
     r, k, tier, grid_x, ks, partials, arrived = _wstream_plan(x_RK, n, True, partials, arrived, ksplit,
                                                               "wstream_glu_bf16")
-    for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
-        check(name, w, BF16), check_shape(name, w, (n, k))
-    for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
-        check(name, a, BF16, 2), check_shape(name, a, (r, n))
+    _check_glu(wg_NK, wu_NK, gate_RN, up_RN, act_RN, r, k)
     launch(_MMA, f"bf16_wstream_glu_t{tier}", (grid_x, 1, 1), (WSTREAM_WARPS * 32, 1, 1),
            (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(r), i32(n), i32(k), i32(ks),
             np.float32(limit), partials, arrived), smem=WSTREAM_SMEM)
@@ -296,11 +290,7 @@ def glu_geometry(x_RK: Any, wg_NK: Any, wu_NK: Any, gate_RN: Any, up_RN: Any, ac
                  what: str) -> tuple[int, int, int, int, int]:
     """The fused gate + up GEMV's checked shape and launch: (rows, in width, out width, grid.x, ksplit)."""
     r, k = gemv_rows(x_RK, what)
-    n = wg_NK.shape[0]
-    for name, w in (("gate weight", wg_NK), ("up weight", wu_NK)):
-        check(name, w, BF16), check_shape(name, w, (n, k))
-    for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
-        check(name, a, BF16, 2), check_shape(name, a, (r, n))
+    n = _check_glu(wg_NK, wu_NK, gate_RN, up_RN, act_RN, r, k)
     return (r, k, n, *gemv_geometry(n, k))
 
 
