@@ -50,17 +50,7 @@ def graph_median_us(cp: Any, stream: Any, capture: Callable[[Callable[[], None]]
     sweeps), in microseconds."""
     fn()
     graph = capture(fn)
-    graph()
-    stream.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        graph()
-        end.record(stream)
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / per)
-    return statistics.median(times)
+    return time_median(cp, stream, graph, 1, warmup=1, repeats=iters) / per  # each replay timed alone
 
 
 def torch_time_us(fn: Callable[[], Any], iters: int, warmup: int = 3, repeats: int = 7) -> float:
