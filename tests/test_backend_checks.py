@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 import re
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 from glm_ep.backend import make_backend
@@ -178,3 +180,41 @@ def test_warp_streaming_geometry_on_small_and_large_devices(monkeypatch, sms: in
     assert dense.wstream_geometry(12288, 4096, True) == (384, 1)  # 384 blocks hold 12 warps an SM on the H200
     assert dense.wstream_geometry(4096, 12288, False) == ((256, 4) if sms == 132 else (64, 1))
     assert dense.wstream_scratch_need(384, 1, 16) == (0, 0)
+
+
+@pytest.mark.parametrize("sms,smem", [(132, 233472), (48, 102400)], ids=["H200", "GB10"])
+def test_warp_streaming_split_leaves_no_slice_empty(monkeypatch, sms: int, smem: int) -> None:
+    """Every K slice the automatic split makes streams some of K (the kernel's ``wstream_slice``: whole stages,
+    ceil(stages / S) a slice from the slice's index times that), for every in width the kernel takes (whole
+    32-k steps) up to past the dense FFN's; S stays a split that keeps every block resident."""
+    from glm_ep.backend.cuda import dense
+
+    monkeypatch.setattr(dense, "sm_count", lambda: sms)
+    monkeypatch.setattr(dense, "smem_per_sm", lambda: (smem, 1024))
+    resident, step_k = dense.wstream_resident_blocks(), 32
+    per_stage = dense.WSTREAM_STAGE_K // step_k
+    for n, glu in ((4096, False), (2048, True), (512, False)):
+        for k in range(step_k, 16384 + 1, step_k):
+            grid, ks = dense.wstream_geometry(n, k, glu)
+            steps = k // step_k
+            per = -(-steps // (per_stage * ks)) * per_stage
+            empty = [s for s in range(ks) if min(steps, s * per) >= min(steps, s * per + per)]
+            assert not empty, f"{n} x {k}, glu {glu}: {ks} slices of {per} steps, slices {empty} hold none"
+            assert ks == 1 or grid <= resident
+
+
+def test_dense_ffn_engine_by_rows():
+    """The measured split: the warp-streaming GEMM serves a dense-FFN-sized gate + up at 5..16 rows and a plain
+    projection of that size at 5..8, never a smaller weight (shared expert, router: the GEMV and the GEMM above
+    stay ahead there)."""
+    from glm_ep.backend.cuda import dense
+
+    bf16 = ml_dtypes.bfloat16
+    large = np.empty((2 * dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), bf16)
+    small = np.empty((dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), bf16)
+    for t in range(1, 20):
+        x = np.empty((t, 4096), bf16)
+        assert dense.wstream_takes(x, large, glu=True) == (5 <= t <= 16), f"{t} rows, dense-FFN gate + up"
+        assert dense.wstream_takes(x, large, glu=False) == (5 <= t <= 8), f"{t} rows, dense-FFN down"
+        for glu in (True, False):
+            assert not dense.wstream_takes(x, small, glu), f"{t} rows, shared-expert weight"

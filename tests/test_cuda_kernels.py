@@ -186,22 +186,6 @@ def test_wstream_glu(rng, t, i, k, ksplit):
     assert not host(arrived).any(), "split-K counters left nonzero"
 
 
-def test_dense_ffn_engine_by_rows():
-    """The measured split: the warp-streaming GEMM serves a dense-FFN-sized gate + up at 5..16 rows and a plain
-    projection of that size at 5..8, never a smaller weight (shared expert, router: the GEMV and the GEMM above
-    stay ahead there)."""
-    from glm_ep.backend.cuda import dense
-
-    large = np.empty((2 * dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), BF16)
-    small = np.empty((dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), BF16)
-    for t in range(1, 20):
-        x = np.empty((t, 4096), BF16)
-        assert dense.wstream_takes(x, large, glu=True) == (5 <= t <= 16), f"{t} rows, dense-FFN gate + up"
-        assert dense.wstream_takes(x, large, glu=False) == (5 <= t <= 8), f"{t} rows, dense-FFN down"
-        for glu in (True, False):
-            assert not dense.wstream_takes(x, small, glu), f"{t} rows, shared-expert weight"
-
-
 def test_dense_ffn_rows_in_graph(rng):
     """A dense FFN of GLM's width at 6 rows (the warp-streaming GEMM, K split on the down projection) captured
     as a graph and replayed with fresh inputs: gate, up, act and down match NumPy every time."""

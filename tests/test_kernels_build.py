@@ -48,7 +48,8 @@ def test_every_define_a_kernel_needs_is_passed():
                                        ("RING_STAGE_BYTES_P2_T8", "gemv_nvfp4_ring.cu"),
                                        ("GEMM_SMEM_M64W8K128", "gemm_nvfp4.cu"),
                                        ("GEMM_SMEM_M128W2X4K64", "gemm_nvfp4.cu"),
-                                       ("GEMM_SMEM_M128WGK64", "gemm_nvfp4.cu")])
+                                       ("GEMM_SMEM_M128WGK64", "gemm_nvfp4.cu"),
+                                       ("WSTREAM_STAGE_K", "mma_bf16.cu")])
 def test_a_constant_that_differs_from_the_kernel_does_not_compile(name: str, file: str, tmp_path: Path):
     """The .cu files static_assert the values and layouts the wrappers size their launches by: a
     loader that disagreed with the kernel by one would fail the build, not corrupt memory."""
@@ -188,6 +189,21 @@ def test_compiles(path: Path, arch: str, tmp_path: Path):
            str(tmp_path / "out.cubin"), str(src)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"nvcc -arch={arch} failed on {path.name}:\n{r.stdout}{r.stderr}"
+
+
+@needs_nvcc
+def test_warp_streaming_gemm_builds_at_every_ring_depth(tmp_path: Path):
+    """The warp-streaming GEMM's wait counts are written for rings of 2 and 3 stages (the loader builds 2): both
+    compile, and a depth it has no wait count for is refused at build time."""
+    src = tmp_path / "mma_bf16.cu"
+    src.write_text(loader.kernel_source("mma_bf16.cu"))
+    for depth, ok in ((2, True), (3, True), (4, False)):
+        opts = [o if not o.startswith("-DWSTREAM_DEPTH=") else f"-DWSTREAM_DEPTH={depth}"
+                for o in loader.define_options()]
+        r = subprocess.run([NVCC, "--cubin", "-arch=sm_90", "-std=c++17", *opts, "-o", str(tmp_path / "out.cubin"),
+                            str(src)], capture_output=True, text=True)
+        assert (r.returncode == 0) == ok, f"WSTREAM_DEPTH={depth}:\n{r.stdout}{r.stderr}"
+        assert ok or "static assertion failed" in r.stdout + r.stderr
 
 
 #: a PTX instruction that touches memory (a kernel parameter's ld.param does not), predicated or not, or

@@ -216,9 +216,13 @@ MMA_GEMM_ENTRIES(64)
 #ifndef WSTREAM_DEPTH
 #error "WSTREAM_DEPTH is set by glm_ep/backend/cuda/loader.py"
 #endif
+#ifndef WSTREAM_STAGE_K
+#error "WSTREAM_STAGE_K is set by glm_ep/backend/cuda/loader.py"
+#endif
 static_assert(WSTREAM_DEPTH == 2 || WSTREAM_DEPTH == 3, "wait counts below are written for 2 or 3 stages");
+static_assert(WSTREAM_STAGE_K == 32 * 8, "a stage is one 16-byte copy (8 k) a lane a row: the loader's K slices and "
+              "shared memory are sized by it");
 #define WSTREAM_THREADS (WSTREAM_WARPS * 32)
-#define WSTREAM_STAGE_K 256
 #define WSTREAM_SLOT (16 * 2 * WSTREAM_STAGE_K)  // bytes of one stage of one warp
 
 __device__ __forceinline__ unsigned wstream_chunk(int r, int c) {

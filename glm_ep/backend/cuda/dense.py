@@ -1,6 +1,7 @@
 """Wrappers of the bf16 projection kernels, one path per row count: the batch-M GEMV tiers for
 1..8 rows (``gemv_bf16.cu``: plain, gate + up + SwiGLU fused, the router's fp32 logits), the
-tensor-core GEMM for 9..64 rows (``mma_bf16.cu``) and cuBLAS GemmEx past that.
+tensor-core GEMM for 9..64 rows (``mma_bf16.cu``), the warp-streaming tensor-core GEMM for the dense
+FFN's weights at 5..16 rows (also ``mma_bf16.cu``) and cuBLAS GemmEx past those.
 
 Shape suffixes: T rows, R rows of one call, N/K a projection's out/in width, E experts.
 """
@@ -13,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.cuda.loader import (BF16, F32, GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, MMA_GEMM_TIERS,
-                                        MMA_GEMM_WARPS, U32, WSTREAM_DEPTH, WSTREAM_TIERS, WSTREAM_WARPS, cdiv, check,
-                                        check_shape, i32, i64, launch, sm_count, smem_per_sm, split_k)
+                                        MMA_GEMM_WARPS, U32, WSTREAM_DEPTH, WSTREAM_STAGE_K, WSTREAM_TIERS,
+                                        WSTREAM_WARPS, cdiv, check, check_shape, i32, i64, launch, sm_count,
+                                        smem_per_sm, split_k)
 
 GEMV_CHUNK = 8  # k per 16-byte bf16 chunk: K must be a multiple
 MMA_GEMM_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM
@@ -140,7 +142,6 @@ def mma_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, 
 WSTREAM_MIN_ROWS = 5  # below: the batch-M GEMV
 WSTREAM_MAX_ROWS = WSTREAM_TIERS[-1]  # gate + up + SwiGLU
 WSTREAM_PLAIN_MAX_ROWS = 8  # a plain projection (the down): past 8 rows cuBLAS, faster there and never captured
-WSTREAM_STAGE_K = 256  # k of one stage of a warp's ring: 512 bytes of each of its 16 weight rows
 WSTREAM_SMEM = WSTREAM_WARPS * WSTREAM_DEPTH * 16 * WSTREAM_STAGE_K * 2  # a block's rings
 
 
@@ -166,13 +167,16 @@ def wstream_resident_blocks() -> int:
 
 def wstream_geometry(n: int, k: int, glu: bool, ksplit: int | None = None) -> tuple[int, int]:
     """(grid.x, K slices S): row blocks of 16 rows a warp (glu: 8 gate + 8 up), each split into S K slices while
-    every block of the launch is resident at once and K holds two stages a slice. A slice is whole stages, so
-    the last slices may be short or empty (they add zeros). ``ksplit`` fixes S (tests, tools)."""
+    every block of the launch is resident at once and K holds two stages a slice. A slice is whole stages (the
+    kernel's ``wstream_slice``: ceil(stages / S) each, the last one short), and S is then cut to the slices that
+    hold any, so no block streams nothing. ``ksplit`` fixes S as given (tests, tools: its last slices may be
+    empty, adding zeros)."""
     blocks = cdiv(n, WSTREAM_WARPS * (8 if glu else 16))
     if ksplit is None:
-        resident, ksplit = wstream_resident_blocks(), 1
-        while blocks * ksplit * 2 <= resident and cdiv(k, WSTREAM_STAGE_K) >= 4 * ksplit:
+        resident, stages, ksplit = wstream_resident_blocks(), cdiv(k, WSTREAM_STAGE_K), 1
+        while blocks * ksplit * 2 <= resident and stages >= 4 * ksplit:
             ksplit *= 2
+        ksplit = cdiv(stages, cdiv(stages, ksplit))
     if ksplit < 1:
         raise ValueError(f"K slices: {ksplit}, expected at least 1")
     return blocks * ksplit, ksplit

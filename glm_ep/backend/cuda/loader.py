@@ -46,6 +46,7 @@ MMA_GEMM_WARPS = 8  # warps per block of the 9..64-row tensor-core GEMM (mma_bf1
 MMA_GEMM_TIERS = (16, 32, 64)  # rows one launch covers (bf16_mma_*_t{T}); past the last: cuBLAS
 WSTREAM_WARPS = 4  # warps per block of the warp-streaming GEMM (mma_bf16.cu, bf16_wstream_*), each its own ring
 WSTREAM_DEPTH = 2  # stages of each warp's ring (16 rows x 512 bytes a stage)
+WSTREAM_STAGE_K = 256  # k of one stage: one 16-byte copy a lane a weight row (the kernel's lane layout fixes it)
 WSTREAM_TIERS = (8, 16)  # rows one warp-streaming launch covers (bf16_wstream_*_t{T})
 ELEM_THREADS = 256
 COMBINE_THREADS = 128
@@ -63,6 +64,7 @@ DEFINES = {
     "MMA_GEMM_WARPS": MMA_GEMM_WARPS,
     "WSTREAM_WARPS": WSTREAM_WARPS,
     "WSTREAM_DEPTH": WSTREAM_DEPTH,
+    "WSTREAM_STAGE_K": WSTREAM_STAGE_K,
     "ELEM_THREADS": ELEM_THREADS,
     "COMBINE_THREADS": COMBINE_THREADS,
     "COMBINE_VEC": COMBINE_VEC,
