@@ -2,7 +2,8 @@
 launch back to back): the batch-M GEMV (<= 8 rows), the warp-streaming GEMM (<= 16 rows), the tensor-core GEMM
 (mma_bf16.cu, 9..64 rows) and cuBLAS
 (gate, up, then the SwiGLU pass for the gate + up shapes); medians in us, and the weight bytes over the time in
-TB/s: which rows and widths each should serve."""
+TB/s: which rows and widths each should serve. ``--wstream-splits 4 6`` adds the warp-streaming GEMM at those
+fixed K splits beside its own choice (``wstream_s4``, ``wstream_s6``)."""
 import argparse
 
 import cupy as cp
@@ -17,6 +18,8 @@ BF16 = ml_dtypes.bfloat16
 ap = argparse.ArgumentParser(description=__doc__)
 ap.add_argument("--rows", type=int, nargs="+", default=[9, 16, 24, 32, 40, 48, 56, 64])
 ap.add_argument("--shapes", nargs="+", default=["dense_glu", "dense_down", "shared_glu", "shared_down"])
+ap.add_argument("--wstream-splits", type=int, nargs="*", default=[],
+                help="also time the warp-streaming GEMM at these fixed K splits")
 args = ap.parse_args()
 s = cp.cuda.Stream(non_blocking=True)
 s.use()
@@ -30,6 +33,11 @@ H = 4096
 SHAPES = {"dense_glu": (12288, H, True), "dense_down": (H, 12288, False), "shared_glu": (2048, H, True),
           "shared_down": (H, 2048, False)}
 n_part, n_arr = K.wstream_scratch_sizes()
+for name in args.shapes:  # a fixed split may pass what the device holds at once: scratch for its grid too
+    n, k, glu = SHAPES[name]
+    for ks in args.wstream_splits:
+        need = K.wstream_scratch_need(K.wstream_geometry(n, k, glu, ks)[0], ks, K.WSTREAM_MAX_ROWS)
+        n_part, n_arr = max(n_part, need[0]), max(n_arr, need[1])
 partials, arrived = cp.empty(n_part, dtype=cp.float32), cp.zeros(n_arr, dtype=cp.uint32)
 print("shape rows engine us TB/s", flush=True)
 for name in args.shapes:
@@ -47,6 +55,9 @@ for name in args.shapes:
                 runs["mma"] = lambda: K.mma_glu_bf16(x, wg, wu, 7.0, g, u, a)
             if rows <= K.WSTREAM_MAX_ROWS:
                 runs["wstream"] = lambda: K.wstream_glu_bf16(x, wg, wu, 7.0, g, u, a, partials, arrived)
+                for ks in args.wstream_splits:
+                    runs[f"wstream_s{ks}"] = lambda ks=ks: K.wstream_glu_bf16(x, wg, wu, 7.0, g, u, a, partials,
+                                                                            arrived, ks)
 
             def cub():
                 K.gemm_bf16(x, wg, g)
@@ -60,6 +71,8 @@ for name in args.shapes:
                 runs["mma"] = lambda: K.mma_gemm_bf16(x, wg, g)
             if rows <= K.WSTREAM_MAX_ROWS:
                 runs["wstream"] = lambda: K.wstream_gemm_bf16(x, wg, g, partials, arrived)
+                for ks in args.wstream_splits:
+                    runs[f"wstream_s{ks}"] = lambda ks=ks: K.wstream_gemm_bf16(x, wg, g, partials, arrived, ks)
             runs["cublas"] = lambda: K.gemm_bf16(x, wg, g)
         for engine, fn in runs.items():
             us = time_median(cp, s, fn, 20)
