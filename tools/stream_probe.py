@@ -50,19 +50,15 @@ __device__ __forceinline__ unsigned su32(const void* p) {
 }
 extern __shared__ __align__(128) unsigned char smem[];
 
-// cp.async through a ring of `depth` stages of `band` rows x `line` bytes at `ring`: copied and read by the
-// block's threads (WARP false: one barrier a stage) or by one warp's lanes (WARP true: the warp waits only on
-// its own copies).
-template <bool WARP>
-__device__ __forceinline__ void cp_ring(const char* base, unsigned char* ring, int row_bytes, int band, int line,
-                                        int stages, int depth, float* out) {
-    const int first = WARP ? (threadIdx.x & 31) : threadIdx.x, step = WARP ? 32 : blockDim.x;
+extern "C" __global__ void cpasync(const uint4* __restrict__ m, int row_bytes, int band, int line, int stages,
+                                   int depth, float* out) {
     const int cpl = line / 16, per_stage = band * cpl, stage_bytes = band * line;
+    const char* base = (const char*)m + (size_t)blockIdx.x * band * row_bytes;
     auto load = [&](int s) {
         if (s < stages) {
-            for (int i = first; i < per_stage; i += step) {
+            for (int i = threadIdx.x; i < per_stage; i += blockDim.x) {
                 const char* a = base + (size_t)(i / cpl) * row_bytes + (size_t)s * line + (i % cpl) * 16;
-                const unsigned dst = su32(ring + (s % depth) * stage_bytes + i * 16);
+                const unsigned dst = su32(smem + (s % depth) * stage_bytes + i * 16);
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(a) : "memory");
             }
         }
@@ -78,29 +74,51 @@ __device__ __forceinline__ void cp_ring(const char* base, unsigned char* ring, i
             case 5: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
             default: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
         }
-        if (WARP) __syncwarp(); else __syncthreads();
+        __syncthreads();
         load(s + depth - 1);
-        for (int i = first; i < per_stage; i += step) {
-            const uint4 v = *(const uint4*)(ring + (s % depth) * stage_bytes + i * 16);
+        for (int i = threadIdx.x; i < per_stage; i += blockDim.x) {
+            const uint4 v = *(const uint4*)(smem + (s % depth) * stage_bytes + i * 16);
             acc ^= v.x ^ v.y ^ v.z ^ v.w;
         }
-        if (WARP) __syncwarp();
     }
     if (acc == 0x12345678u) out[0] = 1.0f;
 }
 
-extern "C" __global__ void cpasync(const uint4* __restrict__ m, int row_bytes, int band, int line, int stages,
-                                   int depth, float* out) {
-    cp_ring<false>((const char*)m + (size_t)blockIdx.x * band * row_bytes, smem, row_bytes, band, line, stages,
-                   depth, out);
-}
-
 extern "C" __global__ void warpring(const uint4* __restrict__ m, int row_bytes, int band, int line, int stages,
                                     int depth, float* out) {
-    // every WARP its own band of `band` rows (the block's warps own consecutive bands) and its own ring
-    const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    cp_ring<true>((const char*)m + ((size_t)blockIdx.x * nwarps + warp) * band * row_bytes,
-                  smem + (size_t)warp * depth * band * line, row_bytes, band, line, stages, depth, out);
+    // every WARP its own band of `band` rows (the block's warps own consecutive bands) and its own ring of
+    // `depth` stages: cp.async by its lanes, waits on its own groups, no block-wide barrier
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    const int cpl = line / 16, per_stage = band * cpl, stage_bytes = band * line;
+    unsigned char* ring = smem + (size_t)warp * depth * stage_bytes;
+    const char* base = (const char*)m + ((size_t)blockIdx.x * nwarps + warp) * band * row_bytes;
+    auto load = [&](int s) {
+        if (s < stages) {
+            for (int i = lane; i < per_stage; i += 32) {
+                const char* a = base + (size_t)(i / cpl) * row_bytes + (size_t)s * line + (i % cpl) * 16;
+                const unsigned dst = su32(ring + (s % depth) * stage_bytes + i * 16);
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(a) : "memory");
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    for (int s = 0; s < depth - 1; ++s) load(s);
+    unsigned acc = 0;
+    for (int s = 0; s < stages; ++s) {
+        switch (depth) {
+            case 2: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+            case 3: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+            default: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+        }
+        __syncwarp();
+        load(s + depth - 1);
+        for (int i = lane; i < per_stage; i += 32) {
+            const uint4 v = *(const uint4*)(ring + (s % depth) * stage_bytes + i * 16);
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+        __syncwarp();
+    }
+    if (acc == 0x12345678u) out[0] = 1.0f;
 }
 
 extern "C" __global__ void bulk(const uint4* __restrict__ m, int row_bytes, int band, int line, int stages,
