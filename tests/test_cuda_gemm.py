@@ -162,8 +162,8 @@ def test_gemm_sorted_glm_shape(rng):
 
 
 def runs_here(variant) -> None:
-    if not grouped.runs_here(variant):
-        pytest.skip("the wgmma engine runs on sm_90a only")
+    if why := grouped.why_not_here(variant):
+        pytest.skip(why)
 
 
 def check_variant(variant, x, a, cu, nu, route, what):

@@ -20,6 +20,7 @@ from glm_ep.backend.cuda import grouped, loader
 NVCC = shutil.which("nvcc") or next((str(p) for p in [Path("/usr/local/cuda/bin/nvcc")] if p.is_file()), None)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (no CUDA toolkit on PATH or in /usr/local/cuda)")
 FILES = loader.kernel_files()
+H200_BLOCK_SMEM, GB10_BLOCK_SMEM = 232448, 101376  # shared memory one block may opt into (sm_90, sm_121)
 
 
 def test_kernel_files_exist():
@@ -133,6 +134,7 @@ def test_gemm_large_x_takes_the_register_engine(monkeypatch):
         size = grouped.X_OFFSET_LIMIT
 
     monkeypatch.setattr(grouped, "wgmma_here", lambda: True)
+    monkeypatch.setattr(grouped, "block_smem_limit", lambda: H200_BLOCK_SMEM)
     assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "sync"
     assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").wm == 1
     X.size = grouped.X_OFFSET_LIMIT - 1
@@ -148,6 +150,7 @@ def test_wgmma_variant_refused_where_it_does_not_run(monkeypatch):
     monkeypatch.setattr(grouped, "wgmma_here", lambda: False)
     monkeypatch.setattr(grouped, "current_device", lambda: 0)
     monkeypatch.setattr(grouped, "compute_capability", lambda device: (12, 1))
+    monkeypatch.setattr(grouped, "block_smem_limit", lambda: GB10_BLOCK_SMEM)
 
     class X:
         size = 4096 * 4096
@@ -155,6 +158,27 @@ def test_wgmma_variant_refused_where_it_does_not_run(monkeypatch):
     with pytest.raises(ValueError, match=r"m128wgk64 needs wgmma .*\(12, 1\)"):
         grouped._geometry(grouped.GEMM_WGMMA, X(), 4096 * 8, 288, 4096, "t")
     assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "sync"
+
+
+@pytest.mark.parametrize("limit", [GB10_BLOCK_SMEM, H200_BLOCK_SMEM], ids=["GB10", "H200"])
+def test_gemm_variant_past_the_block_shared_memory_does_not_run(monkeypatch, limit: int):
+    """A tile variant whose stages pass the shared memory one block may opt into does not run there (m64w8k128's
+    104448 bytes on a GB10's 101376): ``runs_here`` says so, so the bench and the GPU tests pass it over, and
+    asking for it is refused by name and size; every variant the default choice can make fits a GB10."""
+    monkeypatch.setattr(grouped, "wgmma_here", lambda: False)
+    monkeypatch.setattr(grouped, "block_smem_limit", lambda: limit)
+    big = (64, 1, 8, 128, 3, "sync")
+    assert grouped.GemmGeometry.of(big).smem == 104448
+    assert grouped.runs_here(big) == (limit == H200_BLOCK_SMEM)
+
+    class X:
+        size = 4096 * 4096
+
+    if limit == GB10_BLOCK_SMEM:
+        with pytest.raises(ValueError, match=rf"t: variant m64w8k128 needs 104448 bytes .* allows {limit}"):
+            grouped._geometry(big, X(), 4096 * 8, 288, 4096, "t")
+    for v in set(grouped.GEMM_DEFAULT.values()) | set(grouped.GEMM_FALLBACK.values()):
+        assert grouped.runs_here(v), f"default variant {v} does not fit {limit} bytes a block"
 
 
 def test_arch_build_falls_back_to_the_plain_build(monkeypatch, caplog):

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.loader import (ARCH_SPECIFIC, BF16, GEMM_VARIANTS, I32, arch_build, cdiv, check,
-                                        check_shape, compute_capability, current_device, gemm_smem_bytes,
+from glm_ep.backend.cuda.loader import (ARCH_SPECIFIC, BF16, GEMM_VARIANTS, I32, arch_build, block_smem_limit, cdiv,
+                                        check, check_shape, compute_capability, current_device, gemm_smem_bytes,
                                         gemm_suffix, i32, launch)
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 
@@ -93,9 +93,21 @@ def wgmma_here() -> bool:
             and arch_build("gemm_nvfp4.cu", dev) is not None)
 
 
+def why_not_here(variant: Variant) -> str:
+    """'' where this device runs ``variant``, else why not: its stages past the shared memory one block may have
+    (m64w8k128's 104 KB on a GB10's 99 KB), or a wgmma variant where ``wgmma_here`` is false."""
+    geo = GemmGeometry.of(variant)
+    if geo.mma == "wgmma" and not wgmma_here():
+        return (f"variant {geo.suffix} needs wgmma (sm_90a, compute capability 9.0); this device is "
+                f"{compute_capability(current_device())}")
+    if geo.smem > (limit := block_smem_limit()):
+        return f"variant {geo.suffix} needs {geo.smem} bytes of shared memory a block; this device allows {limit}"
+    return ""
+
+
 def runs_here(variant: Variant) -> bool:
-    """Whether this device runs ``variant`` (the wgmma ones only where ``wgmma_here``)."""
-    return GemmGeometry.of(variant).mma != "wgmma" or wgmma_here()
+    """Whether this device runs ``variant`` (``why_not_here``)."""
+    return not why_not_here(variant)
 
 
 #: the tiled and wgmma engines address x with 32-bit element offsets
@@ -107,9 +119,8 @@ def _geometry(variant: Variant | None, x: Any, slots: int, num_experts: int, k: 
     x too large for the tiled and wgmma engines' 32-bit offsets takes the register engine (asked for: a
     clear error)."""
     geo = GemmGeometry.of(variant or gemm_variant(slots, num_experts, k, wgmma_here()))
-    if variant is not None and not runs_here(variant):  # gemm_variant offers wgmma only where it runs
-        raise ValueError(f"{what}: variant {geo.suffix} needs wgmma (sm_90a, compute capability 9.0); this device "
-                         f"is {compute_capability(current_device())}")
+    if variant is not None and (why := why_not_here(variant)):  # gemm_variant offers wgmma only where it runs
+        raise ValueError(f"{what}: {why}")
     if (geo.wm > 1 or geo.mma == "wgmma") and x.size >= X_OFFSET_LIMIT:
         if variant is not None:
             raise ValueError(f"{what}: x has {x.size} elements; variant {geo.suffix} addresses it with 32-bit "

@@ -274,6 +274,11 @@ def smem_per_sm() -> tuple[int, int]:
     return device_attr(dev, "MaxSharedMemoryPerMultiprocessor"), device_attr(dev, "ReservedSharedMemoryPerBlock")
 
 
+def block_smem_limit() -> int:
+    """Shared memory one block of the current device may opt into: 227 KB on sm_90, 99 KB on a GB10 (sm_121)."""
+    return device_attr(current_device(), "MaxSharedMemoryPerBlockOptin")
+
+
 def launch(file: str, entry: str, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
            smem: int = 0, persistent: bool = False) -> None:
     """Launch ``entry`` of ``file`` on the current stream; ``smem`` bytes of dynamic shared memory
@@ -287,7 +292,7 @@ def launch(file: str, entry: str, grid: tuple[int, ...], block: tuple[int, ...],
     fn = _function(file, entry, dev)
     total = smem + _static_smem(file, entry, dev)  # static shared memory counts against the same limit
     if total > device_attr(dev, "MaxSharedMemoryPerBlock") and fn.max_dynamic_shared_size_bytes < smem:
-        limit = device_attr(dev, "MaxSharedMemoryPerBlockOptin")
+        limit = block_smem_limit()
         if total > limit:
             raise ValueError(f"{entry}: needs {total} bytes of shared memory ({smem} dynamic), the device "
                              f"allows {limit}")
