@@ -218,3 +218,32 @@ def test_dense_ffn_engine_by_rows():
         assert dense.wstream_takes(x, large, glu=False) == (5 <= t <= 8), f"{t} rows, dense-FFN down"
         for glu in (True, False):
             assert not dense.wstream_takes(x, small, glu), f"{t} rows, shared-expert weight"
+
+
+GB10_BLOCK_SMEM, H200_BLOCK_SMEM = 101376, 232448  # shared memory one block may opt into (sm_121, sm_90)
+
+
+def test_ring_levers_past_the_block_shared_memory_are_refused() -> None:
+    """A ring lever set whose blocks need more shared memory than the device gives one block is a ConfigError
+    naming the levers and the sizes (make_backend raises it on every rank, before any weight is read), where the
+    launch would have been refused at the first one-row step: gate + up at slab 8, depth 3 (120 KB) on a GB10
+    (99 KB). What the defaults build fits both devices, the placed gate + up's x row included."""
+    forms = RingConfig().forms(10.0)
+    for limit in (GB10_BLOCK_SMEM, H200_BLOCK_SMEM):
+        RingConfig().check_fits(limit, forms, 4096)
+        RingConfig(placed_hidden=True).check_fits(limit, RingConfig(placed_hidden=True).forms(10.0), 4096)
+        RingConfig(union_max_rows=8).check_fits(limit, forms, 4096)
+    deep = RingConfig(slab=(4, 8), depth=(2, 3))
+    assert deep.smem(2, "bf16u") == 122880
+    deep.check_fits(H200_BLOCK_SMEM, deep.forms(10.0), 4096)
+    with pytest.raises(ConfigError, match=r"levers.ring_slab = \[4, 8\], ring_depth = \[2, 3\]: .*gate \+ up "
+                                          r"\(slab 8, depth 3\) needs 122880 bytes .* allows 101376"):
+        deep.check_fits(GB10_BLOCK_SMEM, deep.forms(10.0), 4096)
+    # the union ring's levers are named for its own blocks (8 rows at slab 4, depth 2: 68 KB), and only where it runs
+    union = RingConfig(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2))
+    assert union.union_smem(2, 8) == 69632 > 65536 > union.smem(2, "bf16u")
+    with pytest.raises(ConfigError, match=r"levers.ring_union_slab = \[4, 4\], ring_union_depth = \[2, 2\]: .*"
+                                          r"69632 bytes .* allows 65536"):
+        union.check_fits(65536, union.forms(10.0), 4096)
+    RingConfig(union_max_rows=1, union_slab=(4, 4), union_depth=(2, 2)).check_fits(65536, forms, 4096)
+    RingConfig(enabled=False, slab=(8, 8), depth=(3, 3)).check_fits(1024, ("bf16", "bf16"), 4096)

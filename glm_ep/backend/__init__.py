@@ -20,13 +20,15 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
     rank unless the topology lists devices; ``glm_ep.placement.device_index``). Refused with a
     ConfigError, before any device is touched, where a lever or the model's top-k is past the
     backend's ``Capabilities``, or (CUDA) where the ring levers ask for a kernel that is not built
-    or an fp16 form the site's ``swiglu_limit`` does not bound."""
+    or an fp16 form the site's ``swiglu_limit`` does not bound; and (CUDA, once the device is chosen)
+    where a ring block would need more shared memory than the device gives one."""
     if topology.backend == "cpu":
         from glm_ep.backend.numpy_backend import NumpyBackend
 
         NumpyBackend.capabilities.check("cpu", topology.levers, cfg.top_k)
         return NumpyBackend()
     from glm_ep.backend.cuda import CudaBackend, RingConfig
+    from glm_ep.backend.cuda.loader import block_smem_limit
 
     CudaBackend.capabilities.check("cuda", topology.levers, cfg.top_k)
     ring = RingConfig.from_levers(topology.levers)
@@ -39,8 +41,9 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
         raise ConfigError(f"topology {topology.name!r} asks for backend = 'cuda', but CUDA is unusable on "
                           f"{placement.host} ({type(e).__name__}: {e}); install glm_ep[cuda13] (or "
                           "[cuda12]) or use backend = 'cpu'") from None
-    return CudaBackend(device_index(topology.devices, placement, visible), ring,
-                       dependent_launch=topology.levers.pdl)
+    be = CudaBackend(device_index(topology.devices, placement, visible), ring, dependent_launch=topology.levers.pdl)
+    ring.check_fits(block_smem_limit(), ring.forms(cfg.swiglu_limit), cfg.hidden)  # the device's own limit
+    return be
 
 
 def make_comm(mpi_comm: Any, backend: Backend, topology: Any, placement: Placement,

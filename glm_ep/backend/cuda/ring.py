@@ -139,8 +139,40 @@ class RingConfig:
         rings do not fit in the device's shared memory), RING_WARPS per block. Placed gate + up
         (``k``: their in width) keep the block's prepared x row after the rings."""
         t, depth = self.slab[p - 1], self.depth[p - 1]
-        smem = RING_WARPS * depth * ring_stage_bytes(p, t) + (2 * k if form == "placed" and p == 2 else 0)
+        smem = self.smem(p, form, k)
         return self._blocks(slots * (n // MMA_ROWS) + extra_items, smem), smem, f"{FORM_PREFIX[form]}t{t}_d{depth}"
+
+    def smem(self, p: int, form: str, k: int = 0) -> int:
+        """Dynamic shared memory of one block of the ring over ``p`` matrices: RING_WARPS rings of depth stages,
+        and for the placed gate + up the block's prepared x row (in width ``k``)."""
+        return (RING_WARPS * self.depth[p - 1] * ring_stage_bytes(p, self.slab[p - 1])
+                + (2 * k if form == "placed" and p == 2 else 0))
+
+    def union_smem(self, p: int, rows: int) -> int:
+        """Dynamic shared memory of one block of the union ring over ``p`` matrices for ``rows`` rows (the stage
+        holds them rounded up to an instantiated R)."""
+        r = next(r for r in UNION_RING_ROWS if rows <= r)
+        return RING_WARPS * self.union_depth[p - 1] * ring_stage_bytes(p, self.union_slab[p - 1], r)
+
+    def check_fits(self, limit: int, forms: tuple[str, str], hidden: int) -> None:
+        """A ConfigError naming the levers where a ring block (``forms``: ``forms(swiglu_limit)``; ``hidden``: gate
+        and up's in width) needs more shared memory than ``limit``, what one block of the device may have: such a
+        launch would be refused at the first step (a slab of 8 at depth 3 needs 120 KB; a GB10 gives 99 KB)."""
+        if not self.enabled:
+            return
+        union_rows = min(self.union_max_rows, UNION_RING_ROWS[-1])
+        needs = [("ring", p, self.smem(p, forms[0] if p == 2 else forms[1], hidden), self.slab, self.depth)
+                 for p in (1, 2)]
+        if union_rows >= 2:
+            needs += [("ring_union", p, self.union_smem(p, union_rows), self.union_slab, self.union_depth)
+                      for p in (1, 2)]
+        for name, p, need, slab, depth in needs:
+            if need > limit:
+                what = "gate + up" if p == 2 else "one projection"
+                raise ConfigError(f"levers.{name}_slab = {list(slab)}, {name}_depth = {list(depth)}: a block of the "
+                                  f"{name.replace('_', ' ')} over {what} (slab {slab[p - 1]}, depth {depth[p - 1]}) "
+                                  f"needs {need} bytes of shared memory, this device allows {limit} a block; choose "
+                                  "a smaller slab or depth")
 
     def down_combine_parts(self, n: int, k: int, shared_k: int) -> int:
         """K slices of the shared expert's down projection [n, shared_k] when it runs as extra items
@@ -163,7 +195,7 @@ class RingConfig:
         the stage holds the rows rounded up to an instantiated R."""
         t, depth = self.union_slab[p - 1], self.union_depth[p - 1]
         r = next(r for r in UNION_RING_ROWS if rows <= r)
-        smem = RING_WARPS * depth * ring_stage_bytes(p, t, r)
+        smem = self.union_smem(p, rows)
         return self._blocks(entries * (n // MMA_ROWS), smem), smem, f"r{r}_t{t}_d{depth}"
 
     def _blocks(self, items: int, smem: int) -> int:
