@@ -56,6 +56,13 @@ class TensorInfo:
     nbytes: int
 
 
+def _header_int(v: object) -> int:
+    """A shape or offset of a safetensors header: a JSON integer (not a float such as 2.5 or 1e999, nor a bool)."""
+    if type(v) is not int:
+        raise ValueError(f"{v!r} is not an integer")
+    return v
+
+
 def _parse_header(path: Path) -> tuple[dict[str, TensorInfo], bytes]:
     """Read one shard's header; check it is well formed and the file holds all the data it names.
     Returns its tensors and the raw header bytes."""
@@ -79,8 +86,8 @@ def _parse_header(path: Path) -> tuple[dict[str, TensorInfo], bytes]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape = str(entry["dtype"]), tuple(int(d) for d in entry["shape"])
-            start, end = (int(v) for v in entry["data_offsets"])
+            dtype, shape = str(entry["dtype"]), tuple(_header_int(d) for d in entry["shape"])
+            start, end = (_header_int(v) for v in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path}: corrupt header: entry for tensor '{name}' is malformed "
                                   f"({entry!r}: {e!r})") from None

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from glm_ep.errors import ConfigError, GlmEpError
 
 #: NVFP4 block size: one E4M3 scale per 16 consecutive k.
@@ -124,9 +126,11 @@ class ModelConfig:
             raise bad(f"n_shared_experts = {self.n_shared_experts}, expected >= 0")
         if self.n_group != 1:
             raise bad(f"n_group = {self.n_group}, expected 1 (grouped top-k routing is not supported)")
-        if not (math.isfinite(self.swiglu_limit) and self.swiglu_limit > 0):
-            raise bad(f"swiglu_limit = {self.swiglu_limit}, expected a finite value > 0 "
-                      "(a zero limit is not 'no clamp', it forces the gate to <= 0)")
+        # both are applied in fp32 (the kernels' and the NumPy backend's): they must be finite, and the limit
+        # nonzero, there, not only as Python floats (1e300 is inf in fp32, 1e-300 is 0)
+        if not (math.isfinite(_f32(self.swiglu_limit)) and _f32(self.swiglu_limit) > 0):
+            raise bad(f"swiglu_limit = {self.swiglu_limit}, expected a value > 0 that is finite and nonzero in "
+                      "float32 (a zero limit is not 'no clamp', it forces the gate to <= 0)")
         if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:  # the backend's own limit: make_backend
             raise bad(f"num_experts_per_tok = {self.num_experts_per_tok}, expected 1..={self.n_routed_experts} "
                       "(n_routed_experts)")
@@ -134,8 +138,15 @@ class ModelConfig:
             if getattr(self, key) % NVFP4_GROUP:
                 raise bad(f"{key} = {getattr(self, key)} is not a multiple of the NVFP4 group size "
                           f"{NVFP4_GROUP}")
-        if not math.isfinite(self.routed_scaling_factor):
-            raise bad(f"routed_scaling_factor = {self.routed_scaling_factor}, expected a finite number")
+        if not math.isfinite(_f32(self.routed_scaling_factor)):
+            raise bad(f"routed_scaling_factor = {self.routed_scaling_factor}, expected a number finite in float32 "
+                      f"(|v| <= {float(np.finfo(np.float32).max):.4g})")
+
+
+def _f32(v: float) -> float:
+    """``v`` as the float32 it is applied as (inf past float32's range, 0 below its least subnormal)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(v))
 
 
 def _layer_types(text: dict[str, Any], n_layers: int, source: str) -> tuple[str, ...]:

@@ -36,6 +36,10 @@ def read_hidden_states(path: str, hidden: int, allow_nonfinite: bool = False) ->
         with safe_open(str(p), framework="numpy") as f:
             if "hidden_states" not in f.keys():
                 raise InputError(f"{p}: no tensor 'hidden_states' (found {sorted(f.keys())})")
+            sl = f.get_slice("hidden_states")
+            dtype, shape = sl.get_dtype(), list(sl.get_shape())
+            if dtype != "BF16":  # read from the header: NumPy cannot even hold some (F8_E4M3, F4)
+                raise InputError(f"{p}: hidden_states is {dtype} {shape}, expected BF16 [rows, {hidden}]")
             x = f.get_tensor("hidden_states")
     except SafetensorError as e:
         raise InputError(f"{p}: not a readable safetensors file ({e})") from None

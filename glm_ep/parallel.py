@@ -28,7 +28,12 @@ T = TypeVar("T")
 
 
 class AgreedError(GlmEpError):
-    """An error every rank knows about (raised on all ranks by ``Ranks.agree``)."""
+    """An error every rank knows about (raised on all ranks by ``Ranks.agree``); ``internal``: it began as a
+    crash (not a user error) on some rank."""
+
+    def __init__(self, message: str, internal: bool = False):
+        super().__init__(message)
+        self.internal = internal
 
 
 def mpi_world() -> Any:
@@ -75,22 +80,32 @@ class Ranks:
             return self.comm.allgather(value)
 
     def agree(self, site: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on every rank; if it raised a ``GlmEpError`` on any rank, raise on all of them."""
-        result, msg = None, None
+        """Run ``fn`` on every rank; if it raised on any rank, raise on all of them: the same ``AgreedError``
+        for a ``GlmEpError``. Any other exception (a crash) is shared first, so no rank waits on one that has
+        stopped: the rank it happened on then raises it as it was (traceback and all), the others an
+        ``AgreedError`` that names it (``internal``)."""
+        result, msg, crash = None, None, None
         try:
             result = fn()
         except AgreedError:
             raise
         except GlmEpError as e:
             msg = str(e)
-        msgs = self.allgather(site, msg)
-        failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+        except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised here as it was
+            crash, msg = e, f"internal error: {type(e).__name__}: {e}"
+        msgs = self.allgather(site, (msg, crash is not None))
+        if crash is not None:
+            raise crash
+        failed = [(r, m) for r, (m, _) in enumerate(msgs) if m is not None]
+        internal = any(c for _, c in msgs)
         if failed:
             distinct = {m for _, m in failed}
             if len(distinct) == 1:
                 ranks = ",".join(str(r) for r, _ in failed)
-                raise AgreedError(f"{failed[0][1]} (on rank {ranks})" if len(failed) < len(msgs) else failed[0][1])
-            raise AgreedError("the ranks failed differently:\n" + "\n".join(f"  rank {r}: {m}" for r, m in failed))
+                raise AgreedError(f"{failed[0][1]} (on rank {ranks})" if len(failed) < len(msgs) else failed[0][1],
+                                  internal)
+            raise AgreedError("the ranks failed differently:\n" + "\n".join(f"  rank {r}: {m}" for r, m in failed),
+                              internal)
         return result  # type: ignore[return-value]
 
     def check_same(self, site: str, what: str, digests: dict[str, str]) -> None:
@@ -113,7 +128,7 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
     except AgreedError as e:  # every rank holds the same message: rank 0 prints it, every rank exits
         if rank == 0:
             print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USER
+        return EXIT_INTERNAL if e.internal else EXIT_USER
     except GlmEpError as e:
         msg, code = f"[rank {rank}] glm-ep: error: {e}", EXIT_USER
     except KeyboardInterrupt:

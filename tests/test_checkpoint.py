@@ -209,6 +209,23 @@ def test_corrupt_header(ckpt_copy: Path, damage: str) -> None:
         Checkpoint(ckpt_copy)
 
 
+@pytest.mark.parametrize("value", ["1e999", "2.5", "4.0", "true"])
+def test_header_numbers_that_are_not_integers_are_refused(ckpt_copy: Path, value: str) -> None:
+    """A shape or offset must be a JSON integer: 1e999 (inf to Python's JSON) stopped the load with an
+    OverflowError, and 2.5 was truncated to 2."""
+    key = f"{SPARSE}.gate.weight"
+    shard = _shard_of(ckpt_copy, key)
+    data = shard.read_bytes()
+    (hlen,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + hlen])
+    header[key]["shape"][0] = "@@"
+    text = json.dumps(header).replace('"@@"', value).encode()
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + hlen:])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: corrupt header: entry for tensor '{key}' is "
+                                              rf"malformed .*is not an integer"):
+        Checkpoint(ckpt_copy)
+
+
 def test_missing_tensor(ckpt_copy: Path) -> None:
     key = f"{SPARSE}.experts.3.down_proj.weight_scale"
     _rewrite(_shard_of(ckpt_copy, key), lambda t: t.pop(key))

@@ -190,6 +190,40 @@ def test_unexpected_exception_on_one_rank_aborts_the_job(tmp_path) -> None:
     assert "passed the barrier" not in r.stdout
 
 
+def test_a_crash_on_one_rank_inside_an_agreement_stops_every_rank_at_once(tmp_path) -> None:
+    """A crash (not a user error) on one rank inside ``Ranks.agree``, as the library API meets it (no
+    run_guarded): that rank raises its own exception, the other an AgreedError naming it, both at once, not
+    after the collective deadline (60 s here; the default is 300)."""
+    script = textwrap.dedent("""
+        import sys, time
+        from pathlib import Path
+        from mpi4py import MPI
+        from glm_ep.parallel import AgreedError, Ranks
+
+        rank, t0 = MPI.COMM_WORLD.Get_rank(), time.monotonic()
+
+        def step():
+            if rank == 1:
+                raise ZeroDivisionError("boom")
+            return 7
+
+        try:
+            Ranks(MPI.COMM_WORLD, timeout_s=60).agree("step", step)
+            said = "went on"
+        except AgreedError as e:
+            said = f"agreed {e.internal} [{e}]"
+        except ZeroDivisionError as e:
+            said = f"own {e!r}"
+        Path(sys.argv[1], f"rank{rank}").write_text(f"{said}\\n{time.monotonic() - t0}")
+    """)
+    r = mpiexec(2, "-c", script, str(tmp_path), timeout=50)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = {rank: (tmp_path / f"rank{rank}").read_text().split("\n") for rank in (0, 1)}
+    assert said[0][0] == "agreed True [internal error: ZeroDivisionError: boom (on rank 1)]", said
+    assert said[1][0] == "own ZeroDivisionError('boom')", said
+    assert all(float(t) < 30 for _, t in said.values()), said  # not the collective deadline
+
+
 def test_an_agreed_error_is_printed_once_whole_one_rank_per_line(tmp_path) -> None:
     """Ranks that fail with different messages: rank 0 prints all of them, one rank per line."""
     script = textwrap.dedent("""

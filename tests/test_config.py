@@ -123,6 +123,10 @@ def test_missing_swiglu_limit_is_refused_never_defaulted() -> None:
     (dict(moe_intermediate_size=40), "moe_intermediate_size = 40"),
     (dict(norm_topk_prob="yes"), "norm_topk_prob"),
     (dict(n_routed_experts=32.0), "n_routed_experts"),
+    # finite as Python floats, not as the float32 they are applied as
+    (dict(routed_scaling_factor=1e300), r"routed_scaling_factor = 1e\+300, expected a number finite in float32"),
+    (dict(swiglu_limit=1e-300), r"swiglu_limit = 1e-300, expected a value > 0 that is finite and nonzero in float32"),
+    (dict(swiglu_limit=1e39), r"swiglu_limit = 1e\+39"),
 ])
 def test_bad_model_values_are_refused_by_name(overrides: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):

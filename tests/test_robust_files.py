@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from glm_ep.errors import InputError
-from glm_ep.files import check_output_path
+from glm_ep.files import check_output_path, read_hidden_states
 
+from ckpt_writer import write_safetensors
 from helpers import fails, glm_ep, load_outputs, loaded_weights, random_x, save_hidden
 
 
@@ -97,3 +98,13 @@ def test_input_is_read_before_the_load(tiny_checkpoint, tmp_path, make, needle: 
     r = _forward(tiny_checkpoint, make(tmp_path), tmp_path / "out.safetensors")
     fails(r, needle)
     assert not loaded_weights(r)
+
+
+@pytest.mark.parametrize("dtype,itemsize", [("F8_E4M3", 1), ("F8_E5M2", 1), ("F32", 4), ("F16", 2)])
+def test_input_dtype_is_named_from_the_header(tmp_path, dtype: str, itemsize: int) -> None:
+    """An input of another dtype is refused by name before its data is read: NumPy cannot even hold the 8-bit
+    floats (safetensors' reader raised an AttributeError for them)."""
+    path = tmp_path / "x.safetensors"
+    write_safetensors(path, {"hidden_states": (dtype, (3, 128), bytes(3 * 128 * itemsize))})
+    with pytest.raises(InputError, match=rf"hidden_states is {dtype} \[3, 128\], expected BF16 \[rows, 128\]"):
+        read_hidden_states(str(path), 128)
