@@ -13,13 +13,26 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from glm_ep import bench
 from glm_ep.errors import EXIT_USER
 from glm_ep.mpi_lib import MpiUnavailable
 from glm_ep.parallel import Ranks, mpi_world, run_guarded, setup_logging
 from glm_ep.topologies import shipped_names
+
+
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least`` (argparse names the flag and exits 2 otherwise)."""
+    def integer(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < least:
+            raise argparse.ArgumentTypeError(f"{v}, expected an integer >= {least}")
+        return v
+    return integer
 
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
@@ -38,11 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("synth", help="write a synthetic checkpoint in the real GLM-5.3 NVFP4 format")
     p.add_argument("--preset", default="tiny", help="tiny | glm-5.3-flash")
     p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=int, help="override num_hidden_layers (the real shape is ~170 GB)")
+    p.add_argument("--seed", type=_count(0), default=0)
+    p.add_argument("--layers", type=_count(1), help="override num_hidden_layers (the real shape is ~170 GB)")
     p.add_argument("--router-dtype", choices=("bf16", "f32"), default="bf16")
     p.add_argument("--composite", action="store_true", help="text_config + model.language_model prefix")
-    p.add_argument("--shard-mb", type=int, default=256)
+    p.add_argument("--shard-mb", type=_count(1), default=256)
 
     p = sub.add_parser("footprint", help="print weight and workspace footprints from a config alone")
     src = p.add_mutually_exclusive_group(required=True)
@@ -62,11 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="the main job: load, prefill/decode/verify through the stack, check")
     p.add_argument("--model", help="checkpoint folder; default: the tiny checkpoint in --cache-dir")
     p.add_argument("--cache-dir", default=".cache")
-    p.add_argument("--prefill", type=int, default=64, help="rows of the prefill call")
-    p.add_argument("--decode", type=int, default=16, help="number of 1-row decode steps")
-    p.add_argument("--verify", type=int, default=4, help="rows of the verify call")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per row count before timing")
+    p.add_argument("--prefill", type=_count(1), default=64, help="rows of the prefill call")
+    p.add_argument("--decode", type=_count(0), default=16, help="number of 1-row decode steps")
+    p.add_argument("--verify", type=_count(1), default=4, help="rows of the verify call")
+    p.add_argument("--seed", type=_count(0), default=0)
+    p.add_argument("--warmup", type=_count(0), default=1, help="untimed steps per row count before timing")
     p.add_argument("--check", choices=("auto", "full", "sampled", "none"), default="auto",
                    help="the float64 check: full (every site of every call), sampled (chosen layers and rows, "
                    "only the experts they route to), auto (full where its memory estimate fits, else sampled), "
@@ -129,7 +142,25 @@ def main(argv: list[str] | None = None) -> int:
     from glm_ep.jobs import forward_job, run_job
 
     job = forward_job if args.cmd == "forward" else run_job
-    return run_guarded(lambda: job(args, Ranks(comm)), comm)
+
+    def agreed_job() -> int:
+        ranks = Ranks(comm)
+        _same_command(args, ranks)
+        return job(args, ranks)
+
+    return run_guarded(agreed_job, comm)
+
+
+#: arguments that may differ by rank: paths (each node may hold its own copy: what they name is compared where it
+#: is read) and -v
+_PER_RANK_ARGS = frozenset({"model", "cache_dir", "input", "output", "topology", "verbose"})
+
+
+def _same_command(args: argparse.Namespace, ranks: Ranks) -> None:
+    """Every rank runs the same command with the same settings (a rank with another --prefill, --check or
+    subcommand would pair its collectives with the wrong ones: a crash, a hang or a false FAIL)."""
+    ranks.check_same("command line", "command lines",
+                     {k: repr(v) for k, v in sorted(vars(args).items()) if k not in _PER_RANK_ARGS})
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ import math
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -32,6 +33,7 @@ from tqdm import tqdm
 
 from glm_ep.checkpoint import INDEX_FILE
 from glm_ep.config import ModelConfig
+from glm_ep.errors import InputError
 from glm_ep.nvfp4 import quantize
 from glm_ep.presets import preset
 
@@ -164,8 +166,7 @@ def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, 
         raise ValueError("config must be flat (text fields at the top level); pass composite=True to nest them")
     written = _config_json(config, composite)
     model = ModelConfig.from_dict(written, source="synthetic config")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _folder(out_dir, "the synthetic checkpoint's folder")
     prefix = "model.language_model.layers" if composite else "model.layers"
     shards = _shards(_plan(model, prefix, router_dtype), shard_bytes)
     weight_map: dict[str, str] = {}
@@ -179,13 +180,37 @@ def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, 
             weight_map.update({spec[0]: name for spec in g.specs})
             total += g.nbytes
             bar.update()
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        with _writing(out / name):
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
         del tensors
     bar.close()
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
-                                              "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    (out / "config.json").write_text(json.dumps(written, indent=2))
+    with _writing(out / INDEX_FILE):
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    with _writing(out / "config.json"):
+        (out / "config.json").write_text(json.dumps(written, indent=2))
     return out
+
+
+def _folder(path: str | Path, what: str) -> Path:
+    """``path`` as a folder that exists (made with its parents where missing); an InputError naming ``what``
+    where it cannot be (a file is there, a parent is not writable, ...)."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{p}: cannot make {what} there ({e.strerror or e}); expected a folder that exists or "
+                         "can be made") from None
+    return p
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """An OSError while writing ``path`` as an InputError naming it (a full disk, a folder made read-only)."""
+    try:
+        yield
+    except OSError as e:
+        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
 
 
 def _complete(path: Path) -> bool:
@@ -209,8 +234,11 @@ def ensure_default_checkpoint(cache_dir: str | Path) -> Path:
     target = cache / "tiny"
     if _complete(target):
         return target
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache))
+    _folder(cache, "the checkpoint cache (--cache-dir)")
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache))
+    except OSError as e:
+        raise InputError(f"{cache}: cannot write the checkpoint cache (--cache-dir) there ({e.strerror or e})") from None
     try:
         write_synthetic(tmp, preset("tiny"), seed=0)
         if target.exists() and not _complete(target):

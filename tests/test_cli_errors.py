@@ -240,3 +240,39 @@ def test_an_agreed_error_is_printed_once_whole_one_rank_per_line(tmp_path) -> No
     r = mpiexec(2, "-c", script, timeout=60)
     fails(r, "glm-ep: error: the ranks failed differently:\n  rank 0: value 0 is bad, expected 7\n"
              "  rank 1: value 1 is bad, expected 7\n")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["synth", "--out", "X", "--seed", "-1"], "argument --seed: -1, expected an integer >= 0"),
+    (["synth", "--out", "X", "--shard-mb", "0"], "argument --shard-mb: 0, expected an integer >= 1"),
+    (["synth", "--out", "X", "--layers", "-2"], "argument --layers: -2, expected an integer >= 1"),
+    (["run", "--warmup", "-1"], "argument --warmup: -1, expected an integer >= 0"),
+    (["run", "--seed", "x"], "argument --seed: 'x' is not an integer"),
+    (["run", "--decode", "-1"], "argument --decode: -1, expected an integer >= 0"),
+    (["run", "--verify", "0"], "argument --verify: 0, expected an integer >= 1"),
+])
+def test_bad_counts_are_refused_by_the_parser(argv: list[str], needle: str, capsys) -> None:
+    """A negative seed or warm-up count was a traceback (seed) or taken as it was (warm-up, shard size)."""
+    from glm_ep.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_synth_into_a_file_or_an_unmakeable_folder_is_a_clear_error(tmp_path, capsys) -> None:
+    from glm_ep.cli import main
+
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    assert main(["synth", "--out", str(a_file)]) == 2
+    assert f"{a_file}: cannot make the synthetic checkpoint's folder there (File exists)" in capsys.readouterr().err
+    assert main(["synth", "--out", str(a_file / "sub")]) == 2
+    assert "cannot make the synthetic checkpoint's folder there" in capsys.readouterr().err
+
+
+def test_run_with_a_cache_dir_that_is_a_file_is_a_clear_error(tmp_path) -> None:
+    a_file = tmp_path / "cache"
+    a_file.write_text("x")
+    r = glm_ep(2, "run", "--cache-dir", str(a_file))
+    fails(r, f"{a_file}: cannot make the checkpoint cache (--cache-dir) there")

@@ -122,3 +122,23 @@ def test_ranks_that_read_different_inputs_refuse_to_run(tiny_checkpoint, tmp_pat
     r = glm_ep_per_rank(args0, args1)
     fails(r, "ranks hold different inputs (differing: input)")
     assert not loaded_weights(r)
+
+
+@pytest.mark.parametrize("other,differing", [
+    (["--prefill", "16"], "prefill"),  # MPI's 'Message truncated' before
+    (["--check", "none"], "check"),  # rank 0 waited out the collective deadline before
+    (["--seed", "1"], "seed"),  # a false FAIL of the float64 check before
+], ids=["prefill", "check", "seed"])
+def test_ranks_given_different_run_settings_refuse_to_run(tiny_checkpoint, other: list[str], differing: str) -> None:
+    base = ["run", "--model", str(tiny_checkpoint), "--prefill", "8", "--decode", "1", "--verify", "2",
+            "--check", "full", "--seed", "0"]
+    r = glm_ep_per_rank(base, base + other)
+    fails(r, f"ranks hold different command lines (differing: {differing})", f"rank 1: {differing}")
+    assert not loaded_weights(r)
+
+
+def test_ranks_running_different_commands_refuse_to_run(tiny_checkpoint, tmp_path) -> None:
+    """forward on one rank and run on the other: refused at once (rank 0 waited out the deadline before)."""
+    r = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path), ["run", "--model", str(tiny_checkpoint)])
+    fails(r, "ranks hold different command lines (differing: ", "cmd")
+    assert not loaded_weights(r)
