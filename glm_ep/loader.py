@@ -34,7 +34,7 @@ from glm_ep.site import DenseSite, MoeSite
 from glm_ep.stack import MlpStack
 from glm_ep.topology import Topology
 from glm_ep.weights import MoeWeights
-from glm_ep.workspace import allocate_workspaces, fmt_bytes, footprint_lines
+from glm_ep.workspace import allocate_workspaces, fmt_bytes, footprint_lines, free_memory_bytes
 
 log = logging.getLogger(__name__)
 PROGRESS_MIN_BYTES = 256e6  # smaller loads take a moment: no bar
@@ -99,8 +99,12 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     placement = discover(ranks.comm)  # collective, and it cannot fail on one rank alone
     be = ranks.agree("backend", lambda: make_backend(topo, placement, cfg))
     comm = ranks.agree("communicator", lambda: make_comm(ranks.comm, be, topo, placement, ranks.deadline))
+    # ranks that allocate from the same memory (one host's on NumPy, one GPU's on CUDA) each take a share of what
+    # was free before any of them allocated
+    domain, free = (placement.node, getattr(be, "pci_bus_id", "host")), free_memory_bytes(be.xp)
+    sharers = [d for d, _ in ranks.allgather("free memory", (domain, free))].count(domain)
     workspaces = ranks.agree("workspace allocation", lambda: allocate_workspaces(
-        be.xp, cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace))
+        be.xp, cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace, free, sharers))
 
     to_read = sum(layer_read_bytes(ckpt, cfg, i) for i in range(model.num_hidden_layers))
     t0 = time.perf_counter()

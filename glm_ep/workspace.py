@@ -121,16 +121,22 @@ def free_memory_bytes(xp: Any) -> int | None:
         return None
 
 
-def allocate_workspaces(xp: Any, cfg: SiteConfig, max_rows: int, layers: int, shared: bool) -> list[Workspace]:
-    """``workspace_pool``, after checking that it fits the free memory (ConfigError if it does not)."""
+def allocate_workspaces(xp: Any, cfg: SiteConfig, max_rows: int, layers: int, shared: bool,
+                        free: int | None | str = "measure", sharers: int = 1) -> list[Workspace]:
+    """``workspace_pool``, after checking that it fits the free memory (ConfigError if it does not). ``free``: the
+    free memory as measured before any of the ``sharers`` ranks that allocate from the same memory (the ranks of
+    one host on NumPy, of one GPU on CUDA) allocated theirs (default: measured here, one rank); each may take
+    its share."""
     need = ws_total_bytes(cfg, max_rows) * (1 if shared else layers)
     what = (f"the {'shared' if shared else f'{layers} per-layer'} workspace for workspace_rows = {max_rows} "
             f"needs {fmt_bytes(need)}")
     hint = "lower workspace_rows in the topology" + ("" if shared else " or set shared_workspace = true")
-    free = free_memory_bytes(xp)
-    if free is not None and need > free:
-        raise ConfigError(f"{what}, but only {fmt_bytes(free)} of {'host' if xp is np else 'device'} memory "
-                          f"is free; {hint}")
+    if free == "measure":
+        free = free_memory_bytes(xp)
+    if free is not None and need * sharers > free:
+        kind = "host" if xp is np else "device"
+        whose = f" for the {sharers} ranks that share it ({fmt_bytes(free // sharers)} each)" if sharers > 1 else ""
+        raise ConfigError(f"{what}, but only {fmt_bytes(free)} of {kind} memory is free{whose}; {hint}")
     try:
         return workspace_pool(xp, cfg, max_rows, layers, shared)
     except MemoryError as e:  # CuPy's OutOfMemoryError is a MemoryError too

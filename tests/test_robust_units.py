@@ -63,6 +63,19 @@ def test_workspace_bigger_than_free_memory_is_refused(monkeypatch: pytest.Monkey
     assert len({id(ws) for ws in private}) == 4
 
 
+def test_ranks_sharing_memory_each_take_their_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks on one host (NumPy) or one GPU each checked their workspace against ALL of the memory free there, so
+    two ranks could take twice what is free; now each fits its share of what was free before any allocated."""
+    cfg = _cfg()
+    need = ws_total_bytes(cfg, 64)
+    monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: pytest.fail("measured again"))
+    with pytest.raises(ConfigError, match=r"needs .* but only .* of host memory is free for the 2 ranks that share "
+                                          r"it \(.* each\); lower workspace_rows"):
+        allocate_workspaces(np, cfg, 64, 4, True, 2 * need - 1, 2)
+    assert allocate_workspaces(np, cfg, 64, 4, True, 2 * need, 2)[0].nbytes == need
+    assert allocate_workspaces(np, cfg, 64, 4, True, None, 2)[0].nbytes == need  # the system does not say
+
+
 def test_workspace_allocation_failure_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     def no_memory(*args, **kwargs):
         raise MemoryError("Unable to allocate")
