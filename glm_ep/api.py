@@ -8,13 +8,16 @@
     h = mlp.step(x)      # every layer chained, h = h + site(h)
 
 Every call is collective: each rank of the communicator makes the same calls in the same order
-with the same input, and each gets the same result. Inputs are NumPy or CuPy arrays or torch
+with the same input, and each gets the same result. Nothing checks that per call unless the topology
+says ``check_calls = true`` (a debugging aid: the ranks then agree each call's layer and input, at
+one small collective and one copy of the input to the host per call, and refuse a mismatch by name). Inputs are NumPy or CuPy arrays or torch
 tensors (``glm_ep.interop``); a result has the input's kind and device and shares no memory with
 the runtime. Inputs wider than the workspace run in workspace-sized chunks (rows are independent).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -32,8 +35,8 @@ from glm_ep.topology import Topology
 class GlmMlp:
     """This rank's share of the MLP sites of a GLM-5.3-Flash checkpoint, loaded (``glm_ep.load``)."""
 
-    def __init__(self, runtime: Runtime):
-        self._rt = runtime
+    def __init__(self, runtime: Runtime, ranks: Ranks):
+        self._rt, self._ranks = runtime, ranks
 
     @property
     def config(self) -> ModelConfig:
@@ -63,14 +66,24 @@ class GlmMlp:
 
     def site(self, i: int, x: Any) -> Any:
         """Layer ``i``'s MLP applied to ``x`` (bf16 ``[rows, hidden]``), not chained."""
+        if self._rt.topo.check_calls:
+            self._ranks.agree("site index check", lambda: interop.layer_index(i, self.num_layers))
         layer = interop.layer_index(i, self.num_layers)
-        return self._apply(lambda x_TH: self._rt.stack.site_output(layer, x_TH), x)
+        return self._apply(lambda x_TH: self._rt.stack.site_output(layer, x_TH), x, f"site {layer}")
 
     def step(self, x: Any) -> Any:
         """Every layer's MLP, chained: ``h = h + site(h)`` from ``h = x``; returns the last ``h``."""
-        return self._apply(self._rt.stack.step, x)
+        return self._apply(self._rt.stack.step, x, "step")
 
-    def _apply(self, fn: Callable[[Any], Any], x: Any) -> Any:
+    def _agree_call(self, what: str, x: Any) -> None:
+        """``check_calls``: every rank makes this call (``what``) with an input of the same bits, or all refuse."""
+        self._ranks.agree("input check", lambda: interop.check_input(x, self.hidden_size))
+        digest = hashlib.sha256(interop.host_bits(x)).hexdigest()
+        self._ranks.check_same("call check", "calls", {"call": what, "input": digest})
+
+    def _apply(self, fn: Callable[[Any], Any], x: Any, what: str) -> Any:
+        if self._rt.topo.check_calls:
+            self._agree_call(what, x)
         kind = interop.check_input(x, self.hidden_size)
         be, rows, chunk = self._rt.be, x.shape[0], self.max_rows
         with interop.runtime_stream(be):
@@ -105,7 +118,11 @@ def load(model_dir: str | Path, topology: Topology | str | os.PathLike | None = 
     communicator, ``MPI.COMM_WORLD`` by default. Collective; a bad checkpoint or topology raises
     the same ``glm_ep.GlmEpError`` on every rank.
     """
+    if not isinstance(model_dir, (str, os.PathLike)):
+        raise ConfigError(f"model_dir = {model_dir!r}: expected the checkpoint folder's path (a str or a Path)")
+    if comm is not None and not all(hasattr(comm, a) for a in ("Get_rank", "Get_size", "allgather", "Abort")):
+        raise ConfigError(f"comm = {comm!r}: expected an mpi4py communicator (e.g. MPI.COMM_WORLD) or None")
     ranks = Ranks(comm if comm is not None else mpi_world())
     topo = ranks.agree("topology", lambda: _topology(topology, ranks.size))
     ranks.deadline.timeout_s = topo.collective_timeout_s  # waits on the other ranks bounded from here on
-    return GlmMlp(load_runtime(open_checkpoint(model_dir, topo, ranks), topo, ranks))
+    return GlmMlp(load_runtime(open_checkpoint(model_dir, topo, ranks), topo, ranks), ranks)

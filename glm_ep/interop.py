@@ -59,6 +59,15 @@ def layer_index(i: Any, layers: int) -> int:
     return index
 
 
+def host_bits(x: Any) -> bytes:
+    """The bytes of a checked input (``check_input``), copied to the host where it is on a device."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x).tobytes()
+    if kind_of(x) == "cupy":
+        return x.get().tobytes()
+    return x.detach().view(sys.modules["torch"].int16).cpu().numpy().tobytes()
+
+
 def _same_device(a: Any, be: Any, what: str) -> Any:
     if a.device.id != be.device.id:
         raise InputError(f"{what} is on CUDA device {a.device.id}, but this rank runs on device {be.device.id}; "

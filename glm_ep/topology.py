@@ -115,6 +115,7 @@ class Topology:
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # bound on every wait on the other ranks
     check_weights: bool = True  # refuse NaN/Inf weights at load (one vectorized scan of what a rank reads)
     allow_nonfinite_input: bool = False  # forward: compute NaN/Inf input rows instead of refusing them
+    check_calls: bool = False  # library API: the ranks agree each call's layer and input (a debugging aid)
     levers: PathLevers = field(default_factory=PathLevers)
 
     def __post_init__(self) -> None:

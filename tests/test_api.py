@@ -123,6 +123,11 @@ def test_bad_topology_or_model_is_a_clear_error(tiny_checkpoint, tmp_path) -> No
         glm_ep.load(tiny_checkpoint, topology="cpu-2", comm=_self_comm())
     with pytest.raises(GlmEpError, match=re.escape(str(tmp_path / "none"))):
         glm_ep.load(tmp_path / "none", comm=_self_comm())
+    for bad in (None, b"/models/glm", 3):  # a TypeError or AttributeError from deep inside before
+        with pytest.raises(GlmEpError, match=r"model_dir = .*: expected the checkpoint folder's path"):
+            glm_ep.load(bad, comm=_self_comm())
+    with pytest.raises(GlmEpError, match=r"comm = 'world': expected an mpi4py communicator"):
+        glm_ep.load(tiny_checkpoint, comm="world")
 
 
 def _readme_example() -> str:
@@ -185,4 +190,39 @@ def test_two_ranks_agree_with_one(tiny_checkpoint) -> None:
     h = multi.step(x)
     if not np.array_equal(h.view(np.uint16), _chain(multi, x).view(np.uint16)):
         failures.append("step differs from the chain of its sites")
+    agreed(comm, failures)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint) -> None:
+    """``check_calls = true``: a rank with another layer index or other input bits, or a bad input on one rank,
+    is an error on every rank at once (without it: a wrong sum, exit 0, or a wait for the deadline); calls that
+    keep the contract give what they give without the check."""
+    from mpi4py import MPI
+
+    from glm_ep.parallel import AgreedError
+
+    comm = MPI.COMM_WORLD
+    n, rank = comm.Get_size(), comm.Get_rank()
+    checked = glm_ep.load(tiny_checkpoint, topology=Topology(name="checked", world=n, tp=n, ep=n, check_calls=True))
+    plain = glm_ep.load(tiny_checkpoint)
+    x = random_x(5, 3, checked.hidden_size)
+    failures: list[str] = []
+    if not np.array_equal(checked.site(1, x).view(np.uint16), plain.site(1, x).view(np.uint16)):
+        failures.append("a checked call gave another result")
+    other = random_x(6, 3, checked.hidden_size)
+    cases = {"layer": lambda: checked.site(1 if rank == 0 else 2, x),
+             "input": lambda: checked.step(x if rank == 0 else other),
+             "dtype": lambda: checked.site(0, x if rank == 0 else x.astype(np.float32))}
+    needles = {"layer": "ranks hold different calls (differing: call)", "input": "(differing: input)",
+               "dtype": "input is float32 [3, 128], expected bfloat16"}
+    for case, call in cases.items():
+        try:
+            call()
+            failures.append(f"{case}: no error on rank {rank}")
+        except AgreedError as e:
+            if needles[case] not in str(e):
+                failures.append(f"{case}: {e}")
+    if not np.array_equal(checked.step(x).view(np.uint16), plain.step(x).view(np.uint16)):
+        failures.append("the checked object no longer works after the refusals")
     agreed(comm, failures)
