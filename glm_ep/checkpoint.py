@@ -163,6 +163,36 @@ class Checkpoint:
         raise CheckpointError(f"{self.source}: no layer tensors (expected keys starting with "
                               f"{' or '.join(repr(p + '.') for p in LAYER_PREFIXES)})")
 
+    def check_extent(self) -> None:
+        """The layers and routed experts config.json declares are the ones the keys hold: a config that declares
+        more (a typo of num_hidden_layers or n_routed_experts) is refused here, from the keys alone, where the
+        per-tensor lookups of every declared layer took minutes to name the first missing tensor."""
+        model, lead = self.config, self._prefix + "."
+        mlp_layers, experts = set(), set()
+        first_sparse = model.sparse_layers[0] if model.sparse_layers else None
+        expert_lead = f"{lead}{first_sparse}.mlp.experts."
+        for key in self._file_of:
+            if not key.startswith(lead):
+                continue
+            layer, _, rest = key[len(lead):].partition(".")
+            if layer.isdigit() and rest.startswith("mlp."):
+                mlp_layers.add(int(layer))
+            if key.startswith(expert_lead):
+                e = key[len(expert_lead):].partition(".")[0]
+                if e.isdigit():
+                    experts.add(int(e))
+        missing = [i for i in range(model.num_hidden_layers) if i not in mlp_layers]
+        if missing:
+            held = f"layers {min(mlp_layers)}..{max(mlp_layers)}" if mlp_layers else "no MLP layers"
+            raise CheckpointError(f"{self.dir / 'config.json'}: num_hidden_layers = {model.num_hidden_layers}, but "
+                                  f"{self.source} holds MLP tensors for {held} ({len(mlp_layers)} layers); no "
+                                  f"'{lead}{{i}}.mlp.*' for layer {_few(missing)}")
+        extra = [e for e in range(model.n_routed_experts) if e not in experts] if first_sparse is not None else []
+        if extra:
+            raise CheckpointError(f"{self.dir / 'config.json'}: n_routed_experts = {model.n_routed_experts}, but "
+                                  f"layer {first_sparse} of {self.source} holds {len(experts)} routed experts; no "
+                                  f"'{expert_lead}{{e}}.*' for expert {_few(extra)}")
+
     def layer_prefix(self, i: int) -> str:
         """Key prefix of layer ``i``: ``model.layers.{i}`` or ``model.language_model.layers.{i}``."""
         return f"{self._prefix}.{i}"
@@ -285,6 +315,11 @@ def _check_site(model: ModelConfig, cfg: SiteConfig) -> None:
                                ("num_experts", cfg.num_experts, model.n_routed_experts)):
         if ours != theirs:
             raise ConfigError(f"site config {what} = {ours} does not match the checkpoint's {theirs}")
+
+
+def _few(ids: list[int]) -> str:
+    """The first few of ``ids`` for a message."""
+    return ", ".join(map(str, ids[:4])) + (f" (and {len(ids) - 4} more)" if len(ids) > 4 else "")
 
 
 def expert_prefix(ckpt: Checkpoint, layer: int, e: int) -> str:

@@ -80,13 +80,19 @@ def topology_digest(topo: Topology) -> str:
     return hashlib.sha256(repr(dataclasses.astuple(dataclasses.replace(topo, name=""))).encode()).hexdigest()
 
 
+def _opened(model_dir: str | Path, check_weights: bool) -> Checkpoint:
+    ckpt = Checkpoint(model_dir, check_finite=check_weights)
+    ckpt.check_extent()  # the layers and experts config.json declares are there, from the keys alone
+    return ckpt
+
+
 def open_checkpoint(model_dir: str | Path, topo: Topology, ranks: Ranks) -> Checkpoint:
     """The checkpoint's config and headers, opened on every rank; refused unless every rank opened
     the same checkpoint (config, index, shard headers) under the same topology."""
     # agreed, not raised bare: every rank sees the mismatch, and an unagreed error takes the
     # MPI-abort path, where the first rank to abort can kill the others before they report
     ranks.agree("world size check", lambda: topo.check_world(ranks.size))
-    ckpt = ranks.agree("checkpoint open", lambda: Checkpoint(model_dir, check_finite=topo.check_weights))
+    ckpt = ranks.agree("checkpoint open", lambda: _opened(model_dir, topo.check_weights))
     ranks.check_same("checkpoint fingerprint", "checkpoints or layouts",
                      dict(ckpt.fingerprint, topology=topology_digest(topo)))
     return ckpt

@@ -226,6 +226,32 @@ def test_header_numbers_that_are_not_integers_are_refused(ckpt_copy: Path, value
         Checkpoint(ckpt_copy)
 
 
+@pytest.mark.parametrize("edit,needle", [
+    ({"num_hidden_layers": 100_000, "mlp_layer_types": None, "first_k_dense_replace": 1},
+     r"num_hidden_layers = 100000, but .* holds MLP tensors for layers 0..3 \(4 layers\); no "
+     r"'model.layers.\{i\}.mlp.\*' for layer 4, 5, 6, 7 \(and 99992 more\)"),
+    ({"n_routed_experts": 2_000_000},
+     r"n_routed_experts = 2000000, but layer 1 of .* holds 32 routed experts; no "
+     r"'model.layers.1.mlp.experts.\{e\}.\*' for expert 32, 33, 34, 35 \(and 1999964 more\)"),
+], ids=["layers", "experts"])
+def test_a_config_that_declares_more_than_the_checkpoint_holds_is_refused_at_once(ckpt_copy: Path, tiny_checkpoint,
+                                                                                 edit: dict, needle: str) -> None:
+    """From the keys alone, before any per-tensor lookup: a typo of 100000 layers took 40 s (10^6: minutes) of
+    header lookups before the first missing tensor was named."""
+    import time
+
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    cfg.update(edit)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    t0 = time.monotonic()
+    with Checkpoint(ckpt_copy) as ck, pytest.raises(CheckpointError, match=needle):
+        ck.check_extent()
+    assert time.monotonic() - t0 < 10
+    with Checkpoint(tiny_checkpoint) as ck:  # what a checkpoint holds, declared as it is
+        ck.check_extent()
+
+
 def test_missing_tensor(ckpt_copy: Path) -> None:
     key = f"{SPARSE}.experts.3.down_proj.weight_scale"
     _rewrite(_shard_of(ckpt_copy, key), lambda t: t.pop(key))
