@@ -21,6 +21,7 @@ from glm_ep.check import check_run
 from glm_ep.check_plan import memory_budget, plan_check
 from glm_ep.errors import EXIT_FAIL, EXIT_OK, InputError
 from glm_ep.files import check_output_path, read_hidden_states, write_outputs
+from glm_ep.finite import nonfinite_mask
 from glm_ep.loader import Runtime, load_runtime, open_checkpoint
 from glm_ep.parallel import Ranks
 from glm_ep.topology import Topology
@@ -58,7 +59,20 @@ def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     ranks.agree("output write", lambda: write_outputs(outputs, args.output) if ranks.rank == 0 else None)
     if ranks.rank == 0:
         log.info("wrote %d site outputs of %s rows to %s", len(outputs), x.shape[0], args.output)
+        _warn_overflow(x, outputs)
     return EXIT_OK
+
+
+def _warn_overflow(x: np.ndarray, outputs: dict[str, np.ndarray]) -> None:
+    """A warning per layer whose outputs hold NaN/Inf in rows whose input was finite (the site overflowed: the
+    file holds what was computed, as HF's modules would compute it, but not silently)."""
+    finite_in = ~nonfinite_mask(x).any(axis=1)
+    for name, y in outputs.items():
+        rows = np.flatnonzero(nonfinite_mask(y).any(axis=1) & finite_in)
+        if rows.size:
+            log.warning("%s: %d of %d rows with finite inputs hold NaN or Inf (rows %s%s): the site overflowed "
+                        "(largest |input| %.3g)", name, rows.size, y.shape[0], rows[:8].tolist(),
+                        " ..." if rows.size > 8 else "", float(np.abs(x[finite_in].astype(np.float32)).max()))
 
 
 def _site_on_host(rt: Runtime, ranks: Ranks, i: int, x_TH: np.ndarray) -> np.ndarray:

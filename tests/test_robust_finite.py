@@ -100,3 +100,21 @@ def test_allowed_non_finite_rows_keep_ids_in_range_and_other_rows_intact(ckpt, t
         assert nonfinite_mask(y)[[2, 5]].any(axis=1).all(), i
         keep = [0, 1, 3, 4]
         assert np.array_equal(y[keep].view(np.uint16), ref[keep].view(np.uint16)), i
+    assert "overflowed" not in r.stderr  # NaN in, NaN out: not an overflow
+
+
+def test_outputs_that_overflow_from_finite_inputs_are_written_with_a_warning(ckpt, tmp_path) -> None:
+    """Finite bf16 inputs near bf16's largest overflow the sites: the outputs are written as computed (exit 0),
+    and rank 0 names each layer and its rows, where before nothing was said."""
+    x = random_x(3, 4, 128)
+    x[2] *= 3e37  # |x| up to ~1e38: finite in bf16
+    out = tmp_path / "out.safetensors"
+    r = glm_ep(2, "forward", "--model", str(ckpt), "--input", str(save_hidden(tmp_path / "big.safetensors", x)),
+               "--output", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ys = load_outputs(out)
+    bad = [i for i in range(4) if nonfinite_mask(ys[f"layers.{i}"]).any()]
+    assert bad, "the test input no longer overflows a site"
+    for i in bad:
+        assert f"layers.{i}: 1 of 4 rows with finite inputs hold NaN or Inf (rows [2]): the site overflowed" in r.stderr
+    assert r.stderr.count("the site overflowed") == len(bad), r.stderr[-3000:]
