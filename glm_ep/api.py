@@ -10,7 +10,8 @@
 Every call is collective: each rank of the communicator makes the same calls in the same order
 with the same input, and each gets the same result. Nothing checks that per call unless the topology
 says ``check_calls = true`` (a debugging aid: the ranks then agree each call's layer and input, at
-one small collective and one copy of the input to the host per call, and refuse a mismatch by name). Inputs are NumPy or CuPy arrays or torch
+two or three small collectives and one copy of the input to the host per call, and refuse a mismatch
+by name). Inputs are NumPy or CuPy arrays or torch
 tensors (``glm_ep.interop``); a result has the input's kind and device and shares no memory with
 the runtime. Inputs wider than the workspace run in workspace-sized chunks (rows are independent).
 """
@@ -110,6 +111,11 @@ def _topology(spec: Topology | str | os.PathLike | None, world: int) -> Topology
                       "(e.g. 'h200-2') or the path of a TOML file")
 
 
+def _model_path(model_dir: Any) -> None:
+    if not isinstance(model_dir, (str, os.PathLike)):
+        raise ConfigError(f"model_dir = {model_dir!r}: expected the checkpoint folder's path (a str or a Path)")
+
+
 def load(model_dir: str | Path, topology: Topology | str | os.PathLike | None = None, comm: Any = None) -> GlmMlp:
     """Load ``model_dir`` (HF ``config.json`` + safetensors) across the ranks of ``comm``.
 
@@ -118,11 +124,10 @@ def load(model_dir: str | Path, topology: Topology | str | os.PathLike | None = 
     communicator, ``MPI.COMM_WORLD`` by default. Collective; a bad checkpoint or topology raises
     the same ``glm_ep.GlmEpError`` on every rank.
     """
-    if not isinstance(model_dir, (str, os.PathLike)):
-        raise ConfigError(f"model_dir = {model_dir!r}: expected the checkpoint folder's path (a str or a Path)")
     if comm is not None and not all(hasattr(comm, a) for a in ("Get_rank", "Get_size", "allgather", "Abort")):
         raise ConfigError(f"comm = {comm!r}: expected an mpi4py communicator (e.g. MPI.COMM_WORLD) or None")
     ranks = Ranks(comm if comm is not None else mpi_world())
+    ranks.agree("model path", lambda: _model_path(model_dir))  # a bad one on one rank: an error on every rank
     topo = ranks.agree("topology", lambda: _topology(topology, ranks.size))
     ranks.deadline.timeout_s = topo.collective_timeout_s  # waits on the other ranks bounded from here on
     return GlmMlp(load_runtime(open_checkpoint(model_dir, topo, ranks), topo, ranks), ranks)

@@ -83,7 +83,9 @@ class Ranks:
         """Run ``fn`` on every rank; if it raised on any rank, raise on all of them: the same ``AgreedError``
         for a ``GlmEpError``. Any other exception (a crash) is shared first, so no rank waits on one that has
         stopped: the rank it happened on then raises it as it was (traceback and all), the others an
-        ``AgreedError`` that names it (``internal``)."""
+        ``AgreedError`` that names it (``internal``). That holds where ``fn`` itself does not talk to the other
+        ranks; where it does (``make_comm``'s gathers), a crash before its own collective pairs the share with
+        it, and the job ends as it did before: by the CLI's abort, or at the collective deadline."""
         result, msg, crash = None, None, None
         try:
             result = fn()

@@ -5,6 +5,7 @@ the README's example; two ranks under ``mpiexec -n 2`` (tests marked mpi).
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -15,7 +16,7 @@ from glm_ep import GlmEpError, InputError, Topology
 
 from _cuda import cupy, requires_cuda
 from ckpt_writer import read_f64
-from helpers import BF16, REPO, agreed, mpiexec, random_x, rel_l2, site64
+from helpers import BF16, REPO, agreed, copy_checkpoint, mpiexec, random_x, rel_l2, site64
 
 
 def _self_comm():
@@ -128,6 +129,12 @@ def test_bad_topology_or_model_is_a_clear_error(tiny_checkpoint, tmp_path) -> No
             glm_ep.load(bad, comm=_self_comm())
     with pytest.raises(GlmEpError, match=r"comm = 'world': expected an mpi4py communicator"):
         glm_ep.load(tiny_checkpoint, comm="world")
+    typo = copy_checkpoint(tiny_checkpoint, tmp_path / "typo")  # a config that declares more than it holds
+    cfg = json.loads((typo / "config.json").read_text())
+    cfg.pop("mlp_layer_types", None)
+    (typo / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=40, first_k_dense_replace=1)))
+    with pytest.raises(GlmEpError, match=r"num_hidden_layers = 40, but .* holds MLP tensors for layers 0..3"):
+        glm_ep.load(typo, comm=_self_comm())
 
 
 def _readme_example() -> str:
@@ -204,7 +211,8 @@ def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint)
 
     comm = MPI.COMM_WORLD
     n, rank = comm.Get_size(), comm.Get_rank()
-    checked = glm_ep.load(tiny_checkpoint, topology=Topology(name="checked", world=n, tp=n, ep=n, check_calls=True))
+    checked = glm_ep.load(tiny_checkpoint, topology=Topology(name="checked", world=n, tp=n, ep=n, check_calls=True,
+                                                             collective_timeout_s=30))
     plain = glm_ep.load(tiny_checkpoint)
     x = random_x(5, 3, checked.hidden_size)
     failures: list[str] = []
@@ -223,6 +231,53 @@ def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint)
         except AgreedError as e:
             if needles[case] not in str(e):
                 failures.append(f"{case}: {e}")
+        except Exception as e:  # raised on this rank alone: the others would wait in the site's all-reduce
+            failures.append(f"{case}: not agreed on rank {rank}: {type(e).__name__}: {e}")
     if not np.array_equal(checked.step(x).view(np.uint16), plain.step(x).view(np.uint16)):
         failures.append("the checked object no longer works after the refusals")
+    agreed(comm, failures)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_of_one_host_share_its_free_memory_at_load(tiny_checkpoint, monkeypatch) -> None:
+    """The load counts the ranks that allocate from one host's memory: free memory that holds one rank's
+    workspace but not all of theirs is refused on every rank, naming the share; enough for all of them loads."""
+    from mpi4py import MPI
+
+    from glm_ep import loader
+    from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+    from glm_ep.workspace import ws_total_bytes
+
+    comm = MPI.COMM_WORLD
+    n = comm.Get_size()
+    model = ModelConfig.from_file(tiny_checkpoint / "config.json")
+    need = ws_total_bytes(SiteConfig.for_rank(model, RankLayout(n, comm.Get_rank(), n, n)), 512)
+    failures: list[str] = []
+    monkeypatch.setattr(loader, "free_memory_bytes", lambda xp: n * need - 1)
+    try:
+        glm_ep.load(tiny_checkpoint)
+        failures.append("loaded with less free memory than the ranks' workspaces")
+    except GlmEpError as e:
+        if f"is free for the {n} ranks that share it" not in str(e):
+            failures.append(f"refused otherwise: {e}")
+    monkeypatch.setattr(loader, "free_memory_bytes", lambda xp: n * need)
+    try:
+        glm_ep.load(tiny_checkpoint)
+    except GlmEpError as e:
+        failures.append(f"refused with enough free memory: {e}")
+    agreed(comm, failures)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_model_path_on_one_rank_is_an_error_on_every_rank(tiny_checkpoint) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    failures: list[str] = []
+    try:
+        glm_ep.load(tiny_checkpoint if comm.Get_rank() == 0 else None)
+        failures.append("loaded")
+    except GlmEpError as e:
+        if "model_dir = None: expected the checkpoint folder's path" not in str(e):
+            failures.append(str(e))
     agreed(comm, failures)

@@ -233,6 +233,11 @@ def test_ring_levers_past_the_block_shared_memory_are_refused() -> None:
         RingConfig().check_fits(limit, forms, 4096)
         RingConfig(placed_hidden=True).check_fits(limit, RingConfig(placed_hidden=True).forms(10.0), 4096)
         RingConfig(union_max_rows=8).check_fits(limit, forms, 4096)
+    # the placed gate + up's blocks also hold the prepared x row (2 bytes a k)
+    assert RingConfig().smem(2, "placed", 4096) == RingConfig().smem(2, "bf16u", 4096) + 8192 == 49152
+    with pytest.raises(ConfigError, match=r"gate \+ up .* needs 49152 bytes"):
+        RingConfig(placed_hidden=True).check_fits(45000, RingConfig(placed_hidden=True).forms(10.0), 4096)
+    RingConfig().check_fits(45000, forms, 4096)  # the same levers in the bf16u form fit (40960)
     deep = RingConfig(slab=(4, 8), depth=(2, 3))
     assert deep.smem(2, "bf16u") == 122880
     deep.check_fits(H200_BLOCK_SMEM, deep.forms(10.0), 4096)

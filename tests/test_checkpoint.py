@@ -236,18 +236,15 @@ def test_header_numbers_that_are_not_integers_are_refused(ckpt_copy: Path, value
 ], ids=["layers", "experts"])
 def test_a_config_that_declares_more_than_the_checkpoint_holds_is_refused_at_once(ckpt_copy: Path, tiny_checkpoint,
                                                                                  edit: dict, needle: str) -> None:
-    """From the keys alone, before any per-tensor lookup: a typo of 100000 layers took 40 s (10^6: minutes) of
+    """From the keys alone, with no per-tensor lookup: a typo of 100000 layers took 40 s (10^6: minutes) of
     header lookups before the first missing tensor was named."""
-    import time
-
     cfg = json.loads((ckpt_copy / "config.json").read_text())
     cfg.update(edit)
     cfg = {k: v for k, v in cfg.items() if v is not None}
     (ckpt_copy / "config.json").write_text(json.dumps(cfg))
-    t0 = time.monotonic()
     with Checkpoint(ckpt_copy) as ck, pytest.raises(CheckpointError, match=needle):
+        ck.info = lambda name: pytest.fail(f"looked up {name}")
         ck.check_extent()
-    assert time.monotonic() - t0 < 10
     with Checkpoint(tiny_checkpoint) as ck:  # what a checkpoint holds, declared as it is
         ck.check_extent()
 

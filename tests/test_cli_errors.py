@@ -224,6 +224,22 @@ def test_a_crash_on_one_rank_inside_an_agreement_stops_every_rank_at_once(tmp_pa
     assert all(float(t) < 30 for _, t in said.values()), said  # not the collective deadline
 
 
+def test_an_agreed_crash_exits_as_an_internal_error(capsys) -> None:
+    """An AgreedError that began as a crash on some rank exits 1 (internal), a user error 2, each printed once."""
+    from glm_ep.errors import EXIT_USER
+    from glm_ep.parallel import AgreedError, run_guarded
+
+    def raise_(e: Exception):
+        raise e
+
+    crash = AgreedError("internal error: ZeroDivisionError: boom (on rank 1)", internal=True)
+    assert run_guarded(lambda: raise_(crash), None) == EXIT_INTERNAL
+    assert run_guarded(lambda: raise_(AgreedError("value 3 is bad, expected 7")), None) == EXIT_USER
+    err = capsys.readouterr().err
+    assert "glm-ep: error: internal error: ZeroDivisionError: boom (on rank 1)" in err
+    assert "glm-ep: error: value 3 is bad, expected 7" in err
+
+
 def test_an_agreed_error_is_printed_once_whole_one_rank_per_line(tmp_path) -> None:
     """Ranks that fail with different messages: rank 0 prints all of them, one rank per line."""
     script = textwrap.dedent("""
@@ -243,20 +259,23 @@ def test_an_agreed_error_is_printed_once_whole_one_rank_per_line(tmp_path) -> No
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["synth", "--out", "X", "--seed", "-1"], "argument --seed: -1, expected an integer >= 0"),
-    (["synth", "--out", "X", "--shard-mb", "0"], "argument --shard-mb: 0, expected an integer >= 1"),
-    (["synth", "--out", "X", "--layers", "-2"], "argument --layers: -2, expected an integer >= 1"),
+    (["synth", "--seed", "-1"], "argument --seed: -1, expected an integer >= 0"),
+    (["synth", "--shard-mb", "0"], "argument --shard-mb: 0, expected an integer >= 1"),
+    (["synth", "--layers", "-2"], "argument --layers: -2, expected an integer >= 1"),
     (["run", "--warmup", "-1"], "argument --warmup: -1, expected an integer >= 0"),
     (["run", "--seed", "x"], "argument --seed: 'x' is not an integer"),
     (["run", "--decode", "-1"], "argument --decode: -1, expected an integer >= 0"),
     (["run", "--verify", "0"], "argument --verify: 0, expected an integer >= 1"),
+    (["run", "--prefill", "0"], "argument --prefill: 0, expected an integer >= 1"),
 ])
-def test_bad_counts_are_refused_by_the_parser(argv: list[str], needle: str, capsys) -> None:
-    """A negative seed or warm-up count was a traceback (seed) or taken as it was (warm-up, shard size)."""
+def test_bad_counts_are_refused_by_the_parser(argv: list[str], needle: str, capsys, tmp_path) -> None:
+    """A negative seed or warm-up count was a traceback (seed) or taken as it was (warm-up, shard size). Paths
+    under tmp_path: a parser that let one through writes nothing into the working folder."""
     from glm_ep.cli import main
 
+    where = ["--out", str(tmp_path / "ck")] if argv[0] == "synth" else ["--cache-dir", str(tmp_path / "cache")]
     with pytest.raises(SystemExit) as e:
-        main(argv)
+        main(argv + where)
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 

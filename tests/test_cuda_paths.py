@@ -262,3 +262,20 @@ def test_two_ranks_one_gpu():
     failures = sum(world.allgather(failures), [])
     assert not failures, "\n".join(failures)
 
+
+
+def test_make_backend_refuses_ring_levers_past_the_device_shared_memory(monkeypatch) -> None:
+    """make_backend asks the device for its shared memory a block and refuses a ring lever set that passes it, by
+    name (a GB10's 101376 bytes stood in, where slab 8 / depth 3 for gate + up needs 122880); the defaults build."""
+    from glm_ep.backend import make_backend
+    from glm_ep.backend.cuda import CudaBackend, loader
+    from glm_ep.errors import ConfigError
+    from glm_ep.placement import Placement
+
+    here = Placement(rank=0, world=1, node=0, local_rank=0, local_size=1, host="here")
+    cfg = SiteConfig.for_rank(model(), RankLayout(1, 0, 1, 1))
+    monkeypatch.setattr(loader, "block_smem_limit", lambda: 101376)
+    topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_slab": [4, 8], "ring_depth": [2, 3]}})
+    with pytest.raises(ConfigError, match=r"levers.ring_slab = \[4, 8\], ring_depth = \[2, 3\]: .* allows 101376"):
+        make_backend(topo, here, cfg)
+    assert isinstance(make_backend(Topology.from_dict({"backend": "cuda"}), here, cfg), CudaBackend)

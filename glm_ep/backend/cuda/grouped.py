@@ -95,7 +95,9 @@ def wgmma_here() -> bool:
 
 def why_not_here(variant: Variant) -> str:
     """'' where this device runs ``variant``, else why not: its stages past the shared memory one block may have
-    (m64w8k128's 104 KB on a GB10's 99 KB), or a wgmma variant where ``wgmma_here`` is false."""
+    (m64w8k128's 104 KB on a GB10's 99 KB), or a wgmma variant where ``wgmma_here`` is false. The dynamic
+    shared memory only: a variant within an entry's few static bytes of the limit passes here and is still
+    refused, by name, at launch."""
     geo = GemmGeometry.of(variant)
     if geo.mma == "wgmma" and not wgmma_here():
         return (f"variant {geo.suffix} needs wgmma (sm_90a, compute capability 9.0); this device is "
