@@ -140,6 +140,8 @@ __device__ __forceinline__ void lookup_bf16_pairs(unsigned q, unsigned m, unsign
 // The unscaled bf16 form: 32 nibbles -> 16 bf16 pairs of 2 e2m1 (exact: {0, 1, 2, 3, 4, 6, 8, 12}), the
 // block scale applied to fp32 partials as in the fp16 form, but the input stays bf16 (exact for any
 // bf16 x): lookup_bf16_pairs with the bytes of bf16 2|v|, 6 instructions per 4 nibbles.
+#define BF16U_BYTES 0x40008000u, 0x4000c080u, 0x40403f00u, 0x41414040u  // low / high bytes of bf16 2|v|
+
 __device__ __forceinline__ void decode_chunk_bf16u(const uint4& w, unsigned (&b)[16]) {
     const unsigned words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -147,8 +149,7 @@ __device__ __forceinline__ void decode_chunk_bf16u(const uint4& w, unsigned (&b)
         const unsigned wq = words[q], m = wq & 0x77777777u, sh = wq << 4;
 #pragma unroll
         for (int h = 0; h < 2; ++h)  // nibbles 4h .. 4h + 3 of the word
-            lookup_bf16_pairs(wq, m, sh, h, 0x40008000u, 0x4000c080u, 0x40403f00u, 0x41414040u, b[4 * q + 2 * h],
-                              b[4 * q + 2 * h + 1]);
+            lookup_bf16_pairs(wq, m, sh, h, BF16U_BYTES, b[4 * q + 2 * h], b[4 * q + 2 * h + 1]);
     }
 }
 

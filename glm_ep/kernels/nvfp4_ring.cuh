@@ -159,3 +159,45 @@ __device__ __forceinline__ void zero_acc(float (&acc)[P][4]) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[p][i] = 0.0f;
 }
+
+// The lookup form (F = 4): decode_chunk_bf16u's registers read from a table in shared memory instead of
+// computed. b[i] is the pair of the chunk's byte i, so the table's entry e is the pair decode_chunk_bf16u makes
+// of a byte e (bit for bit the unscaled bf16 form). It is held RING_LUT_COPIES times, copy c at words
+// RING_LUT_COPIES * e + c, and lane L reads copy L % RING_LUT_COPIES (``lut_lane``): with 32 copies every lane
+// has a bank of its own, with 16 lanes L and L + 16 share one (a conflict when their bytes have equal parity).
+// Per byte: a PRMT (the byte alone), an IMAD (its entry's address), an LDS.
+#ifndef RING_LUT_COPIES
+#error "RING_LUT_COPIES is set by glm_ep/backend/cuda/loader.py"
+#endif
+static_assert(RING_LUT_COPIES == 16 || RING_LUT_COPIES == 32, "a copy per lane, or per half-warp lane");
+#define RING_LUT_BYTES (256 * RING_LUT_COPIES * 4)
+
+__device__ __forceinline__ unsigned ld_shared_u32(unsigned addr) {
+    unsigned v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
+// Every thread of the block (nthreads) fills the table at lut (RING_LUT_BYTES); the caller's barrier follows.
+__device__ __forceinline__ void fill_lut(unsigned* lut, int nthreads) {
+    for (int i = threadIdx.x; i < 256 * RING_LUT_COPIES; i += nthreads) {
+        const unsigned e = (unsigned)i / RING_LUT_COPIES;
+        unsigned p0, p1;
+        lookup_bf16_pairs(e, e & 0x77777777u, e << 4, 0, BF16U_BYTES, p0, p1);
+        lut[i] = p0;
+    }
+}
+
+// This lane's copy of the table at lut: its shared-memory address of entry 0.
+__device__ __forceinline__ unsigned lut_lane(const unsigned* lut) {
+    return smem_u32(lut) + 4u * ((threadIdx.x & 31) % RING_LUT_COPIES);
+}
+
+__device__ __forceinline__ void decode_chunk_lut(const uint4& w, unsigned lane, unsigned (&b)[16]) {
+    const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            b[4 * q + j] = ld_shared_u32(lane + prmt(words[q], 0u, 0x4440u + j) * (4u * RING_LUT_COPIES));
+}
