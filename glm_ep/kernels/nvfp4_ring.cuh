@@ -193,11 +193,12 @@ __device__ __forceinline__ unsigned lut_lane(const unsigned* lut) {
     return smem_u32(lut) + 4u * ((threadIdx.x & 31) % RING_LUT_COPIES);
 }
 
-__device__ __forceinline__ void decode_chunk_lut(const uint4& w, unsigned lane, unsigned (&b)[16]) {
+// base: this lane's copy (lut_lane).
+__device__ __forceinline__ void decode_chunk_lut(const uint4& w, unsigned base, unsigned (&b)[16]) {
     const unsigned words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int q = 0; q < 4; ++q)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            b[4 * q + j] = ld_shared_u32(lane + prmt(words[q], 0u, 0x4440u + j) * (4u * RING_LUT_COPIES));
+            b[4 * q + j] = ld_shared_u32(base + prmt(words[q], 0u, 0x4440u + j) * (4u * RING_LUT_COPIES));
 }
