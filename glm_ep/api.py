@@ -67,25 +67,27 @@ class GlmMlp:
 
     def site(self, i: int, x: Any) -> Any:
         """Layer ``i``'s MLP applied to ``x`` (bf16 ``[rows, hidden]``), not chained."""
-        if self._rt.topo.check_calls:
-            self._ranks.agree("site index check", lambda: interop.layer_index(i, self.num_layers))
-        layer = interop.layer_index(i, self.num_layers)
+        def index() -> int:
+            return interop.layer_index(i, self.num_layers)
+
+        layer = self._ranks.agree("site index check", index) if self._rt.topo.check_calls else index()
         return self._apply(lambda x_TH: self._rt.stack.site_output(layer, x_TH), x, f"site {layer}")
 
     def step(self, x: Any) -> Any:
         """Every layer's MLP, chained: ``h = h + site(h)`` from ``h = x``; returns the last ``h``."""
         return self._apply(self._rt.stack.step, x, "step")
 
-    def _agree_call(self, what: str, x: Any) -> None:
-        """``check_calls``: every rank makes this call (``what``) with an input of the same bits, or all refuse."""
-        self._ranks.agree("input check", lambda: interop.check_input(x, self.hidden_size))
+    def _agree_call(self, what: str, x: Any) -> str:
+        """``check_calls``: every rank makes this call (``what``) with an input of the same bits, or all refuse.
+        Returns the input's kind (``interop.check_input``)."""
+        kind = self._ranks.agree("input check", lambda: interop.check_input(x, self.hidden_size))
         digest = hashlib.sha256(interop.host_bits(x)).hexdigest()
         self._ranks.check_same("call check", "calls", {"call": what, "input": digest})
+        return kind
 
     def _apply(self, fn: Callable[[Any], Any], x: Any, what: str) -> Any:
-        if self._rt.topo.check_calls:
-            self._agree_call(what, x)
-        kind = interop.check_input(x, self.hidden_size)
+        kind = (self._agree_call(what, x) if self._rt.topo.check_calls
+                else interop.check_input(x, self.hidden_size))
         be, rows, chunk = self._rt.be, x.shape[0], self.max_rows
         with interop.runtime_stream(be):
             x_TH = interop.to_backend(x, kind, be)

@@ -187,11 +187,11 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir / 'config.json'}: num_hidden_layers = {model.num_hidden_layers}, but "
                                   f"{self.source} holds MLP tensors for {held} ({len(mlp_layers)} layers); no "
                                   f"'{lead}{{i}}.mlp.*' for layer {_few(missing)}")
-        extra = [e for e in range(model.n_routed_experts) if e not in experts] if first_sparse is not None else []
-        if extra:
+        missing = [e for e in range(model.n_routed_experts) if e not in experts] if first_sparse is not None else []
+        if missing:
             raise CheckpointError(f"{self.dir / 'config.json'}: n_routed_experts = {model.n_routed_experts}, but "
                                   f"layer {first_sparse} of {self.source} holds {len(experts)} routed experts; no "
-                                  f"'{expert_lead}{{e}}.*' for expert {_few(extra)}")
+                                  f"'{expert_lead}{{e}}.*' for expert {_few(missing)}")
 
     def layer_prefix(self, i: int) -> str:
         """Key prefix of layer ``i``: ``model.layers.{i}`` or ``model.language_model.layers.{i}``."""

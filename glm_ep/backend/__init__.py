@@ -32,7 +32,7 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
 
     CudaBackend.capabilities.check("cuda", topology.levers, cfg.top_k)
     ring = RingConfig.from_levers(topology.levers)
-    ring.forms(cfg.swiglu_limit)  # the check the upload repeats, here on every rank before any weight is read
+    forms = ring.forms(cfg.swiglu_limit)  # the check the upload repeats, here on every rank before any weight is read
     try:
         import cupy
 
@@ -42,7 +42,7 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
                           f"{placement.host} ({type(e).__name__}: {e}); install glm_ep[cuda13] (or "
                           "[cuda12]) or use backend = 'cpu'") from None
     be = CudaBackend(device_index(topology.devices, placement, visible), ring, dependent_launch=topology.levers.pdl)
-    ring.check_fits(block_smem_limit(), ring.forms(cfg.swiglu_limit), cfg.hidden)  # the device's own limit
+    ring.check_fits(block_smem_limit(), forms, cfg.hidden)  # the device's own limit
     return be
 
 

@@ -234,8 +234,9 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     static_assert(!DC || P == 1, "the combine ends the down projection");
     constexpr bool XB = F == 3 && P == 2;  // placed gate + up: x prepared once per block, after the rings
     constexpr bool LUT = F == 4;           // the lookup form: the block's table, after the rings
-    uint4* xblk = reinterpret_cast<uint4*>(dyn_smem + RING_WARPS * D * sizeof(RingStage<P, T>));
-    unsigned* lut = reinterpret_cast<unsigned*>(dyn_smem + RING_WARPS * D * sizeof(RingStage<P, T>));
+    unsigned char* after_rings = dyn_smem + RING_WARPS * D * sizeof(RingStage<P, T>);
+    uint4* xblk = reinterpret_cast<uint4*>(after_rings);
+    unsigned* lut = reinterpret_cast<unsigned*>(after_rings);
     unsigned lut_addr = 0u;  // F = 4: this lane's copy, set by the pipeline's start once the table is filled
     float pre = 1.0f, pre2 = 1.0f;  // F = 3: set by the pipeline's start, once the first copies are in flight
     unsigned xs2 = 0u;

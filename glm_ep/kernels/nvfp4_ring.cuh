@@ -180,7 +180,7 @@ __device__ __forceinline__ unsigned ld_shared_u32(unsigned addr) {
 
 // Every thread of the block (nthreads) fills the table at lut (RING_LUT_BYTES); the caller's barrier follows.
 __device__ __forceinline__ void fill_lut(unsigned* lut, int nthreads) {
-    for (int i = threadIdx.x; i < 256 * RING_LUT_COPIES; i += nthreads) {
+    for (int i = threadIdx.x; i < RING_LUT_BYTES / 4; i += nthreads) {
         const unsigned e = (unsigned)i / RING_LUT_COPIES;
         unsigned p0, p1;
         lookup_bf16_pairs(e, e & 0x77777777u, e << 4, 0, BF16U_BYTES, p0, p1);
