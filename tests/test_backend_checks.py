@@ -78,13 +78,25 @@ def test_dependent_launch_lever_and_its_argument_marshalling() -> None:
         class data:
             ptr = 0xDEADBEEF000
 
-    args = (FakeDeviceArray(), np.int32(-7), np.int64(1 << 40), np.float32(1.5), np.uint64(0))
-    params, held = pdl.kernel_params(args)
-    got = [ctypes.string_at(params[i], h.nbytes) for i, h in enumerate(held)]
-    assert got == [np.uint64(0xDEADBEEF000).tobytes(), np.int32(-7).tobytes(), np.int64(1 << 40).tobytes(),
-                   np.float32(1.5).tobytes(), np.uint64(0).tobytes()]
-    with pytest.raises(TypeError, match="kernel argument 1: int"):
-        pdl.kernel_params((FakeDeviceArray(), 3))
+    args = (FakeDeviceArray(), np.int32(-7), np.int64(1 << 40), np.float32(1.5), np.uint64(0), np.float16(-2.25),
+            np.uint32(0xFFFFFFFF), np.bool_(True))
+
+    def passed(args: tuple) -> list[bytes]:
+        params, sizes = pdl.kernel_params(args)
+        return [ctypes.string_at(params[i], n) for i, n in enumerate(sizes)]
+
+    want = [np.uint64(0xDEADBEEF000).tobytes()] + [a.tobytes() for a in args[1:]]
+    assert passed(args) == want
+    # the same signature again with other values (the thread's buffer is reused), and another signature of
+    # as many arguments: each launch's values, never a previous one's
+    again = (FakeDeviceArray(), np.int32(9), np.int64(-1), np.float32(-0.0), np.uint64(1 << 63), np.float16(0.5),
+             np.uint32(1), np.bool_(False))
+    assert passed(again) == [want[0]] + [a.tobytes() for a in again[1:]]
+    other = tuple(reversed(args))
+    assert passed(other) == list(reversed(want))
+    for bad, what in ((3, "int"), (np.zeros(3, np.float32), "ndarray"), (1.5, "float"), (np.complex128(1), "complex128")):
+        with pytest.raises(TypeError, match=f"kernel argument 1: {what}, expected a device array"):
+            pdl.kernel_params((FakeDeviceArray(), bad))
     assert "sm_80" in pdl.unsupported_reason((8, 0))
     # the driver's structs as cuda.h lays them out (64-bit): CUlaunchConfig, CUlaunchAttribute
     cfg, attr = pdl._LaunchConfig, pdl._LaunchAttribute

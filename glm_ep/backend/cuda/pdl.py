@@ -22,6 +22,8 @@ import contextlib
 import contextvars
 import ctypes
 import functools
+import struct
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -78,35 +80,96 @@ def unsupported_reason(compute_capability: tuple[int, int]) -> str | None:
     return None
 
 
-def kernel_params(args: tuple) -> tuple[Any, list[np.ndarray]]:
-    """The ``void**`` array of ``cuLaunchKernelEx`` for ``args`` and the host buffers it points
-    into (to keep alive until the launch returns): an object with ``.data.ptr`` (a CuPy array) is
-    passed as its device pointer, a NumPy scalar as its own bytes."""
-    held = []
-    for i, a in enumerate(args):
-        if isinstance(a, np.generic):
-            held.append(np.array(a))
-        elif hasattr(a, "data") and hasattr(a.data, "ptr"):
-            held.append(np.array(a.data.ptr, dtype=np.uint64))
-        else:
-            raise TypeError(f"kernel argument {i}: {type(a).__name__}, expected a device array or a NumPy scalar "
-                            "(np.int32, np.int64, np.float32, np.uint64)")
-    params = (ctypes.c_void_p * max(len(held), 1))(*[h.ctypes.data for h in held])
-    return params, held
+# A scalar argument's struct code by (dtype kind, itemsize): its own bytes, as CuPy passes a NumPy scalar.
+_SCALAR_CODES = {("i", 1): "b", ("u", 1): "B", ("b", 1): "?", ("i", 2): "h", ("u", 2): "H", ("f", 2): "e",
+                 ("i", 4): "i", ("u", 4): "I", ("f", 4): "f", ("i", 8): "q", ("u", 8): "Q", ("f", 8): "d"}
+_SLOT = 8  # every argument gets an 8-byte slot of the parameter buffer (each is read through its own pointer)
+
+
+@functools.cache
+def _layout(types: tuple[type, ...]) -> tuple[struct.Struct, tuple[bool, ...], tuple[int, ...]]:
+    """(packer, which arguments are device arrays, each argument's size) for arguments of these types;
+    one per kernel signature, so a launch only reads the pointers and packs the bytes."""
+    codes, pointers, sizes = [], [], []
+    for i, t in enumerate(types):
+        if issubclass(t, np.generic):
+            dt = np.dtype(t)
+            code = _SCALAR_CODES.get((dt.kind, dt.itemsize))
+            if code is None:
+                raise TypeError(f"kernel argument {i}: {t.__name__}, expected a device array or a NumPy scalar "
+                                "of at most 8 bytes (np.int32, np.int64, np.float32, np.uint64)")
+            codes.append(code + "x" * (_SLOT - dt.itemsize))
+            pointers.append(False)
+            sizes.append(dt.itemsize)
+        else:  # a device array (a CuPy array's .data is a MemoryPointer): checked per value in kernel_params
+            codes.append("Q")
+            pointers.append(True)
+            sizes.append(8)
+    return struct.Struct("<" + "".join(codes)), tuple(pointers), tuple(sizes)
+
+
+class _Buffers(threading.local):
+    """This thread's parameter buffers by argument count (``cuLaunchKernelEx`` copies the values it is
+    handed before it returns, so one buffer per thread and count serves every launch)."""
+
+    def __init__(self) -> None:
+        self.by_count: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, n: int) -> tuple[Any, Any]:
+        got = self.by_count.get(n)
+        if got is None:
+            values = ctypes.create_string_buffer(_SLOT * max(n, 1))
+            base = ctypes.addressof(values)
+            got = values, (ctypes.c_void_p * max(n, 1))(*[base + _SLOT * i for i in range(max(n, 1))])
+            self.by_count[n] = got
+        return got
+
+
+_BUFFERS = _Buffers()
+
+
+def kernel_params(args: tuple) -> tuple[Any, tuple[int, ...]]:
+    """The ``void**`` array of ``cuLaunchKernelEx`` for ``args`` and each argument's size in bytes: an
+    object with ``.data.ptr`` (a CuPy array) is passed as its device pointer, a NumPy scalar as its own
+    bytes. The array points into this thread's buffer for that many arguments: valid until the
+    thread's next call with as many."""
+    packer, pointers, sizes = _layout(tuple(map(type, args)))
+    try:
+        values = [a.data.ptr if p else a for a, p in zip(args, pointers)]
+    except AttributeError:
+        bad = next(i for i, (a, p) in enumerate(zip(args, pointers)) if p and not hasattr(getattr(a, "data", None),
+                                                                                         "ptr"))
+        raise TypeError(f"kernel argument {bad}: {type(args[bad]).__name__}, expected a device array (with "
+                        ".data.ptr) or a NumPy scalar (np.int32, np.int64, np.float32, np.uint64)") from None
+    buf, params = _BUFFERS.get(len(args))
+    packer.pack_into(buf, 0, *values)
+    return params, sizes
+
+
+class _Launch(threading.local):
+    """This thread's ``CUlaunchConfig`` and its one attribute (programmatic stream serialization
+    allowed), filled in per launch."""
+
+    def __init__(self) -> None:
+        self.attr = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attr.value = (1).to_bytes(4, "little")  # programmaticStreamSerializationAllowed = 1
+        self.cfg = _LaunchConfig(attrs=ctypes.pointer(self.attr), num_attrs=1)
+
+
+_LAUNCH = _Launch()
 
 
 def launch(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int,
            stream_ptr: int) -> None:
     """``cuLaunchKernelEx`` with programmatic stream serialization allowed."""
-    params, held = kernel_params(args)
-    attr = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value = (1).to_bytes(4, "little")  # programmaticStreamSerializationAllowed = 1
-    grid3, block3 = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
-    cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), smem, stream_ptr,
-                        ctypes.pointer(attr), 1)
+    params, _ = kernel_params(args)
+    cfg = _LAUNCH.cfg
+    cfg.grid[:] = (tuple(grid) + (1, 1))[:3]
+    cfg.block[:] = (tuple(block) + (1, 1))[:3]
+    cfg.shared_mem = smem
+    cfg.stream = stream_ptr
     lib = _driver()
     rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), function_ptr, params, None)
-    del held
     if rc != 0:
         name = ctypes.c_char_p()
         lib.cuGetErrorName(rc, ctypes.byref(name))
