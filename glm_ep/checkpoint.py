@@ -31,7 +31,7 @@ import ml_dtypes  # noqa: F401  (registers 'bfloat16' with NumPy: safetensors lo
 import numpy as np
 from safetensors import safe_open
 
-from glm_ep.config import ModelConfig, SiteConfig, parse_json
+from glm_ep.config import NVFP4_GROUP, ModelConfig, SiteConfig, parse_json
 from glm_ep.errors import CheckpointError, ConfigError
 from glm_ep.finite import can_be_nonfinite, describe_nonfinite, first_nonfinite
 from glm_ep.nvfp4 import Nvfp4Weight
@@ -283,6 +283,28 @@ class Checkpoint:
         self.close()
 
 
+def dense_is_nvfp4(ckpt: Checkpoint, layer: int) -> bool:
+    """Whether dense layer ``layer``'s FFN is stored NVFP4 (ModelOpt exports that quantize the dense MLPs
+    too, e.g. the ``nvfp4_experts_dense_mlp`` recipe) rather than bf16: its gate projection's stored
+    dtype says (U8 nibbles); a missing tensor is left to the read to name."""
+    try:
+        return ckpt.info(f"{ckpt.layer_prefix(layer)}.mlp.gate_proj.weight").dtype == "U8"
+    except CheckpointError:
+        return False
+
+
+def _nvfp4_mlp(ckpt: Checkpoint, prefix: str, width: int, hidden: int, tp_rank: int, local: int) -> ExpertWeights:
+    """TP slice of an NVFP4 SwiGLU MLP (a dense FFN stored NVFP4), as ``_bf16_mlp`` cuts it: gate/up rows
+    ``[tp_rank*Il, (tp_rank+1)*Il)``, down those columns (each projection keeps its own scale_2)."""
+    if local % NVFP4_GROUP:
+        raise ConfigError(f"{prefix}: a TP slice of {local} of the NVFP4 dense FFN's width {width}, expected a "
+                          f"multiple of {NVFP4_GROUP} (its block scales cover {NVFP4_GROUP} columns each)")
+    part = slice(tp_rank * local, (tp_rank + 1) * local)
+    return ExpertWeights(gate=read_nvfp4(ckpt, f"{prefix}.gate_proj", width, hidden, rows=part),
+                         up=read_nvfp4(ckpt, f"{prefix}.up_proj", width, hidden, rows=part),
+                         down=read_nvfp4(ckpt, f"{prefix}.down_proj", hidden, width, cols=part))
+
+
 def _bf16_mlp(ckpt: Checkpoint, prefix: str, width: int, hidden: int, tp_rank: int,
               local: int) -> DenseWeights:
     """TP slice of a bf16 SwiGLU MLP: gate/up rows ``[tp_rank*Il, (tp_rank+1)*Il)``, down those columns."""
@@ -294,17 +316,26 @@ def _bf16_mlp(ckpt: Checkpoint, prefix: str, width: int, hidden: int, tp_rank: i
     )
 
 
-def read_nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int, rows: slice | None = None) -> Nvfp4Weight:
+def read_nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int, rows: slice | None = None,
+               cols: slice | None = None) -> Nvfp4Weight:
     """The ModelOpt NVFP4 projection ``prefix`` (e.g. ``{p}.mlp.experts.{e}.gate_proj``) of shape
-    ``[n, k]``, or its ``rows``; ``input_scale`` is not read (activations stay bf16)."""
+    ``[n, k]``, or its ``rows`` / ``cols`` (element columns: multiples of the 16-k scale block, a TP
+    slice of a row-parallel projection); ``input_scale`` is not read (activations stay bf16)."""
+    packed_cols = scale_cols = None
+    if cols is not None:
+        lo, hi, step = cols.indices(k)
+        if step != 1 or lo % NVFP4_GROUP or hi % NVFP4_GROUP:
+            raise ConfigError(f"{prefix}: columns {lo}..{hi} of an NVFP4 projection, expected a contiguous slice "
+                              f"on {NVFP4_GROUP}-column block boundaries (the TP split of its in width {k})")
+        packed_cols, scale_cols = slice(lo // 2, hi // 2), slice(lo // NVFP4_GROUP, hi // NVFP4_GROUP)
     scale_2 = ckpt.read_scalar(f"{prefix}.weight_scale_2")
     if ckpt.check_finite and not scale_2 > 0:  # NaN and Inf are refused by the read
         raise CheckpointError(f"{ckpt.info(prefix + '.weight_scale_2').file}: tensor '{prefix}.weight_scale_2' = "
                               f"{scale_2}, expected a finite value > 0 (the projection's NVFP4 scale; "
                               "check_weights = false in the topology skips this check)")
     return Nvfp4Weight(
-        packed=ckpt.read(f"{prefix}.weight", (n, k // 2), ("U8",), rows=rows),
-        scale=ckpt.read(f"{prefix}.weight_scale", (n, k // 16), ("F8_E4M3",), rows=rows),
+        packed=ckpt.read(f"{prefix}.weight", (n, k // 2), ("U8",), rows=rows, cols=packed_cols),
+        scale=ckpt.read(f"{prefix}.weight_scale", (n, k // NVFP4_GROUP), ("F8_E4M3",), rows=rows, cols=scale_cols),
         scale_2=scale_2,
     )
 
@@ -341,8 +372,11 @@ def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> int:
     if model.mlp_layer_types[layer] == "dense":
         if not cfg.tp_active(False):
             return 0
-        return sum(stored(f"{p}.mlp.{w}.weight", cfg.local_dense_intermediate, model.intermediate_size)
-                   for w in projections)
+        part, whole = cfg.local_dense_intermediate, model.intermediate_size
+        if dense_is_nvfp4(ckpt, layer):
+            return sum(stored(f"{p}.mlp.{w}.weight", part, whole) + stored(f"{p}.mlp.{w}.weight_scale", part, whole)
+                       + stored(f"{p}.mlp.{w}.weight_scale_2") for w in projections)
+        return sum(stored(f"{p}.mlp.{w}.weight", part, whole) for w in projections)
     total = stored(f"{p}.mlp.gate.weight") + stored(f"{p}.mlp.gate.e_score_correction_bias")
     if cfg.ep_active():
         total += sum(stored(f"{expert_prefix(ckpt, layer, e)}.{w}.{t}")
@@ -354,10 +388,11 @@ def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> int:
     return total
 
 
-def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> DenseWeights | MoeWeights | None:
+def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> DenseWeights | ExpertWeights | MoeWeights | None:
     """What this rank holds at MLP site ``layer``.
 
-    Dense site: this rank's TP slice, or None on a replica that does not contribute it. Sparse
+    Dense site: this rank's TP slice (``DenseWeights``, or ``ExpertWeights`` for a dense FFN stored
+    NVFP4), or None on a replica that does not contribute it. Sparse
     site: the router and its fp32 bias (always), experts ``expert_start ..`` (empty on a
     non-contributing EP replica), the shared expert's TP slice (None on a non-contributing TP
     replica or when the model has no shared expert).
@@ -371,7 +406,8 @@ def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> DenseWeights | 
     if model.mlp_layer_types[layer] == "dense":
         if not cfg.tp_active(False):
             return None
-        return _bf16_mlp(ckpt, f"{p}.mlp", model.intermediate_size, h, cfg.tp_rank, cfg.local_dense_intermediate)
+        read = _nvfp4_mlp if dense_is_nvfp4(ckpt, layer) else _bf16_mlp
+        return read(ckpt, f"{p}.mlp", model.intermediate_size, h, cfg.tp_rank, cfg.local_dense_intermediate)
 
     e_all, inter = model.n_routed_experts, model.moe_intermediate_size
     router_EH = ckpt.read(f"{p}.mlp.gate.weight", (e_all, h), ("BF16", "F32"))

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=_count(1), help="override num_hidden_layers (the real shape is ~170 GB)")
     p.add_argument("--router-dtype", choices=("bf16", "f32"), default="bf16")
     p.add_argument("--composite", action="store_true", help="text_config + model.language_model prefix")
+    p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
+                   help="how the dense FFNs are stored (nvfp4: quantized like the experts)")
     p.add_argument("--shard-mb", type=_count(1), default=256)
 
     p = sub.add_parser("footprint", help="print weight and workspace footprints from a config alone")
@@ -65,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--per-layer", action="store_true", help="one workspace per layer instead of one shared")
+    p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
+                   help="with --preset: how the dense FFNs are stored (a --model checkpoint says so itself)")
 
     p = sub.add_parser("forward", help="apply every MLP site to one input (mpiexec -n W)")
     p.add_argument("--model", required=True)
@@ -102,7 +106,7 @@ def _synth(args: argparse.Namespace) -> int:
             cfg["mlp_layer_types"] = (cfg["mlp_layer_types"] * args.layers)[: args.layers]
         cfg["first_k_dense_replace"] = min(cfg.get("first_k_dense_replace", 0), args.layers)
     path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
-                           router_dtype=args.router_dtype, composite=args.composite, progress=True)
+                           router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense)
     print(f"wrote {path}")
     return 0
 
@@ -121,7 +125,13 @@ def _footprint(args: argparse.Namespace) -> int:
     cfg = site_config(model, topo, 0)
     from glm_ep.footprint import weight_bytes_per_rank
 
-    for line in report_lines(model, cfg, topo, weight_bytes_per_rank(model, topo)):
+    dense_nvfp4 = args.dense == "nvfp4"
+    if args.model and "dense" in model.mlp_layer_types:  # how the checkpoint stores its dense FFNs, from a header
+        from glm_ep.checkpoint import Checkpoint, dense_is_nvfp4
+
+        with Checkpoint(args.model, check_finite=False) as ck:
+            dense_nvfp4 = dense_is_nvfp4(ck, model.mlp_layer_types.index("dense"))
+    for line in report_lines(model, cfg, topo, weight_bytes_per_rank(model, topo, dense_nvfp4)):
         print(line)
     return 0
 

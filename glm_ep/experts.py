@@ -76,11 +76,14 @@ class ExpertDispatch:
         return "decode"  # one grouped GEMV per row
 
     def __call__(self, x_TH: Any, ids_TK: Any, experts: RoutedExperts[Any], ws: Workspace,
-                 tail: SharedTail | None = None) -> tuple[Any, Any | None, bool]:
+                 tail: SharedTail | None = None, out_SH: Any = None) -> tuple[Any, Any | None, bool]:
         """(routed outputs, their permutation, whether ``tail`` ran: only on the one-row decode path
-        of a rank with routed experts; otherwise the caller combines)."""
+        of a rank with routed experts; otherwise the caller combines). The routed outputs are written
+        into ``out_SH`` where given (``[T*K, H]``), else into the workspace."""
         t, k, h = x_TH.shape[0], self.cfg.top_k, self.cfg.hidden
-        routed_SH = ws.view("expert_out", t * k, h)
+        routed_SH = ws.view("expert_out", t * k, h) if out_SH is None else out_SH
+        if tuple(routed_SH.shape) != (t * k, h):
+            raise ValueError(f"routed outputs of shape {tuple(routed_SH.shape)}, expected {(t * k, h)}")
         if experts.count < self.cfg.num_experts:  # remote slots must add exactly zero
             self.be.zero(routed_SH)  # (with every expert local, every slot is written)
         path = self.path_for(t)

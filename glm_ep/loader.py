@@ -33,7 +33,7 @@ from glm_ep.placement import discover
 from glm_ep.site import DenseSite, MoeSite
 from glm_ep.stack import MlpStack
 from glm_ep.topology import Topology
-from glm_ep.weights import MoeWeights
+from glm_ep.weights import ExpertWeights, MoeWeights
 from glm_ep.workspace import allocate_workspaces, fmt_bytes, footprint_lines, free_memory_bytes
 
 log = logging.getLogger(__name__)
@@ -123,11 +123,15 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     load_s = time.perf_counter() - t0
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
     dispatch = ExpertDispatch(be, cfg, topo.levers)
+    dense_nvfp4 = ExpertDispatch(be, cfg.dense_as_expert(), topo.levers)  # a dense FFN stored NVFP4: one expert
     sites: list[Any] = []
     for i, w in enumerate(host_weights):
         site_comm = comm.at(f"layer {i} all-reduce")
         if isinstance(w, MoeWeights):
             sites.append(MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch))
+        elif isinstance(w, ExpertWeights):
+            mlp = be.upload_experts((w,), 0, cfg.swiglu_limit, what=f"layer {i} dense mlp")
+            sites.append(DenseSite(be, site_comm, cfg, mlp, dense_nvfp4))
         else:
             sites.append(DenseSite(be, site_comm, cfg, be.upload_dense(w) if w is not None else None))
     stack = MlpStack(be, comm, cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace, workspaces)

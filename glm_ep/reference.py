@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from glm_ep.checkpoint import Checkpoint, expert_prefix, read_nvfp4
+from glm_ep.checkpoint import Checkpoint, dense_is_nvfp4, expert_prefix, read_nvfp4
 from glm_ep.config import ModelConfig
 from glm_ep.nvfp4 import NIBBLE_TO_F32, NVFP4_GROUP, Nvfp4Weight, unpack_nibbles
 
@@ -147,7 +147,7 @@ class Reference:
         m, p = self.model, self.ckpt.layer_prefix(layer)
         x = _f64(x_TH)
         if m.mlp_layer_types[layer] == "dense":
-            return self._mlp(f"{p}.mlp", m.intermediate_size, x)
+            return self._mlp(f"{p}.mlp", m.intermediate_size, x, nvfp4=dense_is_nvfp4(self.ckpt, layer))
         ids_TK, w_TK = self.route(layer, x)
         out_TH = (self._mlp(f"{p}.mlp.shared_experts", m.shared_intermediate, x) if m.n_shared_experts
                   else np.zeros_like(x))

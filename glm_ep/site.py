@@ -4,7 +4,8 @@ Sparse: route (with the shared expert's gate/up beside it where the workspace ho
 experts -> shared (its down projection fused with the combine where the backend can; at one row,
 both inside the routed down launch) -> combine -> all_reduce. The combine runs BEFORE the reduce,
 so one collective sums both the EP partial (routed experts) and the TP partial (shared expert).
-Dense: gate/up -> clamped SwiGLU -> down -> all_reduce (only when tp > 1).
+Dense: gate/up -> clamped SwiGLU -> down -> all_reduce (only when tp > 1); a dense FFN stored NVFP4 runs
+the same on the routed experts' paths, as one expert that every row chooses.
 Shape suffixes: T rows, H hidden, E experts, K top-k, I a projection width, S = T*K.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from glm_ep.backend.base import Backend, DenseResident, MoeResident
+from glm_ep.backend.base import Backend, DenseResident, MoeResident, RoutedExperts
 from glm_ep.comm import Communicator
 from glm_ep.config import SiteConfig
 from glm_ep.experts import ExpertDispatch, SharedTail
@@ -34,14 +35,31 @@ def clamped_swiglu_mlp(be: Backend, w: DenseResident[Any], limit: float, x_TH: A
     return be.linear(clamped_swiglu(be, w, limit, x_TH, ws), w.down, out_TH)
 
 
+def nvfp4_mlp(be: Backend, dispatch: ExpertDispatch, mlp: RoutedExperts[Any], x_TH: Any, ws: Workspace,
+              out_TH: Any) -> Any:
+    """``down(act(gate(x), up(x)))`` of an NVFP4 MLP that every row runs (a dense FFN stored NVFP4), over
+    this rank's TP shard: ``mlp`` is ONE expert (id 0) that every row chooses, run on the routed experts'
+    paths (``dispatch`` has ``SiteConfig.dense_as_expert``'s geometry). With one slot a row, the routed
+    rows ARE the output rows, in row order on every path (the sort by expert is stable), so they are
+    written straight into ``out``, rounded where a dense MLP's are (gate, up, act, down)."""
+    ids_T1 = be.zero(ws.view("ids", x_TH.shape[0], 1))
+    dispatch(x_TH, ids_T1, mlp, ws, out_SH=out_TH)
+    return out_TH
+
+
 @dataclass
 class DenseSite:
     be: Backend
     comm: Communicator
     cfg: SiteConfig
-    mlp: DenseResident[Any] | None  # None on a replica that does not contribute
+    mlp: DenseResident[Any] | RoutedExperts[Any] | None  # None on a replica that does not contribute
+    nvfp4: ExpertDispatch | None = None  # the dispatch of an NVFP4 mlp (a one-expert RoutedExperts)
 
     sparse = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mlp, RoutedExperts) != (self.nvfp4 is not None):
+            raise ValueError("DenseSite: an NVFP4 mlp (RoutedExperts) comes with its dispatch, a bf16 one without")
 
     @property
     def reduces(self) -> bool:
@@ -50,6 +68,8 @@ class DenseSite:
     def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
         if self.mlp is None:
             self.be.zero(out_TH)
+        elif self.nvfp4 is not None:
+            nvfp4_mlp(self.be, self.nvfp4, self.mlp, x_TH, ws, out_TH)
         else:
             clamped_swiglu_mlp(self.be, self.mlp, self.cfg.swiglu_limit, x_TH, ws, out_TH)
         return self.comm.all_reduce(out_TH) if self.reduces else out_TH

@@ -113,13 +113,14 @@ def _router_group(p: str, experts: int, hidden: int, router_dtype: str, key: tup
     return _Group(specs, make, key)
 
 
-def _plan(model: ModelConfig, prefix: str, router_dtype: str) -> list[_Group]:
+def _plan(model: ModelConfig, prefix: str, router_dtype: str, dense: str) -> list[_Group]:
     """Every tensor group of the model, in layer order."""
     h, groups = model.hidden_size, []
     for i, kind in enumerate(model.mlp_layer_types):
         p = f"{prefix}.{i}.mlp"
         if kind == "dense":
-            groups.append(_bf16_mlp_group(p, model.intermediate_size, h, (i, 0)))
+            mlp = _expert_group if dense == "nvfp4" else _bf16_mlp_group
+            groups.append(mlp(p, model.intermediate_size, h, (i, 0)))
             continue
         groups.append(_router_group(f"{p}.gate", model.n_routed_experts, h, router_dtype, (i, 0)))
         if model.n_shared_experts > 0:
@@ -153,22 +154,26 @@ def _config_json(config: dict[str, Any], composite: bool) -> dict[str, Any]:
 
 
 def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, shard_bytes: int = 256 * 2**20,
-                    router_dtype: str = "bf16", composite: bool = False, progress: bool = False) -> Path:
+                    router_dtype: str = "bf16", composite: bool = False, progress: bool = False,
+                    dense: str = "bf16") -> Path:
     """Write a seeded checkpoint of the shape ``config`` (flat HF text config) into ``out_dir``.
 
     ``router_dtype`` is ``"bf16"`` or ``"f32"`` (how ``gate.weight`` is stored). ``composite``
     nests the text fields under ``text_config`` and uses the ``model.language_model.layers.{i}``
-    prefix. Returns ``out_dir``.
+    prefix. ``dense`` is ``"bf16"`` or ``"nvfp4"`` (the dense FFNs quantized like the experts, as
+    ModelOpt's ``nvfp4_experts_dense_mlp`` recipe exports them). Returns ``out_dir``.
     """
     if router_dtype not in ("bf16", "f32"):
         raise ValueError(f"router_dtype = {router_dtype!r}, expected 'bf16' or 'f32'")
+    if dense not in ("bf16", "nvfp4"):
+        raise ValueError(f"dense = {dense!r}, expected 'bf16' or 'nvfp4'")
     if "text_config" in config:
         raise ValueError("config must be flat (text fields at the top level); pass composite=True to nest them")
     written = _config_json(config, composite)
     model = ModelConfig.from_dict(written, source="synthetic config")
     out = _folder(out_dir, "the synthetic checkpoint's folder")
     prefix = "model.language_model.layers" if composite else "model.layers"
-    shards = _shards(_plan(model, prefix, router_dtype), shard_bytes)
+    shards = _shards(_plan(model, prefix, router_dtype, dense), shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
     bar = tqdm(total=sum(len(s) for s in shards), desc="synthetic checkpoint", unit="group", disable=not progress)

@@ -103,8 +103,10 @@ def _decode(dtype: str, shape: tuple[int, ...], data: bytes) -> np.ndarray:
 
 # ---- writer ------------------------------------------------------------------------------------
 def write_checkpoint(out: Path, seed: int, text: dict[str, Any] | None = None, out_gain: float = 1.0,
-                     bias_spread: float = 0.05, shards: int = 3) -> tuple[list[Ref64Layer], RefParams]:
-    """Write the checkpoint; return its float64 layers and routing parameters."""
+                     bias_spread: float = 0.05, shards: int = 3,
+                     dense_nvfp4: bool = False) -> tuple[list[Ref64Layer], RefParams]:
+    """Write the checkpoint; return its float64 layers and routing parameters. ``dense_nvfp4``: the dense
+    MLPs quantized like the experts (ModelOpt's nvfp4_experts_dense_mlp recipe)."""
     t = dict(TEXT_CONFIG, **(text or {}))
     rng = np.random.default_rng(seed)
     h, inter, m, e = t["hidden_size"], t["intermediate_size"], t["moe_intermediate_size"], t["n_routed_experts"]
@@ -139,6 +141,12 @@ def write_checkpoint(out: Path, seed: int, text: dict[str, Any] | None = None, o
     for i, kind in enumerate(t["mlp_layer_types"]):
         p = f"{PREFIX}.{i}"
         bf16(f"{p}.self_attn.q_proj.weight", normal(h, h))  # not an MLP tensor: must be ignored
+        if kind == "dense" and dense_nvfp4:
+            layers.append(Ref64Layer("dense", tuple(
+                nvfp4(f"{p}.mlp.{proj}", normal(*shape, gain, heavy=proj != "down_proj"))
+                for proj, shape, gain in (("gate_proj", (inter, h), 1.0), ("up_proj", (inter, h), 1.0),
+                                          ("down_proj", (h, inter), out_gain)))))
+            continue
         if kind == "dense":
             layers.append(Ref64Layer("dense", mlp(f"{p}.mlp", inter)))
             continue
@@ -188,20 +196,23 @@ def read_f64(model_dir: Path) -> tuple[list[Ref64Layer], RefParams]:
     def get(name: str) -> np.ndarray:
         return _decode(*raw[name])
 
+    def proj(name: str) -> np.ndarray:  # bf16 or NVFP4, by what is stored
+        if raw[f"{name}.weight"][0] == "BF16":
+            return get(f"{name}.weight")
+        return nvfp4_to_f64(get(f"{name}.weight"), get(f"{name}.weight_scale"),
+                            float(get(f"{name}.weight_scale_2").reshape(())))
+
     kinds = t.get("mlp_layer_types") or ["dense" if i < t["first_k_dense_replace"] else "sparse"
                                          for i in range(t["num_hidden_layers"])]
     layers = []
     for i, kind in enumerate(kinds):
         p = f"{prefix}.{i}.mlp"
         if kind == "dense":
-            layers.append(Ref64Layer("dense", tuple(get(f"{p}.{x}_proj.weight") for x in ("gate", "up", "down"))))
+            layers.append(Ref64Layer("dense", tuple(proj(f"{p}.{x}_proj") for x in ("gate", "up", "down"))))
             continue
         shared = (tuple(get(f"{p}.shared_experts.{x}_proj.weight") for x in ("gate", "up", "down"))
                   if t["n_shared_experts"] else None)
-        experts = [tuple(nvfp4_to_f64(get(f"{p}.experts.{e}.{x}_proj.weight"),
-                                      get(f"{p}.experts.{e}.{x}_proj.weight_scale"),
-                                      float(get(f"{p}.experts.{e}.{x}_proj.weight_scale_2").reshape(())))
-                         for x in ("gate", "up", "down"))
+        experts = [tuple(proj(f"{p}.experts.{e}.{x}_proj") for x in ("gate", "up", "down"))
                    for e in range(t["n_routed_experts"])]
         layers.append(Ref64Layer("sparse", shared, get(f"{p}.gate.weight"), get(f"{p}.gate.e_score_correction_bias"),
                                  experts))

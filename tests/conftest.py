@@ -19,6 +19,13 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            shard_bytes=256 * 1024)
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint_dense_nvfp4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same with the dense FFNs stored NVFP4 (ModelOpt's nvfp4_experts_dense_mlp recipe). Read-only."""
+    return write_synthetic(tmp_path_factory.mktemp("ckpt") / "tiny-dense-nvfp4", preset("tiny"), seed=0,
+                           shard_bytes=256 * 1024, dense="nvfp4")
+
+
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     """A generator seeded from the test's name: fresh inputs per test, the same on every run."""

@@ -63,17 +63,26 @@ def random_dense(rng: np.random.Generator, width: int, hidden: int, out_gain: fl
                         down=_normal(rng, hidden, width, out_gain).astype(BF16))
 
 
+def random_nvfp4_mlp(rng: np.random.Generator, width: int, hidden: int, out_gain: float = 1.0) -> ExpertWeights:
+    return ExpertWeights(gate=quantize(_normal(rng, width, hidden, heavy=True)),
+                         up=quantize(_normal(rng, width, hidden, heavy=True)),
+                         down=quantize(_normal(rng, hidden, width, out_gain)))
+
+
 def random_weights(model: ModelConfig, seed: int, out_gain: float = 1.0, router_gain: float = 3.0,
-                   bias_spread: float = 0.02, router_f32: bool = False) -> list[DenseWeights | MoeWeights]:
+                   bias_spread: float = 0.02, router_f32: bool = False,
+                   dense_nvfp4: bool = False) -> list[DenseWeights | ExpertWeights | MoeWeights]:
     """Whole (unsharded) weights of every site: bf16 dense/shared, NVFP4 experts (``nvfp4.quantize``),
     a bf16 (or fp32) router and an fp32 bias ``7 + bias_spread * N(0, 1)``. ``out_gain`` scales every
-    down projection (small values make the chained stack contractive)."""
+    down projection (small values make the chained stack contractive); ``dense_nvfp4`` stores the dense
+    FFNs NVFP4 too (``ExpertWeights``)."""
     rng = np.random.default_rng(seed)
     h, m, e = model.hidden_size, model.moe_intermediate_size, model.n_routed_experts
-    layers: list[DenseWeights | MoeWeights] = []
+    layers: list[DenseWeights | ExpertWeights | MoeWeights] = []
     for kind in model.mlp_layer_types:
         if kind == "dense":
-            layers.append(random_dense(rng, model.intermediate_size, h, out_gain))
+            make = random_nvfp4_mlp if dense_nvfp4 else random_dense
+            layers.append(make(rng, model.intermediate_size, h, out_gain))
             continue
         router = _normal(rng, e, h, router_gain)
         bias = (7.0 + bias_spread * rng.standard_normal(e)).astype(np.float32)
@@ -103,7 +112,23 @@ def _tp_slice(w: DenseWeights, tp: int, tp_rank: int) -> DenseWeights:
                         down=np.ascontiguousarray(w.down[:, rows]))
 
 
-def shard_layer(w: DenseWeights | MoeWeights, layout: RankLayout) -> DenseWeights | MoeWeights | None:
+def _tp_slice_nvfp4(w: ExpertWeights, tp: int, tp_rank: int) -> ExpertWeights:
+    """As ``_tp_slice``, on the NVFP4 bytes: a column range of K is packed K / 2 and scaled K / 16."""
+    n = w.gate.shape[0] // tp
+    lo, hi = tp_rank * n, (tp_rank + 1) * n
+
+    def rows(q: Nvfp4Weight) -> Nvfp4Weight:
+        return Nvfp4Weight(np.ascontiguousarray(q.packed[lo:hi]), np.ascontiguousarray(q.scale[lo:hi]), q.scale_2)
+
+    def cols(q: Nvfp4Weight) -> Nvfp4Weight:
+        return Nvfp4Weight(np.ascontiguousarray(q.packed[:, lo // 2:hi // 2]),
+                           np.ascontiguousarray(q.scale[:, lo // 16:hi // 16]), q.scale_2)
+
+    return ExpertWeights(gate=rows(w.gate), up=rows(w.up), down=cols(w.down))
+
+
+def shard_layer(w: DenseWeights | ExpertWeights | MoeWeights,
+                layout: RankLayout) -> DenseWeights | ExpertWeights | MoeWeights | None:
     """One rank's share: column-parallel gate/up and row-parallel down for TP, a contiguous expert
     range for EP; when the site reduces, a replicated piece is held only by its first replica."""
     tp, ep, rank = layout.tp, layout.ep, layout.rank
@@ -112,7 +137,8 @@ def shard_layer(w: DenseWeights | MoeWeights, layout: RankLayout) -> DenseWeight
     tp_on = not reduces or rank < tp
     ep_on = not reduces or rank < ep
     if not sparse:
-        return _tp_slice(w, tp, rank % tp) if tp_on else None
+        cut = _tp_slice_nvfp4 if isinstance(w, ExpertWeights) else _tp_slice
+        return cut(w, tp, rank % tp) if tp_on else None
     per = len(w.experts) // ep
     start = (rank % ep) * per
     return MoeWeights(router=w.router, bias=w.bias, expert_start=start,
@@ -120,7 +146,8 @@ def shard_layer(w: DenseWeights | MoeWeights, layout: RankLayout) -> DenseWeight
                       shared=_tp_slice(w.shared, tp, rank % tp) if tp_on and w.shared is not None else None)
 
 
-def build_stack(full: Sequence[DenseWeights | MoeWeights], model: ModelConfig, layout: RankLayout | None = None,
+def build_stack(full: Sequence[DenseWeights | ExpertWeights | MoeWeights], model: ModelConfig,
+                layout: RankLayout | None = None,
                 comm: Communicator | None = None, levers: PathLevers | None = None,
                 max_rows: int = 64, shared_workspace: bool = True) -> MlpStack:
     """A NumPy ``MlpStack`` of this rank's share of ``full``."""
@@ -134,6 +161,10 @@ def build_stack(full: Sequence[DenseWeights | MoeWeights], model: ModelConfig, l
         mine = shard_layer(w, layout)
         if isinstance(w, MoeWeights):
             sites.append(MoeSite(be, comm, cfg, be.upload_moe(mine, cfg.swiglu_limit), dispatch))
+        elif isinstance(w, ExpertWeights):  # a dense FFN stored NVFP4
+            mlp = be.upload_experts((mine,), 0, cfg.swiglu_limit) if mine is not None else None
+            sites.append(DenseSite(be, comm, cfg, mlp, ExpertDispatch(be, cfg.dense_as_expert(), levers)
+                                   if mine is not None else None))
         else:
             sites.append(DenseSite(be, comm, cfg, be.upload_dense(mine) if mine is not None else None))
     return MlpStack(be, comm, cfg, sites, levers, max_rows, shared_workspace)
@@ -189,7 +220,7 @@ class RefParams:
                    model.swiglu_limit)
 
 
-def ref64_layers(full: Sequence[DenseWeights | MoeWeights]) -> list[Ref64Layer]:
+def ref64_layers(full: Sequence[DenseWeights | ExpertWeights | MoeWeights]) -> list[Ref64Layer]:
     """float64 copies of in-memory weights (NVFP4 decoded with this module's own tables)."""
     def dense(w: DenseWeights) -> tuple[np.ndarray, ...]:
         return f64(w.gate), f64(w.up), f64(w.down)
@@ -201,6 +232,8 @@ def ref64_layers(full: Sequence[DenseWeights | MoeWeights]) -> list[Ref64Layer]:
     for w in full:
         if isinstance(w, DenseWeights):
             out.append(Ref64Layer("dense", dense(w)))
+        elif isinstance(w, ExpertWeights):
+            out.append(Ref64Layer("dense", (nv(w.gate), nv(w.up), nv(w.down))))
         else:
             out.append(Ref64Layer("sparse", dense(w.shared) if w.shared is not None else None, f64(w.router),
                                   f64(w.bias), [(nv(e.gate), nv(e.up), nv(e.down)) for e in w.experts]))

@@ -94,7 +94,8 @@ def test_dependent_launch_lever_and_its_argument_marshalling() -> None:
     assert passed(again) == [want[0]] + [a.tobytes() for a in again[1:]]
     other = tuple(reversed(args))
     assert passed(other) == list(reversed(want))
-    for bad, what in ((3, "int"), (np.zeros(3, np.float32), "ndarray"), (1.5, "float"), (np.complex128(1), "complex128")):
+    refused = ((3, "int"), (np.zeros(3, np.float32), "ndarray"), (1.5, "float"), (np.complex128(1), "complex128"))
+    for bad, what in refused:
         with pytest.raises(TypeError, match=f"kernel argument 1: {what}, expected a device array"):
             pdl.kernel_params((FakeDeviceArray(), bad))
     assert "sm_80" in pdl.unsupported_reason((8, 0))

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from glm_ep.checkpoint import Checkpoint, load_layer
+from glm_ep.checkpoint import Checkpoint, load_layer, read_nvfp4
 from glm_ep.config import RankLayout, SiteConfig
 from glm_ep.errors import CheckpointError, ConfigError
 from glm_ep.presets import preset
 from glm_ep.synth import write_synthetic
-from glm_ep.weights import DenseWeights, MoeWeights
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
 LAYOUTS = [(1, 0, 1, 1), (2, 0, 2, 2), (2, 1, 2, 2), (2, 1, 1, 2), (2, 1, 2, 1)]
 SPARSE = "model.layers.1.mlp"
@@ -121,6 +121,38 @@ def test_tp_slices_and_ep_ranges_tile_the_full_tensors(tiny_checkpoint: Path) ->
     for p in parts[1]:
         assert np.array_equal(p.bias, full[1].bias)
         assert np.array_equal(p.router.view(np.uint16), full[1].router.view(np.uint16))
+
+
+def test_nvfp4_dense_tp_slices_tile_the_full_projections(tiny_checkpoint_dense_nvfp4: Path) -> None:
+    """A dense FFN stored NVFP4 loads as ``ExpertWeights``: gate/up split by rows, down by columns, whose
+    packed bytes (K / 2) and block scales (K / 16) the two ranks' slices tile exactly, scale_2 whole."""
+    with Checkpoint(tiny_checkpoint_dense_nvfp4) as ck:
+        whole = load_layer(ck, _site(ck, LAYOUTS[0]), 0)
+        parts = [load_layer(ck, _site(ck, (2, r, 2, 2)), 0) for r in range(2)]
+        assert isinstance(load_layer(ck, _site(ck, LAYOUTS[0]), 1), MoeWeights)
+    assert isinstance(whole, ExpertWeights) and all(isinstance(p, ExpertWeights) for p in parts)
+    inter, hidden = ck.config.intermediate_size, ck.config.hidden_size
+    assert whole.gate.shape == (inter, hidden) and whole.down.shape == (hidden, inter)
+    assert parts[0].down.shape == (hidden, inter // 2)
+    for proj, axis in (("gate", 0), ("up", 0), ("down", 1)):
+        w, (a, b) = getattr(whole, proj), (getattr(p, proj) for p in parts)
+        assert np.array_equal(np.concatenate([a.packed, b.packed], axis=axis), w.packed), proj
+        assert np.array_equal(np.concatenate([a.scale, b.scale], axis=axis).view(np.uint8), w.scale.view(np.uint8))
+        assert a.scale_2 == b.scale_2 == w.scale_2
+
+
+def test_nvfp4_column_slices_must_sit_on_block_boundaries(tiny_checkpoint_dense_nvfp4: Path) -> None:
+    with Checkpoint(tiny_checkpoint_dense_nvfp4) as ck:
+        name, (inter, hidden) = f"{ck.layer_prefix(0)}.mlp.down_proj", (ck.config.intermediate_size,
+                                                                        ck.config.hidden_size)
+        assert read_nvfp4(ck, name, hidden, inter, cols=slice(16, 48)).shape == (hidden, 32)
+        for bad in (slice(8, 40), slice(0, 40), slice(0, 64, 2)):
+            with pytest.raises(ConfigError, match=r"expected a contiguous slice on 16-column block boundaries"):
+                read_nvfp4(ck, name, hidden, inter, cols=bad)
+        # a TP split of the dense width off those boundaries is named with the width
+        odd = SiteConfig(**{**_site(ck, (2, 0, 2, 2)).__dict__, "local_dense_intermediate": inter // 2 - 8})
+        with pytest.raises(ConfigError, match=r"TP slice of \d+ of the NVFP4 dense FFN's width"):
+            load_layer(ck, odd, 0)
 
 
 def test_f8_scales_read_from_hand_written_bytes(tmp_path: Path) -> None:

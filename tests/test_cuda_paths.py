@@ -201,6 +201,37 @@ def test_dependent_launches_change_no_bit(rows):
     assert (rows in stacks[0]._graphs) == (rows <= 8)
 
 
+def _nvfp4_dense_stack(be, cfg: SiteConfig, w: ExpertWeights, levers: PathLevers = PathLevers()) -> MlpStack:
+    mlp = be.upload_experts((w,), 0, cfg.swiglu_limit, what="dense mlp")
+    site = DenseSite(be, SelfComm(), cfg, mlp, ExpertDispatch(be, cfg.dense_as_expert(), levers))
+    return MlpStack(be, SelfComm(), cfg, [site], levers, MAX_ROWS)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 20, 40, 300])
+@pytest.mark.parametrize("hidden,width", [(256, 384), (512, 1024)], ids=["block-kernels", "ring"])
+def test_nvfp4_dense_site(rows, hidden, width):
+    """A dense FFN stored NVFP4 (one expert that every row chooses) on every path of the CUDA backend
+    against NumPy: the decode ring or block kernels (1 row; the ring needs K % 512), the union kernels
+    (2..8), row groups (20), the grouped GEMM (40, 300), and the 1..8-row step captured and replayed
+    with fresh inputs."""
+    m = ModelConfig.from_dict({
+        "hidden_size": hidden, "intermediate_size": width, "moe_intermediate_size": M, "num_hidden_layers": 1,
+        "n_shared_experts": 1, "n_routed_experts": E, "num_experts_per_tok": TOP_K, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "swiglu_limit": 2.0, "mlp_layer_types": ["dense"]})
+    cfg = SiteConfig.for_rank(m, RankLayout(1, 0, 1, 1))
+    rng = np.random.default_rng(rows * 7 + hidden)
+    w = ExpertWeights(*(nvfp4.quantize((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
+                        for s in ((width, hidden), (width, hidden), (hidden, width))))
+    levers = PathLevers(prefill_gemm_min_rows=32)
+    cuda, ref = _nvfp4_dense_stack(backend(), cfg, w, levers), _nvfp4_dense_stack(NumpyBackend(), cfg, w, levers)
+    want_path = "decode" if rows == 1 else "sorted" if rows >= 32 else "union"
+    assert cuda.sites[0].nvfp4.path_for(rows) == want_path
+    for step in range(3 if rows <= 8 else 1):  # 1..8 rows: captured on the first step, replayed after
+        x = rand_bf16(rng, (rows, hidden), 1.0)
+        assert_close(host(cuda.step(dev(x))), np.array(ref.step(x), copy=True), f"{rows} rows, step {step}")
+    assert (rows in cuda._graphs) == (rows <= 8)
+
+
 def test_nccl_one_rank():
     from mpi4py import MPI
 

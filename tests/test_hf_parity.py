@@ -61,7 +61,25 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def model_dense_nvfp4(tmp_path_factory):
+    """The same layout with the dense MLP stored NVFP4 (ModelOpt's nvfp4_experts_dense_mlp recipe, as in
+    nvidia/GLM-5.3-Flash-NVFP4): HF's ``Glm5NextTextMLP`` holds its decoded weights."""
+    folder = tmp_path_factory.mktemp("hf") / "glm-dense-nvfp4"
+    layers, _ = write_checkpoint(folder, seed=12, dense_nvfp4=True)
+    return folder, hf_sites(layers, TEXT_CONFIG)
+
+
+@pytest.fixture(scope="module")
 def hf_outputs(model, tmp_path_factory):
+    return _hf_outputs(model, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def hf_outputs_dense_nvfp4(model_dense_nvfp4, tmp_path_factory):
+    return _hf_outputs(model_dense_nvfp4, tmp_path_factory)
+
+
+def _hf_outputs(model, tmp_path_factory) -> dict:
     """rows -> (input file, per-site HF outputs)."""
     _, modules = model
     out = {}
@@ -78,6 +96,19 @@ def hf_outputs(model, tmp_path_factory):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("world,tp,ep", LAYOUTS, ids=[f"w{w}-tp{t}-ep{e}" for w, t, e in LAYOUTS])
 def test_forward_matches_hf_modules(model, hf_outputs, tmp_path, world, tp, ep, rows):
+    _forward_matches(model, hf_outputs, tmp_path, world, tp, ep, rows)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("world,tp,ep", LAYOUTS[:2], ids=[f"w{w}-tp{t}-ep{e}" for w, t, e in LAYOUTS[:2]])
+def test_forward_with_nvfp4_dense_mlp_matches_hf_modules(model_dense_nvfp4, hf_outputs_dense_nvfp4, tmp_path, world,
+                                                        tp, ep, rows):
+    """The dense MLP stored NVFP4 (its TP slices: gate/up rows, down columns on block boundaries), on the
+    decode, row-group and grouped paths."""
+    _forward_matches(model_dense_nvfp4, hf_outputs_dense_nvfp4, tmp_path, world, tp, ep, rows)
+
+
+def _forward_matches(model, hf_outputs, tmp_path, world, tp, ep, rows) -> None:
     folder, _ = model
     x_path, ref = hf_outputs[rows]
     out_path = tmp_path / "out.safetensors"

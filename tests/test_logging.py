@@ -60,10 +60,12 @@ def test_run_prints_shared_lines_once_and_the_load_time(tiny_checkpoint) -> None
     assert verbose.returncode == 0 and "[rank 1] INFO glm_ep.experts: routed experts" in verbose.stderr
 
 
+@pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", "tiny_checkpoint_dense_nvfp4"])
 @pytest.mark.parametrize("layout", [(1, 0, 1, 1), (2, 1, 2, 2), (2, 0, 1, 2), (2, 1, 2, 1)])
-def test_load_progress_counts_exactly_the_bytes_read(tiny_checkpoint, layout) -> None:
-    """The bar's total (from the headers) is what ``load_layer`` reads, for every layout."""
-    with Checkpoint(tiny_checkpoint) as ck:
+def test_load_progress_counts_exactly_the_bytes_read(request, checkpoint, layout) -> None:
+    """The bar's total (from the headers) is what ``load_layer`` reads, for every layout (dense FFNs
+    stored bf16 or NVFP4)."""
+    with Checkpoint(request.getfixturevalue(checkpoint)) as ck:
         cfg = SiteConfig.for_rank(ck.config, RankLayout(*layout))
         for i in range(ck.config.num_hidden_layers):
             read: list[int] = []

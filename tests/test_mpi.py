@@ -156,6 +156,27 @@ def test_chained_step_is_identical_on_every_rank_and_close_to_one_rank() -> None
     agreed(comm, failures)
 
 
+def test_nvfp4_dense_site_split_over_tp_matches_one_rank() -> None:
+    """A dense FFN stored NVFP4, its down projection split by columns on block boundaries: the tp = 2
+    partial sums, all-reduced, equal the one-rank site (and the multi-rank stack holds the same bits on
+    every rank)."""
+    comm = _world()
+    model = tiny_model()
+    full = random_weights(model, seed=21, dense_nvfp4=True)
+    layer = model.mlp_layer_types.index("dense")
+    world = comm.Get_size()
+    multi = build_stack(full, model, RankLayout(world, comm.Get_rank(), world, 1), MpiComm(comm), max_rows=16)
+    single = build_stack(full, model, max_rows=16)
+    failures: list[str] = []
+    for rows in (1, 5, 12):
+        x = random_x(70 + rows, rows, model.hidden_size)
+        y2, y1 = multi.site_output(layer, x).copy(), single.site_output(layer, x).copy()
+        same_on_all_ranks(comm, f"dense nvfp4 site, {rows} rows", y2, failures)
+        if not rel_l2(y2, y1) < 1e-2:
+            failures.append(f"dense nvfp4 site, {rows} rows: rel L2 {rel_l2(y2, y1):.3e} vs one rank")
+    agreed(comm, failures)
+
+
 @pytest.mark.parametrize("tp,ep", [(2, 2), (1, 2), (2, 1)], ids=["tp2-ep2", "tp1-ep2", "tp2-ep1"])
 def test_loaded_runtime_matches_one_rank(tiny_checkpoint, tp: int, ep: int) -> None:
     """The same through the product's loader: each rank reads only its share of the checkpoint."""

@@ -176,3 +176,26 @@ def test_one_row_sites_end_inside_the_routed_down_step(setup, monkeypatch, rows:
             ["shared_down_combine", "combine"]
         assert calls == want, f"site {i}, {rows} rows: {calls}"
         assert_ulps(got, tight.site_output(i, x), f"site {i}, {rows} rows", ulps=0)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 20])
+def test_nvfp4_dense_site_on_every_path(rows: int) -> None:
+    """A dense FFN stored NVFP4 runs as one expert that every row chooses: the same outputs on every
+    routed path up to rounding order (NumPy sums a batch's products in another order than one row's: a
+    gate or up element that rounds the other way moves its row's outputs by a few ulps), close to
+    float64, whatever stale ids the workspace holds."""
+    model = tiny_model()
+    full = random_weights(model, seed=9, dense_nvfp4=True)
+    layer = model.mlp_layer_types.index("dense")
+    x = random_x(300 + rows, rows, model.hidden_size)
+    outs: dict[str, np.ndarray] = {}
+    for name, levers in VARIANTS.items():
+        stack = build_stack(full, model, levers=levers, max_rows=MAX_ROWS)
+        site = stack.sites[layer]
+        assert site.nvfp4.path_for(rows) == _expected_paths(rows)[name], name
+        stack.workspaces[layer].view("ids", MAX_ROWS, model.num_experts_per_tok)[...] = 12345
+        outs[name] = stack.site_output(layer, x).copy()
+    want = site64(ref64_layers(full)[layer], RefParams.of(model), x)
+    for name, y in outs.items():
+        assert rel_l2(y, outs["decode"]) < 1e-3, (rows, name, rel_l2(y, outs["decode"]))
+        assert rel_l2(y, want) < 1e-2, (rows, name, rel_l2(y, want))

@@ -140,3 +140,23 @@ def test_footprint_cli_prints_the_glm_numbers() -> None:
     assert r.returncode == 0, r.stderr
     assert "46.48 MB" in r.stdout, r.stdout
     assert "2.092 GB" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("layout", [(1, 0, 1, 1), (2, 0, 2, 2), (2, 1, 2, 1)])
+def test_footprint_weight_bytes_are_what_a_rank_loads(tiny_checkpoint, tiny_checkpoint_dense_nvfp4, layout) -> None:
+    """The config-only weight count (``glm-ep footprint``) equals the bytes ``load_layer`` hands a rank, with
+    the dense FFNs stored bf16 or NVFP4; ``footprint --model`` reads which from the checkpoint."""
+    from glm_ep.checkpoint import Checkpoint, load_layer
+    from glm_ep.config import RankLayout, SiteConfig
+    from glm_ep.footprint import rank_weight_bytes
+
+    for ckpt, nvfp4 in ((tiny_checkpoint, False), (tiny_checkpoint_dense_nvfp4, True)):
+        with Checkpoint(ckpt) as ck:
+            cfg = SiteConfig.for_rank(ck.config, RankLayout(*layout))
+            loaded = sum(w.nbytes for w in (load_layer(ck, cfg, i) for i in range(ck.config.num_hidden_layers))
+                         if w is not None)
+        assert rank_weight_bytes(ck.config, cfg, dense_nvfp4=nvfp4) == loaded, (ckpt.name, layout)
+        if layout[0] == 1:
+            r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--model", str(ckpt)],
+                               capture_output=True, text=True, timeout=60, env=mpi_env(), cwd=REPO)
+            assert r.returncode == 0 and f"weights: rank 0 holds {fmt_bytes(loaded)}" in r.stdout, r.stdout + r.stderr

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Sequence, TypeVar
 
 import numpy as np
 
 from glm_ep.errors import ConfigError
 from glm_ep.routing import RouteParams
 from glm_ep.topology import PathLevers
-from glm_ep.weights import DenseWeights, MoeWeights
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
 A = TypeVar("A")  # the backend's array type
 P = TypeVar("P")  # the backend's form of one projection of every local expert
@@ -150,6 +150,13 @@ class Backend(ABC, Generic[A, P]):
     @abstractmethod
     def upload_dense(self, w: DenseWeights) -> DenseResident[A]:
         """Resident form of a bf16 MLP (each matrix usable by ``linear``)."""
+
+    @abstractmethod
+    def upload_experts(self, experts: Sequence[ExpertWeights], start: int, swiglu_limit: float,
+                       what: str = "experts") -> RoutedExperts[P]:
+        """Resident tables of NVFP4 experts, global ids ``start ..`` (a routed site's, or the one expert
+        of a dense FFN stored NVFP4). ``swiglu_limit`` bounds the activations the down projections
+        read: a backend may choose a narrower operand form from it. ``what`` names them in errors."""
 
     @abstractmethod
     def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[A, P]:

@@ -8,6 +8,7 @@ the expert-sorted order), so CI exercises the dispatch logic, not just the math.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -16,7 +17,7 @@ from glm_ep import nvfp4, routing
 from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
 from glm_ep.backend.cuda.loader import CAPABILITIES as CUDA_CAPABILITIES
 from glm_ep.nvfp4 import Nvfp4Weight
-from glm_ep.weights import DenseWeights, MoeWeights
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
 BF16 = ml_dtypes.bfloat16
 #: one projection of every local expert, as read: local expert i is ``[i]``
@@ -46,10 +47,14 @@ class NumpyBackend(Backend[np.ndarray, Projection]):
     def upload_dense(self, w: DenseWeights) -> DenseResident[np.ndarray]:
         return DenseResident(w.gate, w.up, w.down)
 
-    def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[np.ndarray, Projection]:
+    def upload_experts(self, experts: Sequence[ExpertWeights], start: int, swiglu_limit: float,
+                       what: str = "experts") -> RoutedExperts[Projection]:
         # fp32 everywhere: no operand form to choose from the limit
-        experts = RoutedExperts.of(tuple(e.gate for e in w.experts), tuple(e.up for e in w.experts),
-                                   tuple(e.down for e in w.experts), w.expert_start, len(w.experts))
+        return RoutedExperts.of(tuple(e.gate for e in experts), tuple(e.up for e in experts),
+                                tuple(e.down for e in experts), start, len(experts))
+
+    def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[np.ndarray, Projection]:
+        experts = self.upload_experts(w.experts, w.expert_start, swiglu_limit)
         shared = self.upload_dense(w.shared) if w.shared is not None else None
         return MoeResident(w.router, _f32(w.bias), experts, shared)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 from glm_ep.backend.cuda.ring import RingConfig, act_shift
 from glm_ep.errors import ConfigError
 from glm_ep.nvfp4 import Nvfp4Weight
-from glm_ep.weights import DenseWeights, MoeWeights
+from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
 log = logging.getLogger(__name__)
 
@@ -168,17 +168,22 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             n=n, k=k, packed=packed, scale=scale, scale2_host=s2, form=form, xshift=xshift)
 
     @_on_stream
-    def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[Any, Nvfp4Pointers]:
+    def upload_experts(self, experts: Sequence[ExpertWeights], start: int, swiglu_limit: float,
+                       what: str = "experts") -> RoutedExperts[Nvfp4Pointers]:
         """The ring's operand form of each projection is fixed here, from ``swiglu_limit``
         (``RingConfig.forms``: a ConfigError where the levers ask for an fp16 form it does not bound)."""
+        hidden_form, act_form = self.ring.forms(swiglu_limit)
+        return RoutedExperts.of(self._upload_proj([e.gate for e in experts], f"{what}.gate_proj", hidden_form),
+                                self._upload_proj([e.up for e in experts], f"{what}.up_proj", hidden_form),
+                                self._upload_proj([e.down for e in experts], f"{what}.down_proj", act_form,
+                                                  act_shift(swiglu_limit) if act_form == "placed" else 0),
+                                start, len(experts))
+
+    @_on_stream
+    def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[Any, Nvfp4Pointers]:
         if w.router.dtype not in (BF16, F32):
             raise ConfigError(f"router weight dtype {w.router.dtype}, expected bfloat16 or float32")
-        hidden_form, act_form = self.ring.forms(swiglu_limit)
-        experts = RoutedExperts.of(self._upload_proj([e.gate for e in w.experts], "experts.gate_proj", hidden_form),
-                                   self._upload_proj([e.up for e in w.experts], "experts.up_proj", hidden_form),
-                                   self._upload_proj([e.down for e in w.experts], "experts.down_proj", act_form,
-                                                     act_shift(swiglu_limit) if act_form == "placed" else 0),
-                                   w.expert_start, len(w.experts))
+        experts = self.upload_experts(w.experts, w.expert_start, swiglu_limit)
         if w.shared is not None and experts.count:
             self._down_combine_scratch(experts.down.weights.n, experts.down.weights.k, w.shared.down.shape[1])
         bias = self.asarray(w.bias).astype(np.float32, copy=False)
