@@ -197,6 +197,11 @@ class Checkpoint:
         """Key prefix of layer ``i``: ``model.layers.{i}`` or ``model.language_model.layers.{i}``."""
         return f"{self._prefix}.{i}"
 
+    def has(self, name: str) -> bool:
+        """Whether tensor ``name`` (full key) is stored."""
+        file = self._file_of.get(name)
+        return file is not None and name in self._headers[file]
+
     def info(self, name: str) -> TensorInfo:
         """The header entry of tensor ``name`` (full key); CheckpointError if it is not stored."""
         file = self._file_of.get(name)
@@ -328,6 +333,10 @@ def read_nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int, rows: slice | None
             raise ConfigError(f"{prefix}: columns {lo}..{hi} of an NVFP4 projection, expected a contiguous slice "
                               f"on {NVFP4_GROUP}-column block boundaries (the TP split of its in width {k})")
         packed_cols, scale_cols = slice(lo // 2, hi // 2), slice(lo // NVFP4_GROUP, hi // NVFP4_GROUP)
+    if ckpt.has(f"{prefix}.pre_quant_scale"):
+        raise CheckpointError(f"{ckpt.info(prefix + '.pre_quant_scale').file}: tensor '{prefix}.pre_quant_scale' is "
+                              "stored: an activation smoothing (NVFP4_AWQ) that glm_ep does not apply; expected a plain "
+                              "ModelOpt NVFP4 projection (weight, weight_scale, weight_scale_2)")
     scale_2 = ckpt.read_scalar(f"{prefix}.weight_scale_2")
     if ckpt.check_finite and not scale_2 > 0:  # NaN and Inf are refused by the read
         raise CheckpointError(f"{ckpt.info(prefix + '.weight_scale_2').file}: tensor '{prefix}.weight_scale_2' = "

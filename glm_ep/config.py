@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from glm_ep.errors import ConfigError, GlmEpError
 
 #: NVFP4 block size: one E4M3 scale per 16 consecutive k.
 NVFP4_GROUP = 16
+HF_QUANT_FILE = "hf_quant_config.json"  # ModelOpt's own record of the quantization, beside config.json
 
 _REQUIRED = {
     "hidden_size": int,
@@ -83,7 +85,15 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: config.json not found (expected an HF config.json in the model folder)")
-        return cls.from_dict(parse_json(path.read_bytes(), str(path)), source=str(path))
+        raw = parse_json(path.read_bytes(), str(path))
+        text = raw.get("text_config") if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict) else raw
+        hf_quant = path.parent / HF_QUANT_FILE
+        if (isinstance(raw, dict) and "quantization_config" not in raw and "quantization_config" not in text
+                and hf_quant.is_file()):  # older ModelOpt exports: the quantization in a file of its own
+            found = parse_json(hf_quant.read_bytes(), str(hf_quant))
+            raw = dict(raw, quantization_config=dict(found, quant_method="modelopt") if isinstance(found, dict)
+                       else found)
+        return cls.from_dict(raw, source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
@@ -109,7 +119,7 @@ class ModelConfig:
         if router_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"{source}: moe_router_dtype = {router_dtype!r}, expected 'float32' or 'bfloat16'")
         vals["router_bf16"] = router_dtype == "bfloat16"
-        _check_quantization(quant, source)
+        _check_quantization(quant, source, vals["num_hidden_layers"])
         cfg = cls(**vals)
         cfg.validate(source)
         return cfg
@@ -165,20 +175,53 @@ def _layer_types(text: dict[str, Any], n_layers: int, source: str) -> tuple[str,
                       "one of them is needed to know which layers are dense")
 
 
-def _check_quantization(quant: Any, source: str) -> None:
+#: quant_algo tags whose weights are ModelOpt NVFP4 as glm_ep reads them (W4A16_NVFP4: ModelOpt's weight-only tag;
+#: an NVFP4 (W4A4) checkpoint's static input scales are not used: activations stay bf16)
+NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+_EXPECTED_QUANT = "ModelOpt NVFP4 (quant_method 'modelopt', quant_algo 'NVFP4' or 'W4A16_NVFP4', group_size 16)"
+_MLP_MODULE = re.compile(r"layers\.(\d+)\.mlp\.")
+
+
+def _check_quantization(quant: Any, source: str, n_layers: int) -> None:
+    """The checkpoint's quantization is ModelOpt NVFP4 with 16-element blocks for every MLP tensor it
+    quantizes: a config.json ``quantization_config`` (``quant_method`` or the older ``quant_library``), or an
+    hf_quant_config.json (``quantization`` nested); ``MIXED_PRECISION`` where every MLP module of layers
+    ``0 .. n_layers - 1`` in its ``quantized_layers`` map is NVFP4 (other modules, and MTP layers past the
+    last, are not read). Activation smoothing (``pre_quant_scale``, NVFP4_AWQ) is refused: glm_ep does not
+    apply it, and the products would be silently wrong."""
     if quant is None:
-        raise ConfigError(f"{source}: no quantization_config; expected ModelOpt NVFP4 routed experts "
-                          "(quant_method 'modelopt', quant_algo 'NVFP4', group_size 16)")
+        raise ConfigError(f"{source}: no quantization_config (nor an hf_quant_config.json beside it); expected "
+                          f"{_EXPECTED_QUANT} routed experts")
     if not isinstance(quant, dict):
         raise ConfigError(f"{source}: quantization_config = {quant!r} has type {type(quant).__name__}, expected "
-                          "an object with quant_method 'modelopt', quant_algo 'NVFP4', group_size 16")
-    method = str(quant.get("quant_method", "")).lower()
-    algo = quant.get("quant_algo", quant.get("quantization", {}).get("quant_algo") if isinstance(
-        quant.get("quantization"), dict) else None)
-    group = quant.get("group_size", NVFP4_GROUP)
-    if method != "modelopt" or str(algo).upper() != "NVFP4" or group != NVFP4_GROUP:
-        raise ConfigError(f"{source}: quantization_config has quant_method={method!r}, quant_algo={algo!r}, "
-                          f"group_size={group!r}; expected 'modelopt', 'NVFP4', {NVFP4_GROUP}")
+                          f"an object describing {_EXPECTED_QUANT}")
+    method = str(quant.get("quant_method", quant.get("quant_library", ""))).lower()
+    q = quant["quantization"] if isinstance(quant.get("quantization"), dict) else quant
+    algo, group = str(q.get("quant_algo")).upper(), q.get("group_size", NVFP4_GROUP)
+
+    def refuse(what: str) -> ConfigError:
+        return ConfigError(f"{source}: quantization_config has {what}; expected {_EXPECTED_QUANT}")
+
+    if method not in ("modelopt", "modelopt_fp4"):
+        raise refuse(f"quant_method={method!r}")
+    if q.get("pre_quant_scale") or "AWQ" in algo:
+        raise refuse(f"quant_algo={q.get('quant_algo')!r} with activation smoothing (pre_quant_scale), which glm_ep "
+                     "does not apply")
+    if algo != "MIXED_PRECISION":
+        if algo not in NVFP4_ALGOS or group != NVFP4_GROUP:
+            raise refuse(f"quant_algo={q.get('quant_algo')!r}, group_size={group!r}")
+        return
+    layers = q.get("quantized_layers")
+    if not isinstance(layers, dict):
+        raise refuse("quant_algo='MIXED_PRECISION' without a quantized_layers map")
+    for name, spec in layers.items():
+        m = _MLP_MODULE.search(name)
+        if m is None or int(m.group(1)) >= n_layers:
+            continue  # not an MLP tensor glm_ep reads (attention; an MTP layer past the last)
+        spec = spec if isinstance(spec, dict) else {}
+        a, g = str(spec.get("quant_algo")).upper(), spec.get("group_size", NVFP4_GROUP)
+        if a not in NVFP4_ALGOS or g != NVFP4_GROUP or spec.get("pre_quant_scale"):
+            raise refuse(f"quantized_layers[{name!r}] = {spec!r} (MIXED_PRECISION)")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from glm_ep.backend import make_backend, make_comm
 from glm_ep.backend.base import Backend
-from glm_ep.checkpoint import Checkpoint, layer_read_bytes, load_layer
+from glm_ep.checkpoint import Checkpoint, expert_prefix, layer_read_bytes, load_layer
 from glm_ep.comm import Communicator
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
 from glm_ep.experts import ExpertDispatch
@@ -113,6 +113,8 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
         be.xp, cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace, free, sharers))
 
     to_read = sum(layer_read_bytes(ckpt, cfg, i) for i in range(model.num_hidden_layers))
+    static_input_scales = "sparse" in model.mlp_layer_types and ckpt.has(
+        f"{expert_prefix(ckpt, model.mlp_layer_types.index('sparse'), 0)}.gate_proj.input_scale")
     t0 = time.perf_counter()
     with ckpt, tqdm(total=to_read, desc="loading weights", unit="B", unit_scale=True, dynamic_ncols=True,
                     disable=rank != 0 or to_read < PROGRESS_MIN_BYTES) as bar:
@@ -138,6 +140,10 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     every = ranks.allgather("weight report", (weight_bytes, to_read, load_s))
     if rank == 0:
         log.info("%s", load_line([b for _, b, _ in every], [t for _, _, t in every]))
+        if static_input_scales:
+            log.info("the checkpoint's NVFP4 projections carry static input scales (a W4A4 export): they are not "
+                     "used; activations stay bf16 (W4A16), so outputs differ from a W4A4 engine's by its "
+                     "activation rounding")
         for line in report_lines(model, cfg, topo, [b for b, _, _ in every]):
             log.info("%s", line)
     return Runtime(model, cfg, topo, be, comm, stack, weight_bytes)

@@ -297,6 +297,21 @@ def test_missing_tensor(ckpt_copy: Path) -> None:
         load_layer(ck, _site(ck, LAYOUTS[0]), 1)
 
 
+def test_activation_smoothing_tensors_are_refused(ckpt_copy: Path) -> None:
+    """An NVFP4_AWQ export's pre_quant_scale would scale the activations before the product: never ignored."""
+    key = f"{SPARSE}.experts.5.up_proj.pre_quant_scale"
+    shard = _shard_of(ckpt_copy, f"{SPARSE}.experts.5.up_proj.weight")
+    _rewrite(shard, lambda t: t.update({key: ["F32", [128], np.ones(128, np.float32).tobytes()]}))
+    index = ckpt_copy / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    raw["weight_map"][key] = shard.name
+    index.write_text(json.dumps(raw))
+    with Checkpoint(ckpt_copy) as ck:
+        with pytest.raises(CheckpointError, match=rf"'{key}' is stored: an activation smoothing"):
+            load_layer(ck, _site(ck, LAYOUTS[0]), 1)
+        assert len(load_layer(ck, _site(ck, (2, 1, 2, 2)), 1).experts) == 16  # rank 1 never reads expert 5
+
+
 def test_wrong_shape(ckpt_copy: Path) -> None:
     key = f"{SPARSE}.gate.weight"
     _rewrite(_shard_of(ckpt_copy, key), lambda t: t[key].__setitem__(1, [16, 256]))  # same bytes

@@ -91,11 +91,52 @@ def test_real_modelopt_export_form_is_accepted() -> None:
     assert _parse(tiny_dict(quantization_config=nested)).hidden_size == 128
 
 
+#: a MIXED_PRECISION export's map: NVFP4 MLP modules, an FP8 attention module and MXFP8 experts of the MTP
+#: layer past the last (layer 4 of the tiny config's 4): neither of the last two is read
+MIXED = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "quantized_layers": {
+    "model.layers.1.mlp.experts.0.gate_proj": {"quant_algo": "NVFP4", "group_size": 16},
+    "model.layers.0.mlp.down_proj": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
+    "model.layers.1.self_attn.q_proj": {"quant_algo": "FP8"},
+    "model.layers.4.mlp.experts.0.gate_proj": {"quant_algo": "MXFP8", "group_size": 32}}}
+
+
+@pytest.mark.parametrize("quant", [
+    dict(QUANT, quant_algo="W4A16_NVFP4"),  # ModelOpt's weight-only tag: the same tensors
+    dict(QUANT, quant_method="modelopt_fp4"),
+    {"quant_library": "modelopt", "quant_algo": "NVFP4"},  # intermediate ModelOpt versions: no quant_method
+    MIXED,
+], ids=["w4a16-nvfp4", "modelopt-fp4", "quant-library", "mixed-precision"])
+def test_other_spellings_of_modelopt_nvfp4_are_accepted(quant) -> None:
+    assert _parse(tiny_dict(quantization_config=quant)).hidden_size == 128
+
+
+def test_an_hf_quant_config_file_serves_when_config_json_has_none(tmp_path: Path) -> None:
+    """Older ModelOpt exports record the quantization in hf_quant_config.json only."""
+    d = tiny_dict()
+    del d["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ConfigError, match="no quantization_config"):
+        ModelConfig.from_file(tmp_path / "config.json")
+    hf_quant = {"producer": {"name": "modelopt", "version": "0.39.0"},
+                "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    assert ModelConfig.from_file(tmp_path / "config.json").hidden_size == 128
+    hf_quant["quantization"]["quant_algo"] = "FP8"
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    with pytest.raises(ConfigError, match="quant_algo='FP8'"):
+        ModelConfig.from_file(tmp_path / "config.json")
+
+
 @pytest.mark.parametrize("quant,named", [
     (dict(QUANT, quant_method="fp8"), "quant_method='fp8'"),
     (dict(QUANT, quant_algo="FP8"), "quant_algo='FP8'"),
     (dict(QUANT, group_size=32), "group_size=32"),
     (None, "no quantization_config"),
+    (dict(QUANT, quant_algo="NVFP4_AWQ"), "activation smoothing"),
+    (dict(QUANT, pre_quant_scale=True), "activation smoothing"),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, "without a quantized_layers map"),
+    ({**MIXED, "quantized_layers": {**MIXED["quantized_layers"], "model.layers.2.mlp.shared_experts.up_proj": {
+        "quant_algo": "FP8"}}}, r"quantized_layers\['model.layers.2.mlp.shared_experts.up_proj'\]"),
 ])
 def test_quantization_config_other_than_modelopt_nvfp4_16_is_refused(quant, named: str) -> None:
     d = tiny_dict(quantization_config=quant)

@@ -58,6 +58,8 @@ def test_run_prints_shared_lines_once_and_the_load_time(tiny_checkpoint) -> None
     verbose = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--prefill", "12", "--decode", "1", "--verify", "3",
                      "--check", "none", "-v")
     assert verbose.returncode == 0 and "[rank 1] INFO glm_ep.experts: routed experts" in verbose.stderr
+    # the synthetic checkpoint carries input_scale tensors, as a W4A4 export does: said once, by rank 0
+    assert verbose.stderr.count("carry static input scales (a W4A4 export): they are not used") == 1, verbose.stderr
 
 
 @pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", "tiny_checkpoint_dense_nvfp4"])
