@@ -333,6 +333,12 @@ def read_nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int, rows: slice | None
             raise ConfigError(f"{prefix}: columns {lo}..{hi} of an NVFP4 projection, expected a contiguous slice "
                               f"on {NVFP4_GROUP}-column block boundaries (the TP split of its in width {k})")
         packed_cols, scale_cols = slice(lo // 2, hi // 2), slice(lo // NVFP4_GROUP, hi // NVFP4_GROUP)
+    weight = ckpt.info(f"{prefix}.weight")
+    if weight.dtype in ("BF16", "F16", "F32"):
+        raise CheckpointError(f"{weight.file}: tensor '{prefix}.weight' is stored unquantized ({weight.dtype}: the "
+                              "export left this projection out of its NVFP4 quantization); expected a ModelOpt NVFP4 "
+                              "projection (U8 weight, weight_scale, weight_scale_2): glm_ep runs routed experts in "
+                              "NVFP4 only")
     if ckpt.has(f"{prefix}.pre_quant_scale"):
         raise CheckpointError(f"{ckpt.info(prefix + '.pre_quant_scale').file}: tensor '{prefix}.pre_quant_scale' is "
                               "stored: an activation smoothing (NVFP4_AWQ) that glm_ep does not apply; expected a plain "

@@ -312,6 +312,24 @@ def test_activation_smoothing_tensors_are_refused(ckpt_copy: Path) -> None:
         assert len(load_layer(ck, _site(ck, (2, 1, 2, 2)), 1).experts) == 16  # rank 1 never reads expert 5
 
 
+def test_an_expert_left_unquantized_is_named(ckpt_copy: Path) -> None:
+    """Exports whose ignore list keeps some layers' experts in bf16: the projection is named as unquantized,
+    not reported as a missing scale."""
+    q = f"{SPARSE}.experts.2.down_proj"
+    shard = _shard_of(ckpt_copy, f"{q}.weight")
+
+    def unquantize(t: RawTensors) -> None:
+        for part in ("weight_scale", "weight_scale_2", "input_scale"):
+            t.pop(f"{q}.{part}")
+        n, half = t[f"{q}.weight"][1]
+        t[f"{q}.weight"] = ["BF16", [n, 2 * half], bytes(n * 2 * half * 2)]
+
+    _rewrite(shard, unquantize)
+    with Checkpoint(ckpt_copy) as ck, pytest.raises(CheckpointError, match=rf"'{q}.weight' is stored unquantized "
+                                                                           r"\(BF16: the export left this projection"):
+        load_layer(ck, _site(ck, LAYOUTS[0]), 1)
+
+
 def test_wrong_shape(ckpt_copy: Path) -> None:
     key = f"{SPARSE}.gate.weight"
     _rewrite(_shard_of(ckpt_copy, key), lambda t: t[key].__setitem__(1, [16, 256]))  # same bytes
