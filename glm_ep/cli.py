@@ -6,12 +6,14 @@
     python -m glm_ep footprint --preset glm-5.3-flash --tp 2 --ep 2 --rows 256
 
 Exit codes: 0 done (run: PASS), 1 internal error, 2 user error (config, topology, checkpoint,
-input, output), 3 run's check FAILed, 4 a rank waited past collective_timeout_s.
+input, output), 3 run's check FAILed, 4 a rank waited past collective_timeout_s, 130 interrupted,
+141 stdout closed by its reader (| head).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any, Callable
 
@@ -63,9 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset")
     src.add_argument("--model", help="a checkpoint folder (reads its config.json)")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--rows", type=int, default=256)
+    p.add_argument("--tp", type=_count(1), default=1)
+    p.add_argument("--ep", type=_count(1), default=1)
+    p.add_argument("--rows", type=_count(1), default=256)
     p.add_argument("--per-layer", action="store_true", help="one workspace per layer instead of one shared")
     p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
                    help="with --preset: how the dense FFNs are stored (a --model checkpoint says so itself)")
@@ -119,7 +121,7 @@ def _footprint(args: argparse.Namespace) -> int:
 
     model = (ModelConfig.from_dict(preset(args.preset), source=f"preset {args.preset}") if args.preset
              else ModelConfig.from_file(f"{args.model}/config.json"))
-    world = max(args.tp, args.ep)
+    world = math.lcm(args.tp, args.ep)  # the smallest world both divide
     topo = Topology(name="footprint", world=world, tp=args.tp, ep=args.ep, workspace_rows=args.rows,
                     shared_workspace=not args.per_layer)
     cfg = site_config(model, topo, 0)

@@ -12,7 +12,7 @@ from typing import Any
 
 from glm_ep.errors import GlmEpError
 
-INSTALL_HINT = ("install one: pip install 'glm_ep[mpi]' (MPICH from PyPI, with mpiexec in this "
+INSTALL_HINT = ("install one: pip install '.[mpi]' from the glm_ep checkout (MPICH from PyPI, with mpiexec in this "
                 "environment's bin), or the system's MPI (e.g. apt install mpich, or libopenmpi-dev)")
 
 

@@ -16,13 +16,14 @@ the collective deadline (``glm_ep.deadline``).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import traceback
 from typing import Any, Callable, TypeVar
 
 from glm_ep.deadline import ABORT_GRACE_S, DEFAULT_COLLECTIVE_TIMEOUT_S, Deadline, Guard
-from glm_ep.errors import EXIT_INTERNAL, EXIT_USER, GlmEpError
+from glm_ep.errors import EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_USER, GlmEpError
 
 T = TypeVar("T")
 
@@ -135,6 +136,9 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
         msg, code = f"[rank {rank}] glm-ep: error: {e}", EXIT_USER
     except KeyboardInterrupt:
         msg, code = "", 130
+    except BrokenPipeError:  # stdout closed by its reader (``| head``): quiet, as a shell tool would be
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not raise
+        msg, code = "", EXIT_BROKEN_PIPE
     except BaseException:  # noqa: BLE001 - a crash on one rank must not leave the others hanging
         msg, code = f"[rank {rank}] glm-ep: internal error:\n{traceback.format_exc().rstrip()}", EXIT_INTERNAL
     if size > 1:

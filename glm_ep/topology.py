@@ -62,7 +62,7 @@ class PathLevers:
     row_batch_max: int = 8  # widest row group of the union path (<= the backend's max_row_group)
     union_max_ids: int = 64  # rows * top_k a union table may hold (<= the backend's max_union_ids)
     prefill_gemm: bool = True  # wide prefill: sort by expert + grouped GEMM
-    prefill_gemm_min_rows: int = 32  # measured crossover (docs/perf/PREFILL.md, NOTES.md): below it, row groups
+    prefill_gemm_min_rows: int = 32  # measured crossover (five sweeps: docs/perf/NOTES.md): below it, row groups
     graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
     graph_verify: bool = True  # capture verify steps (2..max_gemv_rows rows) as CUDA graphs too
     pdl: bool = True  # CUDA, sm_90+: launch each kernel as a programmatic dependent of the one before it
@@ -113,7 +113,7 @@ class Topology:
     ep: int = 1
     backend: str = "cpu"
     comm: str = "auto"  # auto: NCCL for cuda ranks on distinct GPUs, else MPI
-    devices: tuple[int, ...] = ()  # rank -> CUDA device; empty = rank % visible devices
+    devices: tuple[int, ...] = ()  # world rank -> CUDA device; empty = the node-local rank
     workspace_rows: int = 512
     shared_workspace: bool = True
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # bound on every wait on the other ranks

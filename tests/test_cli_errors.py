@@ -295,3 +295,23 @@ def test_run_with_a_cache_dir_that_is_a_file_is_a_clear_error(tmp_path) -> None:
     a_file.write_text("x")
     r = glm_ep(2, "run", "--cache-dir", str(a_file))
     fails(r, f"{a_file}: cannot make the checkpoint cache (--cache-dir) there")
+
+
+def test_a_closed_stdout_ends_the_command_quietly() -> None:
+    """``glm-ep footprint ... | head``: the reader gone, the command exits 141 (128 + SIGPIPE) with nothing on
+    stderr, not an internal-error traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from glm_ep.errors import EXIT_BROKEN_PIPE
+    from helpers import mpi_env
+
+    read, write = os.pipe()
+    os.close(read)  # every write to the pipe now fails with EPIPE
+    try:
+        r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--preset", "glm-5.3-flash"], stdout=write,
+                           stderr=subprocess.PIPE, text=True, timeout=60, env=mpi_env(), cwd=REPO)
+    finally:
+        os.close(write)
+    assert r.returncode == EXIT_BROKEN_PIPE == 141 and r.stderr == "", r.stderr

@@ -36,7 +36,7 @@ def require_gpu() -> None:
         import cupy
     except ImportError as e:
         raise ConfigError(f"glm-ep bench needs CuPy and a CUDA GPU, but CuPy does not import ({e}); install "
-                          "it: pip install 'glm_ep[cuda12]' (or [cuda13])") from None
+                          "it: pip install '.[cuda12]' (or [cuda13]) from the glm_ep checkout") from None
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # CUDARuntimeError without a driver or device
