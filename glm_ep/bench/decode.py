@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -17,14 +17,16 @@ from typing import Any
 import numpy as np
 
 from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
-                                 gpu_moe, pyplot, results_header, sparse_bytes, time_median, torch_time_us,
+                                 gpu_moe, gpu_nvfp4, pyplot, results_header, sparse_bytes, time_median, torch_time_us,
                                  world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.config import ModelConfig
 from glm_ep.experts import ExpertDispatch
+from glm_ep.footprint import nvfp4_bytes
 from glm_ep.site import DenseSite, MoeSite
 from glm_ep.stack import MlpStack
 from glm_ep.topology import PathLevers
+from glm_ep.weights import ExpertWeights
 from glm_ep.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -127,7 +129,7 @@ def run_bench(args: argparse.Namespace) -> int:
     per_sparse = sparse_bytes(model, model.n_routed_experts)
     free, _ = cp.cuda.runtime.memGetInfo()
     n_dense = len(model.dense_layers)
-    budget = free * 0.9 - n_dense * dense_bytes(model) - (2 << 30)
+    budget = free * 0.9 - 2 * n_dense * dense_bytes(model) - (2 << 30)  # bf16 dense sites, then NVFP4 ones
     n_sparse = max(1, min(len(model.sparse_layers), int(budget // per_sparse)))
     if args.layers:
         n_sparse = max(1, min(n_sparse, args.layers - n_dense))
@@ -183,6 +185,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if peer.hf_dense is not None:
             rows.append(Row("HF Glm5NextTextMLP, 1 row", peer.hf_dense, dense_bytes(model), copy_gbs,
                             f"peer (eager); glm_ep is {peer.hf_dense / us:.1f}x faster"))
+    rows += _nvfp4_dense_rows(be, cfg, model, levers, n_dense, graph_of_sites, x1, iters, copy_gbs)
     for k in range(2, 9):
         xk = gpu_bf16(cp, (k, model.hidden_size), 1.0)
         sizes = union_sizes(xk)[:g]
@@ -218,6 +221,33 @@ def run_bench(args: argparse.Namespace) -> int:
     plot_results(out_dir)
     print((out_dir / "BENCH.md").read_text())
     return 0
+
+
+def _nvfp4_dense_rows(be: Any, cfg: Any, model: ModelConfig, levers: PathLevers, n_dense: int, graph_of_sites: Any,
+                      x1: Any, iters: int, copy_gbs: float) -> list[Row]:
+    """The dense site with its FFN stored NVFP4 (as nvidia/GLM-5.3-Flash-NVFP4 ships layers 0-2): one expert that
+    every row chooses, on the routed kernels: the decode ring (no K split: 384 items of full K at tp = 1), and the
+    block kernels (K split over a block's warps) on a second backend sharing the stream."""
+    import cupy as cp
+
+    from glm_ep.backend.cuda import CudaBackend
+
+    h, width = model.hidden_size, model.intermediate_size
+    nbytes = 2 * nvfp4_bytes(width, h) + nvfp4_bytes(h, width)
+    blocks = CudaBackend(0, replace(be.ring, enabled=False), stream=be.stream, dependent_launch=be.pdl)
+    out: list[Row] = []
+    for label, b in (("", be), (", block kernels", blocks)):
+        with be.stream:
+            sites = [DenseSite(b, SelfComm(), cfg, b.upload_experts(
+                (ExpertWeights(gpu_nvfp4(cp, width, h), gpu_nvfp4(cp, width, h), gpu_nvfp4(cp, h, width)),), 0,
+                model.swiglu_limit, what="dense mlp"), ExpertDispatch(b, cfg.dense_as_expert(), levers))
+                for _ in range(n_dense)]
+        replay = graph_of_sites(sites, x1)
+        us = time_median(cp, be.stream, replay, iters=max(iters // n_dense, 5)) / n_dense
+        out.append(Row(f"dense site, NVFP4 weights{label}, 1 row (graph)", us, nbytes, copy_gbs,
+                       "the dense FFN stored NVFP4, run as one routed expert"))
+        del sites
+    return out
 
 
 def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> None:
