@@ -1,9 +1,11 @@
 """MlpStack: every MLP site of the model on one rank, one workspace for the whole stack.
 
-``site_output(i, x)`` applies site i alone (``glm-ep forward``); ``step(h)`` runs the chained
-stack ``h = h + site(h)`` in place. A backend that can capture (CUDA) records the decode step
+``site_output(i, x)`` applies site i alone (``glm-ep forward``, the library's ``site``); ``step(h)`` runs
+the chained stack ``h = h + site(h)`` in place. A backend that can capture (CUDA) records the decode step
 (rows = 1, all layers, all-reduces included) once as a graph and replays it; verify widths too
-(up to the backend's ``max_gemv_rows``) when the ``graph_verify`` lever is on.
+(up to the backend's ``max_gemv_rows``) when the ``graph_verify`` lever is on. With the ``graph_sites``
+lever, ``site_output`` does the same per (site, rows): an engine that calls one site at a time between
+its attention layers replays one graph per call instead of launching the site's kernels.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class MlpStack:
         self.h_buf = be.xp.empty((self.max_rows, cfg.hidden), dtype=ml_dtypes.bfloat16)
         self.out_buf = be.xp.empty_like(self.h_buf)
         self._graphs: dict[int, Callable[[], None]] = {}
+        self._site_graphs: dict[tuple[int, int], Callable[[], None]] = {}  # (site, rows) -> replay
 
     def _check_rows(self, x_TH: Any) -> int:
         t, h = x_TH.shape
@@ -48,10 +51,25 @@ class MlpStack:
         return t
 
     def site_output(self, i: int, x_TH: Any) -> Any:
-        """Site i applied to ``x`` (not chained); the result is a view of the stack's out buffer."""
+        """Site i applied to ``x`` (not chained); the result is a view of the stack's out buffer. Where
+        ``_capturable(t, [site])`` and the ``graph_sites`` lever is on, the call replays a graph captured on
+        the first call of its (site, rows): the site reads ``h_buf`` and writes ``out_buf`` in place (its
+        all-reduce too), so a replay computes the new input's output where the eager call would."""
         t = self._check_rows(x_TH)
         self.be.copy(x_TH, self.h_buf[:t])
-        return self.sites[i](self.h_buf[:t], self.workspaces[i], self.out_buf[:t])
+        site, ws = self.sites[i], self.workspaces[i]
+
+        def run() -> Any:
+            return site(self.h_buf[:t], ws, self.out_buf[:t])
+
+        if not (self.levers.graph_sites and self._capturable(t, [site])):
+            return run()
+        key = (i, t)
+        if key not in self._site_graphs:
+            run()  # warm-up outside the capture: path logs, lazy kernel loads, scratch sized
+            self._site_graphs[key] = self.be.capture(run)
+        self._site_graphs[key]()
+        return self.out_buf[:t]
 
     def _eager_step(self, t: int) -> None:
         h_TH, out_TH = self.h_buf[:t], self.out_buf[:t]
@@ -59,11 +77,13 @@ class MlpStack:
             site(h_TH, ws, out_TH)
             self.be.add(h_TH, out_TH, h_TH)
 
-    def _capturable(self, t: int) -> bool:
+    def _capturable(self, t: int, sites: list[Any] | None = None) -> bool:
+        """Whether a call of ``t`` rows over ``sites`` (default: all) may be a graph: the levers want one for
+        that width, the backend captures, and every all-reduce among them is capturable."""
         lv, caps = self.levers, self.be.capabilities
         wanted = (t == 1 and lv.graph_decode) or (2 <= t <= caps.max_gemv_rows and lv.graph_verify)
         return wanted and not lv.host_dispatch and caps.capture and (
-            self.comm.capturable or not any(s.reduces for s in self.sites))
+            self.comm.capturable or not any(s.reduces for s in (self.sites if sites is None else sites)))
 
     def step(self, x_TH: Any) -> Any:
         """``h = h + site(h)`` through every layer; returns a view of the stack's state buffer."""

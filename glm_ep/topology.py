@@ -65,6 +65,7 @@ class PathLevers:
     prefill_gemm_min_rows: int = 32  # measured crossover (five sweeps: docs/perf/NOTES.md): below it, row groups
     graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
     graph_verify: bool = True  # capture verify steps (2..max_gemv_rows rows) as CUDA graphs too
+    graph_sites: bool = True  # one-site calls (site(i, x), forward) of those widths: a graph per (site, rows)
     pdl: bool = True  # CUDA, sm_90+: launch each kernel as a programmatic dependent of the one before it
     # the one-row routed kernels of the CUDA backend (glm_ep/backend/cuda/ring.py)
     ring: bool = True  # the persistent ring kernels (false: gemv_nvfp4.cu's block-per-tile kernels)

@@ -149,11 +149,11 @@ def shard_layer(w: DenseWeights | ExpertWeights | MoeWeights,
 def build_stack(full: Sequence[DenseWeights | ExpertWeights | MoeWeights], model: ModelConfig,
                 layout: RankLayout | None = None,
                 comm: Communicator | None = None, levers: PathLevers | None = None,
-                max_rows: int = 64, shared_workspace: bool = True) -> MlpStack:
-    """A NumPy ``MlpStack`` of this rank's share of ``full``."""
+                max_rows: int = 64, shared_workspace: bool = True, be: NumpyBackend | None = None) -> MlpStack:
+    """A NumPy ``MlpStack`` of this rank's share of ``full`` (on ``be``, a ``NumpyBackend`` by default)."""
     layout = layout or RankLayout(1, 0, 1, 1)
     levers = levers or PathLevers()
-    be, comm = NumpyBackend(), comm or SelfComm()
+    be, comm = be or NumpyBackend(), comm or SelfComm()
     cfg = SiteConfig.for_rank(model, layout)
     dispatch = ExpertDispatch(be, cfg, levers)
     sites: list[Any] = []

@@ -173,6 +173,20 @@ def test_graph_replay(rows):
     assert rows in cuda._graphs, "the step was not captured"
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_site_graph_replay(rows):
+    """One-site calls (the library's ``site``) replay a graph per (site, rows) with new inputs and match an
+    eager NumPy stack."""
+    cuda, ref = single_rank(layer_types=("dense", "sparse", "sparse"), seed=17)
+    rng = np.random.default_rng(100 + rows)
+    for call in range(3):  # captured on the first call of each (site, rows), replayed after
+        x = (int_rows(rng, rows).astype(np.float32) * 0.5).astype(BF16)
+        for i in range(3):
+            want = np.array(ref.site_output(i, x), copy=True)
+            assert_close(host(cuda.site_output(i, dev(x))), want, f"site {i}, call {call}, {rows} rows")
+    assert sorted(cuda._site_graphs) == [(i, rows) for i in range(3)]
+
+
 @pytest.mark.parametrize("rows", [1, 4, 300])
 def test_dependent_launches_change_no_bit(rows):
     """Every kernel launched as a programmatic dependent of the one before it (the default from

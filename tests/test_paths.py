@@ -199,3 +199,38 @@ def test_nvfp4_dense_site_on_every_path(rows: int) -> None:
     for name, y in outs.items():
         assert rel_l2(y, outs["decode"]) < 1e-3, (rows, name, rel_l2(y, outs["decode"]))
         assert rel_l2(y, want) < 1e-2, (rows, name, rel_l2(y, want))
+
+
+def test_one_site_calls_replay_a_graph_per_site_and_width() -> None:
+    """``site_output`` (the library's ``site``, ``forward``) at 1..8 rows on a backend that captures: one capture
+    per (site, rows), replays that compute each new input's output (as the eager call does), none past 8 rows,
+    none with ``graph_sites = false``. The capture here records the call and replays it by calling it again."""
+    import dataclasses
+
+    from glm_ep.backend.numpy_backend import NumpyBackend
+
+    class Capturing(NumpyBackend):
+        capabilities = dataclasses.replace(NumpyBackend.capabilities, capture=True)
+
+        def __init__(self) -> None:
+            self.captured = 0
+
+        def capture(self, fn):
+            self.captured += 1
+            return fn
+
+    model = tiny_model()
+    full = random_weights(model, seed=5, dense_nvfp4=True)
+    eager = build_stack(full, model, max_rows=MAX_ROWS)
+    for levers, wanted in ((PathLevers(), 2 * len(full)), (PathLevers(graph_sites=False), 0)):
+        be = Capturing()
+        stack = build_stack(full, model, levers=levers, max_rows=MAX_ROWS, be=be)
+        for call in range(3):
+            for rows in (1, 4, 12):
+                x = random_x(1000 * call + rows, rows, model.hidden_size)
+                for i in range(len(full)):
+                    got = stack.site_output(i, x).copy()
+                    want = eager.site_output(i, x).copy()
+                    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=f"{i} {rows}")
+        assert be.captured == wanted, (levers, be.captured)
+        assert sorted(stack._site_graphs) == ([(i, r) for i in range(len(full)) for r in (1, 4)] if wanted else [])
