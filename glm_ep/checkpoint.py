@@ -267,7 +267,7 @@ class Checkpoint:
         return float(self.read(name, info.shape, dtypes).reshape(()))
 
     def _handle(self, file: Path) -> Any:
-        key = file.name
+        key = str(file)  # the path: an index may name shards in subfolders
         if key not in self._handles:
             try:
                 self._handles[key] = safe_open(str(file), framework="numpy")

@@ -67,7 +67,8 @@ def test_plan_modes() -> None:
     assert {0, 1, 5} <= set(auto.layers) and len(auto.layers) == 5  # first dense, first/last sparse, 2 more
     assert len(auto.rows[0]) == 4 and auto.rows[1:] == ((0,), (0,), (0, 1, 2))  # every decode row
     assert auto.layers_of(0) + auto.layers_of(1) == auto.layers[0::2] + auto.layers[1::2]
-    assert sampled_layers(model, 0) == sampled_layers(model, 0)  # seeded: the same on every rank
+    picks = {seed: sampled_layers(model, seed) for seed in range(8)}
+    assert picks[0] == sampled_layers(model, 0) and len(set(picks.values())) > 1  # seeded, and by the seed
 
 
 def test_auto_checks_the_tiny_model_fully_and_none_skips(tiny_checkpoint) -> None:
@@ -80,6 +81,20 @@ def test_auto_checks_the_tiny_model_fully_and_none_skips(tiny_checkpoint) -> Non
         skip = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--prefill", "9", "--decode", "2", "--verify", "3",
                       *flag)
         assert skip.returncode == EXIT_OK and "check:" not in skip.stdout and "PASS" not in skip.stdout, skip.stdout
+
+
+def test_the_check_runs_and_passes_on_nvfp4_dense_layers(tiny_checkpoint_dense_nvfp4) -> None:
+    """The float64 reference decodes a dense FFN stored NVFP4 (it matches the tests' own decoder and site), and
+    ``run``'s check over a checkpoint of them PASSes on 2 ranks (tp = ep = 2: the dense down projection's TP
+    columns)."""
+    x = random_x(6, 5, 128)
+    layers, params = read_f64(tiny_checkpoint_dense_nvfp4)
+    with Reference(tiny_checkpoint_dense_nvfp4) as ref:
+        np.testing.assert_allclose(ref.site(0, x), site64(layers[0], params, x), rtol=1e-9, atol=1e-9)
+    r = glm_ep(2, "run", "--model", str(tiny_checkpoint_dense_nvfp4), "--prefill", "9", "--decode", "2", "--verify",
+               "3", "--tp", "2", "--ep", "2")
+    assert r.returncode == EXIT_OK, r.stderr[-3000:]
+    assert "check: float64 full: layers [0, 1, 2, 3] of 4" in r.stdout and r.stdout.strip().endswith("PASS"), r.stdout
 
 
 def test_sampled_reference_reads_only_the_chosen_experts(tiny_checkpoint, monkeypatch) -> None:

@@ -20,45 +20,25 @@ from glm_ep.presets import preset
 from glm_ep.synth import write_synthetic
 from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
+from ckpt_writer import read_safetensors, write_safetensors
+from helpers import shard_of
+
 LAYOUTS = [(1, 0, 1, 1), (2, 0, 2, 2), (2, 1, 2, 2), (2, 1, 1, 2), (2, 1, 2, 1)]
 SPARSE = "model.layers.1.mlp"
 
 RawTensors = dict[str, list]  # key -> [dtype, shape, raw bytes]
 
 
-def _read_raw(path: Path) -> RawTensors:
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header, body = json.loads(data[8:8 + n]), data[8 + n:]
-    return {k: [v["dtype"], v["shape"], body[v["data_offsets"][0]:v["data_offsets"][1]]]
-            for k, v in header.items() if k != "__metadata__"}
-
-
-def _write_raw(path: Path, tensors: RawTensors) -> None:
-    """A safetensors file written by hand: header JSON padded to 8 bytes, then the data in order."""
-    header, offset = {}, 0
-    for key, (dtype, shape, raw) in tensors.items():
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-    head = json.dumps(header).encode()
-    head += b" " * (-len(head) % 8)
-    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(t[2] for t in tensors.values()))
-
-
 def _rewrite(path: Path, edit: Callable[[RawTensors], None]) -> None:
-    tensors = _read_raw(path)
+    """Rewrite a shard by hand (the tests' own safetensors writer), its entries editable in place."""
+    tensors = {k: list(v) for k, v in read_safetensors(path).items()}
     edit(tensors)
-    _write_raw(path, tensors)
+    write_safetensors(path, tensors)
 
 
 @pytest.fixture
 def ckpt_copy(tiny_checkpoint: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(tiny_checkpoint, tmp_path / "tiny"))
-
-
-def _shard_of(model_dir: Path, key: str) -> Path:
-    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
-    return model_dir / index["weight_map"][key]
 
 
 def _site(ck: Checkpoint, layout: tuple[int, int, int, int]) -> SiteConfig:
@@ -212,14 +192,14 @@ def test_no_weights(ckpt_copy: Path) -> None:
 
 
 def test_missing_shard(ckpt_copy: Path) -> None:
-    shard = _shard_of(ckpt_copy, f"{SPARSE}.experts.7.up_proj.weight")
+    shard = shard_of(ckpt_copy, f"{SPARSE}.experts.7.up_proj.weight")
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"{shard.name}: shard file not found"):
         Checkpoint(ckpt_copy)
 
 
 def test_truncated_shard(ckpt_copy: Path) -> None:
-    shard = _shard_of(ckpt_copy, f"{SPARSE}.experts.7.up_proj.weight")
+    shard = shard_of(ckpt_copy, f"{SPARSE}.experts.7.up_proj.weight")
     data = shard.read_bytes()
     shard.write_bytes(data[:-100])
     with pytest.raises(CheckpointError, match=rf"{shard.name}: truncated: header says (\d+) bytes of data, file has"):
@@ -228,7 +208,7 @@ def test_truncated_shard(ckpt_copy: Path) -> None:
 
 @pytest.mark.parametrize("damage", ["json", "length", "short"])
 def test_corrupt_header(ckpt_copy: Path, damage: str) -> None:
-    shard = _shard_of(ckpt_copy, f"{SPARSE}.gate.weight")
+    shard = shard_of(ckpt_copy, f"{SPARSE}.gate.weight")
     data = bytearray(shard.read_bytes())
     if damage == "json":
         data[8] = ord("#")
@@ -246,7 +226,7 @@ def test_header_numbers_that_are_not_integers_are_refused(ckpt_copy: Path, value
     """A shape or offset must be a JSON integer: 1e999 (inf to Python's JSON) stopped the load with an
     OverflowError, and 2.5 was truncated to 2."""
     key = f"{SPARSE}.gate.weight"
-    shard = _shard_of(ckpt_copy, key)
+    shard = shard_of(ckpt_copy, key)
     data = shard.read_bytes()
     (hlen,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8:8 + hlen])
@@ -283,9 +263,9 @@ def test_a_config_that_declares_more_than_the_checkpoint_holds_is_refused_at_onc
 
 def test_missing_tensor(ckpt_copy: Path) -> None:
     key = f"{SPARSE}.experts.3.down_proj.weight_scale"
-    _rewrite(_shard_of(ckpt_copy, key), lambda t: t.pop(key))
+    _rewrite(shard_of(ckpt_copy, key), lambda t: t.pop(key))
     with Checkpoint(ckpt_copy) as ck:
-        with pytest.raises(CheckpointError, match=rf"tensor '{key}' not found in .*{_shard_of(ckpt_copy, key).name}"):
+        with pytest.raises(CheckpointError, match=rf"tensor '{key}' not found in .*{shard_of(ckpt_copy, key).name}"):
             load_layer(ck, _site(ck, LAYOUTS[0]), 1)
         # rank 1 of ep = 2 owns experts 16..31 and never asks for expert 3
         assert len(load_layer(ck, _site(ck, (2, 1, 2, 2)), 1).experts) == 16
@@ -300,7 +280,7 @@ def test_missing_tensor(ckpt_copy: Path) -> None:
 def test_activation_smoothing_tensors_are_refused(ckpt_copy: Path) -> None:
     """An NVFP4_AWQ export's pre_quant_scale would scale the activations before the product: never ignored."""
     key = f"{SPARSE}.experts.5.up_proj.pre_quant_scale"
-    shard = _shard_of(ckpt_copy, f"{SPARSE}.experts.5.up_proj.weight")
+    shard = shard_of(ckpt_copy, f"{SPARSE}.experts.5.up_proj.weight")
     _rewrite(shard, lambda t: t.update({key: ["F32", [128], np.ones(128, np.float32).tobytes()]}))
     index = ckpt_copy / "model.safetensors.index.json"
     raw = json.loads(index.read_text())
@@ -316,7 +296,7 @@ def test_an_expert_left_unquantized_is_named(ckpt_copy: Path) -> None:
     """Exports whose ignore list keeps some layers' experts in bf16: the projection is named as unquantized,
     not reported as a missing scale."""
     q = f"{SPARSE}.experts.2.down_proj"
-    shard = _shard_of(ckpt_copy, f"{q}.weight")
+    shard = shard_of(ckpt_copy, f"{q}.weight")
 
     def unquantize(t: RawTensors) -> None:
         for part in ("weight_scale", "weight_scale_2", "input_scale"):
@@ -332,9 +312,9 @@ def test_an_expert_left_unquantized_is_named(ckpt_copy: Path) -> None:
 
 def test_wrong_shape(ckpt_copy: Path) -> None:
     key = f"{SPARSE}.gate.weight"
-    _rewrite(_shard_of(ckpt_copy, key), lambda t: t[key].__setitem__(1, [16, 256]))  # same bytes
+    _rewrite(shard_of(ckpt_copy, key), lambda t: t[key].__setitem__(1, [16, 256]))  # same bytes
     with Checkpoint(ckpt_copy) as ck, pytest.raises(
-            CheckpointError, match=rf"{_shard_of(ckpt_copy, key).name}: tensor '{key}' has shape \[16, 256\], "
+            CheckpointError, match=rf"{shard_of(ckpt_copy, key).name}: tensor '{key}' has shape \[16, 256\], "
                                    r"expected \[32, 128\]"):
         load_layer(ck, _site(ck, LAYOUTS[0]), 1)
 
@@ -345,7 +325,7 @@ def test_bf16_bias_is_refused(ckpt_copy: Path) -> None:
     def to_bf16(t: RawTensors) -> None:
         t[key] = ["BF16", t[key][1], np.frombuffer(t[key][2], np.float32).astype(ml_dtypes.bfloat16).tobytes()]
 
-    _rewrite(_shard_of(ckpt_copy, key), to_bf16)
+    _rewrite(shard_of(ckpt_copy, key), to_bf16)
     with Checkpoint(ckpt_copy) as ck, pytest.raises(
             CheckpointError, match=rf"tensor '{key}' has dtype BF16, expected F32 \(the routing bias must stay fp32"):
         load_layer(ck, _site(ck, LAYOUTS[0]), 1)
@@ -353,7 +333,7 @@ def test_bf16_bias_is_refused(ckpt_copy: Path) -> None:
 
 def test_wrong_dtype_generic(ckpt_copy: Path) -> None:
     key = "model.layers.0.mlp.up_proj.weight"
-    _rewrite(_shard_of(ckpt_copy, key), lambda t: t[key].__setitem__(0, "F16"))  # same itemsize
+    _rewrite(shard_of(ckpt_copy, key), lambda t: t[key].__setitem__(0, "F16"))  # same itemsize
     with Checkpoint(ckpt_copy) as ck, pytest.raises(CheckpointError, match=rf"'{key}' has dtype F16, expected BF16"):
         load_layer(ck, _site(ck, LAYOUTS[0]), 0)
 

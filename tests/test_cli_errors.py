@@ -267,13 +267,15 @@ def test_an_agreed_error_is_printed_once_whole_one_rank_per_line(tmp_path) -> No
     (["run", "--decode", "-1"], "argument --decode: -1, expected an integer >= 0"),
     (["run", "--verify", "0"], "argument --verify: 0, expected an integer >= 1"),
     (["run", "--prefill", "0"], "argument --prefill: 0, expected an integer >= 1"),
+    (["footprint", "--preset", "tiny", "--tp", "0"], "argument --tp: 0, expected an integer >= 1"),
+    (["synth", "--dense", "fp8"], "argument --dense: invalid choice: 'fp8'"),
 ])
 def test_bad_counts_are_refused_by_the_parser(argv: list[str], needle: str, capsys, tmp_path) -> None:
     """A negative seed or warm-up count was a traceback (seed) or taken as it was (warm-up, shard size). Paths
     under tmp_path: a parser that let one through writes nothing into the working folder."""
     from glm_ep.cli import main
 
-    where = ["--out", str(tmp_path / "ck")] if argv[0] == "synth" else ["--cache-dir", str(tmp_path / "cache")]
+    where = {"synth": ["--out", str(tmp_path / "ck")], "run": ["--cache-dir", str(tmp_path / "cache")]}.get(argv[0], [])
     with pytest.raises(SystemExit) as e:
         main(argv + where)
     assert e.value.code == 2 and needle in capsys.readouterr().err
@@ -315,3 +317,20 @@ def test_a_closed_stdout_ends_the_command_quietly() -> None:
     finally:
         os.close(write)
     assert r.returncode == EXIT_BROKEN_PIPE == 141 and r.stderr == "", r.stderr
+
+
+@pytest.mark.parametrize("argv", [["synth", "--preset", "nope", "--out", "OUT"], ["footprint", "--preset", "nope"]])
+def test_an_unknown_preset_is_named(argv: list[str], capsys, tmp_path) -> None:
+    from glm_ep.cli import main
+
+    argv = [str(tmp_path / "ck") if a == "OUT" else a for a in argv]
+    assert main(argv) == 2
+    assert "unknown preset 'nope'; expected one of ['glm-5.3-flash', 'tiny']" in capsys.readouterr().err
+    assert not (tmp_path / "ck").exists()
+
+
+def test_verify_wider_than_the_workspace_is_refused(tiny_checkpoint) -> None:
+    """A run's steps are one pass each: a verify step wider than the workspace is refused up front, as a prefill
+    step is."""
+    r = glm_ep(1, "run", "--model", str(tiny_checkpoint), "--verify", "600", "--decode", "1", "--prefill", "2")
+    fails(r, "--verify 600 rows do not fit the workspace built for 512 rows (raise workspace_rows in the topology)")

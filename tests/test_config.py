@@ -216,6 +216,20 @@ def test_every_topology_file_loads(path: Path) -> None:
     assert t.backend in ("cpu", "cuda") and t.workspace_rows >= 1
     t.check_world(t.world)
     RankLayout(t.world, t.world - 1, t.tp, t.ep)
+    # what make_backend checks on a device, checked here against the device the file is for: its levers within
+    # the backend's kernels, and (CUDA) every ring block within one block's shared memory at the GLM shape
+    from glm_ep.backend.cuda import CudaBackend
+    from glm_ep.backend.cuda.ring import RingConfig
+    from glm_ep.backend.numpy_backend import NumpyBackend
+    from glm_ep.presets import preset
+
+    glm = ModelConfig.from_dict(preset("glm-5.3-flash"), source="glm-5.3-flash")
+    backend = CudaBackend if t.backend == "cuda" else NumpyBackend
+    backend.capabilities.check(t.backend, t.levers, glm.num_experts_per_tok)
+    if t.backend == "cuda":
+        ring = RingConfig.from_levers(t.levers)
+        limit = 101376 if path.stem.startswith("gb10") else 232448  # opt-in smem a block: GB10 (sm_121), H200
+        ring.check_fits(limit, ring.forms(glm.swiglu_limit), glm.hidden_size)
 
 
 def test_topology_values_and_levers() -> None:
@@ -223,7 +237,7 @@ def test_topology_values_and_levers() -> None:
     assert (cpu2.world, cpu2.tp, cpu2.ep, cpu2.backend, cpu2.comm) == (2, 2, 2, "cpu", "mpi")
     assert cpu2.levers == PathLevers()
     gb10 = Topology.load(REPO / "configs" / "gb10-2.toml")
-    assert (gb10.workspace_rows, gb10.levers.prefill_gemm_min_rows, gb10.devices) == (256, 128, (0, 0))
+    assert (gb10.workspace_rows, gb10.levers.prefill_gemm_min_rows, gb10.devices) == (256, 32, (0, 0))
     t = Topology.from_dict({"world": 2, "levers": {"prefill_gemm_min_rows": 9, "host_dispatch": True}})
     assert t.levers.prefill_gemm_min_rows == 9 and t.levers.host_dispatch and t.name == "topology"
 

@@ -282,10 +282,13 @@ def test_two_ranks_one_gpu():
     weights = [shard(w, cfg) for w in full_weights(5, layer_types)]
     be = backend()
     comm = make_comm(world, be, Topology(world=2, tp=2, ep=2, backend="cuda"), discover(world))
-    assert isinstance(comm, MpiComm), "two ranks on one GPU must use the MPI communicator"
+    failures = [] if isinstance(comm, MpiComm) else [f"rank {world.Get_rank()}: {type(comm).__name__}, expected "
+                                                      "MpiComm (two ranks on one GPU)"]
+    every = sum(world.allgather(failures), [])  # agreed before the first collective either rank would wait in
+    if every:
+        pytest.fail("\n".join(every))
     cuda = build_stack(be, comm, cfg, weights, PathLevers(), max_rows=20)
     ref = build_stack(NumpyBackend(), MpiComm(world), cfg, weights, PathLevers(), max_rows=20)
-    failures = []
     for rows in (1, 4, 20):
         x = int_rows(np.random.default_rng(rows), rows)
         for site in (0, 1):

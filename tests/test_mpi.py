@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from glm_ep.comm import MpiComm
-from glm_ep.config import RankLayout
+from glm_ep.config import RankLayout, SiteConfig
+from glm_ep.footprint import rank_weight_bytes
 from glm_ep.nvfp4 import quantize
 from glm_ep.topology import PathLevers
 from glm_ep.weights import ExpertWeights, MoeWeights
 
-from helpers import (BF16, RefParams, bf16_ulps, build_stack, random_weights, random_x, ref64_layers, rel_l2,
+from helpers import (BF16, RefParams, agreed, bf16_ulps, build_stack, random_weights, random_x, ref64_layers, rel_l2,
                      route_margins64, tiny_model)
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -27,13 +28,6 @@ def _world():
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
-
-
-def agreed(comm, failures: list[str]) -> None:
-    """Assert on every rank that no rank failed."""
-    every = comm.allgather(failures)
-    msgs = [f"rank {r}: {m}" for r, fs in enumerate(every) for m in fs]
-    assert not msgs, "\n".join(msgs)
 
 
 def same_on_all_ranks(comm, name: str, a: np.ndarray, failures: list[str]) -> None:
@@ -198,6 +192,11 @@ def test_loaded_runtime_matches_one_rank(tiny_checkpoint, tp: int, ep: int) -> N
     bytes_each = comm.allgather(multi.weight_bytes)
     if not sum(bytes_each) < comm.Get_size() * single.weight_bytes:
         failures.append(f"ranks hold {bytes_each} bytes, one rank holds {single.weight_bytes}: nothing was split")
+    mine = SiteConfig.for_rank(single.model, RankLayout(comm.Get_size(), comm.Get_rank(), tp, ep))
+    for what, got, cfg in (("this rank", multi.weight_bytes, mine), ("one rank", single.weight_bytes, single.cfg)):
+        want = rank_weight_bytes(single.model, cfg)  # what the config says a rank of that layout holds
+        if got != want:
+            failures.append(f"{what} holds {got} weight bytes, the footprint says {want}")
     for i in range(single.model.num_hidden_layers):
         y1 = single.stack.site_output(i, x).copy()
         y2 = multi.stack.site_output(i, x).copy()

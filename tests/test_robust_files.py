@@ -90,10 +90,22 @@ def test_output_folder_not_writable(tmp_path, monkeypatch: pytest.MonkeyPatch) -
         check_output_path(str(tmp_path / "out.safetensors"))
 
 
+def _other_tensor(d):
+    write_safetensors(d / "x.safetensors", {"x": ("BF16", (2, 128), bytes(2 * 128 * 2))})
+    return d / "x.safetensors"
+
+
+def _not_safetensors(d):
+    (d / "x.safetensors").write_bytes(b"hidden_states,1,2,3\n")
+    return d / "x.safetensors"
+
+
 @pytest.mark.parametrize("make,needle", [
     (lambda d: d / "missing.safetensors", "input file not found"),
     (lambda d: d, "input is not a regular file"),
-], ids=["missing", "folder"])
+    (_other_tensor, "no tensor 'hidden_states' (found ['x'])"),
+    (_not_safetensors, "not a readable safetensors file"),
+], ids=["missing", "folder", "other-tensor", "not-safetensors"])
 def test_input_is_read_before_the_load(tiny_checkpoint, tmp_path, make, needle: str) -> None:
     r = _forward(tiny_checkpoint, make(tmp_path), tmp_path / "out.safetensors")
     fails(r, needle)

@@ -52,6 +52,36 @@ def test_bias_stays_fp32_near_7(ladder: bool) -> None:
     assert rounded.tolist() == [[1]]  # the flip the fp32 bias exists to prevent
 
 
+def test_bf16_router_rounds_the_logits_the_scores_and_each_weight_stage() -> None:
+    """``moe_router_dtype = "bfloat16"`` (the ladder): hand values where each rounding shows. The logit 0.3 is
+    0.30078125 in bf16, so its score is sigmoid(0.30078125) (0.57463...), itself rounded to bf16 (0.57421875);
+    the renormalised weights and the scaled ones are rounded again. The fp32 router keeps every stage exact to
+    fp32, and its choice among near-equal scores can differ."""
+    def b(v: float) -> float:
+        return float(np.float32(v).astype(ml_dtypes.bfloat16))
+
+    logits = np.array([[0.3, -0.2, 1.1]], dtype=np.float32)
+    bias = np.zeros(3, dtype=np.float32)
+    ids, wts = router_topk(logits, bias, _p(2, scale=2.5, renorm=True, ladder=True))
+    assert ids.tolist() == [[2, 0]]
+    s2, s0 = b(_sig(b(1.1))), b(_sig(b(0.3)))
+    assert (b(0.3), s0) == (0.30078125, 0.57421875)
+    want = [b(b(s / (s2 + s0)) * 2.5) for s in (s2, s0)]
+    assert wts[0].tolist() == pytest.approx(want, rel=1e-6, abs=0)
+    assert all(float(np.float32(w).astype(ml_dtypes.bfloat16)) == w for w in wts[0].tolist())  # bf16 values
+    _, exact = router_topk(logits, bias, _p(2, scale=2.5, renorm=True))
+    assert exact[0].tolist() != wts[0].tolist()  # the fp32 router's weights are not those
+    # the logit's own rounding shows in the weight: 1.004 is 1.0078125 in bf16, whose score rounds to 0.734375
+    # where sigmoid(1.004) would round to 0.73046875
+    one = np.array([[1.004]], dtype=np.float32)
+    assert router_topk(one, np.zeros(1, np.float32), _p(1, ladder=True))[1].tolist() == [[0.734375]]
+    assert b(_sig(1.004)) == 0.73046875
+    # a rounding that changes the choice: scores 0.5 and sigmoid(0.003) = 0.50075 differ in fp32, tie in bf16
+    tie = np.array([[0.0, 0.003]], dtype=np.float32)
+    assert router_topk(tie, np.zeros(2, np.float32), _p(1))[0].tolist() == [[1]]
+    assert router_topk(tie, np.zeros(2, np.float32), _p(1, ladder=True))[0].tolist() == [[0]]  # equal: lower id
+
+
 def test_renorm_eps_is_1e20() -> None:
     assert RENORM_EPS == np.float32(1e-20)
     # all-zero scores (sigmoid of -inf): weights are 0, not NaN

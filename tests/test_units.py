@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
@@ -160,3 +161,24 @@ def test_footprint_weight_bytes_are_what_a_rank_loads(tiny_checkpoint, tiny_chec
             r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--model", str(ckpt)],
                                capture_output=True, text=True, timeout=60, env=mpi_env(), cwd=REPO)
             assert r.returncode == 0 and f"weights: rank 0 holds {fmt_bytes(loaded)}" in r.stdout, r.stdout + r.stderr
+
+
+def test_numpy_combine_rounds_once() -> None:
+    """The combine sums the weighted slots and the shared expert in fp32 and rounds ONCE to bf16: 1 + 2^-8 + 2^-8
+    is 1 + 2^-7 (a bf16), where rounding after each add would stay at 1 (1 + 2^-8 is a tie, to even: 1)."""
+    import ml_dtypes
+
+    from glm_ep.backend.numpy_backend import NumpyBackend
+
+    bf16 = ml_dtypes.bfloat16
+    be = NumpyBackend()
+    routed = np.array([[1.0, 4.0], [2.0 ** -8, 0.0], [2.0 ** -8, 0.0]], dtype=bf16)  # 1 row, 3 slots, hidden 2
+    wts = np.array([[1.0, 1.0, 1.0]], dtype=np.float32)
+    out = np.zeros((1, 2), dtype=bf16)
+    be.combine(routed, wts, None, out)
+    assert out.astype(np.float32).tolist() == [[1.0 + 2.0 ** -7, 4.0]]
+    shared = np.array([[2.0 ** -8, 0.0]], dtype=bf16)  # the shared expert joins the same single rounding
+    be.combine(routed[:2], wts[:, :2], shared, out)
+    assert out.astype(np.float32).tolist() == [[1.0 + 2.0 ** -7, 4.0]]
+    be.combine(routed, wts, None, out, perm_TK=np.array([[2, 1, 0]]))  # slots read through a permutation
+    assert out.astype(np.float32).tolist() == [[1.0 + 2.0 ** -7, 4.0]]

@@ -30,6 +30,6 @@ run tests "$PY" -m pytest -q -rs -m cuda tests/test_cuda_*.py
 WITH_MPI=()
 "$PY" -c "import pytest_mpi" 2>/dev/null && WITH_MPI=(--with-mpi)  # pytest-mpi skips mpi tests without it
 run mpi2 "${MPIRUN[@]}" "$PY" -m pytest -q -rs -m "cuda and mpi" -p no:cacheprovider "${WITH_MPI[@]}" \
-    tests/test_cuda_paths.py
+    -o timeout_method=thread tests/test_cuda_paths.py
 [ "${CUDA_CHECK_TIMING:-1}" = 0 ] || run timing "$PY" tools/kernel_timing.py
 exit $status
