@@ -334,3 +334,18 @@ def test_verify_wider_than_the_workspace_is_refused(tiny_checkpoint) -> None:
     step is."""
     r = glm_ep(1, "run", "--model", str(tiny_checkpoint), "--verify", "600", "--decode", "1", "--prefill", "2")
     fails(r, "--verify 600 rows do not fit the workspace built for 512 rows (raise workspace_rows in the topology)")
+
+
+def test_the_cuda_backend_without_cuda_is_one_clear_error(tiny_checkpoint) -> None:
+    """``--backend cuda`` (or a CUDA topology) on a machine where CuPy is missing or sees no GPU: exit 2 on every
+    rank with one message naming the host and the way out, before any weight is read."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("CUDA is usable here")
+    except Exception:
+        pass
+    r = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--backend", "cuda", "--decode", "1", "--prefill", "2")
+    fails(r, "asks for backend = 'cuda', but CUDA is unusable on", "or use backend = 'cpu'")
+    assert "loading weights" not in r.stderr

@@ -39,8 +39,8 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
         visible = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # not installed, no driver, no device
         raise ConfigError(f"topology {topology.name!r} asks for backend = 'cuda', but CUDA is unusable on "
-                          f"{placement.host} ({type(e).__name__}: {e}); install glm_ep[cuda13] (or "
-                          "[cuda12]) or use backend = 'cpu'") from None
+                          f"{placement.host} ({type(e).__name__}: {e}); install the cuda13 or cuda12 extra (pip "
+                          "install '.[cuda13]' from the checkout) or use backend = 'cpu'") from None
     be = CudaBackend(device_index(topology.devices, placement, visible), ring, dependent_launch=topology.levers.pdl)
     ring.check_fits(block_smem_limit(), forms, cfg.hidden)  # the device's own limit
     return be

@@ -123,7 +123,7 @@ def pyplot() -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib not installed: no plot (pip install glm_ep[bench])")
+        log.warning("matplotlib not installed: no plot (the bench extra: pip install '.[bench]')")
         return None
     return plt
 
