@@ -82,8 +82,9 @@ class ExpertDispatch:
         into ``out_SH`` where given (``[T*K, H]``), else into the workspace."""
         t, k, h = x_TH.shape[0], self.cfg.top_k, self.cfg.hidden
         routed_SH = ws.view("expert_out", t * k, h) if out_SH is None else out_SH
-        if tuple(routed_SH.shape) != (t * k, h):
-            raise ValueError(f"routed outputs of shape {tuple(routed_SH.shape)}, expected {(t * k, h)}")
+        if tuple(routed_SH.shape) != (t * k, h) or not routed_SH.flags.c_contiguous:
+            raise ValueError(f"routed outputs of shape {tuple(routed_SH.shape)} (contiguous: "
+                             f"{routed_SH.flags.c_contiguous}), expected a contiguous {(t * k, h)}")
         if experts.count < self.cfg.num_experts:  # remote slots must add exactly zero
             self.be.zero(routed_SH)  # (with every expert local, every slot is written)
         path = self.path_for(t)

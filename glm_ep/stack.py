@@ -78,11 +78,12 @@ class MlpStack:
             self.be.add(h_TH, out_TH, h_TH)
 
     def _capturable(self, t: int, sites: list[Any] | None = None) -> bool:
-        """Whether a call of ``t`` rows over ``sites`` (default: all) may be a graph: the levers want one for
-        that width, the backend captures, and every all-reduce among them is capturable."""
+        """Whether a call of ``t`` rows over ``sites`` (default: all) may be a graph of its own: the levers want
+        one for that width, the backend captures and is not inside a caller's capture already (then the ops
+        are recorded into that one), and every all-reduce among them is capturable."""
         lv, caps = self.levers, self.be.capabilities
         wanted = (t == 1 and lv.graph_decode) or (2 <= t <= caps.max_gemv_rows and lv.graph_verify)
-        return wanted and not lv.host_dispatch and caps.capture and (
+        return wanted and not lv.host_dispatch and caps.capture and not self.be.capturing() and (
             self.comm.capturable or not any(s.reduces for s in (self.sites if sites is None else sites)))
 
     def step(self, x_TH: Any) -> Any:

@@ -213,11 +213,15 @@ def test_one_site_calls_replay_a_graph_per_site_and_width() -> None:
         capabilities = dataclasses.replace(NumpyBackend.capabilities, capture=True)
 
         def __init__(self) -> None:
-            self.captured = 0
+            self.captured, self.inside = 0, False
 
         def capture(self, fn):
+            assert not self.inside, "a capture begun inside the caller's own"
             self.captured += 1
             return fn
+
+        def capturing(self) -> bool:  # a caller's graph around ours: our ops go into it, no capture of our own
+            return self.inside
 
     model = tiny_model()
     full = random_weights(model, seed=5, dense_nvfp4=True)
@@ -234,3 +238,9 @@ def test_one_site_calls_replay_a_graph_per_site_and_width() -> None:
                     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=f"{i} {rows}")
         assert be.captured == wanted, (levers, be.captured)
         assert sorted(stack._site_graphs) == ([(i, r) for i in range(len(full)) for r in (1, 4)] if wanted else [])
+        be.inside = True  # an engine's own capture around the calls, of a width not captured yet: eager ops
+        x = random_x(7, 3, model.hidden_size)
+        for i in range(len(full)):
+            got, want = stack.site_output(i, x).copy(), eager.site_output(i, x).copy()
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        assert stack.step(x) is not None and be.captured == wanted and (3 not in stack._graphs)

@@ -147,6 +147,11 @@ class Backend(ABC, Generic[A, P]):
         """Record ``fn``'s device work once; returns a callable that replays it."""
         raise NotImplementedError(f"backend {self.name!r} cannot capture graphs")
 
+    def capturing(self) -> bool:
+        """Whether the backend's stream is being captured already (a caller's own graph around ours): then
+        a call runs its ops into that capture rather than starting one of its own."""
+        return False
+
     @abstractmethod
     def upload_dense(self, w: DenseWeights) -> DenseResident[A]:
         """Resident form of a bf16 MLP (each matrix usable by ``linear``)."""

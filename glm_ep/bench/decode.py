@@ -226,8 +226,9 @@ def run_bench(args: argparse.Namespace) -> int:
 def _nvfp4_dense_rows(be: Any, cfg: Any, model: ModelConfig, levers: PathLevers, n_dense: int, graph_of_sites: Any,
                       x1: Any, iters: int, copy_gbs: float) -> list[Row]:
     """The dense site with its FFN stored NVFP4 (as nvidia/GLM-5.3-Flash-NVFP4 ships layers 0-2): one expert that
-    every row chooses, on the routed kernels: the decode ring (no K split: 384 items of full K at tp = 1), and the
-    block kernels (K split over a block's warps) on a second backend sharing the stream."""
+    every row chooses, on the routed kernels: the decode ring (no K split: 768 items for gate + up and 256 of full
+    K = 12288 for down at tp = 1), and the block kernels (K split over a block's warps) on a second backend
+    sharing the stream."""
     import cupy as cp
 
     from glm_ep.backend.cuda import CudaBackend

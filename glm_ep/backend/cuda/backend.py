@@ -135,6 +135,9 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     def synchronize(self) -> None:
         self.stream.synchronize()
 
+    def capturing(self) -> bool:
+        return self.stream.is_capturing()
+
     def capture(self, fn):
         with self.stream:
             self.stream.begin_capture()
@@ -157,7 +160,11 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             raise ConfigError(f"{what}: experts disagree on the projection shape: {sorted(shapes)}")
         n, k = shapes.pop() if shapes else (0, 0)
         if ws:
-            NV.check_nvfp4_k(k, what)
+            try:
+                NV.check_nvfp4_k(k, what)
+            except ValueError as e:  # a checkpoint's shape, or a TP split of it, the kernels cannot take
+                raise ConfigError(f"{e}: the CUDA kernels read NVFP4 in 16-byte chunks (for a dense FFN stored "
+                                  "NVFP4, intermediate_size / tp must be a multiple of 32)") from None
         packed = tuple(self.asarray(w.packed) for w in ws)
         scale = tuple(self._bytes(w.scale) for w in ws)
         s2 = tuple(float(w.scale_2) for w in ws)
