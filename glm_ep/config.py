@@ -85,23 +85,20 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"{path}: config.json not found (expected an HF config.json in the model folder)")
-        raw = parse_json(path.read_bytes(), str(path))
-        text = raw.get("text_config") if isinstance(raw, dict) and isinstance(raw.get("text_config"), dict) else raw
-        hf_quant = path.parent / HF_QUANT_FILE
-        if (isinstance(raw, dict) and "quantization_config" not in raw and "quantization_config" not in text
-                and hf_quant.is_file()):  # older ModelOpt exports: the quantization in a file of its own
-            found = parse_json(hf_quant.read_bytes(), str(hf_quant))
-            raw = dict(raw, quantization_config=dict(found, quant_method="modelopt") if isinstance(found, dict)
-                       else found)
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(parse_json(path.read_bytes(), str(path)), source=str(path),
+                             quant_file=path.parent / HF_QUANT_FILE)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "ModelConfig":
-        """Parse an HF ``glm5_next`` config: text fields at the top level or under ``text_config``."""
+    def from_dict(cls, raw: dict[str, Any], source: str = "config", quant_file: Path | None = None) -> "ModelConfig":
+        """Parse an HF ``glm5_next`` config: text fields at the top level or under ``text_config``. Without a
+        ``quantization_config``, older ModelOpt exports record it in ``quant_file`` (hf_quant_config.json)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
         quant = raw.get("quantization_config", text.get("quantization_config"))
+        if quant is None and quant_file is not None and quant_file.is_file():
+            found = parse_json(quant_file.read_bytes(), str(quant_file))
+            quant = dict(found, quant_method="modelopt") if isinstance(found, dict) else found
         vals: dict[str, Any] = {}
         for key, typ in _REQUIRED.items():
             if key not in text:
@@ -316,8 +313,8 @@ class SiteConfig:
     def dense_as_expert(self) -> "SiteConfig":
         """The geometry an NVFP4 dense FFN runs with on the routed experts' paths: ONE expert (id 0, held
         by every rank) of this rank's dense width, which every row chooses (top_k = 1)."""
-        return replace(self, moe_intermediate=self.local_dense_intermediate, num_experts=1,
-                                   local_experts=1, ep_rank=0, ep=1, top_k=1)
+        return replace(self, moe_intermediate=self.local_dense_intermediate, num_experts=1, local_experts=1,
+                       ep_rank=0, ep=1, top_k=1)
 
     def local_slot(self, global_id: int) -> int | None:
         """Global expert id -> local index, or None when another rank owns it (it contributes zero)."""

@@ -64,12 +64,22 @@ class MlpStack:
 
         if not (self.levers.graph_sites and self._capturable(t, [site])):
             return run()
-        key = (i, t)
-        if key not in self._site_graphs:
-            run()  # warm-up outside the capture: path logs, lazy kernel loads, scratch sized
-            self._site_graphs[key] = self.be.capture(run)
-        self._site_graphs[key]()
+        self._replay(self._site_graphs, (i, t), run)
         return self.out_buf[:t]
+
+    def _replay(self, graphs: dict[Any, Callable[[], None]], key: Any, body: Callable[[], Any],
+                restore: Callable[[], Any] | None = None, what: str | None = None) -> None:
+        """Run ``body`` as the graph ``graphs[key]``, captured on the first call after one eager run (the warm-up
+        outside the capture: path logs, lazy kernel loads, scratch sized) and ``restore`` (undoing what that run
+        changed of the inputs); the capture of ``what`` is logged where it is named."""
+        if key not in graphs:
+            body()
+            if restore is not None:
+                restore()
+            graphs[key] = self.be.capture(body)
+            if what:
+                log.info("captured %s as one graph", what)
+        graphs[key]()
 
     def _eager_step(self, t: int) -> None:
         h_TH, out_TH = self.h_buf[:t], self.out_buf[:t]
@@ -90,13 +100,9 @@ class MlpStack:
         """``h = h + site(h)`` through every layer; returns a view of the stack's state buffer."""
         t = self._check_rows(x_TH)
         self.be.copy(x_TH, self.h_buf[:t])
-        if self._capturable(t):
-            if t not in self._graphs:
-                self._eager_step(t)  # warm-up outside the capture: path logs, lazy kernel loads
-                self.be.copy(x_TH, self.h_buf[:t])
-                self._graphs[t] = self.be.capture(lambda: self._eager_step(t))
-                log.info("captured the %d-row step of %d sites as one graph", t, len(self.sites))
-            self._graphs[t]()
+        if self._capturable(t):  # the step updates h in place: the warm-up's is reset to x
+            self._replay(self._graphs, t, lambda: self._eager_step(t), lambda: self.be.copy(x_TH, self.h_buf[:t]),
+                         f"the {t}-row step of {len(self.sites)} sites")
         else:
             self._eager_step(t)
         return self.h_buf[:t]

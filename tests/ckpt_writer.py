@@ -129,6 +129,11 @@ def write_checkpoint(out: Path, seed: int, text: dict[str, Any] | None = None, o
                 bf16(f"{p}.up_proj.weight", normal(width, h, heavy=True)),
                 bf16(f"{p}.down_proj.weight", normal(h, width, out_gain)))
 
+    def nvfp4_mlp(p: str, width: int) -> tuple[np.ndarray, ...]:
+        return tuple(nvfp4(f"{p}.{proj}", normal(*shape, gain, heavy=proj != "down_proj"))
+                     for proj, shape, gain in (("gate_proj", (width, h), 1.0), ("up_proj", (width, h), 1.0),
+                                               ("down_proj", (h, width), out_gain)))
+
     def nvfp4(p: str, w: np.ndarray) -> np.ndarray:
         packed, scale_bits, scale_2 = nvfp4_encode(w)
         tensors[f"{p}.weight"] = ("U8", packed.shape, packed.tobytes())
@@ -141,24 +146,15 @@ def write_checkpoint(out: Path, seed: int, text: dict[str, Any] | None = None, o
     for i, kind in enumerate(t["mlp_layer_types"]):
         p = f"{PREFIX}.{i}"
         bf16(f"{p}.self_attn.q_proj.weight", normal(h, h))  # not an MLP tensor: must be ignored
-        if kind == "dense" and dense_nvfp4:
-            layers.append(Ref64Layer("dense", tuple(
-                nvfp4(f"{p}.mlp.{proj}", normal(*shape, gain, heavy=proj != "down_proj"))
-                for proj, shape, gain in (("gate_proj", (inter, h), 1.0), ("up_proj", (inter, h), 1.0),
-                                          ("down_proj", (h, inter), out_gain)))))
-            continue
         if kind == "dense":
-            layers.append(Ref64Layer("dense", mlp(f"{p}.mlp", inter)))
+            layers.append(Ref64Layer("dense", (nvfp4_mlp if dense_nvfp4 else mlp)(f"{p}.mlp", inter)))
             continue
         router = normal(e, h, 3.0)
         tensors[f"{p}.mlp.gate.weight"] = ("F32", router.shape, router.tobytes())
         bias = (7.0 + bias_spread * rng.standard_normal(e)).astype(np.float32)
         tensors[f"{p}.mlp.gate.e_score_correction_bias"] = ("F32", bias.shape, bias.tobytes())
         shared = mlp(f"{p}.mlp.shared_experts", t["n_shared_experts"] * m)
-        experts = [tuple(nvfp4(f"{p}.mlp.experts.{x}.{proj}", normal(*shape, gain, heavy=proj != "down_proj"))
-                         for proj, shape, gain in (("gate_proj", (m, h), 1.0), ("up_proj", (m, h), 1.0),
-                                                   ("down_proj", (h, m), out_gain)))
-                   for x in range(e)]
+        experts = [nvfp4_mlp(f"{p}.mlp.experts.{x}", m) for x in range(e)]
         layers.append(Ref64Layer("sparse", shared, router.astype(np.float64), bias.astype(np.float64), experts))
     bf16("lm_head.weight", normal(t["vocab_size"], h))
 

@@ -86,10 +86,7 @@ def random_weights(model: ModelConfig, seed: int, out_gain: float = 1.0, router_
             continue
         router = _normal(rng, e, h, router_gain)
         bias = (7.0 + bias_spread * rng.standard_normal(e)).astype(np.float32)
-        experts = tuple(ExpertWeights(gate=quantize(_normal(rng, m, h, heavy=True)),
-                                      up=quantize(_normal(rng, m, h, heavy=True)),
-                                      down=quantize(_normal(rng, h, m, out_gain)))
-                        for _ in range(e))
+        experts = tuple(random_nvfp4_mlp(rng, m, h, out_gain) for _ in range(e))
         shared = random_dense(rng, model.shared_intermediate, h, out_gain) if model.n_shared_experts else None
         layers.append(MoeWeights(router=router if router_f32 else router.astype(BF16), bias=bias,
                                  expert_start=0, experts=experts, shared=shared))

@@ -16,9 +16,12 @@ from typing import Any, Callable
 import ml_dtypes
 
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.experts import ExpertDispatch
 from glm_ep.footprint import nvfp4_bytes
 from glm_ep.nvfp4 import Nvfp4Weight
 from glm_ep.presets import preset
+from glm_ep.site import DenseSite
+from glm_ep.topology import PathLevers
 from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
 log = logging.getLogger(__name__)
@@ -157,6 +160,17 @@ def gpu_nvfp4(cp: Any, n: int, k: int) -> Nvfp4Weight:
 def gpu_dense(cp: Any, width: int, h: int) -> DenseWeights:
     return DenseWeights(gpu_bf16(cp, (width, h), h ** -0.5), gpu_bf16(cp, (width, h), h ** -0.5),
                         gpu_bf16(cp, (h, width), width ** -0.5))
+
+
+def gpu_nvfp4_site(be: Any, comm: Any, cfg: SiteConfig, model: ModelConfig, levers: PathLevers) -> DenseSite:
+    """A dense site whose FFN is stored NVFP4 (nvidia/GLM-5.3-Flash-NVFP4's layers 0-2), random weights made on the
+    GPU: one expert that every row chooses."""
+    import cupy as cp
+
+    h, width = model.hidden_size, model.intermediate_size
+    w = ExpertWeights(gpu_nvfp4(cp, width, h), gpu_nvfp4(cp, width, h), gpu_nvfp4(cp, h, width))
+    return DenseSite(be, comm, cfg, be.upload_experts((w,), 0, model.swiglu_limit, what="dense mlp"),
+                     ExpertDispatch(be, cfg.dense_as_expert(), levers))
 
 
 def gpu_moe(cp: Any, model: ModelConfig) -> MoeWeights:

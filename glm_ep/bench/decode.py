@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
-                                 gpu_moe, gpu_nvfp4, pyplot, results_header, sparse_bytes, time_median, torch_time_us,
-                                 world1_cfg)
+                                 gpu_moe, gpu_nvfp4_site, pyplot, results_header, sparse_bytes, time_median,
+                                 torch_time_us, world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.config import ModelConfig
 from glm_ep.experts import ExpertDispatch
@@ -26,7 +26,6 @@ from glm_ep.footprint import nvfp4_bytes
 from glm_ep.site import DenseSite, MoeSite
 from glm_ep.stack import MlpStack
 from glm_ep.topology import PathLevers
-from glm_ep.weights import ExpertWeights
 from glm_ep.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -239,10 +238,7 @@ def _nvfp4_dense_rows(be: Any, cfg: Any, model: ModelConfig, levers: PathLevers,
     out: list[Row] = []
     for label, b in (("", be), (", block kernels", blocks)):
         with be.stream:
-            sites = [DenseSite(b, SelfComm(), cfg, b.upload_experts(
-                (ExpertWeights(gpu_nvfp4(cp, width, h), gpu_nvfp4(cp, width, h), gpu_nvfp4(cp, h, width)),), 0,
-                model.swiglu_limit, what="dense mlp"), ExpertDispatch(b, cfg.dense_as_expert(), levers))
-                for _ in range(n_dense)]
+            sites = [gpu_nvfp4_site(b, SelfComm(), cfg, model, levers) for _ in range(n_dense)]
         replay = graph_of_sites(sites, x1)
         us = time_median(cp, be.stream, replay, iters=max(iters // n_dense, 5)) / n_dense
         out.append(Row(f"dense site, NVFP4 weights{label}, 1 row (graph)", us, nbytes, copy_gbs,

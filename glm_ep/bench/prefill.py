@@ -21,13 +21,12 @@ from typing import Any, Callable
 
 from glm_ep.backend.cuda import grouped as NV
 from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
-                                 gpu_moe, gpu_nvfp4, pyplot, results_header, time_median, torch_time_us,
+                                 gpu_moe, gpu_nvfp4_site, pyplot, results_header, time_median, torch_time_us,
                                  world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.experts import ExpertDispatch
 from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
 from glm_ep.topology import PathLevers
-from glm_ep.weights import ExpertWeights
 from glm_ep.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -77,11 +76,8 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     site, union_site, sorted_site = sparse(PathLevers()), sparse(PathLevers(prefill_gemm=False)), \
         sparse(PathLevers(prefill_gemm_min_rows=9))
     dense_site = DenseSite(be, comm, cfg, dense)
-    with stream:  # the dense FFN stored NVFP4 (nvidia/GLM-5.3-Flash-NVFP4's layers 0-2): one expert every row chooses
-        nv = ExpertWeights(gpu_nvfp4(cp, model.intermediate_size, h), gpu_nvfp4(cp, model.intermediate_size, h),
-                           gpu_nvfp4(cp, h, model.intermediate_size))
-        dense_nvfp4_site = DenseSite(be, comm, cfg, be.upload_experts((nv,), 0, model.swiglu_limit, what="dense mlp"),
-                                     ExpertDispatch(be, cfg.dense_as_expert(), PathLevers()))
+    with stream:
+        dense_nvfp4_site = gpu_nvfp4_site(be, comm, cfg, model, PathLevers())
 
     def t(fn: Callable[[], Any], rows: int) -> float:
         return time_median(cp, stream, fn, iters=_iters(rows), warmup=2, repeats=5)
@@ -216,7 +212,8 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
         lines.append(f"| {r['rows']} | {r.get('variant', '')} | " + " | ".join(cells) + " |")
     lines += ["", f"## Dense site, shared expert, router (dense byte floor {meta['dense_floor_us']:.1f} µs)", "",
               "| rows | dense glm_ep | HF `Glm5NextTextMLP` | floor / dense | dense, NVFP4 weights | shared glm_ep "
-              "| HF MLP (shared shape) | router glm_ep | torch router |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| HF MLP (shared shape) | router glm_ep | torch router |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in w:
         lines.append(f"| {r['rows']} | {r['dense_us']:.1f} | {_f(r.get('hf_mlp_us'))} | "
                      f"{meta['dense_floor_us'] / r['dense_us']:.2f} | {_f(r.get('dense_nvfp4_us'))} | "

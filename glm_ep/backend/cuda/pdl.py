@@ -118,9 +118,10 @@ class _Buffers(threading.local):
     def get(self, n: int) -> tuple[Any, Any]:
         got = self.by_count.get(n)
         if got is None:
-            values = ctypes.create_string_buffer(_SLOT * max(n, 1))
+            slots = max(n, 1)
+            values = ctypes.create_string_buffer(_SLOT * slots)
             base = ctypes.addressof(values)
-            got = values, (ctypes.c_void_p * max(n, 1))(*[base + _SLOT * i for i in range(max(n, 1))])
+            got = values, (ctypes.c_void_p * slots)(*[base + _SLOT * i for i in range(slots)])
             self.by_count[n] = got
         return got
 
