@@ -96,7 +96,8 @@ class ModelConfig:
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
         quant = raw.get("quantization_config", text.get("quantization_config"))
-        if quant is None and quant_file is not None and quant_file.is_file():
+        if ("quantization_config" not in raw and "quantization_config" not in text and quant_file is not None
+                and quant_file.is_file()):
             found = parse_json(quant_file.read_bytes(), str(quant_file))
             quant = dict(found, quant_method="modelopt") if isinstance(found, dict) else found
         vals: dict[str, Any] = {}
