@@ -1,6 +1,7 @@
 """Time the CUDA backend's decode and verify steps at the GLM-5.3-Flash shape (one GPU).
 
     python tools/kernel_timing.py [--layers 8] [--iters 20] [--ring-variants] [--no-pdl]
+    python tools/kernel_timing.py --union-variants [--layers 4]
 
 Each figure is the median replay time of a CUDA graph over ``--layers`` distinct layers (so the
 weights stream from HBM, not L2), divided by the layer count, with the bytes it must read and
@@ -8,7 +9,10 @@ that over the measured device copy bandwidth. Weights are random NVFP4 bytes and
 timing only, no numerics. ``--ring-variants`` first times the one-row routed kernels (glu, down,
 both) under each ``RingConfig`` (gemv_nvfp4.cu's block kernels, ring depths, warps per SM, the operand
 forms; a backend built with each, on one stream, the experts uploaded again for its operand
-forms), side by side in one run.
+forms), side by side in one run. ``--union-variants`` times only the verify (union) routed experts at 2..8 rows
+under each union lever set (block kernels; the union ring with the rows rounded up to 2, 4 or 8 x columns, or
+2 or 4 columns with an expert chosen by more rows swept once per that many), on all 288 experts of the
+GLM-5.3-Flash site with rows drawn as the router would (8 distinct experts a row, few shared between rows).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--ring-variants", action="store_true")
+    ap.add_argument("--union-variants", action="store_true", help="only the union (verify) lever sets")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches (no programmatic dependent launch)")
     args = ap.parse_args()
     be = CudaBackend(0, dependent_launch=not args.no_pdl)
@@ -68,6 +73,8 @@ def main() -> int:
     print(f"device copy bandwidth: {copy_gbs:.0f} GB/s", flush=True)
 
     L = args.layers
+    if args.union_variants:
+        return union_variants(cp, be, args, copy_gbs)
     with s:
         weights = [MoeWeights(bf16((E_ROUTER, H), H ** -0.5),
                               (7 + 0.02 * cp.random.standard_normal(E_ROUTER, dtype=cp.float32)),
@@ -243,6 +250,56 @@ def main() -> int:
 
         timed(routed_union, expert_mb * uniq, f"routed experts, {r} rows (union of {uniq})", L)
         timed(dense_rows, 3 * I * H * 2, f"dense MLP, {r} rows", len(denses))
+    return 0
+
+
+def union_variants(cp, be, args, copy_gbs: float) -> int:
+    """The union (verify) routed experts, gate + up + SwiGLU and down, at 2..8 rows under each union lever set, on
+    ``--layers`` layers of all 288 experts (world 1), each lever set in turn on the same rows; the bytes are the
+    union's experts."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+    from glm_ep.bench.common import gpu_nvfp4, graph_median_us
+    from glm_ep.weights import ExpertWeights
+
+    s, L = be.stream, args.layers
+    with s:
+        layers = [tuple(ExpertWeights(gpu_nvfp4(cp, M, H), gpu_nvfp4(cp, M, H), gpu_nvfp4(cp, H, M))
+                        for _ in range(E_ROUTER)) for _ in range(L)]
+        x = (cp.random.standard_normal((8, H), dtype=cp.float32)).astype(BF16)
+        rng = np.random.default_rng(0)
+        ids = cp.asarray(np.stack([rng.choice(E_ROUTER, TOP_K, replace=False) for _ in range(8)]).astype(np.int32))
+        gate, up, act = (cp.empty((8, TOP_K, M), BF16) for _ in range(3))
+        routed = cp.empty((8, TOP_K, H), BF16)
+        u_eid, u_slot = cp.empty(64, cp.int32), cp.empty(64 * 8, cp.int32)
+    expert_bytes = 3 * (M * H // 2 + M * H // 16)
+    variants = (("blocks", RingConfig(union_max_rows=0)),
+                ("ring, rows rounded up (2/4/8 columns)", RingConfig(union_max_rows=8)),
+                ("ring, 2 columns", RingConfig(union_max_rows=8, union_columns=2)),
+                ("ring, 4 columns", RingConfig(union_max_rows=8, union_columns=4)),
+                ("ring, 2 columns, t4 d2", RingConfig(union_max_rows=8, union_columns=2, union_slab=(4, 4),
+                                                      union_depth=(2, 2))),
+                ("blocks (again)", RingConfig(union_max_rows=0)),
+                ("ring, 2 columns (again)", RingConfig(union_max_rows=8, union_columns=2)))
+    backends = []
+    for name, cfg in variants:
+        rb = CudaBackend(0, cfg, stream=s, dependent_launch=not args.no_pdl)
+        with s:
+            backends.append((name, rb, [rb.upload_experts(w, 0, LIMIT, what="experts") for w in layers]))
+    print(f"{'rows':>4s} {'union':>5s}  " + "  ".join(f"{n[:26]:>26s}" for n, _, _ in backends), flush=True)
+    for r in (2, 3, 4, 5, 6, 8):
+        uniq = len(np.unique(ids[:r].get()))
+        ue, uslot = u_eid[:r * TOP_K], u_slot[:r * TOP_K * r].reshape(r * TOP_K, r)
+        cells = []
+        for name, rb, tables in backends:
+            def routed_union(rb=rb, tables=tables):
+                rb.union_table(ids[:r], ue, uslot)
+                for t in tables:
+                    rb.moe_gate_up_act_union(x[:r], t, ue, uslot, LIMIT, gate[:r], up[:r], act[:r])
+                    rb.moe_gemv_union(act[:r], t.down, ue, uslot, routed[:r], per_slot_input=True)
+
+            t_us = graph_median_us(cp, s, rb.capture, routed_union, args.iters, L)
+            cells.append(f"{t_us:8.1f} us {100 * expert_bytes * uniq / t_us / 1e3 / copy_gbs:5.1f}%")
+        print(f"{r:4d} {uniq:5d}  " + "  ".join(f"{c:>26s}" for c in cells), flush=True)
     return 0
 
 
