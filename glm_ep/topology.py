@@ -83,7 +83,6 @@ class PathLevers:
     ring_union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (0: block kernels)
     ring_union_slab: tuple[int, ...] = (2, 2)  # the union ring's slab and depth: (one projection, gate + up)
     ring_union_depth: tuple[int, ...] = (3, 3)
-    ring_union_columns: int = 0  # x columns a union stage holds: 0, the group's rows rounded up to 2, 4 or 8; or 2 / 4
 
     def __post_init__(self) -> None:
         _check_types(self, "levers.")
@@ -97,9 +96,6 @@ class PathLevers:
                                   "gate + up)")
         if self.ring_union_max_rows < 0:
             raise ConfigError(f"levers.ring_union_max_rows = {self.ring_union_max_rows}, expected >= 0 (0: off)")
-        if self.ring_union_columns not in (0, 2, 4, 8):
-            raise ConfigError(f"levers.ring_union_columns = {self.ring_union_columns}, expected 0 (the group's rows "
-                              "rounded up to 2, 4 or 8), 2, 4 or 8")
         if self.ring_max_warps < 0:
             raise ConfigError(f"levers.ring_max_warps = {self.ring_max_warps}, expected >= 0 (0: no cap)")
         if self.ring_lut and not self.ring_unscaled:

@@ -146,29 +146,6 @@ def test_a_ring_kernel_that_is_not_built_is_refused() -> None:
     RingConfig(enabled=False, slab=(8, 4), depth=(4, 2))  # the block kernels do not care
 
 
-
-def test_union_ring_columns(monkeypatch) -> None:
-    """The union stage holds the group's rows rounded up to 2, 4 or 8 x columns, or ``ring_union_columns`` of them
-    (an expert chosen by more rows is swept once per that many): the entry and its shared memory follow; a count
-    with no stage built is refused, by the topology and by the backend's config."""
-    from glm_ep.backend.cuda import ring as ring_mod
-
-    monkeypatch.setattr(ring_mod, "sm_count", lambda: 132)
-    monkeypatch.setattr(ring_mod, "smem_per_sm", lambda: (233472, 1024))
-    ring = RingConfig(union_max_rows=8)
-    assert [ring.union_cols(r) for r in range(2, 9)] == [2, 4, 4, 8, 8, 8, 8]
-    assert [RingConfig(union_columns=2).union_cols(r) for r in (2, 3, 8)] == [2, 2, 2]
-    assert [RingConfig(union_columns=4).union_cols(r) for r in (2, 3, 5, 8)] == [2, 4, 4, 4]
-    two = RingConfig(union_max_rows=8, union_columns=2)
-    assert two.union_smem(2, 8) == ring.union_smem(2, 2) < ring.union_smem(2, 8)
-    assert two.union_geometry(2048, 8, 64, 2)[2] == "c2_t2_d3" and ring.union_geometry(2048, 8, 64, 2)[2] == "c8_t2_d3"
-    assert RingConfig.from_levers(PathLevers(ring_union_columns=4)).union_columns == 4
-    for bad in (1, 3, 16):
-        with pytest.raises(ConfigError, match=rf"levers.ring_union_columns = {bad}, expected 0 .* 2, 4 or 8"):
-            PathLevers(ring_union_columns=bad)
-        with pytest.raises(ConfigError, match=rf"levers.ring_union_columns = {bad}: expected 0 .* \[2, 4, 8\]"):
-            RingConfig(union_columns=bad)
-
 def test_the_fp16_form_only_where_the_limit_bounds_the_activation() -> None:
     """|act| <= max(L, 0.28) * L, rounded to bf16: inside fp16 (65504) up to L = 255.7 or so."""
     assert act_fits_f16(4.0) and act_fits_f16(255.7) and act_fits_f16(1e-3)

@@ -10,9 +10,9 @@ timing only, no numerics. ``--ring-variants`` first times the one-row routed ker
 both) under each ``RingConfig`` (gemv_nvfp4.cu's block kernels, ring depths, warps per SM, the operand
 forms; a backend built with each, on one stream, the experts uploaded again for its operand
 forms), side by side in one run. ``--union-variants`` times only the verify (union) routed experts at 2..8 rows
-under each union lever set (block kernels; the union ring with the rows rounded up to 2, 4 or 8 x columns, or
-2 or 4 columns with an expert chosen by more rows swept once per that many), on all 288 experts of the
-GLM-5.3-Flash site with rows drawn as the router would (8 distinct experts a row, few shared between rows).
+under each union lever set (block kernels; the union ring, its stage holding the rows rounded up to 2, 4 or 8
+x columns), on all 288 experts of the GLM-5.3-Flash site with rows drawn as the router would (8 distinct
+experts a row, few shared between rows).
 """
 
 from __future__ import annotations
@@ -273,13 +273,10 @@ def union_variants(cp, be, args, copy_gbs: float) -> int:
         u_eid, u_slot = cp.empty(64, cp.int32), cp.empty(64 * 8, cp.int32)
     expert_bytes = 3 * (M * H // 2 + M * H // 16)
     variants = (("blocks", RingConfig(union_max_rows=0)),
-                ("ring, rows rounded up (2/4/8 columns)", RingConfig(union_max_rows=8)),
-                ("ring, 2 columns", RingConfig(union_max_rows=8, union_columns=2)),
-                ("ring, 4 columns", RingConfig(union_max_rows=8, union_columns=4)),
-                ("ring, 2 columns, t4 d2", RingConfig(union_max_rows=8, union_columns=2, union_slab=(4, 4),
-                                                      union_depth=(2, 2))),
+                ("ring t2 d3", RingConfig(union_max_rows=8)),
+                ("ring t4 d2", RingConfig(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2))),
                 ("blocks (again)", RingConfig(union_max_rows=0)),
-                ("ring, 2 columns (again)", RingConfig(union_max_rows=8, union_columns=2)))
+                ("ring t2 d3 (again)", RingConfig(union_max_rows=8)))
     backends = []
     for name, cfg in variants:
         rb = CudaBackend(0, cfg, stream=s, dependent_launch=not args.no_pdl)

@@ -72,7 +72,6 @@ DEFINES = {
     "COMBINE_VEC": COMBINE_VEC,
     "MMA_ROWS": MMA_ROWS,
     "UNION_MAX_IDS": UNION_MAX_IDS,
-    "UNION_MAX_ROWS": UNION_MAX_ROWS,
     "ROUTER_MAX_TOP_K": ROUTER_MAX_TOP_K,
     "SORT_THREADS": SORT_THREADS,
 }
@@ -91,8 +90,8 @@ GEMM_VARIANTS = ((16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4
                  (64, 2, 4, 64, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))
 #: gemv_nvfp4_ring.cu's RING_ENTRIES lines: (steps of 128 k per slab T, ring depth D)
 RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
-#: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x columns a union stage holds (a group's
-#: rows rounded up, or fewer: levers.ring_union_columns)
+#: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x rows a union stage holds (a group's
+#: rows rounded up)
 UNION_RING_KERNELS = ((2, 3), (4, 2))
 UNION_RING_ROWS = (2, 4, 8)
 

@@ -84,9 +84,7 @@ class RingConfig:
     activation); ``placed_hidden``: gate and up too; ``down_combine``: at
     one row, the shared expert's down projection and the site's combine run inside the routed down
     launch; ``lut``: every projection not in the fp16 form in the lookup form (in place of ``bf16u`` and
-    ``placed``). The union ring (verify, 2..``union_max_rows`` rows) has its own slab and depth; its stage holds
-    ``union_columns`` x columns (0: the group's rows rounded up to 2, 4 or 8), and a union expert chosen by more
-    rows than that is swept once per that many."""
+    ``placed``)."""
 
     enabled: bool = True
     slab: tuple[int, int] = (4, 4)
@@ -103,7 +101,6 @@ class RingConfig:
     union_slab: tuple[int, int] = (2, 2)
     union_depth: tuple[int, int] = (3, 3)
     lut: bool = False  # the lookup form (not yet measured on a GPU)
-    union_columns: int = 0
 
     def __post_init__(self) -> None:
         for name, (slab, depth, built) in (("ring", (self.slab, self.depth, RING_KERNELS)),
@@ -113,17 +110,13 @@ class RingConfig:
                 raise ConfigError(f"levers.{name}_slab = {list(slab)}, {name}_depth = {list(depth)}: expected "
                                   f"(one projection, gate + up) pairs of (slab, depth) in {list(built)}, the "
                                   "kernels gemv_nvfp4_ring.cu instantiates")
-        if self.union_columns not in (0, *UNION_RING_ROWS):
-            raise ConfigError(f"levers.ring_union_columns = {self.union_columns}: expected 0 (the group's rows rounded "
-                              f"up) or one of {list(UNION_RING_ROWS)}, the union stages gemv_nvfp4_union.cu instantiates")
 
     @classmethod
     def from_levers(cls, lv: PathLevers) -> "RingConfig":
         return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
                    lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_placed, lv.ring_placed_hidden,
                    lv.ring_down_combine, lv.ring_union_max_rows,
-                   tuple(lv.ring_union_slab), tuple(lv.ring_union_depth), lut=lv.ring_lut,
-                   union_columns=lv.ring_union_columns)
+                   tuple(lv.ring_union_slab), tuple(lv.ring_union_depth), lut=lv.ring_lut)
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
         """(gate and up, down): the operand form (``FORM_PREFIX``'s keys) in which the ring reads each
@@ -163,15 +156,11 @@ class RingConfig:
         return (RING_WARPS * self.depth[p - 1] * ring_stage_bytes(p, self.slab[p - 1])
                 + (2 * k if form == "placed" and p == 2 else 0) + (RING_LUT_BYTES if form == "lut" else 0))
 
-    def union_cols(self, rows: int) -> int:
-        """The x columns of a union stage for ``rows`` rows: the rows rounded up to an instantiated count, at most
-        ``union_columns`` where that is set."""
-        c = next(c for c in UNION_RING_ROWS if rows <= c)
-        return min(c, self.union_columns) if self.union_columns else c
-
     def union_smem(self, p: int, rows: int) -> int:
-        """Dynamic shared memory of one block of the union ring over ``p`` matrices for ``rows`` rows."""
-        return RING_WARPS * self.union_depth[p - 1] * ring_stage_bytes(p, self.union_slab[p - 1], self.union_cols(rows))
+        """Dynamic shared memory of one block of the union ring over ``p`` matrices for ``rows`` rows (the stage
+        holds them rounded up to an instantiated R)."""
+        r = next(r for r in UNION_RING_ROWS if rows <= r)
+        return RING_WARPS * self.union_depth[p - 1] * ring_stage_bytes(p, self.union_slab[p - 1], r)
 
     def check_fits(self, limit: int, forms: tuple[str, str], hidden: int) -> None:
         """A ConfigError naming the levers where a ring block (``forms``: ``forms(swiglu_limit)``; ``hidden``: gate
@@ -210,11 +199,12 @@ class RingConfig:
                 and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.union_slab[p - 1]) == 0)
 
     def union_geometry(self, n: int, rows: int, entries: int, p: int) -> tuple[int, int, str]:
-        """(blocks, dynamic smem bytes, entry suffix) of a union launch over its entries x row groups (``entries``
-        bounds the sub-entries too: each holds at least one of the group's slots)."""
+        """(blocks, dynamic smem bytes, entry suffix) of a union launch over its entries x row groups;
+        the stage holds the rows rounded up to an instantiated R."""
         t, depth = self.union_slab[p - 1], self.union_depth[p - 1]
+        r = next(r for r in UNION_RING_ROWS if rows <= r)
         smem = self.union_smem(p, rows)
-        return self._blocks(entries * (n // MMA_ROWS), smem), smem, f"c{self.union_cols(rows)}_t{t}_d{depth}"
+        return self._blocks(entries * (n // MMA_ROWS), smem), smem, f"r{r}_t{t}_d{depth}"
 
     def _blocks(self, items: int, smem: int) -> int:
         """As even a share of ``items`` per warp as the cap allows (warps_per_sm per SM, or fewer
