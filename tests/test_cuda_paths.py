@@ -231,7 +231,8 @@ def test_nvfp4_dense_site(rows, hidden, width):
     m = ModelConfig.from_dict({
         "hidden_size": hidden, "intermediate_size": width, "moe_intermediate_size": M, "num_hidden_layers": 1,
         "n_shared_experts": 1, "n_routed_experts": E, "num_experts_per_tok": TOP_K, "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "swiglu_limit": 2.0, "mlp_layer_types": ["dense"]})
+        "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "swiglu_limit": 2.0, "mlp_layer_types": ["dense"],
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})
     cfg = SiteConfig.for_rank(m, RankLayout(1, 0, 1, 1))
     rng = np.random.default_rng(rows * 7 + hidden)
     w = ExpertWeights(*(nvfp4.quantize((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
