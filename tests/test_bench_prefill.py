@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from glm_ep.bench.prefill import crossover, render
+from glm_ep.bench.prefill import WIDTHS, crossover, render, result_stem
 
 RECORDED = Path(__file__).resolve().parent.parent / "docs" / "perf" / "prefill.json"
 
@@ -29,3 +29,11 @@ def test_render_recorded_run():
         assert f"| {r['rows']} | {r['sparse_us']:.1f} | {r['path']} |" in text
     assert f"crossover at **{data['meta']['crossover']} rows**" in text
     assert text.count("★") == len(data["widths"])  # one best variant per width
+
+
+def test_a_partial_run_names_its_own_files():
+    """The default widths write PREFILL.md / prefill.json / prefill.png; other --rows their own stem, so a run of two
+    widths never overwrites the full table."""
+    assert result_stem(list(WIDTHS)) == "prefill"
+    assert result_stem([1024, 4096]) == "prefill_1024_4096"
+    assert result_stem([16]) == "prefill_16" and result_stem([16]).upper() == "PREFILL_16"

@@ -7,7 +7,9 @@ next to the measured bf16 GEMM rate), the dense site, the shared expert and the 
 HF transformers' ``Glm5NextTextMoE`` (fastest experts implementation), ``Glm5NextTextMLP``,
 ``torch._grouped_mm`` on bf16 experts and the HF router. A sweep of the two routed paths gives the
 crossover the ``prefill_gemm_min_rows`` lever is set from. Synthetic weights made on the GPU;
-every figure a median over repeats after warm-up. Writes PREFILL.md, prefill.json, prefill.png.
+every figure a median over repeats after warm-up. Writes PREFILL.md, prefill.json, prefill.png; a run of other
+``--rows`` than the default widths writes PREFILL_<rows>.md, prefill_<rows>.json and prefill_<rows>.png instead
+(e.g. PREFILL_1024_4096.md), so a partial run never overwrites the full table.
 Shape suffixes: T rows, H hidden, K top-k, M moe width, S = T*K.
 """
 
@@ -127,7 +129,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["router_us"] = t(lambda: site.route(x, ws), rows)
         results["widths"].append(r)
         log.info("glm_ep %s", r)
-    del ws, out
+    ws = out = None  # drop the workspace before the peers allocate theirs
     cp.get_default_memory_pool().free_all_blocks()
     peers = _peer_rows(model, widths, args) if args.peer else {"note": "peers skipped (--no-peer)"}
     meta = bench_meta(device, copy_gbs)
@@ -137,11 +139,17 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r.update(peers.get(r["rows"], {}))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "prefill.json").write_text(json.dumps({"meta": meta, **results}, indent=2) + "\n")
-    (out_dir / "PREFILL.md").write_text(render(meta, results))
-    plot(out_dir, meta, results)
-    print((out_dir / "PREFILL.md").read_text())
+    stem = result_stem(widths)
+    (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, **results}, indent=2) + "\n")
+    (out_dir / f"{stem.upper()}.md").write_text(render(meta, results))
+    plot(out_dir / f"{stem}.png", meta, results)
+    print((out_dir / f"{stem.upper()}.md").read_text())
     return 0
+
+
+def result_stem(widths: list[int]) -> str:
+    """``prefill`` for the default widths, else ``prefill_<w1>_<w2>...`` (the table is the stem upper-cased)."""
+    return "prefill" if tuple(widths) == WIDTHS else "prefill_" + "_".join(str(w) for w in widths)
 
 
 def _peer_rows(model: Any, widths: list[int], args: argparse.Namespace) -> dict[Any, Any]:
@@ -227,7 +235,7 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(out_dir: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
+def plot(path: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -252,4 +260,4 @@ def plot(out_dir: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
         ax.legend()
     fig.suptitle(f"glm-ep bench --prefill, {meta['device']}")
     fig.tight_layout()
-    fig.savefig(out_dir / "prefill.png", dpi=110)
+    fig.savefig(path, dpi=110)
