@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -293,6 +294,25 @@ def route_margins64(layers: Sequence[Ref64Layer], p: RefParams, x_TH: np.ndarray
 
 
 # ---- comparisons -------------------------------------------------------------------------------
+class CapturingNumpy(NumpyBackend):
+    """A NumPy backend that "captures" as the CUDA one does, for the stack's graph logic on CPU: ``capture``
+    records the call and replays it by calling it again (counted in ``captured``); ``inside`` stands for a
+    caller's own capture around ours (``capturing``). Its capabilities are the CUDA backend's."""
+
+    capabilities = dataclasses.replace(NumpyBackend.capabilities, capture=True)
+
+    def __init__(self) -> None:
+        self.captured, self.inside = 0, False
+
+    def capture(self, fn):
+        assert not self.inside, "a capture begun inside the caller's own"
+        self.captured += 1
+        return fn
+
+    def capturing(self) -> bool:
+        return self.inside
+
+
 def rel_l2(y: np.ndarray, ref: np.ndarray) -> float:
     """``|y - ref| / |ref|`` in float64; not finite where either holds a NaN or Inf (so ``< tol`` fails)."""
     y, ref = f64(y), f64(ref)

@@ -8,8 +8,8 @@ import pytest
 
 from glm_ep.topology import PathLevers
 
-from helpers import (RefParams, assert_ulps, build_stack, random_weights, random_x, ref64_layers, rel_l2,
-                     route_margins64, site64, step64, tiny_model)
+from helpers import (CapturingNumpy, RefParams, assert_ulps, build_stack, random_weights, random_x, ref64_layers,
+                     rel_l2, route_margins64, site64, step64, tiny_model)
 
 MAX_ROWS = 32
 #: path name -> the levers that select it (rows permitting)
@@ -205,29 +205,11 @@ def test_one_site_calls_replay_a_graph_per_site_and_width() -> None:
     """``site_output`` (the library's ``site``, ``forward``) at 1..8 rows on a backend that captures: one capture
     per (site, rows), replays that compute each new input's output (as the eager call does), none past 8 rows,
     none with ``graph_sites = false``. The capture here records the call and replays it by calling it again."""
-    import dataclasses
-
-    from glm_ep.backend.numpy_backend import NumpyBackend
-
-    class Capturing(NumpyBackend):
-        capabilities = dataclasses.replace(NumpyBackend.capabilities, capture=True)
-
-        def __init__(self) -> None:
-            self.captured, self.inside = 0, False
-
-        def capture(self, fn):
-            assert not self.inside, "a capture begun inside the caller's own"
-            self.captured += 1
-            return fn
-
-        def capturing(self) -> bool:  # a caller's graph around ours: our ops go into it, no capture of our own
-            return self.inside
-
     model = tiny_model()
     full = random_weights(model, seed=5, dense_nvfp4=True)
     eager = build_stack(full, model, max_rows=MAX_ROWS)
     for levers, wanted in ((PathLevers(), 2 * len(full)), (PathLevers(graph_sites=False), 0)):
-        be = Capturing()
+        be = CapturingNumpy()
         stack = build_stack(full, model, levers=levers, max_rows=MAX_ROWS, be=be)
         for call in range(3):
             for rows in (1, 4, 12):
