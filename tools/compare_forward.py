@@ -8,9 +8,9 @@ Exit 1 if any site differs by more than the bound (or the files hold different s
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 for safetensors' NumPy reader)
 import numpy as np
 from safetensors.numpy import load_file
 
@@ -21,6 +21,7 @@ def main() -> int:
     ap.add_argument("b")
     ap.add_argument("--bound", type=float, default=1e-2)
     args = ap.parse_args()
+    importlib.import_module("ml_dtypes")  # registers bfloat16 for safetensors' NumPy reader
     a, b = load_file(args.a), load_file(args.b)
     if a.keys() != b.keys():
         print(f"different sites: {sorted(a)} vs {sorted(b)}")

@@ -7,6 +7,7 @@ Shape suffixes: T rows, H hidden, E experts, M moe width, S = T*K sorted slots.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable
 
 import torch
@@ -23,7 +24,7 @@ EXPERTS_IMPLS = {"grouped_mm": 1 << 30, "batched_mm": 32, "eager": 16}
 def hf_available() -> str:
     """'' when transformers' glm5_next modules import, else why not."""
     try:
-        from transformers.models.glm5_next import modeling_glm5_next  # noqa: F401
+        importlib.import_module("transformers.models.glm5_next.modeling_glm5_next")
     except Exception as e:  # not installed, or a transformers without glm5_next
         return f"{type(e).__name__}: {e}"
     return ""
