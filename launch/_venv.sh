@@ -1,6 +1,6 @@
 # Sourced by launch/run and launch/test: make ./.venv if absent, then activate it.
 # Installs the package (editable) with its mpi and test extras: numpy, ml_dtypes, safetensors,
-# mpi4py, tqdm, an MPI with its mpiexec from PyPI (mpich), pytest, pytest-mpi, pytest-timeout,
+# mpi4py, tqdm, an MPI with its mpiexec from PyPI (mpich), pytest, pytest-mpi, pytest-timeout, pyflakes,
 # plus a CPU torch and transformers for the HF parity tests, so a fresh machine needs nothing but
 # python3 >= 3.11.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
