@@ -1,20 +1,15 @@
 """Shared test helpers: small random in-memory weights, NumPy stacks for any rank layout, a float64
 reference that shares no code with ``glm_ep.reference`` or the backends, and the comparisons every
-test makes (relative L2, bf16 steps). The CUDA tests' device side is in ``_cuda``.
+test makes (relative L2, bf16 steps). The CUDA tests' device side is in ``_cuda``; the CLI run as an MPI job,
+and the checkpoint and topology files it reads, in ``cli_jobs``.
 
 Shape suffixes: T rows, H hidden, I a projection width, E experts, K top-k.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
-import subprocess
-import sys
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,7 +19,6 @@ import numpy as np
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.comm import Communicator, SelfComm
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
-from glm_ep.errors import EXIT_USER
 from glm_ep.experts import ExpertDispatch
 from glm_ep.nvfp4 import Nvfp4Weight, quantize
 from glm_ep.presets import preset
@@ -35,7 +29,6 @@ from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
 BF16 = ml_dtypes.bfloat16
 REPO = Path(__file__).resolve().parents[1]
-MPI_TIMEOUT_S = 120
 
 
 # ---- configs -----------------------------------------------------------------------------------
@@ -168,6 +161,25 @@ def build_stack(full: Sequence[DenseWeights | ExpertWeights | MoeWeights], model
     return MlpStack(be, comm, cfg, sites, levers, max_rows, shared_workspace)
 
 
+class CapturingNumpy(NumpyBackend):
+    """A NumPy backend that "captures" as the CUDA one does, for the stack's graph logic on CPU: ``capture``
+    records the call and replays it by calling it again (counted in ``captured``); ``inside`` stands for a
+    caller's own capture around ours (``capturing``). Its capabilities are the CUDA backend's."""
+
+    capabilities = replace(NumpyBackend.capabilities, capture=True)
+
+    def __init__(self) -> None:
+        self.captured, self.inside = 0, False
+
+    def capture(self, fn):
+        assert not self.inside, "a capture begun inside the caller's own"
+        self.captured += 1
+        return fn
+
+    def capturing(self) -> bool:
+        return self.inside
+
+
 # ---- float64 reference (no glm_ep arithmetic) --------------------------------------------------
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -294,25 +306,6 @@ def route_margins64(layers: Sequence[Ref64Layer], p: RefParams, x_TH: np.ndarray
 
 
 # ---- comparisons -------------------------------------------------------------------------------
-class CapturingNumpy(NumpyBackend):
-    """A NumPy backend that "captures" as the CUDA one does, for the stack's graph logic on CPU: ``capture``
-    records the call and replays it by calling it again (counted in ``captured``); ``inside`` stands for a
-    caller's own capture around ours (``capturing``). Its capabilities are the CUDA backend's."""
-
-    capabilities = dataclasses.replace(NumpyBackend.capabilities, capture=True)
-
-    def __init__(self) -> None:
-        self.captured, self.inside = 0, False
-
-    def capture(self, fn):
-        assert not self.inside, "a capture begun inside the caller's own"
-        self.captured += 1
-        return fn
-
-    def capturing(self) -> bool:
-        return self.inside
-
-
 def rel_l2(y: np.ndarray, ref: np.ndarray) -> float:
     """``|y - ref| / |ref|`` in float64; not finite where either holds a NaN or Inf (so ``< tol`` fails)."""
     y, ref = f64(y), f64(ref)
@@ -344,108 +337,6 @@ def assert_ulps(got: np.ndarray, ref: np.ndarray, what: str, ulps: int = 1) -> N
     d = bf16_ulps(got, ref)
     assert d.max() <= ulps, (f"{what}: {int((d > ulps).sum())} elements more than {ulps} bf16 ulp apart "
                              f"(max {int(d.max())})")
-
-
-# ---- subprocess MPI jobs -----------------------------------------------------------------------
-def mpi_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def mpiexec(n: int, *args: str, timeout: float = MPI_TIMEOUT_S, cwd: Path | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``mpiexec -n n python <args>`` with a timeout (``subprocess.TimeoutExpired`` fails the test)."""
-    local = Path(sys.executable).parent / "mpiexec"  # the venv's MPICH, also when it is not on PATH
-    cmd = [str(local) if local.exists() else "mpiexec", "-n", str(n), sys.executable, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or mpi_env(),
-                          cwd=cwd or REPO)
-
-
-def glm_ep(n: int, *args: str, timeout: float = MPI_TIMEOUT_S, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return mpiexec(n, "-m", "glm_ep", *args, timeout=timeout, cwd=cwd)
-
-
-def save_hidden(path: Path, x_TH: np.ndarray) -> Path:
-    from safetensors.numpy import save_file
-
-    save_file({"hidden_states": np.ascontiguousarray(x_TH)}, str(path))
-    return path
-
-
-def load_outputs(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    return load_file(str(path))
-
-
-def glm_ep_per_rank(*per_rank: Sequence[str], timeout: float = MPI_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """One ``glm-ep`` argument list per rank, as one MPI job (``mpiexec -n 1 .. : -n 1 ..``)."""
-    local = Path(sys.executable).parent / "mpiexec"
-    cmd = [str(local) if local.exists() else "mpiexec"]
-    for r, args in enumerate(per_rank):
-        cmd += ([":"] if r else []) + ["-n", "1", sys.executable, "-m", "glm_ep", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(), cwd=REPO)
-
-
-def fails(r: subprocess.CompletedProcess, *needles: str, agreed: bool = True, code: int = EXIT_USER) -> None:
-    """The job ended with ``code`` and a clear message holding each needle, never a traceback. An
-    agreed error (every rank raised it) is printed exactly once, by rank 0, whole: every needle
-    sits in the one message."""
-    assert r.returncode == code, (f"exit {r.returncode}, expected {code}; stdout:\n{r.stdout[-1500:]}\n"
-                                  f"stderr:\n{r.stderr[-1500:]}")
-    for needle in needles:
-        assert needle in r.stderr, f"{needle!r} not in stderr:\n{r.stderr[-3000:]}"
-    if agreed:
-        assert r.stderr.count("glm-ep: error:") == 1, r.stderr[-3000:]
-        at = r.stderr.index("glm-ep: error:")
-        assert at == 0 or r.stderr[at - 1] == "\n", r.stderr[-3000:]  # its own line, no rank prefix
-        message = r.stderr[at:]
-        for needle in needles:
-            assert needle in message, f"{needle!r} not in the error message:\n{message[:3000]}"
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]  # a clear message, not a crash
-
-
-def loaded_weights(r: subprocess.CompletedProcess) -> bool:
-    """Whether the job got as far as reading weights (rank 0 reports what each rank holds)."""
-    return "weights: rank 0 holds" in r.stderr
-
-
-# ---- checkpoint and topology files -------------------------------------------------------------
-def copy_checkpoint(src: Path, dst: Path) -> Path:
-    return Path(shutil.copytree(src, dst))
-
-
-def shard_of(ckpt: Path, key: str) -> Path:
-    return ckpt / json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"][key]
-
-
-def set_bits(ckpt: Path, key: str, index: tuple[int, ...], bits: int) -> Path:
-    """Overwrite the raw bits of element ``index`` (``...`` slices allowed) of tensor ``key`` in place."""
-    from ckpt_writer import read_safetensors, write_safetensors
-
-    shard = shard_of(ckpt, key)
-    tensors = read_safetensors(shard)
-    dtype, shape, data = tensors[key]
-    view = {"BF16": np.uint16, "F32": np.uint32, "F8_E4M3": np.uint8, "U8": np.uint8}[dtype]
-    a = np.frombuffer(data, view).reshape(shape).copy()
-    a[index] = bits
-    tensors[key] = (dtype, shape, a.tobytes())
-    write_safetensors(shard, tensors)
-    return shard
-
-
-def write_topology(path: Path, levers: dict[str, Any] | None = None, **values: Any) -> Path:
-    """A topology TOML of plain values (json.dumps writes TOML strings, numbers and lists alike)."""
-    def line(k: str, v: Any) -> str:
-        return f"{k} = {str(v).lower() if isinstance(v, bool) else json.dumps(v)}"
-
-    text = [line(k, v) for k, v in values.items()]
-    if levers:
-        text += ["[levers]"] + [line(k, v) for k, v in levers.items()]
-    path.write_text("\n".join(text) + "\n")
-    return path
 
 
 # ---- multi-rank assertions ---------------------------------------------------------------------

@@ -16,7 +16,8 @@ from glm_ep import GlmEpError, InputError, Topology
 
 from _cuda import cupy, requires_cuda
 from ckpt_writer import read_f64
-from helpers import BF16, REPO, agreed, copy_checkpoint, mpiexec, random_x, rel_l2, site64
+from cli_jobs import copy_checkpoint, mpiexec
+from helpers import BF16, REPO, agreed, random_x, rel_l2, site64
 
 
 def _self_comm():

@@ -20,7 +20,8 @@ from glm_ep.reference import Reference
 from glm_ep.synth import write_synthetic
 
 from ckpt_writer import read_f64
-from helpers import copy_checkpoint, glm_ep, random_x, set_bits, site64, tiny_dict
+from cli_jobs import copy_checkpoint, glm_ep, set_bits
+from helpers import random_x, site64, tiny_dict
 
 MEDIUM = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=6,
               n_routed_experts=64, num_experts_per_tok=4, mlp_layer_types=["dense"] + ["sparse"] * 5)

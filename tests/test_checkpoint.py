@@ -21,7 +21,7 @@ from glm_ep.synth import write_synthetic
 from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
 from ckpt_writer import read_safetensors, write_safetensors
-from helpers import shard_of
+from cli_jobs import shard_of
 
 LAYOUTS = [(1, 0, 1, 1), (2, 0, 2, 2), (2, 1, 2, 2), (2, 1, 1, 2), (2, 1, 2, 1)]
 SPARSE = "model.layers.1.mlp"

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from ckpt_writer import read_f64, write_checkpoint
-from helpers import BF16, REPO, glm_ep, load_outputs, mpi_env, random_x, rel_l2, save_hidden, site64
+from cli_jobs import glm_ep, load_outputs, mpi_env, save_hidden
+from helpers import BF16, REPO, random_x, rel_l2, site64
 
 LAYOUTS = [(1, 1, 1), (2, 2, 2), (2, 1, 2), (2, 2, 1)]
 ROWS = [1, 5, 300]

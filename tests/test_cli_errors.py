@@ -13,7 +13,8 @@ import pytest
 from glm_ep.errors import EXIT_INTERNAL
 
 from ckpt_writer import read_safetensors, write_safetensors
-from helpers import REPO, copy_checkpoint, fails, glm_ep, mpiexec, random_x, save_hidden, shard_of
+from cli_jobs import copy_checkpoint, fails, glm_ep, mpiexec, save_hidden, shard_of
+from helpers import REPO, random_x
 
 INDEX = "model.safetensors.index.json"
 
@@ -307,7 +308,7 @@ def test_a_closed_stdout_ends_the_command_quietly() -> None:
     import sys
 
     from glm_ep.errors import EXIT_BROKEN_PIPE
-    from helpers import mpi_env
+    from cli_jobs import mpi_env
 
     read, write = os.pipe()
     os.close(read)  # every write to the pipe now fails with EPIPE

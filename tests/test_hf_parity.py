@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from ckpt_writer import TEXT_CONFIG, write_checkpoint
-from helpers import glm_ep, load_outputs, random_x, rel_l2, save_hidden
+from cli_jobs import glm_ep, load_outputs, save_hidden
+from helpers import random_x, rel_l2
 
 torch = pytest.importorskip("torch")
 hf = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")

@@ -13,7 +13,8 @@ from glm_ep.checkpoint import Checkpoint, layer_read_bytes, load_layer
 from glm_ep.config import RankLayout, SiteConfig
 from glm_ep.errors import EXIT_USER
 
-from helpers import REPO, fails, glm_ep, mpi_env
+from cli_jobs import fails, glm_ep, mpi_env
+from helpers import REPO
 
 
 def _has_gpu() -> bool:

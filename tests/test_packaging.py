@@ -18,7 +18,8 @@ from glm_ep.errors import ConfigError
 from glm_ep.topologies import shipped_names, topology_path
 from glm_ep.topology import Topology
 
-from helpers import REPO, mpi_env, mpiexec
+from cli_jobs import mpi_env, mpiexec
+from helpers import REPO
 
 BUILD_INPUTS = ("setup.cfg", "pyproject.toml", "README.md", "LICENSE", "glm_ep", "configs")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ckpt_writer import read_safetensors, write_safetensors
-from helpers import (copy_checkpoint, fails, glm_ep, glm_ep_per_rank, loaded_weights, random_x, save_hidden,
-                     write_topology)
+from cli_jobs import copy_checkpoint, fails, glm_ep, glm_ep_per_rank, loaded_weights, save_hidden, write_topology
+from helpers import random_x
 
 INDEX = "model.safetensors.index.json"
 

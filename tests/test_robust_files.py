@@ -14,7 +14,8 @@ from glm_ep.errors import InputError
 from glm_ep.files import check_output_path, read_hidden_states
 
 from ckpt_writer import write_safetensors
-from helpers import fails, glm_ep, load_outputs, loaded_weights, random_x, save_hidden
+from cli_jobs import fails, glm_ep, load_outputs, loaded_weights, save_hidden
+from helpers import random_x
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import pytest
 
 from glm_ep.finite import nonfinite_mask
 
-from helpers import (copy_checkpoint, fails, glm_ep, load_outputs, loaded_weights, random_x, save_hidden,
-                     set_bits, write_topology)
+from cli_jobs import copy_checkpoint, fails, glm_ep, load_outputs, loaded_weights, save_hidden, set_bits, write_topology
+from helpers import random_x
 
 NAN_BF16, NAN_F32, INF_F32, NAN_E4M3 = 0x7FC0, 0x7FC00000, 0x7F800000, 0x7F
 ONE_F32, ZERO_F32, MINUS_ONE_F32 = 0x3F800000, 0x00000000, 0xBF800000

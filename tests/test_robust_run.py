@@ -11,7 +11,7 @@ import pytest
 from glm_ep.check import Verdict, max_propagating_nan
 from glm_ep.errors import EXIT_FAIL, EXIT_USER
 
-from helpers import copy_checkpoint, glm_ep, set_bits, write_topology
+from cli_jobs import copy_checkpoint, glm_ep, set_bits, write_topology
 
 NAN_BF16 = 0x7FC0
 

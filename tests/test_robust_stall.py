@@ -21,7 +21,8 @@ import pytest
 
 from glm_ep.errors import EXIT_STALL
 
-from helpers import REPO, mpi_env, write_topology
+from cli_jobs import mpi_env, write_topology
+from helpers import REPO
 
 DEADLINE_S = 3.0
 SLACK_S = 8.0  # abort and teardown on a busy machine

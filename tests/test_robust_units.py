@@ -19,7 +19,8 @@ from glm_ep.deadline import Deadline
 from glm_ep.errors import EXIT_STALL, ConfigError
 from glm_ep.workspace import allocate_workspaces, ws_total_bytes
 
-from helpers import copy_checkpoint, tiny_model
+from cli_jobs import copy_checkpoint
+from helpers import tiny_model
 
 E4M3 = ml_dtypes.float8_e4m3fn
 

@@ -17,7 +17,8 @@ from glm_ep.presets import preset
 from glm_ep.routing import row_groups
 from glm_ep.workspace import BUFFERS, Workspace, fmt_bytes, footprint_lines, ws_bytes, ws_total_bytes
 
-from helpers import REPO, mpi_env
+from cli_jobs import mpi_env
+from helpers import REPO
 
 MAX_CAP = 8  # the widest row group that ships
 
