@@ -5,8 +5,9 @@
 #                                  # glm-ep bench (its NVFP4 dense rows: ring against block kernels)
 #   bash tools/device_queue.sh b   # the rest of the CUDA suite (~8 min)
 #   bash tools/device_queue.sh c   # the dense down projection's K split, wide calls' host cost, bench --prefill
-#   bash tools/device_queue.sh one # a session with one call's time: a's tests and ring forms, bench --prefill at
-#                                  # 16 and 64 rows (the dense site against its byte floor, the peers)
+#   bash tools/device_queue.sh one # a session with one call's time: a's tests and ring forms, the ring without
+#                                  # its dequantization or math (where its time goes), bench --prefill at 16 and
+#                                  # 64 rows (the dense site against its byte floor, the peers)
 # Logs and results under $OUT (or /tmp/out).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -42,15 +43,17 @@ c)
     timeout 400 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -40 ;;
 one)
     stage "tests not yet passed on a GPU"
-    timeout 170 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_*.py -k "$NEW" 2>&1 \
+    timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_*.py -k "$NEW" 2>&1 \
         | tee "$O/new_tests.log" | tail -15
     stage "2 ranks"
-    timeout 70 mpirun --allow-run-as-root -n 2 python3 -m pytest -q -p no:cacheprovider -m "cuda and mpi" \
+    timeout 60 mpirun --allow-run-as-root -n 2 python3 -m pytest -q -p no:cacheprovider -m "cuda and mpi" \
         tests/test_cuda_paths.py 2>&1 | tail -3 | tee "$O/mpi2.log"
     stage "ring variants"
     timeout 100 python3 tools/kernel_timing.py --ring-variants 2>&1 | tee "$O/ring_variants.log" | tail -22
+    stage "ring ablation"
+    timeout 90 python3 tools/kernel_timing.py --ring-ablation 2>&1 | tee "$O/ring_ablation.log" | tail -9
     stage "bench --prefill 16 64"
-    timeout 220 python3 -m glm_ep bench --prefill --rows 16 64 --out "$O/prefill" 2>"$O/prefill.err" | tail -40
+    timeout 150 python3 -m glm_ep bench --prefill --rows 16 64 --out "$O/prefill" 2>"$O/prefill.err" | tail -40
     grep -E "glm_ep \{|sweep" "$O/prefill.err" | cut -c1-400 | tail -12 ;;
 *)
     echo "usage: bash tools/device_queue.sh a|b|c|one" >&2; exit 2 ;;

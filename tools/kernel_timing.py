@@ -2,6 +2,7 @@
 
     python tools/kernel_timing.py [--layers 8] [--iters 20] [--ring-variants] [--no-pdl]
     python tools/kernel_timing.py --union-variants [--layers 4]
+    python tools/kernel_timing.py --ring-ablation [--layers 8]
 
 Each figure is the median replay time of a CUDA graph over ``--layers`` distinct layers (so the
 weights stream from HBM, not L2), divided by the layer count, with the bytes it must read and
@@ -12,7 +13,9 @@ forms; a backend built with each, on one stream, the experts uploaded again for 
 forms), side by side in one run. ``--union-variants`` times only the verify (union) routed experts at 2..8 rows
 under each union lever set (block kernels; the union ring, its stage holding the rows rounded up to 2, 4 or 8
 x columns), on all 288 experts of the GLM-5.3-Flash site with rows drawn as the router would (8 distinct
-experts a row, few shared between rows).
+experts a row, few shared between rows). ``--ring-ablation`` times the one-row routed glu and down in the
+unscaled bf16 form as built, without their dequantization, and without any math (``RING_ABLATE`` in
+gemv_nvfp4_ring.cu; results meaningless), then as built again: where the ring's time goes.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--ring-variants", action="store_true")
     ap.add_argument("--union-variants", action="store_true", help="only the union (verify) lever sets")
+    ap.add_argument("--ring-ablation", action="store_true",
+                    help="only the one-row routed kernels as built, without dequantization, without math")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches (no programmatic dependent launch)")
     args = ap.parse_args()
     be = CudaBackend(0, dependent_launch=not args.no_pdl)
@@ -175,6 +180,8 @@ def main() -> int:
         for _ in moes:
             be.combine(routed[0], wts[:1], out[:1], out[:1])
 
+    if args.ring_ablation:
+        return ring_ablation(cp, s, args, weights, x, ids, (gate, up, act), routed, v, expert_mb, timed)
     if args.ring_variants:
         glu_mb, down_mb = expert_mb * TOP_K * 2 // 3, expert_mb * TOP_K // 3
 
@@ -250,6 +257,38 @@ def main() -> int:
 
         timed(routed_union, expert_mb * uniq, f"routed experts, {r} rows (union of {uniq})", L)
         timed(dense_rows, 3 * I * H * 2, f"dense MLP, {r} rows", len(denses))
+    return 0
+
+
+def ring_ablation(cp, s, args, weights, x, ids, scratch, routed, v, expert_mb: int, timed) -> int:
+    """The one-row routed glu and down of the unscaled bf16 form (``RingConfig(placed=False)``) built with
+    ``-DRING_ABLATE=`` 1 (no dequantization) and 2 (no math) between two runs as built; each a module of its own."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+    from glm_ep.backend.cuda import loader
+
+    built = loader.define_options
+    gate, up, act = scratch
+    glu_mb, down_mb = expert_mb * TOP_K * 2 // 3, expert_mb * TOP_K // 3
+    for ablate, what in ((0, "as built"), (1, "no dequantization"), (2, "no math: streaming alone"),
+                         (0, "as built, again")):
+        loader.define_options = (lambda a=ablate: (*built(), f"-DRING_ABLATE={a}")) if ablate else built
+        for cached in (loader._module, loader._function, loader._static_smem, loader.arch_build):
+            cached.cache_clear()
+        rb = CudaBackend(0, RingConfig(placed=False), stream=s, dependent_launch=not args.no_pdl)
+        with s:
+            variant = [rb.upload_moe(w, LIMIT) for w in weights]
+
+        def glu_only(rb=rb, variant=variant):
+            for m in variant:
+                rb.moe_gate_up_act(x[:1], m.experts, ids[0], LIMIT, *(v(b, TOP_K, M) for b in (gate, up, act)))
+
+        def down_only(rb=rb, variant=variant):
+            for m in variant:
+                rb.moe_gemv(v(act, TOP_K, M), m.experts.down, ids[0], routed[0], per_slot_input=True)
+
+        timed(glu_only, glu_mb, f"[bf16u, {what}] routed glu, 1 row", args.layers)
+        timed(down_only, down_mb, f"[bf16u, {what}] routed down, 1 row", args.layers)
+    loader.define_options = built
     return 0
 
 

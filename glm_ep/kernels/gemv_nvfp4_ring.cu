@@ -39,6 +39,14 @@
 #include "nvfp4_ring.cuh"
 #include "ring_down_combine.cuh"
 
+// A diagnostic, never defined by the loader (tools/kernel_timing.py --ring-ablation builds the file with it):
+// what the unscaled bf16 form's (F = 2) entries cost without parts of their work, the results meaningless.
+//   1: no dequantization: the weight words go to the mma as they are
+//   2: no math: a slab's consume reads one word a lane and nothing else (the ring's streaming alone)
+#ifndef RING_ABLATE
+#define RING_ABLATE 0
+#endif
+
 // Lane j: the j-th local slot (slot index, matrix base pointers, scale_2); returns the count.
 template <int P>
 __device__ __forceinline__ int local_slots(const int* ids, int S, int start, int count, const u64_t* const (&wp)[P],
@@ -104,6 +112,11 @@ __device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st,
     static_assert(!XB || F == 3, "a prepared x is the placed form's");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, j = g & 1;
     const unsigned keep = (g >> 1) == t ? 0xffffffffu : 0u, keep0 = j ? 0u : keep, keep1 = j ? keep : 0u;
+    if constexpr (RING_ABLATE == 2 && F == 2) {
+#pragma unroll
+        for (int p = 0; p < P; ++p) acc[p][0] += __uint_as_float(st.w[p][g][swz(g, t)].x & 0x00ff00ffu);
+        return;
+    }
 #pragma unroll
     for (int s = 0; s < T; ++s) {
         const int c = 4 * s + t;
@@ -128,6 +141,14 @@ __device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st,
             if constexpr (F == 1) {
                 decode_chunk_f16(st.w[p][g][swz(g, c)], lo);
                 decode_chunk_f16(st.w[p][g + 8][swz(g + 8, c)], hi);
+            } else if constexpr (F == 2 && RING_ABLATE == 1) {
+                const uint4 wl = st.w[p][g][swz(g, c)], wh = st.w[p][g + 8][swz(g + 8, c)];
+                const unsigned ls[4] = {wl.x, wl.y, wl.z, wl.w}, hs[4] = {wh.x, wh.y, wh.z, wh.w};
+#pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                    lo[i] = ls[i >> 2];
+                    hi[i] = hs[i >> 2];
+                }
             } else if constexpr (F == 2) {
                 decode_chunk_bf16u(st.w[p][g][swz(g, c)], lo);
                 decode_chunk_bf16u(st.w[p][g + 8][swz(g + 8, c)], hi);
