@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # What is waiting for a device, in calls that each fit the device tool's 10 minutes (repository root):
 #   bash tools/device_queue.sh a   # the CUDA tests not yet passed on a GPU (NVFP4 dense site, every union row against
-#                                  # its decode), the 2-rank test, the ring's forms (the lookup form's timing),
+#                                  # its decode), the 2-rank test, the ring's forms,
 #                                  # glm-ep bench (its NVFP4 dense rows: ring against block kernels)
 #   bash tools/device_queue.sh b   # the rest of the CUDA suite (~8 min)
 #   bash tools/device_queue.sh c   # the dense down projection's K split, wide calls' host cost, bench --prefill
+#   bash tools/device_queue.sh ablate # the one-row ring without its dequantization / math, and the glu's slot sweep
+#                                  # built each way (~2 min; NOTES "Where the one-row ring's time goes")
 #   bash tools/device_queue.sh one # a session with one call's time: a's tests and ring forms, the ring without
 #                                  # its dequantization or math (where its time goes), bench --prefill at 16 and
 #                                  # 64 rows (the dense site against its byte floor, the peers)
@@ -41,6 +43,22 @@ c)
     timeout 120 python3 tools/wide_overhead.py --rows 16 64 256 2>&1 | tee "$O/wide_overhead.log" | tail -20
     stage "bench --prefill"
     timeout 400 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -40 ;;
+ablate)
+    stage "ring ablation"
+    timeout 150 python3 tools/kernel_timing.py --ring-ablation 2>&1 | tee "$O/ring_ablation.log" | tail -9
+    for a in 0 2 1; do
+        stage "glu sweep, RING_ABLATE=$a"
+        timeout 100 python3 - "$a" <<'PY' 2>&1 | tee -a "$O/sweep_ablation.log" | tail -8
+import sys
+from glm_ep.backend.cuda import loader
+a, built = int(sys.argv[1]), loader.define_options
+if a:
+    loader.define_options = lambda: (*built(), f"-DRING_ABLATE={a}")
+sys.argv, sys.path[:0] = ["glu_occupancy_probe.py", "--sweep"], ["tools"]
+import glu_occupancy_probe
+glu_occupancy_probe.main()
+PY
+    done ;;
 one)
     stage "tests not yet passed on a GPU"
     timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_*.py -k "$NEW" 2>&1 \
@@ -56,6 +74,6 @@ one)
     timeout 150 python3 -m glm_ep bench --prefill --rows 16 64 --out "$O/prefill" 2>"$O/prefill.err" | tail -40
     grep -E "glm_ep \{|sweep" "$O/prefill.err" | cut -c1-400 | tail -12 ;;
 *)
-    echo "usage: bash tools/device_queue.sh a|b|c|one" >&2; exit 2 ;;
+    echo "usage: bash tools/device_queue.sh a|b|c|one|ablate" >&2; exit 2 ;;
 esac
 stage done
