@@ -79,7 +79,6 @@ class PathLevers:
     ring_placed: bool = True  # the down projection's unscaled form decoded by bit placement (x scaled by 2^k)
     ring_placed_hidden: bool = False  # gate and up too (measured no faster there: docs/perf/NOTES.md)
     ring_down_combine: bool = True  # one row: the shared expert's down projection + combine in the routed down launch
-    ring_lut: bool = False  # the unscaled bf16 form read through a table in shared memory (not yet measured)
     ring_union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (0: block kernels)
     ring_union_slab: tuple[int, ...] = (2, 2)  # the union ring's slab and depth: (one projection, gate + up)
     ring_union_depth: tuple[int, ...] = (3, 3)
@@ -98,9 +97,6 @@ class PathLevers:
             raise ConfigError(f"levers.ring_union_max_rows = {self.ring_union_max_rows}, expected >= 0 (0: off)")
         if self.ring_max_warps < 0:
             raise ConfigError(f"levers.ring_max_warps = {self.ring_max_warps}, expected >= 0 (0: no cap)")
-        if self.ring_lut and not self.ring_unscaled:
-            raise ConfigError("levers.ring_lut = true needs ring_unscaled = true (the table holds the unscaled bf16 "
-                              "form's weight pairs)")
         if self.ring_f16_hidden and not self.ring_f16:
             raise ConfigError("levers.ring_f16_hidden = true needs ring_f16 = true (the fp16 form of gate and up "
                               "comes with the down projection's)")

@@ -159,13 +159,6 @@ def test_the_fp16_form_only_where_the_limit_bounds_the_activation() -> None:
     # the placed form: gate and up whenever asked (the kernel scales x from the row), down where the limit
     # bounds the activation
     assert RingConfig(placed_hidden=True).forms(10.0) == ("placed", "placed")
-    # the lookup form: every projection outside the fp16 form, its table after the rings
-    assert RingConfig(lut=True).forms(10.0) == RingConfig(lut=True, placed_hidden=True).forms(10.0) == ("lut", "lut")
-    assert RingConfig(lut=True, f16=True).forms(7.0) == ("lut", "f16")
-    assert RingConfig(lut=True).smem(2, "lut") == RingConfig().smem(2, "bf16u") + 16384
-    with pytest.raises(ConfigError, match="levers.ring_lut = true needs ring_unscaled = true"):
-        PathLevers(ring_lut=True, ring_unscaled=False)
-    assert RingConfig.from_levers(PathLevers(ring_lut=True)).lut
     assert act_shift(10.0) == 113 and act_shift(0.5) == 120 - math.frexp(act_bound(0.5))[1]
     assert act_shift(2.0 ** 60) == 0 and RingConfig(placed_hidden=True).forms(2.0 ** 60) == ("placed", "bf16u")
     assert RingConfig(placed_hidden=True, unscaled=False).forms(10.0) == ("bf16", "bf16")

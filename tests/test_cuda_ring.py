@@ -20,7 +20,6 @@ NP = NumpyBackend()
 
 # ---- the persistent decode ring (gemv_nvfp4_ring.cu) against gemv_nvfp4.cu's path and NumPy ----------
 UNSCALED, SCALED, FP16, PLACED = ("bf16u", "bf16u"), ("bf16", "bf16"), ("f16", "f16"), ("placed", "placed")
-LUT = ("lut", "lut")
 DEFAULT = ("bf16u", "placed")  # (gate and up, down)
 
 
@@ -49,11 +48,6 @@ DEFAULT = ("bf16u", "placed")  # (gate and up, down)
     pytest.param(dict(placed_hidden=True, depth=(2, 2), max_warps=3), PLACED, id="placed-t4d2-w3"),
     pytest.param(dict(placed_hidden=True, slab=(8, 8), depth=(3, 2), max_warps=7), PLACED, id="placed-t8d3-w7"),
     pytest.param(dict(placed_hidden=True, f16=True), ("placed", "f16"), id="placed-f16-down"),
-    pytest.param(dict(lut=True), LUT, id="lut"),  # consume_slab_unscaled, F = 4: the table in shared memory
-    pytest.param(dict(lut=True, depth=(2, 2), max_warps=3), LUT, id="lut-t4d2-w3"),
-    pytest.param(dict(lut=True, depth=(4, 4), max_warps=5), LUT, id="lut-t4d4-w5"),
-    pytest.param(dict(lut=True, slab=(8, 8), depth=(3, 2), max_warps=7), LUT, id="lut-t8d3-w7"),
-    pytest.param(dict(lut=True, f16=True), ("lut", "f16"), id="lut-f16-down"),
 ])
 def test_moe_decode_ring(rng, ring, forms):
     """A backend built with each ring config, on the shared backend's stream (the helpers' buffers)."""
@@ -70,35 +64,6 @@ def test_moe_decode_ring(rng, ring, forms):
         check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, f"ring {proj}", be)
 
 
-@pytest.mark.parametrize("geometry", [dict(), dict(depth=(2, 2), max_warps=3), dict(slab=(8, 8), depth=(3, 2))],
-                         ids=["default", "t4d2-w3", "t8d3"])
-def test_lut_ring_is_the_unscaled_bf16_ring_bit_for_bit(rng, geometry):
-    """The lookup form reads from its table exactly the pairs the unscaled bf16 form computes, into the same mma
-    chain: gate, up, act and both projections' outputs are bit for bit the bf16u ring's, with every byte value
-    in the weights (every table entry read)."""
-    from glm_ep.backend.cuda import CudaBackend, RingConfig
-
-    h, m, start, count = 2048, 1024, 4, 6
-    w = moe_weights(rng, h=h, m=m, start=start, count=count)
-    for proj in ("gate", "down"):
-        assert np.unique(np.concatenate([getattr(e, proj).packed.ravel() for e in w.experts])).size == 256
-    ids = dev(np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32))
-    x1, xs, act = dev(rand_bf16(rng, (1, h), 3.0)), dev(rand_bf16(rng, (TOP_K, h))), dev(rand_bf16(rng, (TOP_K, m)))
-    outs = {}
-    for name, ring in (("bf16u", dict(placed=False)), ("lut", dict(lut=True))):
-        be = CudaBackend(0, RingConfig(**geometry, **ring), stream=backend().stream)
-        cu = be.upload_moe(w, 10.0).experts
-        assert cu.gate.weights.form == cu.down.weights.form == name
-        glu = [poisoned((TOP_K, m), BF16) for _ in range(3)]
-        be.moe_gate_up_act(x1, cu, ids, 1.0, *glu)
-        gate1, down = poisoned((TOP_K, m), BF16), poisoned((TOP_K, h), BF16)
-        be.moe_gemv(xs[:1], cu.gate, ids, gate1, False)
-        be.moe_gemv(act, cu.down, ids, down, True)
-        outs[name] = [host(a).view(np.uint16) for a in (*glu, gate1, down)]
-    for what, a, b in zip(("gate", "up", "act", "gate alone", "down"), outs["bf16u"], outs["lut"]):
-        np.testing.assert_array_equal(b, a, err_msg=f"lut {what} against bf16u")
-
-
 # ---- one-row sites: the routed down ring with the shared expert's down projection and the combine ---------
 @pytest.mark.parametrize("ring,shared_k", [
     pytest.param(dict(), 512, id="default-2parts"),  # h 2048, m 1024, T = 4: 2 slabs, 256 k per shared item
@@ -110,8 +75,6 @@ def test_lut_ring_is_the_unscaled_bf16_ring_bit_for_bit(rng, geometry):
     pytest.param(dict(f16=True), 512, id="f16"),
     pytest.param(dict(placed=False), 512, id="bf16u"),
     pytest.param(dict(placed=False, max_warps=3), 768, id="bf16u-w3-3parts"),
-    pytest.param(dict(lut=True), 512, id="lut"),
-    pytest.param(dict(lut=True, max_warps=3), 768, id="lut-w3-3parts"),
 ])
 def test_moe_down_combine_ring(rng, ring, shared_k):
     """``moe_down_shared_combine`` in ONE launch: the routed rows bit for bit the down ring's, the

@@ -78,7 +78,7 @@ def test_instantiated_variants():
     found |= {(128, 1, 4, int(bk), int(st), "wgmma") for bk, st in wgmma}
     assert found == set(loader.GEMM_VARIANTS)
     ring = (loader.KERNEL_DIR / "gemv_nvfp4_ring.cu").read_text()
-    for form in ("0, ", "1, f16_", "2, bf16u_", "3, pl_", "4, lut_"):  # scaled bf16, fp16, bf16u, placed, lookup
+    for form in ("0, ", "1, f16_", "2, bf16u_", "3, pl_"):  # scaled bf16, fp16, unscaled bf16, placed
         found = re.findall(rf"^RING_ENTRIES\((\d+), (\d+), {form}\)", ring, re.M)
         assert {(int(t), int(d)) for t, d in found} == set(loader.RING_KERNELS), (form, found)
     mma = (loader.KERNEL_DIR / "mma_bf16.cu").read_text()

@@ -192,13 +192,11 @@ def main() -> int:
                           ("ring t4 d2/2 w16 placed all", RingConfig(placed_hidden=True)),
                           ("ring t4 d2/2 w16 bf16u, f16 down", RingConfig(f16=True)),
                           ("ring t4 d2/2 w16 f16 all", RingConfig(f16=True, f16_hidden=True)),
-                          ("ring t4 d2/2 w16 lut (a table in shared memory)", RingConfig(lut=True)),
                           ("ring t4 d4/3 w8", RingConfig(depth=(4, 3), warps_per_sm=8)),
                           ("ring t4 d2/2 w16 bf16 (again)", RingConfig(unscaled=False)),
                           ("ring t4 d2/2 w16 bf16u (again)", RingConfig(placed=False)),
                           ("ring t4 d2/2 w16 placed down (again)", RingConfig()),
-                          ("ring t4 d2/2 w16 bf16u, f16 down (again)", RingConfig(f16=True)),
-                          ("ring t4 d2/2 w16 lut (again)", RingConfig(lut=True))):
+                          ("ring t4 d2/2 w16 bf16u, f16 down (again)", RingConfig(f16=True))):
             rb = CudaBackend(0, cfg, stream=s, dependent_launch=not args.no_pdl)
             with s:
                 variant = [rb.upload_moe(w, LIMIT) for w in weights]  # device arrays: only the tables are new

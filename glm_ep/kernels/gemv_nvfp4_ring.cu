@@ -27,9 +27,7 @@
 //   nvfp4_ring_moe_{gemv,glu}_pl_t{T}_d{D} the placed form (F = 3: the unscaled bf16 form with the weights
 //       decoded by bit placement, e2m1 x 2^-126, and x paired to match and scaled by 2^xshift: for gate
 //       and up xshift follows the row's largest |x|, for the down projection the caller's bound)
-//   nvfp4_ring_moe_{gemv,glu}_lut_t{T}_d{D} the lookup form (F = 4: the unscaled bf16 form's weight pairs read
-//       from a table in shared memory after the rings, RING_LUT_BYTES, filled once per block: decode_chunk_lut)
-//   nvfp4_ring_moe_down_combine_{,f16_,bf16u_,pl_,lut_}t{T}_d{D}  the down projection (x[slot]) with the shared
+//   nvfp4_ring_moe_down_combine_{,f16_,bf16u_,pl_}t{T}_d{D}  the down projection (x[slot]) with the shared
 //       expert's down projection and the site's combine in the same launch (DownCombine, ring_down_combine.cuh)
 // The verify (union) kernels on the same ring are gemv_nvfp4_union.cu's; what both share is in
 // nvfp4_ring.cuh.
@@ -104,11 +102,10 @@ __device__ __forceinline__ void issue_slab(RingStage<P, T>& st, const ItemSrc<P>
 // them to acc[p][0] (row g) and acc[p][1] (row g + 8). The four lanes of a quad are summed at the end of
 // an item (finish_item).
 // XB (F = 3): x comes from the block's prepared copy (xb: the slab's 128 T k, paired and scaled), not the stage.
-// F = 4: the bf16 form's weights read from the block's lookup table (lut: this lane's copy, lut_lane).
 template <int P, int T, int F, bool XB = false>
 __device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st, float (&acc)[P][4], unsigned xs2,
-                                                      const uint4* xb = nullptr, unsigned lut = 0u) {
-    static_assert(F >= 1 && F <= 4, "the unscaled forms are fp16 (1), bf16 (2), placed bf16 (3), looked-up bf16 (4)");
+                                                      const uint4* xb = nullptr) {
+    static_assert(F >= 1 && F <= 3, "the unscaled forms are fp16 (1), bf16 (2) and placed bf16 (3)");
     static_assert(!XB || F == 3, "a prepared x is the placed form's");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, j = g & 1;
     const unsigned keep = (g >> 1) == t ? 0xffffffffu : 0u, keep0 = j ? 0u : keep, keep1 = j ? keep : 0u;
@@ -152,9 +149,6 @@ __device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st,
             } else if constexpr (F == 2) {
                 decode_chunk_bf16u(st.w[p][g][swz(g, c)], lo);
                 decode_chunk_bf16u(st.w[p][g + 8][swz(g + 8, c)], hi);
-            } else if constexpr (F == 4) {
-                decode_chunk_lut(st.w[p][g][swz(g, c)], lut, lo);
-                decode_chunk_lut(st.w[p][g + 8][swz(g + 8, c)], lut, hi);
             } else {
                 decode_chunk_placed(st.w[p][g][swz(g, c)], lo);
                 decode_chunk_placed(st.w[p][g + 8][swz(g + 8, c)], hi);
@@ -254,11 +248,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
                                          const DownCombine& dc = DownCombine{}, int xshift = 0) {
     static_assert(!DC || P == 1, "the combine ends the down projection");
     constexpr bool XB = F == 3 && P == 2;  // placed gate + up: x prepared once per block, after the rings
-    constexpr bool LUT = F == 4;           // the lookup form: the block's table, after the rings
-    unsigned char* after_rings = dyn_smem + RING_WARPS * D * sizeof(RingStage<P, T>);
-    uint4* xblk = reinterpret_cast<uint4*>(after_rings);
-    unsigned* lut = reinterpret_cast<unsigned*>(after_rings);
-    unsigned lut_addr = 0u;  // F = 4: this lane's copy, set by the pipeline's start once the table is filled
+    uint4* xblk = reinterpret_cast<uint4*>(dyn_smem + RING_WARPS * D * sizeof(RingStage<P, T>));
     float pre = 1.0f, pre2 = 1.0f;  // F = 3: set by the pipeline's start, once the first copies are in flight
     unsigned xs2 = 0u;
     int my_slot;
@@ -273,7 +263,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     bool src_shared = false;  // the producer's item is a shared one
     float acc[P][4];
     zero_acc<P>(acc);
-    ring_pipeline<D, XB || LUT>(
+    ring_pipeline<D, XB>(
         ring, w0, W, shared_items + nlocal * groups, slabs,
         [&](int item) {
             src_shared = DC && item < shared_items;
@@ -305,7 +295,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
                 }
             }
             if constexpr (XB) consume_slab_unscaled<P, T, F, true>(st, acc, xs2, xblk + slab * 16 * T);
-            else if constexpr (F != 0) consume_slab_unscaled<P, T, F>(st, acc, xs2, nullptr, lut_addr);
+            else if constexpr (F != 0) consume_slab_unscaled<P, T, F>(st, acc, xs2);
             else consume_slab<P, T>(st, acc);
         },
         [&](int item) {
@@ -334,11 +324,6 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
             if constexpr (DC) arrive_and_combine(dc, o.out, S, N, (r % groups) * 16, nlocal + dc.parts);
         },
         [&]() {
-            if constexpr (LUT) {  // every thread of the block, once the first copies are in flight
-                fill_lut(lut, RING_THREADS);
-                __syncthreads();
-                lut_addr = lut_lane(lut);
-            }
             if constexpr (F == 3) {
                 if (XB) xshift = prepare_x_block(x, K, xblk);
                 else if (xshift < 0) xshift = row_shift(x, K);
@@ -397,24 +382,19 @@ RING_ENTRIES(4, 2, 0, )
 RING_ENTRIES(4, 2, 1, f16_)
 RING_ENTRIES(4, 2, 2, bf16u_)
 RING_ENTRIES(4, 2, 3, pl_)
-RING_ENTRIES(4, 2, 4, lut_)
 RING_ENTRIES(4, 3, 0, )
 RING_ENTRIES(4, 3, 1, f16_)
 RING_ENTRIES(4, 3, 2, bf16u_)
 RING_ENTRIES(4, 3, 3, pl_)
-RING_ENTRIES(4, 3, 4, lut_)
 RING_ENTRIES(4, 4, 0, )
 RING_ENTRIES(4, 4, 1, f16_)
 RING_ENTRIES(4, 4, 2, bf16u_)
 RING_ENTRIES(4, 4, 3, pl_)
-RING_ENTRIES(4, 4, 4, lut_)
 RING_ENTRIES(8, 2, 0, )
 RING_ENTRIES(8, 2, 1, f16_)
 RING_ENTRIES(8, 2, 2, bf16u_)
 RING_ENTRIES(8, 2, 3, pl_)
-RING_ENTRIES(8, 2, 4, lut_)
 RING_ENTRIES(8, 3, 0, )
 RING_ENTRIES(8, 3, 1, f16_)
 RING_ENTRIES(8, 3, 2, bf16u_)
 RING_ENTRIES(8, 3, 3, pl_)
-RING_ENTRIES(8, 3, 4, lut_)

@@ -38,7 +38,6 @@ KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 # ---- compile-time constants (-D) and the kernel limits they fix ---------------------------------
 NVFP4_WARPS = 8  # warps per NVFP4 GEMV block
 RING_WARPS = 2  # warps per block of the persistent decode kernels (gemv_nvfp4_ring.cu)
-RING_LUT_COPIES = 16  # copies of the lookup form's table (nvfp4_ring.cuh): 16 KB a block
 GEMV_WARPS = 8  # warps per bf16 GEMV block
 GEMV_ROWS_PER_WARP = 2  # rows per warp-group of a bf16 GEMV
 GEMV_MAX_ROWS = 8  # widest batch-M tier (bf16_gemv_r1 .. r8)
@@ -60,7 +59,6 @@ SORT_THREADS = 1024
 DEFINES = {
     "NVFP4_WARPS": NVFP4_WARPS,
     "RING_WARPS": RING_WARPS,
-    "RING_LUT_COPIES": RING_LUT_COPIES,
     "GEMV_WARPS": GEMV_WARPS,
     "GEMV_ROWS_PER_WARP": GEMV_ROWS_PER_WARP,
     "MMA_GEMM_WARPS": MMA_GEMM_WARPS,

@@ -11,9 +11,6 @@ The ring reads each projection in one of three operand forms, chosen once at wei
   for gate and up the kernel takes it from the row's largest |x|, for the down projection it is fixed
   at upload from the activation's bound (``act_shift``; refused, for the unscaled bf16 form, where the
   limit does not bound it below 2^113). The same products as ``bf16u``, paired in another order;
-- ``lut``: the unscaled bf16 form's weight pairs read from a table in shared memory (a byte a lookup, the
-  table filled once per block) instead of computed: bit for bit ``bf16u``, fewer integer instructions, more
-  shared-memory reads (the ``ring_lut`` lever, off: not yet measured, docs/perf/NOTES.md);
 - ``f16``: the same with fp16 operands, the input rounded to fp16: exact only while the input fits
   fp16 (|v| <= 65504). The down projection reads the clamped SwiGLU, bounded by the site's
   ``swiglu_limit``; the form is refused where the limit does not bound it. Gate and up read the
@@ -27,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm_ep.backend.cuda.loader import (BF16, MMA_ROWS, RING_KERNELS, RING_LUT_COPIES, RING_WARPS, UNION_RING_KERNELS,
-                                        UNION_RING_ROWS, cdiv, ring_stage_bytes, sm_count, smem_per_sm)
+from glm_ep.backend.cuda.loader import (BF16, MMA_ROWS, RING_KERNELS, RING_WARPS, UNION_RING_KERNELS, UNION_RING_ROWS,
+                                        cdiv, ring_stage_bytes, sm_count, smem_per_sm)
 from glm_ep.errors import ConfigError
 from glm_ep.topology import PathLevers
 
@@ -36,8 +33,7 @@ RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T
 RING_MAX_SLOTS = 32  # slots of one launch: lane j of a warp holds slot j's ids and pointers
 F16_MAX = 65504.0
 # operand form -> the ring entry's name prefix
-FORM_PREFIX = {"bf16": "", "bf16u": "bf16u_", "placed": "pl_", "f16": "f16_", "lut": "lut_"}
-RING_LUT_BYTES = 256 * RING_LUT_COPIES * 4  # the lookup form's table, after a block's rings
+FORM_PREFIX = {"bf16": "", "bf16u": "bf16u_", "placed": "pl_", "f16": "f16_"}
 SILU_MIN = -0.2785  # the least value of silu(g) = g / (1 + exp(-g))
 
 
@@ -83,8 +79,7 @@ class RingConfig:
     unscaled form decoded by bit placement (the ``placed`` form, where the limit bounds the
     activation); ``placed_hidden``: gate and up too; ``down_combine``: at
     one row, the shared expert's down projection and the site's combine run inside the routed down
-    launch; ``lut``: every projection not in the fp16 form in the lookup form (in place of ``bf16u`` and
-    ``placed``)."""
+    launch."""
 
     enabled: bool = True
     slab: tuple[int, int] = (4, 4)
@@ -100,7 +95,6 @@ class RingConfig:
     union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (bf16 form)
     union_slab: tuple[int, int] = (2, 2)
     union_depth: tuple[int, int] = (3, 3)
-    lut: bool = False  # the lookup form (not yet measured on a GPU)
 
     def __post_init__(self) -> None:
         for name, (slab, depth, built) in (("ring", (self.slab, self.depth, RING_KERNELS)),
@@ -116,7 +110,7 @@ class RingConfig:
         return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
                    lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_placed, lv.ring_placed_hidden,
                    lv.ring_down_combine, lv.ring_union_max_rows,
-                   tuple(lv.ring_union_slab), tuple(lv.ring_union_depth), lut=lv.ring_lut)
+                   tuple(lv.ring_union_slab), tuple(lv.ring_union_depth))
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
         """(gate and up, down): the operand form (``FORM_PREFIX``'s keys) in which the ring reads each
@@ -131,8 +125,6 @@ class RingConfig:
         bf16 = "bf16u" if self.unscaled else "bf16"
         hidden = "placed" if self.placed_hidden and self.unscaled else bf16
         act = "placed" if self.placed and self.unscaled and act_shift(swiglu_limit) else bf16
-        if self.lut and self.unscaled:
-            hidden = act = "lut"
         return "f16" if self.f16 and self.f16_hidden else hidden, "f16" if self.f16 else act
 
     def takes(self, n: int, k: int, slots: int, p: int) -> bool:
@@ -152,9 +144,9 @@ class RingConfig:
 
     def smem(self, p: int, form: str, k: int = 0) -> int:
         """Dynamic shared memory of one block of the ring over ``p`` matrices: RING_WARPS rings of depth stages,
-        for the placed gate + up the block's prepared x row (in width ``k``), for the lookup form its table."""
+        and for the placed gate + up the block's prepared x row (in width ``k``)."""
         return (RING_WARPS * self.depth[p - 1] * ring_stage_bytes(p, self.slab[p - 1])
-                + (2 * k if form == "placed" and p == 2 else 0) + (RING_LUT_BYTES if form == "lut" else 0))
+                + (2 * k if form == "placed" and p == 2 else 0))
 
     def union_smem(self, p: int, rows: int) -> int:
         """Dynamic shared memory of one block of the union ring over ``p`` matrices for ``rows`` rows (the stage
