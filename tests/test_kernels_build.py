@@ -216,6 +216,20 @@ def test_compiles(path: Path, arch: str, tmp_path: Path):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("ablate", [1, 2])
+def test_ring_ablation_builds(ablate: int, tmp_path: Path):
+    """The decode ring's diagnostic builds (``RING_ABLATE``, which ``tools/kernel_timing.py --ring-ablation``
+    passes and the loader never does) still compile, so the tool does not rot."""
+    assert not any(o.startswith("-DRING_ABLATE") for o in loader.define_options())
+    src = tmp_path / "gemv_nvfp4_ring.cu"
+    src.write_text(loader.kernel_source("gemv_nvfp4_ring.cu"))
+    r = subprocess.run([NVCC, "--cubin", "-arch=sm_90", "-std=c++17", *loader.define_options(),
+                        f"-DRING_ABLATE={ablate}", "-o", str(tmp_path / "out.cubin"), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"RING_ABLATE={ablate}:\n{r.stdout}{r.stderr}"
+
+
+@needs_nvcc
 def test_warp_streaming_gemm_builds_at_every_ring_depth(tmp_path: Path):
     """The warp-streaming GEMM's wait counts are written for rings of 2 and 3 stages (the loader builds 2): both
     compile, and a depth it has no wait count for is refused at build time."""
