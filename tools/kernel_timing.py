@@ -180,11 +180,34 @@ def main() -> int:
         for _ in moes:
             be.combine(routed[0], wts[:1], out[:1], out[:1])
 
-    if args.ring_ablation:
-        return ring_ablation(cp, s, args, weights, x, ids, (gate, up, act), routed, v, expert_mb, timed)
-    if args.ring_variants:
-        glu_mb, down_mb = expert_mb * TOP_K * 2 // 3, expert_mb * TOP_K // 3
+    def time_ring(name: str, cfg: RingConfig, with_both: bool = True) -> None:
+        """The one-row routed glu, down (and both, layer by layer) on a backend built with ``cfg``."""
+        rb = CudaBackend(0, cfg, stream=s, dependent_launch=not args.no_pdl)
+        with s:
+            variant = [rb.upload_moe(w, LIMIT) for w in weights]  # device arrays: only the tables are new
 
+        def glu_only():
+            for m in variant:
+                rb.moe_gate_up_act(x[:1], m.experts, ids[0], LIMIT, *(v(b, TOP_K, M) for b in (gate, up, act)))
+
+        def down_only():
+            for m in variant:
+                rb.moe_gemv(v(act, TOP_K, M), m.experts.down, ids[0], routed[0], per_slot_input=True)
+
+        def both():  # as routed_decode: glu then down, layer by layer
+            for m in variant:
+                g, u, a = (v(b, TOP_K, M) for b in (gate, up, act))
+                rb.moe_gate_up_act(x[:1], m.experts, ids[0], LIMIT, g, u, a)
+                rb.moe_gemv(a, m.experts.down, ids[0], routed[0], per_slot_input=True)
+
+        timed(glu_only, expert_mb * TOP_K * 2 // 3, f"[{name}] routed glu, 1 row", L)
+        timed(down_only, expert_mb * TOP_K // 3, f"[{name}] routed down, 1 row", L)
+        if with_both:
+            timed(both, expert_mb * TOP_K, f"[{name}] routed glu + down, 1 row", L)
+
+    if args.ring_ablation:
+        return ring_ablation(time_ring)
+    if args.ring_variants:
         for name, cfg in (("blocks", RingConfig(enabled=False)),
                           ("ring t4 d2/2 w16 bf16", RingConfig(unscaled=False)),
                           ("ring t4 d2/2 w16 bf16u", RingConfig(placed=False)),
@@ -197,27 +220,7 @@ def main() -> int:
                           ("ring t4 d2/2 w16 bf16u (again)", RingConfig(placed=False)),
                           ("ring t4 d2/2 w16 placed down (again)", RingConfig()),
                           ("ring t4 d2/2 w16 bf16u, f16 down (again)", RingConfig(f16=True))):
-            rb = CudaBackend(0, cfg, stream=s, dependent_launch=not args.no_pdl)
-            with s:
-                variant = [rb.upload_moe(w, LIMIT) for w in weights]  # device arrays: only the tables are new
-
-            def glu_only(rb=rb, variant=variant):
-                for m in variant:
-                    rb.moe_gate_up_act(x[:1], m.experts, ids[0], LIMIT, *(v(b, TOP_K, M) for b in (gate, up, act)))
-
-            def down_only(rb=rb, variant=variant):
-                for m in variant:
-                    rb.moe_gemv(v(act, TOP_K, M), m.experts.down, ids[0], routed[0], per_slot_input=True)
-
-            def both(rb=rb, variant=variant):  # as routed_decode: glu then down, layer by layer
-                for m in variant:
-                    g, u, a = (v(b, TOP_K, M) for b in (gate, up, act))
-                    rb.moe_gate_up_act(x[:1], m.experts, ids[0], LIMIT, g, u, a)
-                    rb.moe_gemv(a, m.experts.down, ids[0], routed[0], per_slot_input=True)
-
-            timed(glu_only, glu_mb, f"[{name}] routed glu, 1 row", L)
-            timed(down_only, down_mb, f"[{name}] routed down, 1 row", L)
-            timed(both, expert_mb * TOP_K, f"[{name}] routed glu + down, 1 row", L)
+            time_ring(name, cfg)
     timed(routed_decode, expert_mb * TOP_K, "routed experts, 1 row (glu + down)", L)
     timed(shared_fused, shared_mb, "shared expert, 1 row (fused glu + down)", L)
     timed(shared_unfused, shared_mb, "shared expert, 1 row (gate, up, swiglu, down)", L)
@@ -258,35 +261,21 @@ def main() -> int:
     return 0
 
 
-def ring_ablation(cp, s, args, weights, x, ids, scratch, routed, v, expert_mb: int, timed) -> int:
+def ring_ablation(time_ring) -> int:
     """The one-row routed glu and down of the unscaled bf16 form (``RingConfig(placed=False)``) built with
     ``-DRING_ABLATE=`` 1 (no dequantization) and 2 (no math) between two runs as built; each a module of its own."""
-    from glm_ep.backend.cuda import CudaBackend, RingConfig
-    from glm_ep.backend.cuda import loader
+    from glm_ep.backend.cuda import RingConfig, loader
 
     built = loader.define_options
-    gate, up, act = scratch
-    glu_mb, down_mb = expert_mb * TOP_K * 2 // 3, expert_mb * TOP_K // 3
-    for ablate, what in ((0, "as built"), (1, "no dequantization"), (2, "no math: streaming alone"),
-                         (0, "as built, again")):
-        loader.define_options = (lambda a=ablate: (*built(), f"-DRING_ABLATE={a}")) if ablate else built
-        for cached in (loader._module, loader._function, loader._static_smem, loader.arch_build):
-            cached.cache_clear()
-        rb = CudaBackend(0, RingConfig(placed=False), stream=s, dependent_launch=not args.no_pdl)
-        with s:
-            variant = [rb.upload_moe(w, LIMIT) for w in weights]
-
-        def glu_only(rb=rb, variant=variant):
-            for m in variant:
-                rb.moe_gate_up_act(x[:1], m.experts, ids[0], LIMIT, *(v(b, TOP_K, M) for b in (gate, up, act)))
-
-        def down_only(rb=rb, variant=variant):
-            for m in variant:
-                rb.moe_gemv(v(act, TOP_K, M), m.experts.down, ids[0], routed[0], per_slot_input=True)
-
-        timed(glu_only, glu_mb, f"[bf16u, {what}] routed glu, 1 row", args.layers)
-        timed(down_only, down_mb, f"[bf16u, {what}] routed down, 1 row", args.layers)
-    loader.define_options = built
+    try:
+        for ablate, what in ((0, "as built"), (1, "no dequantization"), (2, "no math: streaming alone"),
+                             (0, "as built, again")):
+            loader.define_options = (lambda a=ablate: (*built(), f"-DRING_ABLATE={a}")) if ablate else built
+            for cached in (loader._module, loader._function, loader._static_smem, loader.arch_build):
+                cached.cache_clear()
+            time_ring(f"bf16u, {what}", RingConfig(placed=False), with_both=False)
+    finally:
+        loader.define_options = built
     return 0
 
 
