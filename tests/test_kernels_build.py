@@ -215,17 +215,30 @@ def test_compiles(path: Path, arch: str, tmp_path: Path):
     assert r.returncode == 0, f"nvcc -arch={arch} failed on {path.name}:\n{r.stdout}{r.stderr}"
 
 
+def test_extra_defines_hold_only_inside():
+    """A diagnostic build's ``-D`` options (``loader.extra_defines``) are passed inside the block alone, also when it
+    ends in an error; a product build never carries ``RING_ABLATE``."""
+    assert not any(o.startswith("-DRING_ABLATE") for o in loader.define_options())
+    with loader.extra_defines(RING_ABLATE=2):
+        assert "-DRING_ABLATE=2" in loader.define_options()
+    with pytest.raises(RuntimeError), loader.extra_defines(RING_ABLATE=1):
+        raise RuntimeError("a failed run")
+    assert not any(o.startswith("-DRING_ABLATE") for o in loader.define_options())
+
+
 @needs_nvcc
 @pytest.mark.parametrize("ablate", [1, 2])
 def test_ring_ablation_builds(ablate: int, tmp_path: Path):
-    """The decode ring's diagnostic builds (``RING_ABLATE``, which ``tools/kernel_timing.py --ring-ablation``
-    passes and the loader never does) still compile, so the tool does not rot."""
-    assert not any(o.startswith("-DRING_ABLATE") for o in loader.define_options())
+    """The decode ring's diagnostic builds (``RING_ABLATE``, which ``tools/kernel_timing.py --ring-ablation`` and
+    ``tools/glu_occupancy_probe.py --ring-ablate`` pass through ``loader.extra_defines``) still compile, so the tools
+    do not rot."""
     src = tmp_path / "gemv_nvfp4_ring.cu"
     src.write_text(loader.kernel_source("gemv_nvfp4_ring.cu"))
-    r = subprocess.run([NVCC, "--cubin", "-arch=sm_90", "-std=c++17", *loader.define_options(),
-                        f"-DRING_ABLATE={ablate}", "-o", str(tmp_path / "out.cubin"), str(src)],
-                       capture_output=True, text=True)
+    with loader.extra_defines(RING_ABLATE=ablate):
+        opts = loader.define_options()
+    assert f"-DRING_ABLATE={ablate}" in opts
+    r = subprocess.run([NVCC, "--cubin", "-arch=sm_90", "-std=c++17", *opts, "-o", str(tmp_path / "out.cubin"),
+                        str(src)], capture_output=True, text=True)
     assert r.returncode == 0, f"RING_ABLATE={ablate}:\n{r.stdout}{r.stderr}"
 
 

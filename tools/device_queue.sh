@@ -48,16 +48,8 @@ ablate)
     timeout 150 python3 tools/kernel_timing.py --ring-ablation 2>&1 | tee "$O/ring_ablation.log" | tail -9
     for a in 0 2 1; do
         stage "glu sweep, RING_ABLATE=$a"
-        timeout 100 python3 - "$a" <<'PY' 2>&1 | tee -a "$O/sweep_ablation.log" | tail -8
-import sys
-from glm_ep.backend.cuda import loader
-a, built = int(sys.argv[1]), loader.define_options
-if a:
-    loader.define_options = lambda: (*built(), f"-DRING_ABLATE={a}")
-sys.argv, sys.path[:0] = ["glu_occupancy_probe.py", "--sweep"], ["tools"]
-import glu_occupancy_probe
-glu_occupancy_probe.main()
-PY
+        timeout 100 python3 tools/glu_occupancy_probe.py --sweep --ring-ablate "$a" 2>&1 \
+            | tee -a "$O/sweep_ablation.log" | tail -8
     done ;;
 one)
     stage "tests not yet passed on a GPU"

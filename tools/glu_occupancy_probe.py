@@ -2,7 +2,7 @@
 resident warps? The same bytes two ways (one GPU, random NVFP4 weights, graph replay over --layers
 distinct layers, medians):
 
-    python3 tools/glu_occupancy_probe.py [--layers 8] [--iters 20]
+    python3 tools/glu_occupancy_probe.py [--layers 8] [--iters 20] [--sweep] [--ring-ablate 0|1|2]
 
 - the site's shape: 8 slots of [2048, 4096] gate and up, 1024 items of 16 rows (one per warp);
 - the same weights split along K: 16 slots of [2048, 2048], 2048 items of half the slabs, what a
@@ -11,7 +11,9 @@ Each under every (slab T, depth D) of ``loader.RING_KERNELS`` with T x D <= 12 (
 10 warps an SM; half-size T = 2 entries, added for a run and held to 128 registers, gave 16), in the
 unscaled bf16 and the placed forms. ``--sweep``: the site's glu at 2..32 slots of [2048, 4096] (T = 4,
 bf16u), time against bytes, whose intercept is what a launch costs besides its bytes. ``--eager N``: N
-eager launches of the site's glu, for a profiler.
+eager launches of the site's glu, for a profiler. ``--ring-ablate 1|2``: the ring built without its
+dequantization or without any math (``RING_ABLATE``, results meaningless; NOTES "Where the one-row ring's time
+goes").
 """
 
 from __future__ import annotations
@@ -26,6 +28,21 @@ M, E_LOCAL, LIMIT = 2048, 32, 10.0
 
 
 def main() -> int:
+    from glm_ep.backend.cuda import loader
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="only the slot sweep")
+    ap.add_argument("--eager", type=int, default=0, help="only N eager launches of the site's glu (for ncu)")
+    ap.add_argument("--ring-ablate", type=int, choices=(0, 1, 2), default=0,
+                    help="the ring built with RING_ABLATE (1: no dequantization, 2: no math; results meaningless)")
+    args = ap.parse_args()
+    with loader.extra_defines(**({"RING_ABLATE": args.ring_ablate} if args.ring_ablate else {})):
+        return run(args)
+
+
+def run(args) -> int:
     import cupy as cp
 
     from glm_ep.backend.cuda import CudaBackend, RingConfig
@@ -33,12 +50,6 @@ def main() -> int:
     from glm_ep.bench.common import gpu_nvfp4, graph_median_us
     from glm_ep.weights import ExpertWeights, MoeWeights
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--sweep", action="store_true", help="only the slot sweep")
-    ap.add_argument("--eager", type=int, default=0, help="only N eager launches of the site's glu (for ncu)")
-    args = ap.parse_args()
     base = CudaBackend(0)
     s = base.stream
 

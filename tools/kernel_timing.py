@@ -266,16 +266,10 @@ def ring_ablation(time_ring) -> int:
     ``-DRING_ABLATE=`` 1 (no dequantization) and 2 (no math) between two runs as built; each a module of its own."""
     from glm_ep.backend.cuda import RingConfig, loader
 
-    built = loader.define_options
-    try:
-        for ablate, what in ((0, "as built"), (1, "no dequantization"), (2, "no math: streaming alone"),
-                             (0, "as built, again")):
-            loader.define_options = (lambda a=ablate: (*built(), f"-DRING_ABLATE={a}")) if ablate else built
-            for cached in (loader._module, loader._function, loader._static_smem, loader.arch_build):
-                cached.cache_clear()
+    for ablate, what in ((0, "as built"), (1, "no dequantization"), (2, "no math: streaming alone"),
+                         (0, "as built, again")):
+        with loader.extra_defines(**({"RING_ABLATE": ablate} if ablate else {})):
             time_ring(f"bf16u, {what}", RingConfig(placed=False), with_both=False)
-    finally:
-        loader.define_options = built
     return 0
 
 

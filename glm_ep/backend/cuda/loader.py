@@ -16,6 +16,7 @@ current CuPy stream (the backend makes its own stream current around every op).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -140,9 +141,27 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, I32, U8, U32 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint8), np.dtype(np.uint32)
 
 
+_EXTRA_DEFINES: dict[str, int] = {}  # diagnostic builds only (extra_defines); empty in every product build
+
+
 def define_options() -> tuple[str, ...]:
     """The ``-D`` options every kernel file is compiled with (NVRTC here, nvcc in the build check)."""
-    return tuple(f"-D{k}={v}" for k, v in {**DEFINES, **layout_defines()}.items())
+    return tuple(f"-D{k}={v}" for k, v in {**DEFINES, **layout_defines(), **_EXTRA_DEFINES}.items())
+
+
+@contextlib.contextmanager
+def extra_defines(**defines: int):
+    """Kernels loaded inside are built with these ``-D`` options too: a diagnostic build such as the decode ring's
+    ``RING_ABLATE`` (``tools/kernel_timing.py --ring-ablation``). The module caches are emptied on entry and on
+    exit, so no kernel built one way is launched the other."""
+    _EXTRA_DEFINES.update(defines)
+    _clear_modules()
+    try:
+        yield
+    finally:
+        for name in defines:
+            _EXTRA_DEFINES.pop(name, None)
+        _clear_modules()
 
 
 def kernel_files() -> list[Path]:
@@ -227,6 +246,11 @@ def _arch_cubin(name: str, target: str) -> Path:
         f.write(cubin)
     os.replace(tmp, path)  # atomic: ranks or threads building at once each publish a whole file
     return path
+
+
+def _clear_modules() -> None:
+    for cached in (_module, arch_build, _function, _static_smem):
+        cached.cache_clear()
 
 
 @functools.cache
