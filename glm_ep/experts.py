@@ -9,7 +9,8 @@
 | lever           | `host`    | ids read to the host, one launch per (slot, projection)           |
 
 G is the backend's widest row group (``Capabilities.max_row_group``: 8 on both backends), capped
-by the levers (``group_cap``); min is the ``prefill_gemm_min_rows`` lever.
+by the levers (``group_cap``); min is the ``prefill_gemm_min_rows`` lever, or with ONE expert (a dense
+FFN stored NVFP4, which every row group of the union path sweeps whole) ``nvfp4_dense_gemm_min_rows``.
 
 Every path writes ``[T*K, H]`` routed outputs, remote slots exactly zero (zeroed up front only where
 some experts are remote: otherwise every slot is written), and returns the
@@ -61,6 +62,13 @@ class ExpertDispatch:
         """Widest row group of the union path: a union table holds ``union_max_ids`` ids."""
         return max(1, min(self.levers.row_batch_max, self.levers.union_max_ids // self.cfg.top_k))
 
+    @property
+    def gemm_min_rows(self) -> int:
+        """Rows from which the grouped GEMM runs (``prefill_gemm_min_rows``; with one expert, whose weights
+        every row group would sweep whole, ``nvfp4_dense_gemm_min_rows``)."""
+        lv = self.levers
+        return lv.nvfp4_dense_gemm_min_rows if self.cfg.num_experts == 1 else lv.prefill_gemm_min_rows
+
     def path_for(self, rows: int) -> str:
         lv, k = self.levers, self.cfg.top_k
         if lv.host_dispatch:
@@ -68,7 +76,7 @@ class ExpertDispatch:
         if rows == 1:
             return "decode"
         caps = self.be.capabilities
-        if rows > caps.max_row_group and lv.prefill_gemm and rows >= lv.prefill_gemm_min_rows and caps.grouped_gemm:
+        if rows > caps.max_row_group and lv.prefill_gemm and rows >= self.gemm_min_rows and caps.grouped_gemm:
             return "sorted"
         groups = row_groups(rows, self.group_cap)
         if lv.row_batch and all(w >= 2 and w * k <= lv.union_max_ids for _, w in groups):
@@ -130,13 +138,19 @@ class ExpertDispatch:
         be, k, m, lim = self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.swiglu_limit
         t = x_TH.shape[0]
         s = t * k
-        tok_S, eid_S, offsets = ws.view("sorted_token_ids", s), ws.view("sorted_expert_ids", s), \
-            ws.view("expert_offsets", self.cfg.num_experts + 1)
-        perm_TK = ws.view("token_to_perm", t, k)
-        be.sort_by_expert(ids_TK, self.cfg.num_experts, tok_S, eid_S, offsets, perm_TK)
+        if self.cfg.num_experts == 1:  # one expert: every row, in order (no ids read, nothing to sort)
+            tok_S = offsets = perm_TK = None
+        else:
+            tok_S, eid_S, offsets = ws.view("sorted_token_ids", s), ws.view("sorted_expert_ids", s), \
+                ws.view("expert_offsets", self.cfg.num_experts + 1)
+            perm_TK = ws.view("token_to_perm", t, k)
+            be.sort_by_expert(ids_TK, self.cfg.num_experts, tok_S, eid_S, offsets, perm_TK)
         gate_SM, up_SM, act_SM = (ws.view(b, s, m) for b in ("a_gate", "a_up", "a_act"))
-        be.moe_gate_up_act_sorted(x_TH, experts, tok_S, offsets, lim, gate_SM, up_SM, act_SM)
-        be.moe_gemm_sorted(act_SM, experts.down, tok_S, offsets, routed_SH, gather_rows=False)
+        # a_gate holds nothing live here (the shared expert keeps only its act; the fused GEMM writes only
+        # act): all of it is the GEMMs' scratch for a K split, first the glu's, then the down projection's
+        scratch = ws.as_f32("a_gate") if self.levers.prefill_k_split else None
+        be.moe_gate_up_act_sorted(x_TH, experts, tok_S, offsets, lim, gate_SM, up_SM, act_SM, scratch=scratch)
+        be.moe_gemm_sorted(act_SM, experts.down, tok_S, offsets, routed_SH, gather_rows=False, scratch=scratch)
         return routed_SH, perm_TK
 
     def _host(self, x_TH, ids_TK, experts, ws, routed_SH):

@@ -63,6 +63,9 @@ class PathLevers:
     union_max_ids: int = 64  # rows * top_k a union table may hold (<= the backend's max_union_ids)
     prefill_gemm: bool = True  # wide prefill: sort by expert + grouped GEMM
     prefill_gemm_min_rows: int = 32  # measured crossover (five sweeps: docs/perf/NOTES.md): below it, row groups
+    # a dense FFN stored NVFP4 (one expert every row chooses: each row group re-reads all of it): its crossover
+    nvfp4_dense_gemm_min_rows: int = 9
+    prefill_k_split: bool = True  # the grouped GEMM splits K where it has fewer blocks than two an SM
     graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
     graph_verify: bool = True  # capture verify steps (2..max_gemv_rows rows) as CUDA graphs too
     graph_sites: bool = True  # one-site calls (site(i, x), forward) of those widths: a graph per (site, rows)
@@ -85,7 +88,8 @@ class PathLevers:
 
     def __post_init__(self) -> None:
         _check_types(self, "levers.")
-        for key in ("row_batch_max", "union_max_ids", "prefill_gemm_min_rows", "ring_warps_per_sm"):
+        for key in ("row_batch_max", "union_max_ids", "prefill_gemm_min_rows", "nvfp4_dense_gemm_min_rows",
+                    "ring_warps_per_sm"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"levers.{key} = {getattr(self, key)}, expected >= 1")
         for key in ("ring_slab", "ring_depth", "ring_union_slab", "ring_union_depth"):

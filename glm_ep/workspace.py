@@ -92,6 +92,16 @@ class Workspace:
             view = self._views[key] = buf[offset:offset + n].reshape(shape)
         return view
 
+    def as_f32(self, name: str) -> Any:
+        """All of buffer ``name`` as float32 (a view of its bytes): scratch for a step that knows the
+        buffer's contents are dead, e.g. a K split's partial sums."""
+        view = self._views.get((name, (), -1))
+        if view is None:
+            buf = self._flat[name]
+            n = buf.nbytes // 4 * 4 // buf.itemsize
+            view = self._views[(name, (), -1)] = buf[:n].view(np.float32)
+        return view
+
     def fits(self, name: str, n: int) -> bool:
         """Whether buffer ``name`` holds ``n`` elements."""
         return n <= self._flat[name].size

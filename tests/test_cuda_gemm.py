@@ -205,6 +205,60 @@ def test_gemm_variants(rng, variant):
     check_variant(variant, rand_bf16(rng, (t, H), 4.0), None, cu, nu, route, str(variant))
 
 
+@pytest.fixture(scope="module")
+def split_case():
+    """K of 1024 (16 stages of 64 k) for both projections, ragged experts, an EP window; NumPy's
+    results computed once for every variant."""
+    rng = np.random.default_rng(2024)
+    h, m, start, count = 1024, 1024, 4, 24
+    t, (srt, tok, offsets, local) = ragged_route(rng, start, count)
+    s = t * TOP_K
+    cu, nu = both(weights(rng, h=h, m=m, start=start, count=count))
+    x = rand_bf16(rng, (t, h), 4.0)
+    gate, up, act_ref = (np.zeros((s, m), BF16) for _ in range(3))
+    NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
+    down_ref = np.zeros((s, h), BF16)
+    NP.moe_gemm_sorted(act_ref, nu.down, srt.sorted_token_ids, srt.expert_offsets, down_ref, False)
+    return cu, dev(x), tok, offsets, local, act_ref, down_ref
+
+
+@pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
+def test_gemm_k_split(split_case, variant):
+    """K split over 2, 3 (uneven over 16 stages of 64 k) and 8 blocks, on every variant: gate + up +
+    SwiGLU and down against NumPy into poisoned outputs, with a poisoned scratch (NaN as fp32: a partial
+    sum read before it is written shows), ragged experts and an EP window (the reduce writes the local
+    experts' rows only)."""
+    runs_here(variant)
+    geo = grouped.GemmGeometry.of(variant)
+    cu, x, tok, offsets, local, act_ref, down_ref = split_case
+    (s, m), h = act_ref.shape, down_ref.shape[1]
+    for splits in (2, 3, 8):
+        scratch = poisoned((4 * splits * s * max(h, m),), BF16).view(np.float32)
+        act, out = poisoned((s, m), BF16), poisoned((s, h), BF16)
+        with backend().stream:
+            grouped.nvfp4_gemm_sorted_glu(x, tok, offsets, E, cu, 2.0, act, variant=variant, scratch=scratch,
+                                          splits=splits)
+            grouped.nvfp4_gemm_sorted(dev(act_ref), False, tok, offsets, E, cu.down, out, variant=variant,
+                                      scratch=scratch, splits=splits)
+        check_rows(host(act), act_ref, local, f"glu {geo.suffix}, {splits} K splits")
+        check_rows(host(out), down_ref, local, f"down {geo.suffix}, {splits} K splits")
+
+
+def test_gemm_k_split_needs_its_scratch(rng):
+    """A forced split past the scratch, or past the stages of k, is a clear error before any launch."""
+    cu, _ = both(weights(rng, start=0, count=E))
+    t, (srt, tok, offsets, _) = ragged_route(rng, 0, E)
+    s = t * TOP_K
+    out = poisoned((s, H), BF16)
+    one = poisoned((2 * s * H,), BF16).view(np.float32)  # one split's partial sums
+    a = dev(rand_bf16(rng, (s, M)))
+    with pytest.raises(ValueError, match=r"2 K splits need a float32 scratch of \d+ elements, got \d+"):
+        grouped.nvfp4_gemm_sorted(a, False, tok, offsets, E, cu.down, out, splits=2, scratch=one)
+    with pytest.raises(ValueError, match=r"3 K splits, expected 1\.\.2"):  # K = 128: two stages of 64
+        grouped.nvfp4_gemm_sorted(a, False, tok, offsets, E, cu.down, out, splits=3, scratch=one)
+    assert unwritten(host(out)).all()
+
+
 @pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
 def test_gemm_variants_partial_tiles(rng, variant):
     """The edges of every variant: a K of 1 and 3 pipeline stages (down at width 64, gate/up at 192

@@ -221,23 +221,30 @@ def _nvfp4_dense_stack(be, cfg: SiteConfig, w: ExpertWeights, levers: PathLevers
     return MlpStack(be, SelfComm(), cfg, [site], levers, MAX_ROWS)
 
 
+def _nvfp4_dense_model(hidden: int, width: int) -> ModelConfig:
+    return ModelConfig.from_dict({
+        "hidden_size": hidden, "intermediate_size": width, "moe_intermediate_size": M, "num_hidden_layers": 1,
+        "n_shared_experts": 1, "n_routed_experts": E, "num_experts_per_tok": TOP_K, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "swiglu_limit": 2.0, "mlp_layer_types": ["dense"],
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})
+
+
+def _nvfp4_dense_weights(rng, hidden: int, width: int) -> ExpertWeights:
+    return ExpertWeights(*(nvfp4.quantize((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
+                           for s in ((width, hidden), (width, hidden), (hidden, width))))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 20, 40, 300])
 @pytest.mark.parametrize("hidden,width", [(256, 384), (512, 1024)], ids=["block-kernels", "ring"])
 def test_nvfp4_dense_site(rows, hidden, width):
     """A dense FFN stored NVFP4 (one expert that every row chooses) on every path of the CUDA backend
     against NumPy: the decode ring or block kernels (1 row; the ring needs K % 512), the union kernels
-    (2..8), row groups (20), the grouped GEMM (40, 300), and the 1..8-row step captured and replayed
-    with fresh inputs."""
-    m = ModelConfig.from_dict({
-        "hidden_size": hidden, "intermediate_size": width, "moe_intermediate_size": M, "num_hidden_layers": 1,
-        "n_shared_experts": 1, "n_routed_experts": E, "num_experts_per_tok": TOP_K, "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "swiglu_limit": 2.0, "mlp_layer_types": ["dense"],
-        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})
-    cfg = SiteConfig.for_rank(m, RankLayout(1, 0, 1, 1))
+    (2..8), row groups (20, the crossover lever raised past it), the grouped GEMM (40, 300), and the
+    1..8-row step captured and replayed with fresh inputs."""
+    cfg = SiteConfig.for_rank(_nvfp4_dense_model(hidden, width), RankLayout(1, 0, 1, 1))
     rng = np.random.default_rng(rows * 7 + hidden)
-    w = ExpertWeights(*(nvfp4.quantize((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
-                        for s in ((width, hidden), (width, hidden), (hidden, width))))
-    levers = PathLevers(prefill_gemm_min_rows=32)
+    w = _nvfp4_dense_weights(rng, hidden, width)
+    levers = PathLevers(nvfp4_dense_gemm_min_rows=32)
     cuda, ref = _nvfp4_dense_stack(backend(), cfg, w, levers), _nvfp4_dense_stack(NumpyBackend(), cfg, w, levers)
     want_path = "decode" if rows == 1 else "sorted" if rows >= 32 else "union"
     assert cuda.sites[0].nvfp4.path_for(rows) == want_path
@@ -245,6 +252,37 @@ def test_nvfp4_dense_site(rows, hidden, width):
         x = rand_bf16(rng, (rows, hidden), 1.0)
         assert_close(host(cuda.step(dev(x))), np.array(ref.step(x), copy=True), f"{rows} rows, step {step}")
     assert (rows in cuda._graphs) == (rows <= 8)
+
+
+@pytest.mark.parametrize("rows", [9, 24, 64, 300])
+@pytest.mark.parametrize("k_split", [True, False], ids=["k-split", "no-split"])
+def test_nvfp4_dense_site_k_split(monkeypatch, rows, k_split):
+    """The grouped GEMM of a dense FFN stored NVFP4 from 9 rows (the default crossover): with one expert
+    its launches have few blocks, so K is split (gate + up over 16 stages of k, down over 32) into
+    the workspace's a_gate and added by the reduce launches; equal to NumPy within bf16 rounding, and
+    with the split lever off no reduce launch runs."""
+    from glm_ep.backend.cuda import grouped
+
+    hidden, width = 1024, 2048
+    cfg = SiteConfig.for_rank(_nvfp4_dense_model(hidden, width), RankLayout(1, 0, 1, 1))
+    rng = np.random.default_rng(rows + 11 * k_split)
+    w = _nvfp4_dense_weights(rng, hidden, width)
+    levers = PathLevers(prefill_k_split=k_split)
+    cuda, ref = _nvfp4_dense_stack(backend(), cfg, w, levers), _nvfp4_dense_stack(NumpyBackend(), cfg, w, levers)
+    assert cuda.sites[0].nvfp4.path_for(rows) == "sorted"
+    entries: list[str] = []
+    real = grouped.launch
+    monkeypatch.setattr(grouped, "launch", lambda file, entry, *a, **kw: (entries.append(entry),
+                                                                           real(file, entry, *a, **kw)))
+    x = rand_bf16(rng, (rows, hidden), 1.0)
+    assert_close(host(cuda.step(dev(x))), np.array(ref.step(x), copy=True), f"{rows} rows, k_split {k_split}")
+    reduces = [e for e in entries if e.startswith("nvfp4_gemm_reduce")]
+    if not k_split:
+        assert not reduces, entries
+    elif rows <= 24:  # gate + up (32 weight-row blocks) and down (16) both split
+        assert reduces == ["nvfp4_gemm_reduce_glu", "nvfp4_gemm_reduce"], entries
+    elif rows == 64:  # the down projection splits; gate's and up's partial sums of two splits pass a_gate
+        assert reduces == ["nvfp4_gemm_reduce"], entries
 
 
 def test_nccl_one_rank():

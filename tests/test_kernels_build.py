@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from glm_ep.backend.cuda import grouped, loader
@@ -101,6 +102,10 @@ def test_gemm_variant_choice():
     memory is its stages of x rows, packed weights and scales (and the two bf16 weight tiles)."""
     nv = grouped
     assert nv.gemm_variant(16 * 8, 288, 4096)[0] == 16
+    # one expert (a dense FFN stored NVFP4): the register engine's 32-row tile to 32 rows, wgmma past it
+    assert nv.gemm_variant(24, 1, 4096, wgmma=True) == (32, 1, 4, 64, 4, "sync")
+    assert nv.gemm_variant(33, 1, 4096, wgmma=True) == nv.GEMM_WGMMA
+    assert nv.gemm_variant(24 * 288, 288, 4096, wgmma=True) == nv.GEMM_WGMMA
     assert nv.gemm_variant(1024 * 8, 288, 4096)[0] == 32
     assert nv.gemm_variant(2048 * 8, 288, 4096) == (64, 1, 4, 128, 3, "sync")
     assert nv.gemm_variant(2048 * 8, 288, 4096 + 64) == (64, 1, 4, 64, 4, "sync")  # 128 k does not divide K
@@ -115,7 +120,8 @@ def test_gemm_variant_choice():
         assert 64 % v[3] == 0 or v in nv.GEMM_FALLBACK, f"{v}: no fallback for an in width of 64 k steps"
     geo = nv.GemmGeometry.of((64, 1, 4, 64, 4, "sync"))
     assert (geo.bn, geo.threads, geo.smem) == (128, 128, 4 * (64 * 64 * 2 + 128 * 32 + 128 * 4))
-    assert geo.tiles(slots=1000, count=16) == 16 + 16  # ceil(1000 / 64) row tiles + one partial per expert
+    assert geo.tiles(slots=1000, count=16) == 16 + 15  # ceil(1000 / 64) row tiles + a partial per expert but one
+    assert geo.tiles(slots=64, count=1) == 1 and geo.tiles(slots=0, count=5) == geo.tiles(slots=5, count=0) == 0
     assert geo.suffix == "m64w4k64"
     tiled = nv.GemmGeometry.of((128, 2, 4, 64, 3, "sync"))  # + the two bf16 weight tiles it dequantizes into
     assert (tiled.bn, tiled.threads, tiled.suffix) == (128, 256, "m128w2x4k64")
@@ -125,6 +131,46 @@ def test_gemm_variant_choice():
     assert wg.smem == 4 * 128 * 64 * 2 + 3 * (128 * 32 + 128 * 4) + 2 * 128 * 64 * 2 + 1024
     with pytest.raises(ValueError, match="instantiates"):
         nv.GemmGeometry.of((48, 1, 4, 64, 4, "sync"))
+
+
+@pytest.mark.parametrize("bm", [16, 64, 128])
+def test_gemm_tiles_bound_every_routing(bm: int):
+    """The grid's row tiles cover every way the slots can fall on the local experts, and the bound is
+    reached: the kernel's blocks past the last tile return, a tile beyond the grid would be lost."""
+    geo = grouped.GemmGeometry.of(next(v for v in loader.GEMM_VARIANTS if v[0] == bm))
+    rng = np.random.default_rng(bm)
+    for _ in range(300):
+        count, slots = int(rng.integers(1, 40)), int(rng.integers(1, 2000))
+        cuts = np.sort(rng.integers(0, slots + 1, count - 1))
+        rows = np.diff(np.concatenate([[0], cuts, [slots]]))
+        assert sum(-(-int(r) // bm) for r in rows) <= geo.tiles(slots, count)
+    worst = [bm + 1] * 3 + [1] * 5  # every expert's last tile nearly empty
+    assert sum(-(-r // bm) for r in worst) == geo.tiles(sum(worst), len(worst))
+
+
+def test_k_splits():
+    """A launch of fewer blocks than SMs splits K into two blocks an SM (the dense FFN stored NVFP4: its down
+    projection is 32 weight-row blocks over 192 stages of k), within the stages, the scratch and the partial
+    sums' bytes cap; a launch with a block an SM, or one without a scratch, does not."""
+    ks = grouped.k_splits
+    assert ks(32, 192, 64 * 4096, 1 << 30, sms=132) == 8  # down at 64 rows, one expert
+    assert ks(32, 192, 64 * 4096, 3 * 64 * 4096, sms=132) == 3  # the scratch holds three splits
+    assert ks(32, 192, 1024 * 4096, 1 << 30, sms=132) == 1  # 16 MB of partials a split: past the cap
+    assert ks(192, 64, 2 * 16 * 12288, 1 << 30, sms=132) == 1  # glu at 16 rows: 192 blocks, one an SM already
+    assert ks(100, 64, 2 * 16 * 12288, 1 << 30, sms=132) == 3  # 300 blocks reach two an SM
+    assert ks(32, 15, 64 * 4096, 1 << 30, sms=132) == 1  # 15 stages: one split keeps at least 8
+    assert ks(32, 192, 64 * 4096, 0, sms=132) == 1
+
+
+def test_gemm_without_routing_is_one_expert_in_row_order():
+    """No sorted ids and no offsets: the table's one expert takes every row of the output in order; a table
+    of several experts, or ids without their offsets, is refused by name."""
+    out = np.zeros((5, 8), np.float32)
+    assert grouped._slots(None, None, out, 1, "w") == 5
+    with pytest.raises(ValueError, match=r"w: without expert_offsets one local expert owns every row in order .*got 2"):
+        grouped._slots(None, None, out, 2, "w")
+    with pytest.raises(ValueError, match=r"got 1 local experts and sorted_token_ids"):
+        grouped._slots(np.zeros(5, np.int32), None, out, 1, "w")
 
 
 def test_gemm_large_x_takes_the_register_engine(monkeypatch):

@@ -52,6 +52,12 @@ def test_default_levers_choose_the_design_paths() -> None:
     assert [narrow.sites[1].experts.path_for(r) for r in (5, 8, 9)] == ["union", "union", "union"]
     tight = build_stack(random_weights(model, seed=1), model, levers=PathLevers(union_max_ids=16))
     assert tight.sites[1].experts.path_for(2) == "union" and tight.sites[1].experts.path_for(3) == "decode"
+    # a dense FFN stored NVFP4 is one expert: every row group would sweep all of it, so the grouped GEMM from 9 rows
+    layer, nv = model.mlp_layer_types.index("dense"), random_weights(model, seed=1, dense_nvfp4=True)
+    dense = build_stack(nv, model, max_rows=300).sites[layer].nvfp4
+    assert [dense.path_for(r) for r in (1, 8, 9, 31, 32)] == ["decode", "union", "sorted", "sorted", "sorted"]
+    late = build_stack(nv, model, levers=PathLevers(nvfp4_dense_gemm_min_rows=32)).sites[layer].nvfp4
+    assert [late.path_for(r) for r in (9, 31, 32)] == ["union", "union", "sorted"]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 20])

@@ -92,6 +92,16 @@ def test_workspace_decimal_megabytes_and_45_copies(rows: int, per_ws: str, copie
     assert per_ws in text and copies45 in text
 
 
+def test_a_buffer_as_f32_is_all_of_its_bytes() -> None:
+    """The K split's scratch: all of a bf16 buffer, as float32, sharing its memory (and made once)."""
+    ws = Workspace(np, _glm_tp2_ep2(), 3)
+    f = ws.as_f32("a_gate")
+    assert f.dtype == np.float32 and f.nbytes == ws_bytes(_glm_tp2_ep2(), 3)[BUFFERS.index("a_gate")]
+    f[...] = 1.0
+    assert (ws.view("a_gate", 4).view(np.uint16) == [0, 0x3F80, 0, 0x3F80]).all()
+    assert ws.as_f32("a_gate") is f
+
+
 def test_per_layer_mode_reports_45_copies_as_the_stack() -> None:
     shared = footprint_lines(_glm_tp2_ep2(), 256, layers=45, shared=True)[1]
     private = footprint_lines(_glm_tp2_ep2(), 256, layers=45, shared=False)[1]

@@ -120,9 +120,10 @@ class Capabilities:
         if levers.union_max_ids > self.max_union_ids:
             raise ConfigError(f"levers.union_max_ids = {levers.union_max_ids}, expected 1..{self.max_union_ids} {on} "
                               "(the ids one union table holds)")
-        if levers.prefill_gemm_min_rows <= self.max_row_group:
-            raise ConfigError(f"levers.prefill_gemm_min_rows = {levers.prefill_gemm_min_rows}, expected >= "
-                              f"{self.max_row_group + 1} {on} (rows up to {self.max_row_group} are one row group)")
+        for key in ("prefill_gemm_min_rows", "nvfp4_dense_gemm_min_rows"):
+            if getattr(levers, key) <= self.max_row_group:
+                raise ConfigError(f"levers.{key} = {getattr(levers, key)}, expected >= {self.max_row_group + 1} {on} "
+                                  f"(rows up to {self.max_row_group} are one row group)")
 
 
 # ---- the interface ------------------------------------------------------------------------------
@@ -263,9 +264,12 @@ class Backend(ABC, Generic[A, P]):
 
     @abstractmethod
     def moe_gemm_sorted(self, a: Any, table: ExpertTable[P], sorted_token_ids_S: Any, expert_offsets: Any,
-                        out_SN: Any, gather_rows: bool) -> None:
+                        out_SN: Any, gather_rows: bool, scratch: Any = None) -> None:
         """Prefill: one grouped GEMM over the expert-sorted slots. Sorted row ``i`` of a local
-        expert ``e`` reads ``a[sorted_token_ids[i]]`` (``gather_rows``) or ``a[i]``."""
+        expert ``e`` reads ``a[sorted_token_ids[i]]`` (``gather_rows``) or ``a[i]``. Both routing arrays
+        None: the table's ONE expert takes every row of ``a`` in order (a dense FFN stored NVFP4).
+        ``scratch``: a float32 buffer whose contents are dead, which a backend may fill with partial
+        sums (a K split)."""
 
     @abstractmethod
     def expert_linear(self, a_1K: Any, table: ExpertTable[P], local: int, out_1N: Any) -> None:
@@ -296,10 +300,12 @@ class Backend(ABC, Generic[A, P]):
         self.swiglu(gate_RKM, up_RKM, limit, act_RKM)
 
     def moe_gate_up_act_sorted(self, x_TK: Any, experts: RoutedExperts[P], sorted_token_ids_S: Any,
-                               expert_offsets: Any, limit: float, gate_SM: Any, up_SM: Any, act_SM: Any) -> None:
+                               expert_offsets: Any, limit: float, gate_SM: Any, up_SM: Any, act_SM: Any,
+                               scratch: Any = None) -> None:
         """Prefill: gate, up and SwiGLU of the expert-sorted slots (token rows gathered through
         ``sorted_token_ids``). ``act`` as the separate ops write it; ``gate``/``up`` are scratch a
-        fused backend may leave unwritten (each is still rounded to bf16 before the SwiGLU)."""
+        fused backend may leave unwritten (each is still rounded to bf16 before the SwiGLU); ``scratch``:
+        as ``moe_gemm_sorted``'s (it may hold ``gate``/``up``)."""
         self.moe_gemm_sorted(x_TK, experts.gate, sorted_token_ids_S, expert_offsets, gate_SM, gather_rows=True)
         self.moe_gemm_sorted(x_TK, experts.up, sorted_token_ids_S, expert_offsets, up_SM, gather_rows=True)
         self.swiglu(gate_SM, up_SM, limit, act_SM)

@@ -135,7 +135,10 @@ class NumpyBackend(Backend[np.ndarray, Projection]):
         token_to_perm_TK[...] = s.token_to_perm
 
     def moe_gemm_sorted(self, a, table: ExpertTable[Projection], sorted_token_ids_S, expert_offsets, out_SN,
-                        gather_rows):
+                        gather_rows, scratch=None):
+        if expert_offsets is None:  # one expert, every row in order
+            out_SN[...] = self._expert_mm(a, table.weights[0])
+            return
         offsets = np.asarray(expert_offsets)
         for local in range(table.count):
             lo, hi = int(offsets[table.start + local]), int(offsets[table.start + local + 1])

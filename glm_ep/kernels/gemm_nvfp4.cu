@@ -5,6 +5,7 @@
 //
 // for the expert-sorted slots i of local expert e (expert_offsets[start + e] <= i < ...[start + e + 1]);
 // row(i) = sorted_token_ids[i] (gate/up gather the token rows) or i (down reads sorted activations).
+// Without expert_offsets (nullptr) one expert, local 0, owns every one of the `slots` rows in order.
 //
 // Tiles: a block computes BM sorted rows of ONE expert x BN weight rows (the fused GLU: BN / 2 gate
 // rows and the same BN / 2 up rows). Three engines share the tiling, the copies and the epilogue:
@@ -39,8 +40,12 @@
 //
 // Entry points, one per GEMM_VARIANT / GEMM_TILED / GEMM_WGMMA line below (grids computed in
 // glm_ep/backend/cuda/grouped.py; SUFFIX m{BM}w{W}k{BK}, m{BM}w{WM}x{WN}k{BK} or m128wgk{BK}):
-//   nvfp4_gemm_sorted_SUFFIX       one projection                        grid (tiles * ceil(N / BN))
-//   nvfp4_gemm_sorted_glu_SUFFIX   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)))
+//   nvfp4_gemm_sorted_SUFFIX       one projection                        grid (tiles * ceil(N / BN), splits)
+//   nvfp4_gemm_sorted_glu_SUFFIX   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)), splits)
+//   nvfp4_gemm_reduce[_glu]        a K split's second pass               grid (slots * N / 4 threads)
+// K split (gridDim.y = splits > 1, for grids with fewer blocks than SMs): block y streams its share of K
+// and writes fp32 partial sums (scale_2 applied) instead of bf16; the reduce adds them in split order and
+// rounds once, as the unsplit epilogue does (for the glu: gate and up to bf16, then the SwiGLU).
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
 #include "async_copy.cuh"
@@ -69,9 +74,12 @@ struct RowTile {
 };
 
 // Tile `tile` of the local experts' row tiles, in expert order (one warp scans, 32 experts a step;
-// no early exit, so the offset loads of every step are in flight together).
+// no early exit, so the offset loads of every step are in flight together). offsets == nullptr: ONE
+// expert (local 0) owns all `slots` rows, in order (a dense FFN stored NVFP4: no routing to read).
 template <int BM>
-__device__ __forceinline__ RowTile find_tile(const int* offsets, int start, int count, int tile) {
+__device__ __forceinline__ RowTile find_tile(const int* offsets, int start, int count, int tile, int slots) {
+    if (offsets == nullptr)
+        return tile * BM < slots ? RowTile{0, tile * BM, min(BM, slots - tile * BM)} : RowTile{-1, 0, 0};
     __shared__ RowTile found;
     if (threadIdx.x < 32) {
         const int lane = threadIdx.x;
@@ -155,7 +163,7 @@ __device__ __forceinline__ void scale_pairs(unsigned s16, unsigned (&s)[2]) {
 template <int MT, int WARPS, int BK, int STAGES>
 struct Gemm {
     static constexpr int BM = 16 * MT, BN = 32 * WARPS, THREADS = 32 * WARPS, WARP_COLS = WARPS, M_TILES = MT,
-                         N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = 16 * MT;
+                         N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = 16 * MT, K_STEP = BK;
     static constexpr int XC = BM * BK / 8 / THREADS;  // x copies per thread and stage
     static constexpr int WC = BN * BK / 32 / THREADS;  // weight copies per thread and stage
     static_assert(XC >= 1 && XC * THREADS == BM * BK / 8, "x copies split evenly");
@@ -218,8 +226,8 @@ struct Gemm {
     // (nullptr: the sorted rows themselves).
     __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
                                         const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
-                                        const int (&n_valid)[2], int K, const int (&wr)[GEMM_NT], int /* m0: 0 */,
-                                        float (&acc)[MT][GEMM_NT][4]) {
+                                        const int (&n_valid)[2], int K, int kblocks, const int (&wr)[GEMM_NT],
+                                        int /* m0: 0 */, float (&acc)[MT][GEMM_NT][4]) {
         Stage* st = reinterpret_cast<Stage*>(dyn_smem);
         const int tid = threadIdx.x;
 #pragma unroll
@@ -241,7 +249,6 @@ struct Gemm {
             const bool hi = tid >= BN / 2;
             ssrc = rn < (hi ? n_valid[1] : n_valid[0]) ? (hi ? sbase[1] : sbase[0]) + (size_t)rn * (K >> 4) : nullptr;
         }
-        const int kblocks = K / BK;
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < kblocks) load_stage(st[s], x, s * BK);
@@ -264,18 +271,39 @@ struct Gemm {
 
 #include "gemm_nvfp4_tiled.cuh"
 
+// The block's share of K. Without a K split (gridDim.y == 1) all of it; split, block y of gridDim.y takes
+// k blocks [y kb / splits, (y + 1) kb / splits) of the kb = K / BK, and its x rows, weight rows and scale
+// rows are read from k0 on (the engines stream `blocks` stages from where their pointers point).
+struct KSlice {
+    int k0, blocks;
+};
+
+template <int BK>
+__device__ __forceinline__ KSlice k_slice(int K) {
+    const int kb = K / BK, y = blockIdx.y, splits = gridDim.y;
+    const int b0 = (int)((long long)y * kb / splits), b1 = (int)((long long)(y + 1) * kb / splits);
+    return {b0 * BK, b1 - b0};
+}
+
+// Where a split block's fp32 partial sums go: partials[(y * planes + plane) * slots + slot][n], planes = 1
+// (one projection) or 2 (gate, up); nvfp4_gemm_reduce[_glu] adds the splits in order and rounds once.
+__device__ __forceinline__ float* partial_row(float* partials, int planes, int plane, int slots, int slot, int N) {
+    return partials + ((size_t)(blockIdx.y * planes + plane) * slots + slot) * N;
+}
+
 template <class G>
 __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,
                                             const int* __restrict__ expert_offsets,
                                             const u64_t* __restrict__ packed_ptrs,
                                             const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2,
                                             int start, int count, bf16_t* __restrict__ out, int N, int K,
-                                            int n_blocks) {
-    const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks);
+                                            int n_blocks, float* __restrict__ partials, int slots) {
+    const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks, slots);
     if (tile.e < 0) return;
+    const KSlice ks = k_slice<G::K_STEP>(K);
     const int half = G::BN / 2, n0 = (blockIdx.x % n_blocks) * G::BN;
-    const unsigned char* packed = (const unsigned char*)packed_ptrs[tile.e];
-    const unsigned char* scale = (const unsigned char*)scale_ptrs[tile.e];
+    const unsigned char* packed = (const unsigned char*)packed_ptrs[tile.e] + ks.k0 / 2;
+    const unsigned char* scale = (const unsigned char*)scale_ptrs[tile.e] + ks.k0 / 16;
     const unsigned char* const wb[2] = {packed + (size_t)n0 * (K >> 1), packed + (size_t)(n0 + half) * (K >> 1)};
     const unsigned char* const sb[2] = {scale + (size_t)n0 * (K >> 4), scale + (size_t)(n0 + half) * (K >> 4)};
     const int valid[2] = {N - n0, N - n0 - half};
@@ -287,8 +315,9 @@ __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const 
     for (int j = 0; j < NT; ++j) wr[j] = 8 * NT * wn + 8 * j;
     float acc[MT][NT][4] = {};  // the engines add to it
     G gemm;
-    gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, m0, acc);
+    gemm.run(x + ks.k0, sorted_token_ids, tile, wb, sb, valid, K, ks.blocks, wr, m0, acc);
     const float f = scale2[tile.e] * 256.0f;
+    const bool split = gridDim.y > 1;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -296,13 +325,16 @@ __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const 
             const int r = m0 + G::M_STRIDE * i + g + 8 * h;
             if (r >= tile.rows) continue;
             bf16_t* o = out + (size_t)(tile.row0 + r) * N;
+            float* p = split ? partial_row(partials, 1, 0, slots, tile.row0 + r, N) : nullptr;
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
                 const int n = n0 + 8 * NT * wn + 8 * j + 2 * t;
                 if (n >= N) continue;
-                const unsigned pair = (unsigned)f32_to_bf16(acc[i][j][2 * h] * f) |
-                                      ((unsigned)f32_to_bf16(acc[i][j][2 * h + 1] * f) << 16);
-                *reinterpret_cast<unsigned*>(o + n) = pair;
+                const float v0 = acc[i][j][2 * h] * f, v1 = acc[i][j][2 * h + 1] * f;
+                if (split)
+                    *reinterpret_cast<float2*>(p + n) = make_float2(v0, v1);
+                else
+                    *reinterpret_cast<unsigned*>(o + n) = (unsigned)f32_to_bf16(v0) | ((unsigned)f32_to_bf16(v1) << 16);
             }
         }
 }
@@ -316,14 +348,16 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                                                 const u64_t* __restrict__ up_packed,
                                                 const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2,
                                                 int start, int count, bf16_t* __restrict__ act, int N, int K,
-                                                int n_blocks, float limit) {
-    const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks);
+                                                int n_blocks, float limit, float* __restrict__ partials, int slots) {
+    const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks, slots);
     if (tile.e < 0) return;
+    const KSlice ks = k_slice<G::K_STEP>(K);
     const int half = G::BN / 2, n0 = (blockIdx.x % n_blocks) * half;  // tile rows [0, half): gate, then up
-    const unsigned char* const wb[2] = {(const unsigned char*)gate_packed[tile.e] + (size_t)n0 * (K >> 1),
-                                        (const unsigned char*)up_packed[tile.e] + (size_t)n0 * (K >> 1)};
-    const unsigned char* const sb[2] = {(const unsigned char*)gate_scale[tile.e] + (size_t)n0 * (K >> 4),
-                                        (const unsigned char*)up_scale[tile.e] + (size_t)n0 * (K >> 4)};
+    const size_t w0 = (size_t)n0 * (K >> 1) + ks.k0 / 2, s0 = (size_t)n0 * (K >> 4) + ks.k0 / 16;
+    const unsigned char* const wb[2] = {(const unsigned char*)gate_packed[tile.e] + w0,
+                                        (const unsigned char*)up_packed[tile.e] + w0};
+    const unsigned char* const sb[2] = {(const unsigned char*)gate_scale[tile.e] + s0,
+                                        (const unsigned char*)up_scale[tile.e] + s0};
     const int valid[2] = {N - n0, N - n0};
     constexpr int MT = G::M_TILES, NT = G::N_TILES, NH = NT / 2;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -333,8 +367,9 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
     for (int j = 0; j < NT; ++j) wr[j] = (j / NH) * half + 8 * NH * wn + 8 * (j % NH);
     float acc[MT][NT][4] = {};  // the engines add to it
     G gemm;
-    gemm.run(x, sorted_token_ids, tile, wb, sb, valid, K, wr, m0, acc);
+    gemm.run(x + ks.k0, sorted_token_ids, tile, wb, sb, valid, K, ks.blocks, wr, m0, acc);
     const float fg = gate_scale2[tile.e] * 256.0f, fu = up_scale2[tile.e] * 256.0f;
+    const bool split = gridDim.y > 1;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -342,10 +377,18 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
             const int r = m0 + G::M_STRIDE * i + g + 8 * h;
             if (r >= tile.rows) continue;
             bf16_t* o = act + (size_t)(tile.row0 + r) * N;
+            float* pg = split ? partial_row(partials, 2, 0, slots, tile.row0 + r, N) : nullptr;
+            float* pu = split ? partial_row(partials, 2, 1, slots, tile.row0 + r, N) : nullptr;
 #pragma unroll
             for (int j = 0; j < NH; ++j) {
                 const int n = n0 + 8 * NH * wn + 8 * j + 2 * t;
                 if (n >= N) continue;
+                if (split) {  // the sums go on unrounded; the reduce rounds gate and up and applies the SwiGLU
+                    *reinterpret_cast<float2*>(pg + n) = make_float2(acc[i][j][2 * h] * fg, acc[i][j][2 * h + 1] * fg);
+                    *reinterpret_cast<float2*>(pu + n) =
+                        make_float2(acc[i][j + NH][2 * h] * fu, acc[i][j + NH][2 * h + 1] * fu);
+                    continue;
+                }
                 unsigned pair = 0;
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
@@ -358,16 +401,67 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
         }
 }
 
+// The K split's second pass, one thread per 4 columns of a slot: the splits' partial sums added in split
+// order (fp32), for the local experts' slots only (expert_offsets[start] <= slot < ...[start + count]:
+// the sort puts them together), then rounded once (nvfp4_gemm_reduce: out = bf16(sum)) or as the
+// unsplit glu rounds them (nvfp4_gemm_reduce_glu: act = swiglu(bf16(gate sum), bf16(up sum))).
+__device__ __forceinline__ bool reduce_slot(const int* expert_offsets, int start, int count, int slots, int N,
+                                            int& slot, int& n) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x, quads = N / 4;
+    slot = (int)(idx / quads), n = (int)(idx % quads) * 4;
+    if (expert_offsets == nullptr) return slot < slots;  // one expert, every slot
+    return slot < slots && slot >= expert_offsets[start] && slot < expert_offsets[start + count];
+}
+
+__device__ __forceinline__ float4 sum_splits(const float* __restrict__ partials, int splits, int planes, int plane,
+                                             int slots, int slot, int N, int n) {
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int y = 0; y < splits; ++y) {
+        const float4 v =
+            *reinterpret_cast<const float4*>(partials + ((size_t)(y * planes + plane) * slots + slot) * N + n);
+        s.x += v.x, s.y += v.y, s.z += v.z, s.w += v.w;
+    }
+    return s;
+}
+
+extern "C" __global__ void nvfp4_gemm_reduce(const float* __restrict__ partials, int splits, int slots,
+                                             const int* __restrict__ expert_offsets, int start, int count,
+                                             bf16_t* __restrict__ out, int N) {
+    pdl_enter();
+    int slot, n;
+    if (!reduce_slot(expert_offsets, start, count, slots, N, slot, n)) return;
+    const float4 s = sum_splits(partials, splits, 1, 0, slots, slot, N, n);
+    *reinterpret_cast<uint2*>(out + (size_t)slot * N + n) =
+        make_uint2((unsigned)f32_to_bf16(s.x) | ((unsigned)f32_to_bf16(s.y) << 16),
+                   (unsigned)f32_to_bf16(s.z) | ((unsigned)f32_to_bf16(s.w) << 16));
+}
+
+extern "C" __global__ void nvfp4_gemm_reduce_glu(const float* __restrict__ partials, int splits, int slots,
+                                                 const int* __restrict__ expert_offsets, int start, int count,
+                                                 bf16_t* __restrict__ act, int N, float limit) {
+    pdl_enter();
+    int slot, n;
+    if (!reduce_slot(expert_offsets, start, count, slots, N, slot, n)) return;
+    const float4 g = sum_splits(partials, splits, 2, 0, slots, slot, N, n);
+    const float4 u = sum_splits(partials, splits, 2, 1, slots, slot, N, n);
+    const float gs[4] = {g.x, g.y, g.z, g.w}, us[4] = {u.x, u.y, u.z, u.w};
+    unsigned a[2] = {0, 0};
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+        a[c >> 1] |= (unsigned)swiglu_one(round_bf16(gs[c]), round_bf16(us[c]), limit) << (16 * (c & 1));
+    *reinterpret_cast<uint2*>(act + (size_t)slot * N + n) = make_uint2(a[0], a[1]);
+}
+
 // The entry points of engine G (THREADS threads): nvfp4_gemm_sorted[_glu]_SUFFIX.
 #define GEMM_ENTRIES(SUFFIX, G, THREADS, MIN_BLOCKS)                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_gemm_sorted_##SUFFIX(                \
         const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,                                  \
         const int* __restrict__ expert_offsets, const u64_t* __restrict__ packed_ptrs,                           \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, int start, int count,             \
-        bf16_t* __restrict__ out, int N, int K, int n_blocks) {                                                   \
+        bf16_t* __restrict__ out, int N, int K, int n_blocks, float* __restrict__ partials, int slots) {         \
         pdl_enter();                                                                                              \
         gemm_sorted<G>(x, sorted_token_ids, expert_offsets, packed_ptrs, scale_ptrs, scale2, start, count, out,   \
-                       N, K, n_blocks);                                                                           \
+                       N, K, n_blocks, partials, slots);                                                          \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) nvfp4_gemm_sorted_glu_##SUFFIX(            \
         const bf16_t* __restrict__ x, const int* __restrict__ sorted_token_ids,                                  \
@@ -375,10 +469,10 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
         const u64_t* __restrict__ gate_scale, const float* __restrict__ gate_scale2,                              \
         const u64_t* __restrict__ up_packed, const u64_t* __restrict__ up_scale,                                 \
         const float* __restrict__ up_scale2, int start, int count, bf16_t* __restrict__ act, int N, int K,        \
-        int n_blocks, float limit) {                                                                              \
+        int n_blocks, float limit, float* __restrict__ partials, int slots) {                                    \
         pdl_enter();                                                                                              \
         gemm_sorted_glu<G>(x, sorted_token_ids, expert_offsets, gate_packed, gate_scale, gate_scale2, up_packed, \
-                           up_scale, up_scale2, start, count, act, N, K, n_blocks, limit);                        \
+                           up_scale, up_scale2, start, count, act, N, K, n_blocks, limit, partials, slots);       \
     }
 
 // The variants, (BM, WM, WN, BK, STAGES, mma) in glm_ep/backend/cuda/loader.py's GEMM_VARIANTS; each one's

@@ -135,7 +135,7 @@ template <int MT, int WM, int WN, int BK, int STAGES>
 struct GemmTiled : TileCopies<16 * MT * WM, 32 * WN, BK, 32 * WM * WN> {
     using C = TileCopies<16 * MT * WM, 32 * WN, BK, 32 * WM * WN>;
     static constexpr int BM = 16 * MT * WM, BN = 32 * WN, THREADS = 32 * WM * WN, WARP_COLS = WN, M_TILES = MT,
-                         N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = 16 * MT;
+                         N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = 16 * MT, K_STEP = BK;
     static constexpr int ROW = C::ROW, STAGE = C::STAGE, DEQ = C::DEQ;
     static_assert(WM > 1 && STAGES >= 3, "a warp grid; the dequantization runs a stage ahead");
 
@@ -163,8 +163,8 @@ struct GemmTiled : TileCopies<16 * MT * WM, 32 * WN, BK, 32 * WM * WN> {
 
     __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
                                         const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
-                                        const int (&n_valid)[2], int K, const int (&wr)[GEMM_NT], int m0,
-                                        float (&acc)[MT][GEMM_NT][4]) {
+                                        const int (&n_valid)[2], int K, int kblocks, const int (&wr)[GEMM_NT],
+                                        int m0, float (&acc)[MT][GEMM_NT][4]) {
         const int lane = threadIdx.x & 31;
         this->sources(x, token_ids, tile, wbase, sbase, n_valid, K);
         const unsigned a_off = (m0 + (lane & 15)) * ROW + 16 * ((lane >> 4) ^ (lane & 7));
@@ -173,7 +173,6 @@ struct GemmTiled : TileCopies<16 * MT * WM, 32 * WN, BK, 32 * WM * WN> {
         for (int p = 0; p < GEMM_NT / 2; ++p)
             b_off[p] = (wr[2 * p] + (lane & 7) + ((lane >> 4) << 3)) * ROW + 16 * (((lane >> 3) & 1) ^ (lane & 7));
         const unsigned smem = smem_u32(dyn_smem), deq = smem + STAGES * STAGE;
-        const int kblocks = K / BK;
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < kblocks) this->load_stage(smem + s * STAGE, x);
@@ -271,7 +270,7 @@ template <int BK, int STAGES>
 struct GemmWg : TileCopies<128, 128, BK, 128> {
     using C = TileCopies<128, 128, BK, 128>;
     static constexpr int BM = 128, BN = 128, THREADS = 128, WARP_COLS = 1, M_TILES = 2, N_TILES = 16, M_STRIDE = 64,
-                         M0_STEP = 16;
+                         M0_STEP = 16, K_STEP = BK;
     static constexpr int X_BYTES = C::X_BYTES, W_BYTES = C::W_BYTES, S_BYTES = BN * BK / 16, DEQ = C::DEQ;
     static constexpr int XS = STAGES, WS = STAGES - 1;  // x slots, packed-weight slots
     static_assert(BK == 64 && STAGES == 4, "one 128-byte swizzled row is 64 bf16; the slot arithmetic below");
@@ -285,7 +284,7 @@ struct GemmWg : TileCopies<128, 128, BK, 128> {
     // the weights of kb were dequantized in iteration kb - 1 (w slot kb % 3 free).
     __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
                                         const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
-                                        const int (&n_valid)[2], int K, const int (&)[N_TILES] /* wr */,
+                                        const int (&n_valid)[2], int K, int kblocks, const int (&)[N_TILES] /* wr */,
                                         int /* m0 */, float (&acc)[M_TILES][N_TILES][4]) {
         this->sources(x, token_ids, tile, wbase, sbase, n_valid, K);
         float(&d0)[64] = reinterpret_cast<float(&)[64]>(acc[0]);  // x rows 0 .. 63
@@ -296,7 +295,6 @@ struct GemmWg : TileCopies<128, 128, BK, 128> {
         auto xs_at = [&](int s) { return smem + s * X_BYTES; };
         auto ws_at = [&](int s) { return ws + s * (W_BYTES + S_BYTES); };
         auto generic = [&](unsigned a) { return base + (a - smem); };
-        const int kblocks = K / BK;
         const bool upper = tile.rows > 64;
 #pragma unroll
         for (int s = 0; s < 3; ++s) {

@@ -12,7 +12,8 @@ CuPy's current stream is the caller's before and after), writes into the caller'
 allocates nothing and never waits on the host for rows 1..8, so ``capture`` can record a whole
 decode or verify step as one CUDA graph.
 The wide prefill path (``sort_by_expert`` + ``moe_gemm_sorted``) sizes its grid from the slot
-count on the host and never reads device data back, like every other op. How the one-row routed
+count on the host and never reads device data back, like every other op; a grid with fewer blocks
+than SMs (one expert: a dense FFN stored NVFP4) splits K into the scratch the caller lends. How the one-row routed
 kernels run is the frozen ``RingConfig`` the backend is built with (the topology's ring levers);
 the operand form of each projection is fixed when its experts are uploaded. On sm_90 and later
 every kernel is launched as a programmatic dependent of the one before it (``pdl``; the ``pdl``
@@ -52,6 +53,11 @@ def _on_stream(op):
             return op(self, *args, **kwargs)
 
     return run
+
+
+def _experts(expert_offsets: Any) -> int:
+    """The experts a routing's offsets delimit (none: the one expert that takes every row)."""
+    return 1 if expert_offsets is None else expert_offsets.size - 1
 
 
 class CudaBackend(Backend[Any, Nvfp4Pointers]):
@@ -371,15 +377,15 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
 
     @_on_stream
     def moe_gemm_sorted(self, a, table: ExpertTable[Nvfp4Pointers], sorted_token_ids_S, expert_offsets, out_SN,
-                        gather_rows):
-        grouped.nvfp4_gemm_sorted(a, gather_rows, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, table,
-                                  out_SN)
+                        gather_rows, scratch=None):
+        grouped.nvfp4_gemm_sorted(a, gather_rows, sorted_token_ids_S, expert_offsets, _experts(expert_offsets),
+                                  table, out_SN, scratch=scratch)
 
     @_on_stream
     def moe_gate_up_act_sorted(self, x_TK, experts: RoutedExperts[Nvfp4Pointers], sorted_token_ids_S, expert_offsets,
-                               limit, gate_SM, up_SM, act_SM):
-        grouped.nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, expert_offsets.size - 1, experts,
-                                      limit, act_SM)
+                               limit, gate_SM, up_SM, act_SM, scratch=None):
+        grouped.nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, _experts(expert_offsets), experts,
+                                      limit, act_SM, scratch=scratch)
 
     @_on_stream
     def expert_linear(self, a_1K, table: ExpertTable[Nvfp4Pointers], local, out_1N):

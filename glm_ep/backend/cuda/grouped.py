@@ -2,6 +2,11 @@
 rows in ONE tensor-core launch per projection (gate + up + SwiGLU fused into one), the tile
 variants it instantiates and the choice among them.
 
+A launch with few tiles (one expert's rows: a dense FFN stored NVFP4, whose down projection at
+N = 4096 is 32 weight-row blocks over K = 12288) splits K where the caller lends an fp32 scratch:
+each split block streams its share of K and writes fp32 partial sums, and a second, small launch
+(``nvfp4_gemm_reduce[_glu]``) adds them in split order and rounds once, as the unsplit epilogue does.
+
 Shape suffixes: T rows, S expert-sorted slots, N/K a projection's out/in width.
 """
 
@@ -13,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.loader import (ARCH_SPECIFIC, BF16, GEMM_VARIANTS, I32, arch_build, block_smem_limit, cdiv,
-                                        check, check_shape, compute_capability, current_device, gemm_smem_bytes,
-                                        gemm_suffix, i32, launch)
+from glm_ep.backend.cuda.loader import (ARCH_SPECIFIC, BF16, F32, GEMM_VARIANTS, I32, arch_build, block_smem_limit,
+                                        cdiv, check, check_shape, compute_capability, current_device,
+                                        gemm_smem_bytes, gemm_suffix, i32, launch, sm_count)
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
@@ -28,7 +33,14 @@ GEMM_DEFAULT = {16: (16, 1, 4, 64, 4, "sync"), 32: (32, 1, 4, 64, 4, "sync"), 64
 GEMM_FALLBACK = {(64, 1, 4, 128, 3, "sync"): (64, 1, 4, 64, 4, "sync")}
 GEMM_WGMMA = (128, 1, 4, 64, 4, "wgmma")
 GEMM_WGMMA_FROM = 16  # rows per expert past which the wgmma engine is the default where it runs
+# ONE expert (a dense FFN stored NVFP4: 192 blocks for gate + up, two thirds of a wave): the register engine up to
+# 32 rows (H200, 12288 x 4096 at 24 / 32 rows: gate + up 68.7 / 70.0 us on m32w4k64 against 75.8 / 76.3 on wgmma)
+GEMM_WGMMA_FROM_ONE = 32
 Variant = tuple[int, int, int, int, int, str]
+SPLIT_MAX = 8  # K splits of one launch at most
+SPLIT_MIN_KBLOCKS = 8  # k stages a split streams at least (the pipeline's fill and drain amortized)
+SPLIT_PARTIAL_BYTES = 8 << 20  # fp32 partial sums one split launch writes at most (so they stay in L2)
+REDUCE_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -65,20 +77,55 @@ class GemmGeometry:
 
     def tiles(self, slots: int, count: int) -> int:
         """Row tiles a launch must cover at most: every local expert's ceil(rows / BM), whatever the
-        routing (the last tile of each expert that has rows may be partial)."""
-        return cdiv(slots, self.bm) + min(count, slots)
+        routing. ceil(a) + ceil(b) <= ceil(a + b) + 1, so c experts that hold the ``slots`` rows
+        between them need at most ceil(slots / BM) + c - 1 tiles (exactly ceil(slots / BM) for one)."""
+        return cdiv(slots, self.bm) + min(count, slots) - 1 if slots and count else 0
 
 
 def gemm_variant(slots: int, num_experts: int, k: int, wgmma: bool = False) -> Variant:
     """The variant for a call: the smallest BM that holds the rows an expert gets on average (slots
     spread over all experts), so few-row widths do not pay for empty tile rows; where ``wgmma`` runs
-    (sm_90a), its 128-row tile past ``GEMM_WGMMA_FROM`` rows per expert. A variant whose stage does not
-    divide the in width ``k`` gives way to its fallback (the launch names the width if it has none)."""
+    (sm_90a), its 128-row tile past ``GEMM_WGMMA_FROM`` rows per expert (``GEMM_WGMMA_FROM_ONE`` for one).
+    A variant whose stage does not divide the in width ``k`` gives way to its fallback (the launch names
+    the width if it has none)."""
     per_expert = slots / max(num_experts, 1)
-    if wgmma and per_expert > GEMM_WGMMA_FROM and k % GEMM_WGMMA[3] == 0:
+    wgmma_from = GEMM_WGMMA_FROM if num_experts > 1 else GEMM_WGMMA_FROM_ONE
+    if wgmma and per_expert > wgmma_from and k % GEMM_WGMMA[3] == 0:
         return GEMM_WGMMA
     bm = next((bm for bm in sorted(GEMM_DEFAULT) if per_expert <= bm), max(GEMM_DEFAULT))
     return _fitting(GEMM_DEFAULT[bm], k)
+
+
+def k_splits(blocks: int, kblocks: int, partial_floats: int, scratch_floats: int, sms: int) -> int:
+    """K splits of a launch of ``blocks`` blocks (row tiles x weight-row blocks) over ``kblocks`` stages
+    of k, each split writing ``partial_floats`` fp32 partial sums into a scratch of ``scratch_floats``:
+    where the launch has fewer blocks than SMs, enough for two an SM, within ``SPLIT_MAX``,
+    ``SPLIT_MIN_KBLOCKS`` stages a split, the scratch and ``SPLIT_PARTIAL_BYTES``; 1 (no split) where
+    fewer than 2 would do. Measured on an H200 (one expert of 12288 x 4096, docs/perf/NOTES.md): the
+    down projection's 32 blocks take 110 us unsplit, 24 us in 8 splits; gate + up's 192 blocks gain
+    54 -> 42 us from 2 splits, less than the reduce launch costs an eager call on the host."""
+    if blocks >= sms or partial_floats <= 0:
+        return 1
+    splits = min(SPLIT_MAX, cdiv(2 * sms, max(blocks, 1)), kblocks // SPLIT_MIN_KBLOCKS,
+                 scratch_floats // partial_floats, SPLIT_PARTIAL_BYTES // (4 * partial_floats))
+    return splits if splits >= 2 else 1
+
+
+def _splits(asked: int | None, blocks: int, kblocks: int, partial_floats: int, scratch: Any, what: str) -> int:
+    """The call's K splits: ``asked`` (checked against the stages and the scratch), else ``k_splits``'s
+    (none without a scratch)."""
+    floats = 0
+    if scratch is not None:
+        check("scratch", scratch, F32, 16)
+        floats = scratch.size
+    if asked is None:
+        return k_splits(blocks, kblocks, partial_floats, floats, sm_count()) if floats else 1
+    if not 1 <= asked <= kblocks:
+        raise ValueError(f"{what}: {asked} K splits, expected 1..{kblocks} (the in width's stages of k)")
+    if asked > 1 and asked * partial_floats > floats:
+        raise ValueError(f"{what}: {asked} K splits need a float32 scratch of {asked * partial_floats} elements, "
+                         f"{'got none' if scratch is None else f'got {floats}'}")
+    return asked
 
 
 def _fitting(v: Variant, k: int) -> Variant:
@@ -131,59 +178,93 @@ def _geometry(variant: Variant | None, x: Any, slots: int, num_experts: int, k: 
     return geo
 
 
+def _slots(sorted_token_ids_S: Any, expert_offsets: Any, out_SN: Any, count: int, what: str) -> int:
+    """The call's slot count: the sorted ids', or without a routing (``expert_offsets`` None: ONE local expert
+    owns every row, in order) the output's rows."""
+    if expert_offsets is not None:
+        return sorted_token_ids_S.size
+    if sorted_token_ids_S is not None or count != 1:
+        raise ValueError(f"{what}: without expert_offsets one local expert owns every row in order (no "
+                         f"sorted_token_ids); got {count} local experts"
+                         + ("" if sorted_token_ids_S is None else " and sorted_token_ids"))
+    return out_SN.shape[0] if out_SN.ndim == 2 else 0
+
+
 def _gemm_checks(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
-                 k: int, out_SN: Any, n: int, geo: GemmGeometry, what: str) -> int:
-    s = sorted_token_ids_S.size
+                 k: int, out_SN: Any, n: int, s: int, geo: GemmGeometry, what: str) -> None:
     if k % geo.bk:
         raise ValueError(f"{what}: in width {k} is not a multiple of {geo.bk} (one grouped-GEMM stage)")
     if n % 8:
         raise ValueError(f"{what}: out width {n} is not a multiple of 8")
-    check("x", x, BF16), check("sorted_token_ids", sorted_token_ids_S, I32, 4)
-    check("expert_offsets", expert_offsets, I32, 4), check("out", out_SN, BF16)
-    check_shape("expert_offsets", expert_offsets, (num_experts + 1,))
+    check("x", x, BF16), check("out", out_SN, BF16)
+    if expert_offsets is not None:
+        check("sorted_token_ids", sorted_token_ids_S, I32, 4), check("expert_offsets", expert_offsets, I32, 4)
+        check_shape("expert_offsets", expert_offsets, (num_experts + 1,))
     check_shape("out", out_SN, (s, n))
-    if x.ndim != 2 or x.shape[1] != k or (not gather_rows and x.shape[0] != s):
+    in_order = not gather_rows or expert_offsets is None
+    if x.ndim != 2 or x.shape[1] != k or (in_order and x.shape[0] != s):
         raise ValueError(f"{what}: x has shape {tuple(x.shape)}, expected [rows, {k}]"
-                         + ("" if gather_rows else f" with {s} rows"))
-    return s
+                         + (f" with {s} rows" if in_order else ""))
+
+
+def _ptr(a: Any) -> Any:
+    """A device array, or the null pointer for None."""
+    return np.uint64(0) if a is None else a
 
 
 def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
-                      table: ExpertTable[Nvfp4Pointers], out_SN: Any,
-                      variant: Variant | None = None) -> None:
+                      table: ExpertTable[Nvfp4Pointers], out_SN: Any, variant: Variant | None = None,
+                      scratch: Any = None, splits: int | None = None) -> None:
     """Every local expert's expert-sorted rows in ONE tensor-core launch: sorted row i of expert e
     reads ``x[sorted_token_ids[i]]`` (``gather_rows``) or ``x[i]``; rows of remote experts untouched.
-    ``variant``: one of ``GEMM_VARIANTS`` (default: ``gemm_variant``'s)."""
+    Without a routing (``sorted_token_ids`` and ``expert_offsets`` None) the table's one expert takes
+    every row of x in order. ``variant``: one of ``GEMM_VARIANTS`` (default: ``gemm_variant``'s).
+    ``scratch``: a float32 buffer whose contents are dead, for a K split's partial sums (``k_splits``;
+    ``splits`` forces a count)."""
     proj, start, count = table.weights, table.start, table.count
-    geo = _geometry(variant, x, sorted_token_ids_S.size, num_experts, proj.k, "nvfp4_gemm_sorted")
-    s = _gemm_checks(x, gather_rows, sorted_token_ids_S, expert_offsets, num_experts, proj.k, out_SN, proj.n, geo,
-                     "nvfp4_gemm_sorted")
+    s = _slots(sorted_token_ids_S, expert_offsets, out_SN, count, "nvfp4_gemm_sorted")
+    geo = _geometry(variant, x, s, num_experts, proj.k, "nvfp4_gemm_sorted")
+    _gemm_checks(x, gather_rows, sorted_token_ids_S, expert_offsets, num_experts, proj.k, out_SN, proj.n, s, geo,
+                 "nvfp4_gemm_sorted")
+    n_blocks, blocks = cdiv(proj.n, geo.bn), geo.tiles(s, count) * cdiv(proj.n, geo.bn)
+    ks = _splits(splits, blocks, proj.k // geo.bk, s * proj.n, scratch, "nvfp4_gemm_sorted")
     if s == 0 or count == 0:
         return
-    n_blocks = cdiv(proj.n, geo.bn)
-    launch(_GEMM, f"nvfp4_gemm_sorted_{geo.suffix}", (geo.tiles(s, count) * n_blocks, 1, 1), (geo.threads, 1, 1),
-           (x, sorted_token_ids_S if gather_rows else np.uint64(0), expert_offsets, proj.packed_ptrs,
+    launch(_GEMM, f"nvfp4_gemm_sorted_{geo.suffix}", (blocks, ks, 1), (geo.threads, 1, 1),
+           (x, _ptr(sorted_token_ids_S if gather_rows else None), _ptr(expert_offsets), proj.packed_ptrs,
             proj.scale_ptrs, proj.scale2, i32(start), i32(count), out_SN, i32(proj.n), i32(proj.k),
-            i32(n_blocks)), smem=geo.smem)
+            i32(n_blocks), _ptr(scratch if ks > 1 else None), i32(s)), smem=geo.smem)
+    if ks > 1:
+        launch(_GEMM, "nvfp4_gemm_reduce", (cdiv(s * proj.n // 4, REDUCE_THREADS), 1, 1), (REDUCE_THREADS, 1, 1),
+               (scratch, i32(ks), i32(s), _ptr(expert_offsets), i32(start), i32(count), out_SN, i32(proj.n)))
 
 
 def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                           experts: RoutedExperts[Nvfp4Pointers], limit: float, act_SN: Any,
-                          variant: Variant | None = None) -> None:
+                          variant: Variant | None = None, scratch: Any = None, splits: int | None = None) -> None:
     """Gate, up and the clamped SwiGLU of every local expert's sorted rows in ONE launch (the token
-    rows gathered through ``sorted_token_ids``); writes only ``act`` (gate and up stay in registers,
-    each rounded to bf16 before the SwiGLU, as the separate ops round them)."""
+    rows gathered through ``sorted_token_ids``; without a routing, as ``nvfp4_gemm_sorted``, every row
+    of x in order); writes only ``act`` (gate and up stay in registers, each rounded to bf16 before the
+    SwiGLU, as the separate ops round them). ``scratch`` / ``splits``: as ``nvfp4_gemm_sorted``'s (a
+    split writes gate's and up's partial sums)."""
     gate, up, start, count = experts.gate.weights, experts.up.weights, experts.start, experts.count
     if (gate.n, gate.k) != (up.n, up.k):
         raise ValueError(f"nvfp4_gemm_sorted_glu: gate [{gate.n}, {gate.k}] and up [{up.n}, {up.k}] differ")
-    geo = _geometry(variant, x_TK, sorted_token_ids_S.size, num_experts, gate.k, "nvfp4_gemm_sorted_glu")
-    s = _gemm_checks(x_TK, True, sorted_token_ids_S, expert_offsets, num_experts, gate.k, act_SN, gate.n, geo,
-                     "nvfp4_gemm_sorted_glu")
+    s = _slots(sorted_token_ids_S, expert_offsets, act_SN, count, "nvfp4_gemm_sorted_glu")
+    geo = _geometry(variant, x_TK, s, num_experts, gate.k, "nvfp4_gemm_sorted_glu")
+    _gemm_checks(x_TK, True, sorted_token_ids_S, expert_offsets, num_experts, gate.k, act_SN, gate.n, s, geo,
+                 "nvfp4_gemm_sorted_glu")
+    n_blocks = cdiv(gate.n, geo.bn // 2)
+    blocks = geo.tiles(s, count) * n_blocks
+    ks = _splits(splits, blocks, gate.k // geo.bk, 2 * s * gate.n, scratch, "nvfp4_gemm_sorted_glu")
     if s == 0 or count == 0:
         return
-    n_blocks = cdiv(gate.n, geo.bn // 2)
-    launch(_GEMM, f"nvfp4_gemm_sorted_glu_{geo.suffix}", (geo.tiles(s, count) * n_blocks, 1, 1),
-           (geo.threads, 1, 1),
-           (x_TK, sorted_token_ids_S, expert_offsets, gate.packed_ptrs, gate.scale_ptrs, gate.scale2,
+    launch(_GEMM, f"nvfp4_gemm_sorted_glu_{geo.suffix}", (blocks, ks, 1), (geo.threads, 1, 1),
+           (x_TK, _ptr(sorted_token_ids_S), _ptr(expert_offsets), gate.packed_ptrs, gate.scale_ptrs, gate.scale2,
             up.packed_ptrs, up.scale_ptrs, up.scale2, i32(start), i32(count), act_SN, i32(gate.n),
-            i32(gate.k), i32(n_blocks), np.float32(limit)), smem=geo.smem)
+            i32(gate.k), i32(n_blocks), np.float32(limit), _ptr(scratch if ks > 1 else None), i32(s)),
+           smem=geo.smem)
+    if ks > 1:
+        launch(_GEMM, "nvfp4_gemm_reduce_glu", (cdiv(s * gate.n // 4, REDUCE_THREADS), 1, 1), (REDUCE_THREADS, 1, 1),
+               (scratch, i32(ks), i32(s), _ptr(expert_offsets), i32(start), i32(count), act_SN, i32(gate.n),
+                np.float32(limit)))
