@@ -37,3 +37,18 @@ def test_a_partial_run_names_its_own_files():
     assert result_stem(list(WIDTHS)) == "prefill"
     assert result_stem([1024, 4096]) == "prefill_1024_4096"
     assert result_stem([16]) == "prefill_16" and result_stem([16]).upper() == "PREFILL_16"
+
+
+def test_render_nvfp4_dense_sweep():
+    """The dense FFN stored NVFP4: each path per swept width, the crossover (row groups against the grouped GEMM
+    with its K split) and the byte floor over the fastest; a run without the sweep renders without it."""
+    data = json.loads(RECORDED.read_text())
+    assert f"NVFP4: row groups vs grouped GEMM — crossover at **{data['meta']['nvfp4_crossover']} rows**" in \
+        render(data["meta"], data)
+    assert "NVFP4: row groups" not in render(data["meta"], {**data, "nvfp4_sweep": []})
+    data["nvfp4_sweep"] = [{"rows": 9, "union_us": 200.0, "sorted_nosplit_us": 260.0, "sorted_us": 50.0},
+                           {"rows": 16, "union_us": 225.0, "sorted_nosplit_us": 270.0, "sorted_us": 40.0}]
+    data["meta"].update(nvfp4_dense_floor_us=20.0, nvfp4_crossover=crossover(data["nvfp4_sweep"]))
+    text = render(data["meta"], data)
+    assert "NVFP4: row groups vs grouped GEMM — crossover at **9 rows** (byte floor 20.0 µs)" in text
+    assert "| 9 | 200.0 | 260.0 | 50.0 | 0.40 |" in text and "| 16 | 225.0 | 270.0 | 40.0 | 0.50 |" in text

@@ -6,7 +6,8 @@ forced), the routed-expert GEMMs alone (sort + grouped gate/up/SwiGLU + grouped 
 next to the measured bf16 GEMM rate), the dense site, the shared expert and the router; the peers:
 HF transformers' ``Glm5NextTextMoE`` (fastest experts implementation), ``Glm5NextTextMLP``,
 ``torch._grouped_mm`` on bf16 experts and the HF router. A sweep of the two routed paths gives the
-crossover the ``prefill_gemm_min_rows`` lever is set from. Synthetic weights made on the GPU;
+crossover the ``prefill_gemm_min_rows`` lever is set from; one of a dense FFN stored NVFP4 (row groups,
+the grouped GEMM with and without its K split) the ``nvfp4_dense_gemm_min_rows`` lever's. Synthetic weights made on the GPU;
 every figure a median over repeats after warm-up. Writes PREFILL.md, prefill.json, prefill.png; a run of other
 ``--rows`` than the default widths writes PREFILL_<rows>.md, prefill_<rows>.json and prefill_<rows>.png instead
 (e.g. PREFILL_1024_4096.md), so a partial run never overwrites the full table.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +29,7 @@ from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, 
                                  world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.experts import ExpertDispatch
+from glm_ep.footprint import nvfp4_bytes
 from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
 from glm_ep.topology import PathLevers
 from glm_ep.workspace import Workspace
@@ -84,13 +87,20 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     def t(fn: Callable[[], Any], rows: int) -> float:
         return time_median(cp, stream, fn, iters=_iters(rows), warmup=2, repeats=5)
 
-    results: dict[str, Any] = {"widths": [], "sweep": []}
+    # the dense FFN stored NVFP4 on each path: row groups, the grouped GEMM without and with its K split
+    nvfp4_paths = {key: replace(dense_nvfp4_site, nvfp4=ExpertDispatch(be, cfg.dense_as_expert(), lv)) for key, lv in (
+        ("union_us", PathLevers(prefill_gemm=False)), ("sorted_nosplit_us", PathLevers(prefill_k_split=False)),
+        ("sorted_us", PathLevers()))}
+    results: dict[str, Any] = {"widths": [], "sweep": [], "nvfp4_sweep": []}
     for rows in SWEEP:
         x = gpu_bf16(cp, (rows, h), 1.0)
         o = out[:rows]
         results["sweep"].append({"rows": rows, "union_us": t(lambda: union_site(x, ws, o), rows),
                                  "sorted_us": t(lambda: sorted_site(x, ws, o), rows)})
         log.info("sweep %s", results["sweep"][-1])
+        results["nvfp4_sweep"].append({"rows": rows, **{key: t(lambda: st(x, ws, o), rows)
+                                                        for key, st in nvfp4_paths.items()}})
+        log.info("NVFP4 dense sweep %s", results["nvfp4_sweep"][-1])
     for rows in widths:
         x = gpu_bf16(cp, (rows, h), 1.0)
         o = out[:rows]
@@ -133,8 +143,11 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     cp.get_default_memory_pool().free_all_blocks()
     peers = _peer_rows(model, widths, args) if args.peer else {"note": "peers skipped (--no-peer)"}
     meta = bench_meta(device, copy_gbs)
+    width = model.intermediate_size
     meta.update(gemm_tflops=peers.get("gemm_tflops"), dense_floor_us=dense_bytes(model) / (copy_gbs * 1e9) * 1e6,
-                crossover=crossover(results["sweep"]), peer_note=peers.get("note", ""))
+                crossover=crossover(results["sweep"]), peer_note=peers.get("note", ""),
+                nvfp4_dense_floor_us=(2 * nvfp4_bytes(width, h) + nvfp4_bytes(h, width)) / (copy_gbs * 1e9) * 1e6,
+                nvfp4_crossover=crossover(results["nvfp4_sweep"]))
     for r in results["widths"]:
         r.update(peers.get(r["rows"], {}))
     out_dir = Path(args.out)
@@ -232,6 +245,16 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
                   f"**{meta['crossover']} rows**", "", "| rows | row groups | grouped GEMM |", "|---:|---:|---:|"]
     for r in res["sweep"]:
         lines.append(f"| {r['rows']} | {r['union_us']:.1f} | {r['sorted_us']:.1f} |")
+    if res.get("nvfp4_sweep"):
+        floor = meta["nvfp4_dense_floor_us"]
+        lines += ["", f"## Dense FFN stored NVFP4: row groups vs grouped GEMM — crossover at "
+                      f"**{meta['nvfp4_crossover']} rows** (byte floor {floor:.1f} µs)", "",
+                  "| rows | row groups | grouped GEMM, no K split | grouped GEMM, K split | floor / best |",
+                  "|---:|---:|---:|---:|---:|"]
+        for r in res["nvfp4_sweep"]:
+            best = min(r["union_us"], r["sorted_nosplit_us"], r["sorted_us"])
+            lines.append(f"| {r['rows']} | {r['union_us']:.1f} | {r['sorted_nosplit_us']:.1f} | "
+                         f"{r['sorted_us']:.1f} | {floor / best:.2f} |")
     return "\n".join(lines) + "\n"
 
 
