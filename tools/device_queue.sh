@@ -10,6 +10,9 @@
 #   bash tools/device_queue.sh one # a session with one call's time: a's tests and ring forms, the ring without
 #                                  # its dequantization or math (where its time goes), bench --prefill at 16 and
 #                                  # 64 rows (the dense site against its byte floor, the peers)
+#   bash tools/device_queue.sh split # the grouped GEMM's K split: its tests, the NVFP4 dense site's paths, its
+#                                  # launches by split count (tools/ksplit_probe.py), bench --prefill at 16 and
+#                                  # 64 rows (its NVFP4 dense sweep, the peers)
 # Logs and results under $OUT (or /tmp/out).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -43,6 +46,15 @@ c)
     timeout 120 python3 tools/wide_overhead.py --rows 16 64 256 2>&1 | tee "$O/wide_overhead.log" | tail -20
     stage "bench --prefill"
     timeout 400 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -40 ;;
+split)
+    stage "K split tests"
+    timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
+        tests/test_cuda_paths.py -k "k_split or nvfp4_dense or glm_shape" 2>&1 | tee "$O/split_tests.log" | tail -15
+    stage "K split probe"
+    timeout 150 python3 tools/ksplit_probe.py --splits 1 2 4 8 16 2>&1 | grep -v "^\[rank" | tee "$O/ksplit_probe.log"
+    stage "bench --prefill 16 64"
+    timeout 300 python3 -m glm_ep bench --prefill --rows 16 64 --out "$O/prefill" 2>"$O/prefill.err" | tail -45
+    tail -3 "$O/prefill.err" ;;
 ablate)
     stage "ring ablation"
     timeout 150 python3 tools/kernel_timing.py --ring-ablation 2>&1 | tee "$O/ring_ablation.log" | tail -9
