@@ -76,6 +76,7 @@ class PathLevers:
     ring_depth: tuple[int, ...] = (2, 2)  # ring stages per warp, likewise
     ring_warps_per_sm: int = 16  # warps per SM the ring grid aims at (fewer where its rings do not fit)
     ring_max_warps: int = 0  # cap on the ring grid's warps (0: none)
+    ring_min_items_per_sm: int = 4  # fewer items an SM (one expert's down projection): the block kernels (0: off)
     ring_f16: bool = False  # the down projection in the fp16-operand form: refused unless swiglu_limit bounds it
     ring_f16_hidden: bool = False  # gate and up too: the hidden state is unbounded (past 65504: inf); opt-in
     ring_unscaled: bool = True  # projections outside the fp16 form: unscaled bf16 operands (false: scaled)
@@ -101,6 +102,8 @@ class PathLevers:
             raise ConfigError(f"levers.ring_union_max_rows = {self.ring_union_max_rows}, expected >= 0 (0: off)")
         if self.ring_max_warps < 0:
             raise ConfigError(f"levers.ring_max_warps = {self.ring_max_warps}, expected >= 0 (0: no cap)")
+        if self.ring_min_items_per_sm < 0:
+            raise ConfigError(f"levers.ring_min_items_per_sm = {self.ring_min_items_per_sm}, expected >= 0 (0: off)")
         if self.ring_f16_hidden and not self.ring_f16:
             raise ConfigError("levers.ring_f16_hidden = true needs ring_f16 = true (the fp16 form of gate and up "
                               "comes with the down projection's)")

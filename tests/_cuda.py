@@ -39,10 +39,11 @@ requires_cuda = pytest.mark.skipif(cupy is None, reason=_REASON or "CUDA availab
 
 @functools.cache
 def backend():
-    """One CudaBackend per process (its ops queue on its own stream, never CuPy's current one)."""
-    from glm_ep.backend.cuda import CudaBackend
+    """One CudaBackend per process (its ops queue on its own stream, never CuPy's current one). Its ring takes
+    any launch the kernels are built for (``min_items_per_sm = 0``), so the tests' small shapes run on it."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    return CudaBackend(0)
+    return CudaBackend(0, RingConfig(min_items_per_sm=0))
 
 
 def dev(a: np.ndarray):

@@ -60,6 +60,23 @@ def test_ring_levers_default_to_the_measured_ring_and_parse_from_toml() -> None:
     assert RingConfig.from_levers(lv).forms(7.0) == ("bf16", "f16")
     lv = Topology.from_dict({"levers": {"ring_down_combine": False}}).levers
     assert RingConfig.from_levers(lv) == RingConfig(down_combine=False)
+    lv = Topology.from_dict({"levers": {"ring_min_items_per_sm": 0}}).levers
+    assert RingConfig.from_levers(lv) == RingConfig(min_items_per_sm=0)
+
+
+def test_the_ring_declines_launches_of_few_items_an_sm(monkeypatch) -> None:
+    """One slot of one expert's down projection (a dense FFN stored NVFP4: 4096 outputs, 256 items of 16 rows)
+    is under 4 items an SM of 132 and goes to the block kernels; its gate + up (768 items) and the routed
+    experts' 8 slots stay on the ring; ``min_items_per_sm = 0`` takes every shape the kernels are built for."""
+    from glm_ep.backend.cuda import ring as R
+
+    monkeypatch.setattr(R, "sm_count", lambda: 132)
+    ring = RingConfig()
+    assert not ring.takes(4096, 12288, 1, 1)
+    assert ring.takes(12288, 4096, 1, 2) and ring.takes(2048, 4096, 8, 2) and ring.takes(4096, 2048, 8, 1)
+    assert RingConfig(min_items_per_sm=0).takes(4096, 12288, 1, 1)
+    monkeypatch.setattr(R, "sm_count", lambda: 48)  # a GB10: 256 items are 5.3 an SM
+    assert ring.takes(4096, 12288, 1, 1)
 
 
 def test_dependent_launch_lever_and_its_argument_marshalling() -> None:
@@ -133,6 +150,7 @@ def test_down_combine_parts_cover_the_shared_width_in_routed_item_spans() -> Non
     ({"ring_depth": [2, 0]}, "levers.ring_depth = [2, 0], expected two positive integers"),
     ({"ring_slab": "4,4"}, "levers.ring_slab = '4,4' has type str, expected a list of integers"),
     ({"ring_max_warps": -1}, "levers.ring_max_warps = -1, expected >= 0"),
+    ({"ring_min_items_per_sm": -2}, "levers.ring_min_items_per_sm = -2, expected >= 0 (0: off)"),
     ({"ring_f16": False, "ring_f16_hidden": True}, "levers.ring_f16_hidden = true needs ring_f16 = true"),
 ])
 def test_ring_levers_are_checked_when_parsed(levers: dict, named: str) -> None:

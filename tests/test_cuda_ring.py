@@ -16,6 +16,7 @@ from helpers import BF16, assert_close, assert_ulps, rand_bf16
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
 NP = NumpyBackend()
+ANY_ITEMS = dict(min_items_per_sm=0)  # the ring at the tests' small shapes, whatever their items an SM
 
 
 # ---- the persistent decode ring (gemv_nvfp4_ring.cu) against gemv_nvfp4.cu's path and NumPy ----------
@@ -53,7 +54,7 @@ def test_moe_decode_ring(rng, ring, forms):
     """A backend built with each ring config, on the shared backend's stream (the helpers' buffers)."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
+    be = CudaBackend(0, RingConfig(**{**ANY_ITEMS, **ring}), stream=backend().stream)
     h, m, start, count = 2048, 1024, 4, 6  # ids outside [4, 10) are remote; K = 1..4 slabs
     cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
     assert (cu.gate.weights.form, cu.up.weights.form, cu.down.weights.form) == (forms[0], forms[0], forms[1])
@@ -86,7 +87,7 @@ def test_moe_down_combine_ring(rng, ring, shared_k):
 
     from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
+    be = CudaBackend(0, RingConfig(**{**ANY_ITEMS, **ring}), stream=backend().stream)
     h, m, start, count = 2048, 1024, 4, 6
     cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
     ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
@@ -142,7 +143,7 @@ def test_moe_down_combine_falls_back_where_the_ring_cannot():
 
     rng = np.random.default_rng(5)
     h, m = 2048, 1024
-    for ring, shared_k in ((RingConfig(), 384), (RingConfig(down_combine=False), 512)):
+    for ring, shared_k in ((RingConfig(**ANY_ITEMS), 384), (RingConfig(down_combine=False, **ANY_ITEMS), 512)):
         be = CudaBackend(0, ring, stream=backend().stream)
         assert not be._down_combine_scratch(h, m, shared_k)
         cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=4, num_experts=8), be)
@@ -171,8 +172,8 @@ def test_placed_ring_scales_with_x(rng):
     the unscaled form likewise."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    placed = CudaBackend(0, RingConfig(placed_hidden=True), stream=backend().stream)
-    plain = CudaBackend(0, RingConfig(placed=False), stream=backend().stream)
+    placed = CudaBackend(0, RingConfig(placed_hidden=True, **ANY_ITEMS), stream=backend().stream)
+    plain = CudaBackend(0, RingConfig(placed=False, **ANY_ITEMS), stream=backend().stream)
     h, m, start, count = 2048, 1024, 0, 8
     w = moe_weights(rng, h=h, m=m, start=start, count=count, num_experts=8)
     cu_p, nu = both(w, placed)
@@ -214,3 +215,25 @@ def test_placed_ring_scales_with_x(rng):
     one = poisoned((TOP_K, m), BF16)
     placed.moe_gemv(dev(x), cu_p.gate, dev(ids), one, False)  # one x row, no bound: the kernel finds it
     assert_ulps(host(one), base[0], "placed gemv (own scale) against the glu's gate", 2)
+
+
+def test_few_items_an_sm_take_the_block_kernels(rng, monkeypatch):
+    """Launches under ``min_items_per_sm`` (as one expert's down projection is at one row) go to gemv_nvfp4.cu's
+    block kernels, on weights uploaded in the ring's forms: no ring entry launched, the outputs within bf16
+    rounding of NumPy, remote slots untouched."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+    from glm_ep.backend.cuda import nvfp4 as NVM
+
+    be = CudaBackend(0, RingConfig(min_items_per_sm=10 ** 6), stream=backend().stream)
+    h, m, start, count = 2048, 1024, 4, 6
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
+    assert (cu.gate.weights.form, cu.down.weights.form) == DEFAULT
+    entries: list[str] = []
+    real = NVM.launch
+    monkeypatch.setattr(NVM, "launch", lambda file, entry, *a, **kw: (entries.append(entry),
+                                                                        real(file, entry, *a, **kw)))
+    ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
+    local = (ids >= start) & (ids < start + count)
+    check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "block kernels glu", be)
+    check_moe_gemv(rng, cu, nu, "down", True, ids, local, "block kernels down", be)
+    assert entries and not any("ring" in e for e in entries), entries

@@ -84,7 +84,7 @@ def test_moe_union_ring(rng, ring, r):
     """A backend built with each union config, on the shared backend's stream."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    be = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
+    be = CudaBackend(0, RingConfig(min_items_per_sm=0, **ring), stream=backend().stream)
     h, m, start, count = 2048, 1024, 6, 20  # ids outside [6, 26) are remote; K = 1..8 slabs
     cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
     ids = _union_ids(rng, r)
@@ -98,7 +98,8 @@ def test_union_ring_rows_independent(rng):
     decode. Rows share experts (a pool of 12), so union entries hold several rows."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    be = CudaBackend(0, RingConfig(f16=False, unscaled=False, union_max_rows=8), stream=backend().stream)
+    be = CudaBackend(0, RingConfig(f16=False, unscaled=False, union_max_rows=8, min_items_per_sm=0),
+                     stream=backend().stream)
     h, m = 2048, 1024
     cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=E), be)
     ids8 = np.stack([rng.choice(12, TOP_K, replace=False) * 2 for _ in range(8)]).astype(np.int32)

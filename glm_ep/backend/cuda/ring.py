@@ -79,7 +79,7 @@ class RingConfig:
     unscaled form decoded by bit placement (the ``placed`` form, where the limit bounds the
     activation); ``placed_hidden``: gate and up too; ``down_combine``: at
     one row, the shared expert's down projection and the site's combine run inside the routed down
-    launch."""
+    launch; ``min_items_per_sm``: a launch with fewer items goes to the block kernels (0: never)."""
 
     enabled: bool = True
     slab: tuple[int, int] = (4, 4)
@@ -95,6 +95,10 @@ class RingConfig:
     union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (bf16 form)
     union_slab: tuple[int, int] = (2, 2)
     union_depth: tuple[int, int] = (3, 3)
+    # fewer (slot x 16-row group) items than this per SM go to the block kernels, which split K: ONE expert's
+    # down projection (a dense FFN stored NVFP4, 256 items of K = 12288) took 25.4 us on the ring against 14.6
+    # on them on an H100, while its gate + up (768 items) ran faster on the ring, 30.6 against 33.9 (NOTES.md)
+    min_items_per_sm: int = 4
 
     def __post_init__(self) -> None:
         for name, (slab, depth, built) in (("ring", (self.slab, self.depth, RING_KERNELS)),
@@ -110,7 +114,7 @@ class RingConfig:
         return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
                    lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_placed, lv.ring_placed_hidden,
                    lv.ring_down_combine, lv.ring_union_max_rows,
-                   tuple(lv.ring_union_slab), tuple(lv.ring_union_depth))
+                   tuple(lv.ring_union_slab), tuple(lv.ring_union_depth), lv.ring_min_items_per_sm)
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
         """(gate and up, down): the operand form (``FORM_PREFIX``'s keys) in which the ring reads each
@@ -128,9 +132,11 @@ class RingConfig:
         return "f16" if self.f16 and self.f16_hidden else hidden, "f16" if self.f16 else act
 
     def takes(self, n: int, k: int, slots: int, p: int) -> bool:
-        """Whether the ring serves a launch of ``slots`` slots of ``p`` [n, k] matrices."""
+        """Whether the ring serves a launch of ``slots`` slots of ``p`` [n, k] matrices: the shapes it is
+        built for, with at least ``min_items_per_sm`` items an SM (a warp takes whole items, K unsplit)."""
         return (self.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.slab[p - 1]) == 0
-                and slots <= RING_MAX_SLOTS)
+                and slots <= RING_MAX_SLOTS
+                and (not self.min_items_per_sm or slots * (n // MMA_ROWS) >= self.min_items_per_sm * sm_count()))
 
     def geometry(self, n: int, slots: int, p: int, form: str, extra_items: int = 0, k: int = 0
                  ) -> tuple[int, int, str]:
