@@ -13,6 +13,8 @@
 #   bash tools/device_queue.sh split # the grouped GEMM's K split: its tests, the NVFP4 dense site's paths, its
 #                                  # launches by split count (tools/ksplit_probe.py), bench --prefill at 16 and
 #                                  # 64 rows (its NVFP4 dense sweep, the peers)
+#   bash tools/device_queue.sh items # the ring's min items an SM: its tests, one expert's one-row launches on the
+#                                  # ring and the block kernels, glm-ep bench (the NVFP4 dense rows)
 # Logs and results under $OUT (or /tmp/out).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -55,6 +57,14 @@ split)
     stage "bench --prefill 16 64"
     timeout 300 python3 -m glm_ep bench --prefill --rows 16 64 --out "$O/prefill" 2>"$O/prefill.err" | tail -45
     tail -3 "$O/prefill.err" ;;
+items)
+    stage "ring min items tests"
+    timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_ring.py \
+        tests/test_cuda_paths.py -k "few_items or nvfp4_dense or default" 2>&1 | tee "$O/items_tests.log" | tail -8
+    stage "one row, ring against block kernels"
+    timeout 60 python3 tools/ksplit_probe.py --one-row 2>&1 | grep -v "^\[rank" | tee "$O/one_row.log"
+    stage "bench"
+    timeout 240 python3 -m glm_ep bench --out "$O/decode" 2>"$O/decode.err" | tail -24 ;;
 ablate)
     stage "ring ablation"
     timeout 150 python3 tools/kernel_timing.py --ring-ablation 2>&1 | tee "$O/ring_ablation.log" | tail -9

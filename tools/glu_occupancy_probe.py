@@ -85,7 +85,7 @@ def run(args) -> int:
         return 0
 
     if args.sweep:
-        rb = CudaBackend(0, RingConfig(placed=False), stream=s)
+        rb = CudaBackend(0, RingConfig(placed=False, min_items_per_sm=0), stream=s)
         with s:
             moes = [rb.upload_moe(w, LIMIT) for w in shapes[4096]]
         pts = []
@@ -103,7 +103,8 @@ def run(args) -> int:
     for rep in range(2):
         for form, placed in (("bf16u", False), ("placed", True)):
             for t, depth in sorted({(t, d) for t, d in RING_KERNELS if t * d <= 12}, reverse=True):
-                cfg = RingConfig(slab=(4, t), depth=(2, depth), placed=False, placed_hidden=placed)
+                cfg = RingConfig(slab=(4, t), depth=(2, depth), placed=False, placed_hidden=placed,
+                                 min_items_per_sm=0)
                 rb = CudaBackend(0, cfg, stream=s)
                 for h, slots in ((4096, 8), (2048, 16)):
                     with s:

@@ -5,8 +5,11 @@ launch included); then the whole site eager (as ``bench --prefill`` times it), a
 time per eager call, on the default levers and with ``prefill_k_split = false``.
 
     python tools/ksplit_probe.py [--rows 9 16 24 64] [--splits 1 2 3 4 6 8 12 16] [--variants] [--profile]
+                                 [--one-row]
 
 ``--variants``: every grouped-GEMM variant that runs here at each width and split count, not only the default.
+``--one-row``: instead, the one-row launches of that FFN (gate + up + SwiGLU, down) on the decode ring, as
+shipped (``ring_min_items_per_sm``) and on the block kernels, graph-replayed.
 
 ``--profile``: instead, the Python profile (cProfile, by own time) of 200 eager site calls at the first width.
 
@@ -39,6 +42,7 @@ def main() -> int:
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--one-row", action="store_true")
     args = ap.parse_args()
     model = glm_model()
     cfg = world1_cfg(model)
@@ -79,6 +83,20 @@ def main() -> int:
     def graph_us(fn, calls: int = 10) -> float:
         replay = be.capture(lambda: [fn() for _ in range(calls)])
         return time_median(cp, s, replay, iters=3, warmup=2, repeats=5) / calls
+
+    if args.one_row:
+        from glm_ep.backend.cuda import nvfp4 as NV
+
+        x1, ids = gpu_bf16(cp, (1, h), 1.0), cp.zeros(1, dtype=cp.int32)
+        g, u, a1 = (cp.empty((1, width), dtype=BF16) for _ in range(3))
+        o1 = out[:1]
+        print("one row: launch glu_us down_us", flush=True)
+        for name, ring in (("ring, every launch", replace(be.ring, min_items_per_sm=0)), ("as shipped", be.ring),
+                           ("block kernels", replace(be.ring, enabled=False))):
+            glu = graph_us(lambda: NV.nvfp4_moe_glu(x1, mlp, ids, limit, g, u, a1, ring))
+            down = graph_us(lambda: NV.nvfp4_moe_gemv(a1, True, mlp.down, ids, o1, ring))
+            print(f"{name}: {glu:.1f} {down:.1f}", flush=True)
+        return 0
 
     print("rows variant splits glu_us down_us", flush=True)
     for rows in args.rows:
