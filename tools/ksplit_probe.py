@@ -20,7 +20,6 @@ eager >> graph says the site is bound by its host work.
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import replace
 
 
@@ -29,8 +28,8 @@ def main() -> int:
 
     from glm_ep.backend.cuda import CudaBackend
     from glm_ep.backend.cuda import grouped as G
-    from glm_ep.bench.common import (BF16, copy_bandwidth, glm_model, gpu_bf16, gpu_nvfp4_site, time_median,
-                                     world1_cfg)
+    from glm_ep.bench.common import (BF16, copy_bandwidth, eager_host_us, glm_model, gpu_bf16, gpu_nvfp4_site,
+                                     time_median, world1_cfg)
     from glm_ep.comm import SelfComm
     from glm_ep.experts import ExpertDispatch
     from glm_ep.footprint import nvfp4_bytes
@@ -122,13 +121,7 @@ def main() -> int:
             def fn(st=st):
                 st(x, ws, o)
 
-            eager = time_median(cp, s, fn, iters=20, warmup=3, repeats=5)
-            s.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                fn()
-            host = (time.perf_counter() - t0) / 20 * 1e6
-            s.synchronize()
+            eager, host = eager_host_us(cp, s, fn)
             print(f"{rows} {name!r} {eager:.1f} {graph_us(fn, 5):.1f} {host:.1f}", flush=True)
     return 0
 

@@ -15,7 +15,6 @@ kernels themselves are the cost.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
@@ -25,7 +24,8 @@ def main() -> int:
 
     from glm_ep.backend.cuda import CudaBackend
     from glm_ep.backend.cuda import dense as D
-    from glm_ep.bench.common import (BF16, glm_model, gpu_bf16, gpu_dense, gpu_moe, time_median, world1_cfg)
+    from glm_ep.bench.common import (BF16, eager_host_us, glm_model, gpu_bf16, gpu_dense, gpu_moe, time_median,
+                                     world1_cfg)
     from glm_ep.comm import SelfComm
     from glm_ep.experts import ExpertDispatch
     from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
@@ -77,13 +77,7 @@ def main() -> int:
                  "shared expert": lambda: clamped_swiglu_mlp(be, moe.shared, cfg.swiglu_limit, x, ws, o),
                  "router": lambda: sparse.route(x, ws)}
         for name, fn in calls.items():
-            eager = time_median(cp, s, fn, iters=20, warmup=3, repeats=5)
-            s.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                fn()
-            host = (time.perf_counter() - t0) / 20 * 1e6
-            s.synchronize()
+            eager, host = eager_host_us(cp, s, fn)
             try:
                 graph = be.capture(fn)
                 gt = time_median(cp, s, graph, iters=20, warmup=3, repeats=5)
