@@ -166,23 +166,28 @@ def runs_here(variant) -> None:
         pytest.skip(why)
 
 
-def check_variant(variant, x, a, cu, nu, route, what):
+def check_variant(variant, x, a, cu, nu, route, what, splits: int = 1):
     """``variant``'s gate + up + SwiGLU on token rows ``x`` and its down projection on sorted rows
-    ``a`` (None: NumPy's act), each against NumPy into poisoned outputs."""
+    ``a`` (None: NumPy's act), each against NumPy into poisoned outputs; K split ``splits`` ways where
+    the projection has that many stages of k (the partial sums in a poisoned scratch)."""
     srt, tok, offsets, local = route
     s, m, h = srt.sorted_token_ids.size, cu.gate.weights.n, cu.down.weights.n
+    bk = grouped.GemmGeometry.of(variant).bk
+    scratch = poisoned((4 * splits * s * max(m, h),), BF16).view(np.float32) if splits > 1 else None
     gate, up, act_ref = (np.zeros((s, m), BF16) for _ in range(3))
     NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
     act = poisoned((s, m), BF16)
     with backend().stream:
-        grouped.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu, 2.0, act, variant=variant)
+        grouped.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu, 2.0, act, variant=variant, scratch=scratch,
+                                      splits=min(splits, cu.gate.weights.k // bk))
     check_rows(host(act), act_ref, local, f"glu {what}")
     a = act_ref if a is None else a
     ref = np.zeros((s, h), BF16)
     NP.moe_gemm_sorted(a, nu.down, srt.sorted_token_ids, srt.expert_offsets, ref, False)
     out = poisoned((s, h), BF16)
     with backend().stream:
-        grouped.nvfp4_gemm_sorted(dev(a), False, tok, offsets, E, cu.down, out, variant=variant)
+        grouped.nvfp4_gemm_sorted(dev(a), False, tok, offsets, E, cu.down, out, variant=variant, scratch=scratch,
+                                  splits=min(splits, cu.down.weights.k // bk))
     check_rows(host(out), ref, local, f"down {what}")
 
 
@@ -276,3 +281,6 @@ def test_gemm_variants_partial_tiles(rng, variant):
     cu, nu = replace(cu, down=cu64.down), replace(nu, down=nu64.down)
     check_variant(variant, rand_bf16(rng, (t, h), 4.0), rand_bf16(rng, (s, 64)), cu, nu, route,
                   f"{geo.suffix}, gate/up N 224 K 192, down N 192 K 64")
+    if h // geo.bk > 1:  # gate + up split over every stage of k, their out width ending inside a block
+        check_variant(variant, rand_bf16(rng, (t, h), 4.0), rand_bf16(rng, (s, 64)), cu, nu, route,
+                      f"{geo.suffix}, gate/up N 224 K 192 in {h // geo.bk} K splits", splits=h // geo.bk)

@@ -171,6 +171,11 @@ def test_gemm_without_routing_is_one_expert_in_row_order():
         grouped._slots(None, None, out, 2, "w")
     with pytest.raises(ValueError, match=r"got 1 local experts and sorted_token_ids"):
         grouped._slots(np.zeros(5, np.int32), None, out, 1, "w")
+    with pytest.raises(ValueError, match=r"w: expert_offsets without sorted_token_ids"):
+        grouped._slots(None, np.zeros(3, np.int32), out, 2, "w")
+    with pytest.raises(ValueError, match=r"w: 2 K splits need a float32 scratch of 80 elements, got none"):
+        grouped._splits(2, 1, 8, 40, None, "w")
+    assert grouped._splits(1, 1, 8, 40, np.zeros(3, np.float64), "w") == 1  # an unused scratch is not checked
 
 
 def test_gemm_large_x_takes_the_register_engine(monkeypatch):

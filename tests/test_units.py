@@ -193,3 +193,28 @@ def test_numpy_combine_rounds_once() -> None:
     assert out.astype(np.float32).tolist() == [[1.0 + 2.0 ** -7, 4.0]]
     be.combine(routed, wts, None, out, perm_TK=np.array([[2, 1, 0]]))  # slots read through a permutation
     assert out.astype(np.float32).tolist() == [[1.0 + 2.0 ** -7, 4.0]]
+
+
+def test_numpy_grouped_gemm_without_routing() -> None:
+    """No routing: the one expert takes every row in order (as x @ w.T, rounded to bf16); a table of two experts
+    or a row count that is not the output's is refused by name, not broadcast."""
+    import ml_dtypes
+
+    from glm_ep import nvfp4
+    from glm_ep.backend.numpy_backend import NumpyBackend
+    from glm_ep.weights import ExpertWeights
+
+    rng = np.random.default_rng(5)
+    w = ExpertWeights(*(nvfp4.quantize(rng.standard_normal((32, 32)).astype(np.float32)) for _ in range(3)))
+    be = NumpyBackend()
+    one, two = be.upload_experts((w,), 0, 7.0), be.upload_experts((w, w), 0, 7.0)
+    a = rng.standard_normal((3, 32)).astype(ml_dtypes.bfloat16)
+    out = np.zeros((3, 32), ml_dtypes.bfloat16)
+    be.moe_gemm_sorted(a, one.gate, None, None, out, False)
+    want = (a.astype(np.float32) @ nvfp4.dequantize(w.gate).T).astype(ml_dtypes.bfloat16)
+    got, want = out.astype(np.float32), want.astype(np.float32)
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    with pytest.raises(ValueError, match=r"without expert_offsets: one local expert \(got 2\)"):
+        be.moe_gemm_sorted(a, two.gate, None, None, out, False)
+    with pytest.raises(ValueError, match=r"each of the 3 output rows \(got 1\)"):
+        be.moe_gemm_sorted(a[:1], one.gate, None, None, out, False)

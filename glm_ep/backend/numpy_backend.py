@@ -137,6 +137,10 @@ class NumpyBackend(Backend[np.ndarray, Projection]):
     def moe_gemm_sorted(self, a, table: ExpertTable[Projection], sorted_token_ids_S, expert_offsets, out_SN,
                         gather_rows, scratch=None):
         if expert_offsets is None:  # one expert, every row in order
+            if table.count != 1 or sorted_token_ids_S is not None or a.shape[0] != out_SN.shape[0]:
+                raise ValueError(f"moe_gemm_sorted without expert_offsets: one local expert (got {table.count}), no "
+                                 f"sorted ids, and a row of a for each of the {out_SN.shape[0]} output rows (got "
+                                 f"{a.shape[0]})")
             out_SN[...] = self._expert_mm(a, table.weights[0])
             return
         offsets = np.asarray(expert_offsets)

@@ -114,18 +114,19 @@ def k_splits(blocks: int, kblocks: int, partial_floats: int, scratch_floats: int
 def _splits(asked: int | None, blocks: int, kblocks: int, partial_floats: int, scratch: Any, what: str) -> int:
     """The call's K splits: ``asked`` (checked against the stages and the scratch), else ``k_splits``'s
     (none without a scratch)."""
-    floats = 0
-    if scratch is not None:
-        check("scratch", scratch, F32, 16)
-        floats = scratch.size
+    floats = 0 if scratch is None else scratch.size
     if asked is None:
-        return k_splits(blocks, kblocks, partial_floats, floats, sm_count()) if floats else 1
-    if not 1 <= asked <= kblocks:
+        splits = k_splits(blocks, kblocks, partial_floats, floats, sm_count()) if floats else 1
+    elif not 1 <= asked <= kblocks:
         raise ValueError(f"{what}: {asked} K splits, expected 1..{kblocks} (the in width's stages of k)")
-    if asked > 1 and asked * partial_floats > floats:
+    elif asked > 1 and asked * partial_floats > floats:
         raise ValueError(f"{what}: {asked} K splits need a float32 scratch of {asked * partial_floats} elements, "
                          f"{'got none' if scratch is None else f'got {floats}'}")
-    return asked
+    else:
+        splits = asked
+    if splits > 1:  # only a scratch that will hold partial sums must be fp32, contiguous and aligned
+        check("scratch", scratch, F32, 16)
+    return splits
 
 
 def _fitting(v: Variant, k: int) -> Variant:
@@ -182,6 +183,9 @@ def _slots(sorted_token_ids_S: Any, expert_offsets: Any, out_SN: Any, count: int
     """The call's slot count: the sorted ids', or without a routing (``expert_offsets`` None: ONE local expert
     owns every row, in order) the output's rows."""
     if expert_offsets is not None:
+        if sorted_token_ids_S is None:
+            raise ValueError(f"{what}: expert_offsets without sorted_token_ids (a routing needs both, or neither for "
+                             "one expert that takes every row)")
         return sorted_token_ids_S.size
     if sorted_token_ids_S is not None or count != 1:
         raise ValueError(f"{what}: without expert_offsets one local expert owns every row in order (no "
