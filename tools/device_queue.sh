@@ -15,6 +15,8 @@
 #                                  # 64 rows (its NVFP4 dense sweep, the peers)
 #   bash tools/device_queue.sh items # the ring's min items an SM: its tests, one expert's one-row launches on the
 #                                  # ring and the block kernels, glm-ep bench (the NVFP4 dense rows)
+#   bash tools/device_queue.sh next # what waits (2026-12-05): the split tests not yet run on a GPU, one row of the
+#                                  # NVFP4 dense FFN on the ring / block kernels on an H200, glm-ep bench there
 # Logs and results under $OUT (or /tmp/out).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -62,6 +64,14 @@ items)
     timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_ring.py \
         tests/test_cuda_paths.py -k "few_items or nvfp4_dense or default" 2>&1 | tee "$O/items_tests.log" | tail -8
     stage "one row, ring against block kernels"
+    timeout 60 python3 tools/ksplit_probe.py --one-row 2>&1 | grep -v "^\[rank" | tee "$O/one_row.log"
+    stage "bench"
+    timeout 240 python3 -m glm_ep bench --out "$O/decode" 2>"$O/decode.err" | tail -24 ;;
+next)
+    stage "CUDA tests changed since their last GPU run"
+    timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
+        -k "partial_tiles or k_split" 2>&1 | tee "$O/next_tests.log" | tail -8
+    stage "one row of the NVFP4 dense FFN: ring, as shipped, block kernels"
     timeout 60 python3 tools/ksplit_probe.py --one-row 2>&1 | grep -v "^\[rank" | tee "$O/one_row.log"
     stage "bench"
     timeout 240 python3 -m glm_ep bench --out "$O/decode" 2>"$O/decode.err" | tail -24 ;;
