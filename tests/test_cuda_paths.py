@@ -285,6 +285,40 @@ def test_nvfp4_dense_site_k_split(monkeypatch, rows, k_split):
         assert reduces == ["nvfp4_gemm_reduce"], entries
 
 
+def test_sparse_site_k_split_keeps_the_shared_expert(monkeypatch):
+    """A sparse site whose grouped GEMMs split K (two experts, every row choosing both: 32 blocks a launch) while
+    the shared expert's activations wait in a_act past the routed rows: the partial sums go to a_gate, which
+    holds nothing live, so the site matches NumPy within bf16 rounding."""
+    from glm_ep.backend.cuda import grouped
+
+    hidden, width, rows = 2048, 1024, 40
+    m = ModelConfig.from_dict({
+        "hidden_size": hidden, "intermediate_size": width, "moe_intermediate_size": width, "num_hidden_layers": 1,
+        "n_shared_experts": 1, "n_routed_experts": 2, "num_experts_per_tok": 2, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "swiglu_limit": 2.0, "mlp_layer_types": ["sparse"],
+        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})
+    cfg = SiteConfig.for_rank(m, RankLayout(1, 0, 1, 1))
+    rng = np.random.default_rng(41)
+    experts = tuple(ExpertWeights(*(nvfp4.quantize((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
+                                    for s in ((width, hidden), (width, hidden), (hidden, width)))) for _ in range(2))
+    shapes = ((width, hidden), (width, hidden), (hidden, width))
+    shared = DenseWeights(*(rand_bf16(rng, s, s[1] ** -0.5) for s in shapes))
+    w = MoeWeights(rng.standard_normal((2, hidden)).astype(np.float32) * 0.01, np.zeros(2, np.float32), 0, experts,
+                   shared)
+    levers = PathLevers(prefill_gemm_min_rows=9)
+    cuda = build_stack(backend(), SelfComm(), cfg, [w], levers, max_rows=600)
+    ref = build_stack(NumpyBackend(), SelfComm(), cfg, [w], levers, max_rows=600)
+    entries: list[str] = []
+    real = grouped.launch
+    monkeypatch.setattr(grouped, "launch", lambda file, entry, *a, **kw: (entries.append(entry),
+                                                                           real(file, entry, *a, **kw)))
+    x = rand_bf16(rng, (rows, hidden), 1.0)
+    assert cuda.sites[0].experts.path_for(rows) == "sorted"
+    assert_close(host(cuda.step(dev(x))), np.array(ref.step(x), copy=True), f"{rows} rows")
+    assert [e for e in entries if e.startswith("nvfp4_gemm_reduce")] == ["nvfp4_gemm_reduce_glu",
+                                                                          "nvfp4_gemm_reduce"], entries
+
+
 def test_nccl_one_rank():
     from mpi4py import MPI
 

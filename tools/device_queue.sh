@@ -69,8 +69,8 @@ items)
     timeout 240 python3 -m glm_ep bench --out "$O/decode" 2>"$O/decode.err" | tail -24 ;;
 next)
     stage "CUDA tests changed since their last GPU run"
-    timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
-        -k "partial_tiles or k_split" 2>&1 | tee "$O/next_tests.log" | tail -8
+    timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
+        tests/test_cuda_paths.py -k "partial_tiles or k_split" 2>&1 | tee "$O/next_tests.log" | tail -8
     stage "one row of the NVFP4 dense FFN: ring, as shipped, block kernels"
     timeout 60 python3 tools/ksplit_probe.py --one-row 2>&1 | grep -v "^\[rank" | tee "$O/one_row.log"
     stage "bench"
