@@ -65,7 +65,7 @@ class PathLevers:
     prefill_gemm_min_rows: int = 32  # measured crossover (five sweeps: docs/perf/NOTES.md): below it, row groups
     # a dense FFN stored NVFP4 (one expert every row chooses: each row group re-reads all of it): its crossover
     nvfp4_dense_gemm_min_rows: int = 9
-    prefill_k_split: bool = True  # the grouped GEMM splits K where it has fewer blocks than two an SM
+    prefill_k_split: bool = True  # the grouped GEMM splits K where it has fewer blocks than SMs
     graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
     graph_verify: bool = True  # capture verify steps (2..max_gemv_rows rows) as CUDA graphs too
     graph_sites: bool = True  # one-site calls (site(i, x), forward) of those widths: a graph per (site, rows)
