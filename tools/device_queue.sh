@@ -23,6 +23,12 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_R
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 NEW="nvfp4_dense or rows_independent or union_ring"
 stage() { date -u +"== %H:%M:%S $*"; }
+one_row_and_bench() {  # one row of the NVFP4 dense FFN (ring, as shipped, block kernels), then glm-ep bench
+    stage "one row of the NVFP4 dense FFN: ring, as shipped, block kernels"
+    timeout 60 python3 tools/ksplit_probe.py --one-row 2>&1 | grep -v "^\[rank" | tee "$O/one_row.log"
+    stage "bench"
+    timeout 240 python3 -m glm_ep bench --out "$O/decode" 2>"$O/decode.err" | tail -24
+}
 pip install -q --no-deps --no-build-isolation -e . > "$O/pip.log" 2>&1 || echo "pip failed (see pip.log)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$O/gpu.txt"
 case "${1:-a}" in
@@ -63,18 +69,12 @@ items)
     stage "ring min items tests"
     timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_ring.py \
         tests/test_cuda_paths.py -k "few_items or nvfp4_dense or default" 2>&1 | tee "$O/items_tests.log" | tail -8
-    stage "one row, ring against block kernels"
-    timeout 60 python3 tools/ksplit_probe.py --one-row 2>&1 | grep -v "^\[rank" | tee "$O/one_row.log"
-    stage "bench"
-    timeout 240 python3 -m glm_ep bench --out "$O/decode" 2>"$O/decode.err" | tail -24 ;;
+    one_row_and_bench ;;
 next)
     stage "CUDA tests changed since their last GPU run"
     timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
         tests/test_cuda_paths.py -k "partial_tiles or k_split" 2>&1 | tee "$O/next_tests.log" | tail -8
-    stage "one row of the NVFP4 dense FFN: ring, as shipped, block kernels"
-    timeout 60 python3 tools/ksplit_probe.py --one-row 2>&1 | grep -v "^\[rank" | tee "$O/one_row.log"
-    stage "bench"
-    timeout 240 python3 -m glm_ep bench --out "$O/decode" 2>"$O/decode.err" | tail -24 ;;
+    one_row_and_bench ;;
 ablate)
     stage "ring ablation"
     timeout 150 python3 tools/kernel_timing.py --ring-ablation 2>&1 | tee "$O/ring_ablation.log" | tail -9
