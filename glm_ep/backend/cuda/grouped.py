@@ -216,6 +216,15 @@ def _ptr(a: Any) -> Any:
     return np.uint64(0) if a is None else a
 
 
+def _reduce(entry: str, scratch: Any, splits: int, s: int, expert_offsets: Any, start: int, count: int, out_SN: Any,
+            n: int, *extra: Any) -> None:
+    """A K split's second pass ``entry`` (``nvfp4_gemm_reduce[_glu]``): the splits' partial sums of the local
+    experts' slots added in order into ``out`` [s, n], a thread per 4 columns; ``extra``: the entry's own
+    trailing arguments."""
+    launch(_GEMM, entry, (cdiv(s * n // 4, REDUCE_THREADS), 1, 1), (REDUCE_THREADS, 1, 1),
+           (scratch, i32(splits), i32(s), _ptr(expert_offsets), i32(start), i32(count), out_SN, i32(n), *extra))
+
+
 def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                       table: ExpertTable[Nvfp4Pointers], out_SN: Any, variant: Variant | None = None,
                       scratch: Any = None, splits: int | None = None) -> None:
@@ -230,7 +239,8 @@ def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert
     geo = _geometry(variant, x, s, num_experts, proj.k, "nvfp4_gemm_sorted")
     _gemm_checks(x, gather_rows, sorted_token_ids_S, expert_offsets, num_experts, proj.k, out_SN, proj.n, s, geo,
                  "nvfp4_gemm_sorted")
-    n_blocks, blocks = cdiv(proj.n, geo.bn), geo.tiles(s, count) * cdiv(proj.n, geo.bn)
+    n_blocks = cdiv(proj.n, geo.bn)
+    blocks = geo.tiles(s, count) * n_blocks
     ks = _splits(splits, blocks, proj.k // geo.bk, s * proj.n, scratch, "nvfp4_gemm_sorted")
     if s == 0 or count == 0:
         return
@@ -239,8 +249,7 @@ def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert
             proj.scale_ptrs, proj.scale2, i32(start), i32(count), out_SN, i32(proj.n), i32(proj.k),
             i32(n_blocks), _ptr(scratch if ks > 1 else None), i32(s)), smem=geo.smem)
     if ks > 1:
-        launch(_GEMM, "nvfp4_gemm_reduce", (cdiv(s * proj.n // 4, REDUCE_THREADS), 1, 1), (REDUCE_THREADS, 1, 1),
-               (scratch, i32(ks), i32(s), _ptr(expert_offsets), i32(start), i32(count), out_SN, i32(proj.n)))
+        _reduce("nvfp4_gemm_reduce", scratch, ks, s, expert_offsets, start, count, out_SN, proj.n)
 
 
 def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
@@ -269,6 +278,5 @@ def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: An
             i32(gate.k), i32(n_blocks), np.float32(limit), _ptr(scratch if ks > 1 else None), i32(s)),
            smem=geo.smem)
     if ks > 1:
-        launch(_GEMM, "nvfp4_gemm_reduce_glu", (cdiv(s * gate.n // 4, REDUCE_THREADS), 1, 1), (REDUCE_THREADS, 1, 1),
-               (scratch, i32(ks), i32(s), _ptr(expert_offsets), i32(start), i32(count), act_SN, i32(gate.n),
-                np.float32(limit)))
+        _reduce("nvfp4_gemm_reduce_glu", scratch, ks, s, expert_offsets, start, count, act_SN, gate.n,
+                np.float32(limit))
