@@ -46,6 +46,19 @@ def backend():
     return CudaBackend(0, RingConfig(min_items_per_sm=0))
 
 
+def spy_launches(monkeypatch, module) -> list[str]:
+    """The entry names ``module.launch`` is called with from now on, in order (each launch still runs)."""
+    entries: list[str] = []
+    real = module.launch
+
+    def spy(file, entry, *args, **kwargs):
+        entries.append(entry)
+        return real(file, entry, *args, **kwargs)
+
+    monkeypatch.setattr(module, "launch", spy)
+    return entries
+
+
 def dev(a: np.ndarray):
     return backend().asarray(a)
 

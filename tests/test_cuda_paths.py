@@ -26,7 +26,7 @@ from glm_ep.stack import MlpStack
 from glm_ep.topology import PathLevers, Topology
 from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
-from _cuda import backend, dev, host, requires_cuda
+from _cuda import backend, dev, host, requires_cuda, spy_launches
 from helpers import BF16, assert_close, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -37,13 +37,19 @@ BIAS_STEP = 0.0531  # keeps every two choices of distinct experts >= 1e-3 apart 
 ROUTER_NNZ = 3  # router row nonzeros: logits are integers in [-6, 6] for inputs in {-2..2}
 
 
-def model(layer_types=("dense", "sparse")) -> ModelConfig:
+def model(layer_types=("dense", "sparse"), hidden=H, width=I, moe_width=M, experts=E, top_k=TOP_K) -> ModelConfig:
     return ModelConfig.from_dict({
-        "hidden_size": H, "intermediate_size": I, "moe_intermediate_size": M,
-        "num_hidden_layers": len(layer_types), "n_shared_experts": 1, "n_routed_experts": E,
-        "num_experts_per_tok": TOP_K, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 1,
+        "hidden_size": hidden, "intermediate_size": width, "moe_intermediate_size": moe_width,
+        "num_hidden_layers": len(layer_types), "n_shared_experts": 1, "n_routed_experts": experts,
+        "num_experts_per_tok": top_k, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 1,
         "topk_group": 1, "swiglu_limit": 2.0, "mlp_layer_types": list(layer_types),
         "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})
+
+
+def nvfp4_mlp(rng, hidden: int, width: int) -> ExpertWeights:
+    """Random NVFP4 gate [width, hidden], up and down [hidden, width], rows of unit scale."""
+    return ExpertWeights(*(nvfp4.quantize((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
+                           for s in ((width, hidden), (width, hidden), (hidden, width))))
 
 
 def _dense(rng, width):
@@ -76,8 +82,7 @@ def full_weights(seed, layer_types, router_dtype=np.float32):
         if kind == "dense":
             out.append(_dense(rng, I))
             continue
-        experts = tuple(ExpertWeights(*(nvfp4.quantize((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
-                                        for s in ((M, H), (M, H), (H, M)))) for _ in range(E))
+        experts = tuple(nvfp4_mlp(rng, H, M) for _ in range(E))
         out.append(MoeWeights(_router(rng).astype(router_dtype), _bias(rng), 0, experts, _dense(rng, M)))
     return out
 
@@ -221,19 +226,6 @@ def _nvfp4_dense_stack(be, cfg: SiteConfig, w: ExpertWeights, levers: PathLevers
     return MlpStack(be, SelfComm(), cfg, [site], levers, MAX_ROWS)
 
 
-def _nvfp4_dense_model(hidden: int, width: int) -> ModelConfig:
-    return ModelConfig.from_dict({
-        "hidden_size": hidden, "intermediate_size": width, "moe_intermediate_size": M, "num_hidden_layers": 1,
-        "n_shared_experts": 1, "n_routed_experts": E, "num_experts_per_tok": TOP_K, "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "swiglu_limit": 2.0, "mlp_layer_types": ["dense"],
-        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})
-
-
-def _nvfp4_dense_weights(rng, hidden: int, width: int) -> ExpertWeights:
-    return ExpertWeights(*(nvfp4.quantize((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
-                           for s in ((width, hidden), (width, hidden), (hidden, width))))
-
-
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 20, 40, 300])
 @pytest.mark.parametrize("hidden,width", [(256, 384), (512, 1024)], ids=["block-kernels", "ring"])
 def test_nvfp4_dense_site(rows, hidden, width):
@@ -241,9 +233,9 @@ def test_nvfp4_dense_site(rows, hidden, width):
     against NumPy: the decode ring or block kernels (1 row; the ring needs K % 512), the union kernels
     (2..8), row groups (20, the crossover lever raised past it), the grouped GEMM (40, 300), and the
     1..8-row step captured and replayed with fresh inputs."""
-    cfg = SiteConfig.for_rank(_nvfp4_dense_model(hidden, width), RankLayout(1, 0, 1, 1))
+    cfg = SiteConfig.for_rank(model(("dense",), hidden, width), RankLayout(1, 0, 1, 1))
     rng = np.random.default_rng(rows * 7 + hidden)
-    w = _nvfp4_dense_weights(rng, hidden, width)
+    w = nvfp4_mlp(rng, hidden, width)
     levers = PathLevers(nvfp4_dense_gemm_min_rows=32)
     cuda, ref = _nvfp4_dense_stack(backend(), cfg, w, levers), _nvfp4_dense_stack(NumpyBackend(), cfg, w, levers)
     want_path = "decode" if rows == 1 else "sorted" if rows >= 32 else "union"
@@ -264,16 +256,13 @@ def test_nvfp4_dense_site_k_split(monkeypatch, rows, k_split):
     from glm_ep.backend.cuda import grouped
 
     hidden, width = 1024, 2048
-    cfg = SiteConfig.for_rank(_nvfp4_dense_model(hidden, width), RankLayout(1, 0, 1, 1))
+    cfg = SiteConfig.for_rank(model(("dense",), hidden, width), RankLayout(1, 0, 1, 1))
     rng = np.random.default_rng(rows + 11 * k_split)
-    w = _nvfp4_dense_weights(rng, hidden, width)
+    w = nvfp4_mlp(rng, hidden, width)
     levers = PathLevers(prefill_k_split=k_split)
     cuda, ref = _nvfp4_dense_stack(backend(), cfg, w, levers), _nvfp4_dense_stack(NumpyBackend(), cfg, w, levers)
     assert cuda.sites[0].nvfp4.path_for(rows) == "sorted"
-    entries: list[str] = []
-    real = grouped.launch
-    monkeypatch.setattr(grouped, "launch", lambda file, entry, *a, **kw: (entries.append(entry),
-                                                                           real(file, entry, *a, **kw)))
+    entries = spy_launches(monkeypatch, grouped)
     x = rand_bf16(rng, (rows, hidden), 1.0)
     assert_close(host(cuda.step(dev(x))), np.array(ref.step(x), copy=True), f"{rows} rows, k_split {k_split}")
     reduces = [e for e in entries if e.startswith("nvfp4_gemm_reduce")]
@@ -292,15 +281,10 @@ def test_sparse_site_k_split_keeps_the_shared_expert(monkeypatch):
     from glm_ep.backend.cuda import grouped
 
     hidden, width, rows = 2048, 1024, 40
-    m = ModelConfig.from_dict({
-        "hidden_size": hidden, "intermediate_size": width, "moe_intermediate_size": width, "num_hidden_layers": 1,
-        "n_shared_experts": 1, "n_routed_experts": 2, "num_experts_per_tok": 2, "routed_scaling_factor": 2.5,
-        "norm_topk_prob": True, "n_group": 1, "topk_group": 1, "swiglu_limit": 2.0, "mlp_layer_types": ["sparse"],
-        "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}})
+    m = model(("sparse",), hidden, width, moe_width=width, experts=2, top_k=2)
     cfg = SiteConfig.for_rank(m, RankLayout(1, 0, 1, 1))
     rng = np.random.default_rng(41)
-    experts = tuple(ExpertWeights(*(nvfp4.quantize((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
-                                    for s in ((width, hidden), (width, hidden), (hidden, width)))) for _ in range(2))
+    experts = tuple(nvfp4_mlp(rng, hidden, width) for _ in range(2))
     shapes = ((width, hidden), (width, hidden), (hidden, width))
     shared = DenseWeights(*(rand_bf16(rng, s, s[1] ** -0.5) for s in shapes))
     w = MoeWeights(rng.standard_normal((2, hidden)).astype(np.float32) * 0.01, np.zeros(2, np.float32), 0, experts,
@@ -308,10 +292,7 @@ def test_sparse_site_k_split_keeps_the_shared_expert(monkeypatch):
     levers = PathLevers(prefill_gemm_min_rows=9)
     cuda = build_stack(backend(), SelfComm(), cfg, [w], levers, max_rows=600)
     ref = build_stack(NumpyBackend(), SelfComm(), cfg, [w], levers, max_rows=600)
-    entries: list[str] = []
-    real = grouped.launch
-    monkeypatch.setattr(grouped, "launch", lambda file, entry, *a, **kw: (entries.append(entry),
-                                                                           real(file, entry, *a, **kw)))
+    entries = spy_launches(monkeypatch, grouped)
     x = rand_bf16(rng, (rows, hidden), 1.0)
     assert cuda.sites[0].experts.path_for(rows) == "sorted"
     assert_close(host(cuda.step(dev(x))), np.array(ref.step(x), copy=True), f"{rows} rows")

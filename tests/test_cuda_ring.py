@@ -10,7 +10,7 @@ import pytest
 from glm_ep.backend.numpy_backend import NumpyBackend
 
 from _cuda import (TOP_K, assert_written, backend, both, check_moe_gate_up_act, check_moe_gemv, dev, host,
-                   moe_weights, poisoned, requires_cuda, unwritten)
+                   moe_weights, poisoned, requires_cuda, spy_launches, unwritten)
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -228,10 +228,7 @@ def test_few_items_an_sm_take_the_block_kernels(rng, monkeypatch):
     h, m, start, count = 2048, 1024, 4, 6
     cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
     assert (cu.gate.weights.form, cu.down.weights.form) == DEFAULT
-    entries: list[str] = []
-    real = NVM.launch
-    monkeypatch.setattr(NVM, "launch", lambda file, entry, *a, **kw: (entries.append(entry),
-                                                                        real(file, entry, *a, **kw)))
+    entries = spy_launches(monkeypatch, NVM)
     ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
     local = (ids >= start) & (ids < start + count)
     check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "block kernels glu", be)
