@@ -118,6 +118,12 @@ def dense_bytes(model: ModelConfig) -> int:
     return 3 * model.intermediate_size * model.hidden_size * 2
 
 
+def dense_nvfp4_bytes(model: ModelConfig) -> int:
+    """The dense FFN stored NVFP4 (nvidia/GLM-5.3-Flash-NVFP4's layers 0-2)."""
+    h, width = model.hidden_size, model.intermediate_size
+    return 2 * nvfp4_bytes(width, h) + nvfp4_bytes(h, width)
+
+
 def bench_meta(device: str, copy_gbs: float) -> dict[str, Any]:
     import datetime
 

@@ -16,13 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
-                                 gpu_moe, gpu_nvfp4_site, pyplot, results_header, sparse_bytes, time_median,
-                                 torch_time_us, world1_cfg)
+from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, dense_nvfp4_bytes, glm_model,
+                                 gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header, sparse_bytes,
+                                 time_median, torch_time_us, world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.config import ModelConfig
 from glm_ep.experts import ExpertDispatch
-from glm_ep.footprint import nvfp4_bytes
 from glm_ep.site import DenseSite, MoeSite
 from glm_ep.stack import MlpStack
 from glm_ep.topology import PathLevers
@@ -232,8 +231,7 @@ def _nvfp4_dense_rows(be: Any, cfg: Any, model: ModelConfig, levers: PathLevers,
 
     from glm_ep.backend.cuda import CudaBackend
 
-    h, width = model.hidden_size, model.intermediate_size
-    nbytes = 2 * nvfp4_bytes(width, h) + nvfp4_bytes(h, width)
+    nbytes = dense_nvfp4_bytes(model)
     blocks = CudaBackend(0, replace(be.ring, enabled=False), stream=be.stream, dependent_launch=be.pdl)
     out: list[Row] = []
     for label, b in (("", be), (", block kernels", blocks)):

@@ -7,9 +7,10 @@ next to the measured bf16 GEMM rate), the dense site, the shared expert and the 
 HF transformers' ``Glm5NextTextMoE`` (fastest experts implementation), ``Glm5NextTextMLP``,
 ``torch._grouped_mm`` on bf16 experts and the HF router. A sweep of the two routed paths gives the
 crossover the ``prefill_gemm_min_rows`` lever is set from; one of a dense FFN stored NVFP4 (row groups,
-the grouped GEMM with and without its K split) the ``nvfp4_dense_gemm_min_rows`` lever's. Synthetic weights made on the GPU;
-every figure a median over repeats after warm-up. Writes PREFILL.md, prefill.json, prefill.png; a run of other
-``--rows`` than the default widths writes PREFILL_<rows>.md, prefill_<rows>.json and prefill_<rows>.png instead
+the grouped GEMM with and without its K split) the ``nvfp4_dense_gemm_min_rows`` lever's. Synthetic
+weights made on the GPU; every figure a median over repeats after warm-up. Writes PREFILL.md, prefill.json,
+prefill.png; a run of other ``--rows`` than the default widths writes PREFILL_<rows>.md, prefill_<rows>.json and
+prefill_<rows>.png instead
 (e.g. PREFILL_1024_4096.md), so a partial run never overwrites the full table.
 Shape suffixes: T rows, H hidden, K top-k, M moe width, S = T*K.
 """
@@ -24,12 +25,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from glm_ep.backend.cuda import grouped as NV
-from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, glm_model, gpu_bf16, gpu_dense,
-                                 gpu_moe, gpu_nvfp4_site, pyplot, results_header, time_median, torch_time_us,
-                                 world1_cfg)
+from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, dense_nvfp4_bytes, glm_model,
+                                 gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header, time_median,
+                                 torch_time_us, world1_cfg)
 from glm_ep.comm import SelfComm
 from glm_ep.experts import ExpertDispatch
-from glm_ep.footprint import nvfp4_bytes
 from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
 from glm_ep.topology import PathLevers
 from glm_ep.workspace import Workspace
@@ -87,10 +87,11 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     def t(fn: Callable[[], Any], rows: int) -> float:
         return time_median(cp, stream, fn, iters=_iters(rows), warmup=2, repeats=5)
 
-    # the dense FFN stored NVFP4 on each path: row groups, the grouped GEMM without and with its K split
+    # the dense FFN stored NVFP4 on each path: row groups, the grouped GEMM without and with its K split (the
+    # default levers' site)
     nvfp4_paths = {key: replace(dense_nvfp4_site, nvfp4=ExpertDispatch(be, cfg.dense_as_expert(), lv)) for key, lv in (
-        ("union_us", PathLevers(prefill_gemm=False)), ("sorted_nosplit_us", PathLevers(prefill_k_split=False)),
-        ("sorted_us", PathLevers()))}
+        ("union_us", PathLevers(prefill_gemm=False)), ("sorted_nosplit_us", PathLevers(prefill_k_split=False)))}
+    nvfp4_paths["sorted_us"] = dense_nvfp4_site
     results: dict[str, Any] = {"widths": [], "sweep": [], "nvfp4_sweep": []}
     for rows in SWEEP:
         x = gpu_bf16(cp, (rows, h), 1.0)
@@ -143,10 +144,9 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     cp.get_default_memory_pool().free_all_blocks()
     peers = _peer_rows(model, widths, args) if args.peer else {"note": "peers skipped (--no-peer)"}
     meta = bench_meta(device, copy_gbs)
-    width = model.intermediate_size
     meta.update(gemm_tflops=peers.get("gemm_tflops"), dense_floor_us=dense_bytes(model) / (copy_gbs * 1e9) * 1e6,
                 crossover=crossover(results["sweep"]), peer_note=peers.get("note", ""),
-                nvfp4_dense_floor_us=(2 * nvfp4_bytes(width, h) + nvfp4_bytes(h, width)) / (copy_gbs * 1e9) * 1e6,
+                nvfp4_dense_floor_us=dense_nvfp4_bytes(model) / (copy_gbs * 1e9) * 1e6,
                 nvfp4_crossover=crossover(results["nvfp4_sweep"]))
     for r in results["widths"]:
         r.update(peers.get(r["rows"], {}))
