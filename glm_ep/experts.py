@@ -6,11 +6,16 @@
 | 2..G            | `union`   | union table, each union expert swept once for the group           |
 | > G, >= min     | `sorted`  | sort by expert, one grouped GEMM per projection, indexed combine  |
 | > G, < min      | `union`   | even row groups of <= G (never a group of one)                    |
+| >= D, 1 expert  | `dequant` | each projection dequantized to bf16 into a scratch, one bf16 GEMM  |
 | lever           | `host`    | ids read to the host, one launch per (slot, projection)           |
 
 G is the backend's widest row group (``Capabilities.max_row_group``: 8 on both backends), capped
 by the levers (``group_cap``); min is the ``prefill_gemm_min_rows`` lever, or with ONE expert (a dense
-FFN stored NVFP4, which every row group of the union path sweeps whole) ``nvfp4_dense_gemm_min_rows``.
+FFN stored NVFP4, which every row group of the union path sweeps whole) ``nvfp4_dense_gemm_min_rows``; D is
+``nvfp4_dense_dequant_min_rows`` (one expert only; 0: never): from there the weights' bytes no longer bound the
+call, and the bf16 GEMM (cuBLAS on CUDA) outruns the grouped GEMM's W4A16 engines by more than one pass over a
+projection as bf16 costs. Its scratch (``dequant_bytes``) holds one projection, ``moe_intermediate * hidden``
+bf16.
 
 Every path writes ``[T*K, H]`` routed outputs, remote slots exactly zero (zeroed up front only where
 some experts are remote: otherwise every slot is written), and returns the
@@ -26,6 +31,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
 from glm_ep.backend.base import Backend, RoutedExperts
 from glm_ep.config import SiteConfig
 from glm_ep.errors import InputError
@@ -56,6 +62,7 @@ class ExpertDispatch:
     cfg: SiteConfig
     levers: PathLevers
     _announced: set[tuple[str, int]] = field(default_factory=set)
+    _w_bf16: Any = field(default=None, repr=False)  # the dequant path's scratch, made by reserve() or its first call
 
     @property
     def group_cap(self) -> int:
@@ -69,6 +76,21 @@ class ExpertDispatch:
         lv = self.levers
         return lv.nvfp4_dense_gemm_min_rows if self.cfg.num_experts == 1 else lv.prefill_gemm_min_rows
 
+    def dequant_bytes(self, max_rows: int) -> int:
+        """Bytes of the dequant path's bf16 weight scratch if calls of up to ``max_rows`` rows may take it, else 0."""
+        d = self.levers.nvfp4_dense_dequant_min_rows
+        if self.cfg.num_experts != 1 or self.levers.host_dispatch or not d or max_rows < d:
+            return 0
+        return self.cfg.moe_intermediate * self.cfg.hidden * 2
+
+    def reserve(self, max_rows: int) -> int:
+        """Allocate the dequant path's scratch now (at load: a call never allocates) if calls of up to ``max_rows``
+        rows may need it; returns its bytes (0: none needed)."""
+        nbytes = self.dequant_bytes(max_rows)
+        if nbytes and self._w_bf16 is None:
+            self._w_bf16 = self.be.xp.empty(nbytes // 2, dtype=ml_dtypes.bfloat16)
+        return nbytes
+
     def path_for(self, rows: int) -> str:
         lv, k = self.levers, self.cfg.top_k
         if lv.host_dispatch:
@@ -76,6 +98,8 @@ class ExpertDispatch:
         if rows == 1:
             return "decode"
         caps = self.be.capabilities
+        if self.cfg.num_experts == 1 and lv.nvfp4_dense_dequant_min_rows and rows >= lv.nvfp4_dense_dequant_min_rows:
+            return "dequant"
         if rows > caps.max_row_group and lv.prefill_gemm and rows >= self.gemm_min_rows and caps.grouped_gemm:
             return "sorted"
         groups = row_groups(rows, self.group_cap)
@@ -152,6 +176,21 @@ class ExpertDispatch:
         be.moe_gate_up_act_sorted(x_TH, experts, tok_S, offsets, lim, gate_SM, up_SM, act_SM, scratch=scratch)
         be.moe_gemm_sorted(act_SM, experts.down, tok_S, offsets, routed_SH, gather_rows=False, scratch=scratch)
         return routed_SH, perm_TK
+
+    def _dequant(self, x_TH, ids_TK, experts, ws, routed_SH):
+        be, t, m, lim = self.be, x_TH.shape[0], self.cfg.moe_intermediate, self.cfg.swiglu_limit
+        self.reserve(t)  # (made at load where the loader saw this path coming)
+        gate_TM, up_TM, act_TM = (ws.view(b, t, m) for b in ("a_gate", "a_up", "a_act"))
+
+        def proj(table, a_TK, out_TN):  # one slot a row: the routed rows are the output rows
+            n, k = out_TN.shape[1], a_TK.shape[1]
+            be.dequant_linear(a_TK, table, 0, self._w_bf16[:n * k].reshape(n, k), out_TN)
+
+        proj(experts.gate, x_TH, gate_TM)
+        proj(experts.up, x_TH, up_TM)
+        be.swiglu(gate_TM, up_TM, lim, act_TM)
+        proj(experts.down, act_TM, routed_SH)
+        return routed_SH, None
 
     def _host(self, x_TH, ids_TK, experts, ws, routed_SH):
         be, cfg = self.be, self.cfg

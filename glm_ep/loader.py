@@ -27,6 +27,7 @@ from glm_ep.backend.base import Backend
 from glm_ep.checkpoint import Checkpoint, expert_prefix, layer_read_bytes, load_layer
 from glm_ep.comm import Communicator
 from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.errors import ConfigError
 from glm_ep.experts import ExpertDispatch
 from glm_ep.parallel import Ranks
 from glm_ep.placement import discover
@@ -57,14 +58,29 @@ def site_config(model: ModelConfig, topo: Topology, rank: int) -> SiteConfig:
     return SiteConfig.for_rank(model, RankLayout(topo.world, rank, topo.tp, topo.ep))
 
 
-def report_lines(model: ModelConfig, cfg: SiteConfig, topo: Topology, weight_bytes: list[int]) -> list[str]:
+def report_lines(model: ModelConfig, cfg: SiteConfig, topo: Topology, weight_bytes: list[int],
+                 dequant_bytes: int = 0) -> list[str]:
     lines = [f"model: {model.num_hidden_layers} layers ({len(model.dense_layers)} dense, "
              f"{len(model.sparse_layers)} sparse), hidden {model.hidden_size}, "
              f"{model.n_routed_experts} experts top-{model.num_experts_per_tok}; world {topo.world}, "
              f"tp {topo.tp}, ep {topo.ep}, backend {topo.backend}"]
     lines += [f"weights: rank {r} holds {fmt_bytes(b)}" for r, b in enumerate(weight_bytes)]
     lines += footprint_lines(cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace)
+    if dequant_bytes:
+        lines.append(f"dequant scratch: {fmt_bytes(dequant_bytes)} (the dense FFN stored NVFP4 from "
+                     f"{topo.levers.nvfp4_dense_dequant_min_rows} rows: one projection as bf16, shared by its layers)")
     return lines
+
+
+def reserve_dequant(dispatch: ExpertDispatch, rows: int) -> int:
+    """The NVFP4 dense FFN's dequant scratch, made now (``ExpertDispatch.reserve``); its bytes."""
+    try:
+        return dispatch.reserve(rows)
+    except MemoryError as e:  # CuPy's OutOfMemoryError is a MemoryError too
+        raise ConfigError(f"the dense FFN stored NVFP4 needs a dequant scratch of "
+                          f"{fmt_bytes(dispatch.dequant_bytes(rows))} for calls of >= "
+                          f"{dispatch.levers.nvfp4_dense_dequant_min_rows} rows, and allocating it failed ({e}); "
+                          "set levers.nvfp4_dense_dequant_min_rows = 0 or above workspace_rows") from None
 
 
 def load_line(read_bytes: list[int], seconds: list[float]) -> str:
@@ -126,6 +142,9 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
     dispatch = ExpertDispatch(be, cfg, topo.levers)
     dense_nvfp4 = ExpertDispatch(be, cfg.dense_as_expert(), topo.levers)  # a dense FFN stored NVFP4: one expert
+    dequant_bytes = 0
+    if any(isinstance(w, ExpertWeights) for w in host_weights):
+        dequant_bytes = ranks.agree("dequant scratch", lambda: reserve_dequant(dense_nvfp4, topo.workspace_rows))
     sites: list[Any] = []
     for i, w in enumerate(host_weights):
         site_comm = comm.at(f"layer {i} all-reduce")
@@ -144,6 +163,6 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
             log.info("the checkpoint's NVFP4 projections carry static input scales (a W4A4 export): they are not "
                      "used; activations stay bf16 (W4A16), so outputs differ from a W4A4 engine's by its "
                      "activation rounding")
-        for line in report_lines(model, cfg, topo, [b for b, _, _ in every]):
+        for line in report_lines(model, cfg, topo, [b for b, _, _ in every], dequant_bytes):
             log.info("%s", line)
     return Runtime(model, cfg, topo, be, comm, stack, weight_bytes)

@@ -43,7 +43,7 @@ def nvfp4_mlp(be: Backend, dispatch: ExpertDispatch, mlp: RoutedExperts[Any], x_
     rows ARE the output rows, in row order on every path (the sort by expert is stable), so they are
     written straight into ``out``, rounded where a dense MLP's are (gate, up, act, down)."""
     ids_T1 = ws.view("ids", x_TH.shape[0], 1)
-    if dispatch.path_for(x_TH.shape[0]) != "sorted":  # the grouped GEMM of one expert reads no ids
+    if dispatch.path_for(x_TH.shape[0]) not in ("sorted", "dequant"):  # one expert's GEMMs read no ids
         be.zero(ids_T1)
     dispatch(x_TH, ids_T1, mlp, ws, out_SH=out_TH)
     return out_TH

@@ -65,6 +65,9 @@ class PathLevers:
     prefill_gemm_min_rows: int = 32  # measured crossover (five sweeps: docs/perf/NOTES.md): below it, row groups
     # a dense FFN stored NVFP4 (one expert every row chooses: each row group re-reads all of it): its crossover
     nvfp4_dense_gemm_min_rows: int = 9
+    # ... and from this many rows each of its projections dequantized to bf16 (exact) into a scratch of one
+    # projection's size, then cuBLAS: the grouped GEMM's W4A16 engines do not reach cuBLAS's bf16 rate (0: off)
+    nvfp4_dense_dequant_min_rows: int = 256
     prefill_k_split: bool = True  # the grouped GEMM splits K where it has fewer blocks than SMs
     graph_decode: bool = True  # capture the 1-row decode step of the stack as a CUDA graph
     graph_verify: bool = True  # capture verify steps (2..max_gemv_rows rows) as CUDA graphs too
@@ -102,6 +105,9 @@ class PathLevers:
             raise ConfigError(f"levers.ring_union_max_rows = {self.ring_union_max_rows}, expected >= 0 (0: off)")
         if self.ring_max_warps < 0:
             raise ConfigError(f"levers.ring_max_warps = {self.ring_max_warps}, expected >= 0 (0: no cap)")
+        if self.nvfp4_dense_dequant_min_rows < 0:
+            raise ConfigError(f"levers.nvfp4_dense_dequant_min_rows = {self.nvfp4_dense_dequant_min_rows}, expected "
+                              ">= 0 (0: off)")
         if self.ring_min_items_per_sm < 0:
             raise ConfigError(f"levers.ring_min_items_per_sm = {self.ring_min_items_per_sm}, expected >= 0 (0: off)")
         if self.ring_f16_hidden and not self.ring_f16:

@@ -36,8 +36,11 @@ def _cfg(**overrides) -> SiteConfig:
     ({"union_max_ids": 65}, 8, "levers.union_max_ids = 65, expected 1..64 on backend '{}'"),
     ({"prefill_gemm_min_rows": 8}, 8, "levers.prefill_gemm_min_rows = 8, expected >= 9 on backend '{}'"),
     ({"nvfp4_dense_gemm_min_rows": 4}, 8, "levers.nvfp4_dense_gemm_min_rows = 4, expected >= 9 on backend '{}'"),
+    ({"nvfp4_dense_dequant_min_rows": 8}, 8,
+     "levers.nvfp4_dense_dequant_min_rows = 8, expected >= 9 on backend '{}'"),
     ({}, 17, "num_experts_per_tok = 17, expected <= 16 on backend '{}'"),
-], ids=["row-batch-max", "union-max-ids", "prefill-min-rows", "nvfp4-dense-min-rows", "top-k"])
+], ids=["row-batch-max", "union-max-ids", "prefill-min-rows", "nvfp4-dense-min-rows", "nvfp4-dequant-min-rows",
+        "top-k"])
 @pytest.mark.parametrize("backend", ["cpu", "cuda"])
 def test_levers_and_top_k_past_the_backend_capabilities(levers: dict, top_k: int, named: str, backend: str) -> None:
     topo = Topology.from_dict({"backend": backend, "levers": levers})

@@ -51,4 +51,22 @@ def test_render_nvfp4_dense_sweep():
     data["meta"].update(nvfp4_dense_floor_us=20.0, nvfp4_crossover=crossover(data["nvfp4_sweep"]))
     text = render(data["meta"], data)
     assert "NVFP4: row groups vs grouped GEMM — crossover at **9 rows** (byte floor 20.0 µs)" in text
-    assert "| 9 | 200.0 | 260.0 | 50.0 | 0.40 |" in text and "| 16 | 225.0 | 270.0 | 40.0 | 0.50 |" in text
+    assert "| 9 | 200.0 | 260.0 | 50.0 | — | 0.40 |" in text and "| 16 | 225.0 | 270.0 | 40.0 | — | 0.50 |" in text
+    assert "bf16 weights (cuBLAS)" not in text
+
+
+def test_render_nvfp4_dequant_crossover():
+    """With the dequantized path timed: its column, its crossover against the grouped GEMM (over the widths where
+    both ran; row groups are not timed at the widest) and the floor over the fastest of the four."""
+    data = json.loads(RECORDED.read_text())
+    data["nvfp4_sweep"] = [
+        {"rows": 128, "union_us": 900.0, "sorted_nosplit_us": 170.0, "sorted_us": 160.0, "dequant_us": 190.0},
+        {"rows": 256, "union_us": 1800.0, "sorted_nosplit_us": 320.0, "sorted_us": 300.0, "dequant_us": 230.0},
+        {"rows": 512, "sorted_nosplit_us": 600.0, "sorted_us": 580.0, "dequant_us": 300.0}]
+    meta = {**data["meta"], "nvfp4_dense_floor_us": 23.0, "nvfp4_crossover": crossover(data["nvfp4_sweep"]),
+            "nvfp4_dequant_crossover": crossover(data["nvfp4_sweep"], "sorted_us", "dequant_us")}
+    assert meta["nvfp4_crossover"] == 128 and meta["nvfp4_dequant_crossover"] == 256
+    text = render(meta, data)
+    assert "grouped GEMM vs bf16 weights (cuBLAS) — crossover at **256 rows**" in text
+    assert "| 256 | 1800.0 | 320.0 | 300.0 | 230.0 | 0.10 |" in text
+    assert "| 512 | — | 600.0 | 580.0 | 300.0 | 0.08 |" in text

@@ -136,6 +136,32 @@ def test_gemm_dequant_bit_exact(rng, variant):
     assert not bad.any(), f"{int(bad.sum())} of {bad.size} dequantized weights differ (first at {np.argwhere(bad)[0]})"
 
 
+def test_dequant_bf16_bit_exact_and_dequant_linear(rng):
+    """``nvfp4_dequant_bf16`` writes every weight as bf16 e2m1 * e4m3 bit for bit as the NumPy backend's
+    ``dequant_linear`` does, over all 16 nibbles and every non-NaN E4M3 scale byte, into a NaN-poisoned scratch;
+    ``dequant_linear`` (cuBLAS, scale_2 as its alpha) equals NumPy's within bf16 rounding at 300 rows, poisoned
+    output fully written. The scratch is a slice of a larger buffer, as the dispatch lends it."""
+    n, k, t = 384, 512, 300
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scale = rng.choice(np.setdiff1d(np.arange(256), [0x7F, 0xFF]), (n, k // 16)).astype(np.uint8)
+    scale[:, :4] = np.arange(4 * n).reshape(n, 4) % 0x7F  # every positive byte: 0, subnormals, normals
+    w = Nvfp4Weight(packed, scale.view(E4M3), 3.0e-3)
+    cu, nu = both(MoeWeights(np.zeros((1, k), np.float32), np.zeros(1, np.float32), 0, (ExpertWeights(w, w, w),),
+                             None))
+    x = rand_bf16(rng, (t, k), 1.0)
+    w_ref, out_ref = np.zeros((n, k), BF16), np.zeros((t, n), BF16)
+    NP.dequant_linear(x, nu.gate, 0, w_ref, out_ref)
+    scratch, out = poisoned((n * k + 4096,), BF16), poisoned((t, n), BF16)
+    backend().dequant_linear(dev(x), cu.gate, 0, scratch[:n * k].reshape(n, k), out)
+    got_w = host(scratch)
+    bad = got_w[:n * k].reshape(n, k).view(np.uint16) != w_ref.view(np.uint16)
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size} dequantized weights differ (first at {np.argwhere(bad)[0]})"
+    assert unwritten(got_w[n * k:]).all(), "the scratch past the projection was written"
+    got = host(out)
+    assert_written(got, "dequant_linear")
+    assert_close(got, out_ref, "dequant_linear at 300 rows", tol=2e-3)
+
+
 def test_gemm_sorted_glm_shape(rng):
     """The GLM-5.3-Flash projections (gate/up [2048, 4096], down [4096, 2048]): a few experts with
     1, 70 and 0 rows, K past several pipeline wraps and N past many blocks."""

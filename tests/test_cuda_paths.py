@@ -226,19 +226,21 @@ def _nvfp4_dense_stack(be, cfg: SiteConfig, w: ExpertWeights, levers: PathLevers
     return MlpStack(be, SelfComm(), cfg, [site], levers, MAX_ROWS)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 20, 40, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 20, 40, 255, 256, 300])
 @pytest.mark.parametrize("hidden,width", [(256, 384), (512, 1024)], ids=["block-kernels", "ring"])
 def test_nvfp4_dense_site(rows, hidden, width):
     """A dense FFN stored NVFP4 (one expert that every row chooses) on every path of the CUDA backend
     against NumPy: the decode ring or block kernels (1 row; the ring needs K % 512), the union kernels
-    (2..8), row groups (20, the crossover lever raised past it), the grouped GEMM (40, 300), and the
-    1..8-row step captured and replayed with fresh inputs."""
+    (2..8), row groups (20, the crossover lever raised past it), the grouped GEMM (40, 255), its projections
+    dequantized to bf16 for cuBLAS (256, 300: the default lever), and the 1..8-row step captured and replayed
+    with fresh inputs."""
     cfg = SiteConfig.for_rank(model(("dense",), hidden, width), RankLayout(1, 0, 1, 1))
     rng = np.random.default_rng(rows * 7 + hidden)
     w = nvfp4_mlp(rng, hidden, width)
     levers = PathLevers(nvfp4_dense_gemm_min_rows=32)
     cuda, ref = _nvfp4_dense_stack(backend(), cfg, w, levers), _nvfp4_dense_stack(NumpyBackend(), cfg, w, levers)
-    want_path = "decode" if rows == 1 else "sorted" if rows >= 32 else "union"
+    d = levers.nvfp4_dense_dequant_min_rows
+    want_path = "decode" if rows == 1 else "dequant" if rows >= d else "sorted" if rows >= 32 else "union"
     assert cuda.sites[0].nvfp4.path_for(rows) == want_path
     for step in range(3 if rows <= 8 else 1):  # 1..8 rows: captured on the first step, replayed after
         x = rand_bf16(rng, (rows, hidden), 1.0)
@@ -259,7 +261,7 @@ def test_nvfp4_dense_site_k_split(monkeypatch, rows, k_split):
     cfg = SiteConfig.for_rank(model(("dense",), hidden, width), RankLayout(1, 0, 1, 1))
     rng = np.random.default_rng(rows + 11 * k_split)
     w = nvfp4_mlp(rng, hidden, width)
-    levers = PathLevers(prefill_k_split=k_split)
+    levers = PathLevers(prefill_k_split=k_split, nvfp4_dense_dequant_min_rows=0)
     cuda, ref = _nvfp4_dense_stack(backend(), cfg, w, levers), _nvfp4_dense_stack(NumpyBackend(), cfg, w, levers)
     assert cuda.sites[0].nvfp4.path_for(rows) == "sorted"
     entries = spy_launches(monkeypatch, grouped)

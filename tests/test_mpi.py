@@ -159,15 +159,19 @@ def test_nvfp4_dense_site_split_over_tp_matches_one_rank() -> None:
     full = random_weights(model, seed=21, dense_nvfp4=True)
     layer = model.mlp_layer_types.index("dense")
     world = comm.Get_size()
-    multi = build_stack(full, model, RankLayout(world, comm.Get_rank(), world, 1), MpiComm(comm), max_rows=16)
-    single = build_stack(full, model, max_rows=16)
     failures: list[str] = []
-    for rows in (1, 5, 12):
-        x = random_x(70 + rows, rows, model.hidden_size)
-        y2, y1 = multi.site_output(layer, x).copy(), single.site_output(layer, x).copy()
-        same_on_all_ranks(comm, f"dense nvfp4 site, {rows} rows", y2, failures)
-        if not rel_l2(y2, y1) < 1e-2:
-            failures.append(f"dense nvfp4 site, {rows} rows: rel L2 {rel_l2(y2, y1):.3e} vs one rank")
+    # 12 rows on the grouped GEMM, then with its projections dequantized to bf16 (each rank its own TP slices)
+    for levers in (PathLevers(), PathLevers(nvfp4_dense_dequant_min_rows=12)):
+        multi = build_stack(full, model, RankLayout(world, comm.Get_rank(), world, 1), MpiComm(comm), max_rows=16,
+                            levers=levers)
+        single = build_stack(full, model, max_rows=16)
+        for rows in (1, 5, 12):
+            x = random_x(70 + rows, rows, model.hidden_size)
+            path = multi.sites[layer].nvfp4.path_for(rows)
+            y2, y1 = multi.site_output(layer, x).copy(), single.site_output(layer, x).copy()
+            same_on_all_ranks(comm, f"dense nvfp4 site, {rows} rows ({path})", y2, failures)
+            if not rel_l2(y2, y1) < 1e-2:
+                failures.append(f"dense nvfp4 site, {rows} rows ({path}): rel L2 {rel_l2(y2, y1):.3e} vs one rank")
     agreed(comm, failures)
 
 

@@ -58,6 +58,15 @@ def test_default_levers_choose_the_design_paths() -> None:
     assert [dense.path_for(r) for r in (1, 8, 9, 31, 32)] == ["decode", "union", "sorted", "sorted", "sorted"]
     late = build_stack(nv, model, levers=PathLevers(nvfp4_dense_gemm_min_rows=32)).sites[layer].nvfp4
     assert [late.path_for(r) for r in (9, 31, 32)] == ["union", "union", "sorted"]
+    # ... and its projections dequantized to bf16 from nvfp4_dense_dequant_min_rows (never with 0, never routed)
+    d = PathLevers().nvfp4_dense_dequant_min_rows
+    assert [dense.path_for(r) for r in (d - 1, d, 300)] == ["sorted", "dequant", "dequant"]
+    early = build_stack(nv, model, levers=PathLevers(nvfp4_dense_dequant_min_rows=9)).sites[layer].nvfp4
+    assert [early.path_for(r) for r in (1, 8, 9)] == ["decode", "union", "dequant"]
+    off = build_stack(nv, model, max_rows=300, levers=PathLevers(nvfp4_dense_dequant_min_rows=0)).sites[layer].nvfp4
+    assert off.path_for(300) == "sorted"
+    routed = build_stack(nv, model, levers=PathLevers(nvfp4_dense_dequant_min_rows=9)).sites[1].experts
+    assert routed.path_for(300) == "sorted"
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 20])
@@ -195,10 +204,13 @@ def test_nvfp4_dense_site_on_every_path(rows: int) -> None:
     layer = model.mlp_layer_types.index("dense")
     x = random_x(300 + rows, rows, model.hidden_size)
     outs: dict[str, np.ndarray] = {}
-    for name, levers in VARIANTS.items():
+    # and its projections dequantized to bf16 into a scratch (from 9 rows with the lever at its floor)
+    variants = {**VARIANTS, "dequant": PathLevers(nvfp4_dense_dequant_min_rows=9)}
+    paths = {**_expected_paths(rows), "dequant": "dequant" if rows >= 9 else _expected_paths(rows)["union"]}
+    for name, levers in variants.items():
         stack = build_stack(full, model, levers=levers, max_rows=MAX_ROWS)
         site = stack.sites[layer]
-        assert site.nvfp4.path_for(rows) == _expected_paths(rows)[name], name
+        assert site.nvfp4.path_for(rows) == paths[name], name
         stack.workspaces[layer].view("ids", MAX_ROWS, model.num_experts_per_tok)[...] = 12345
         outs[name] = stack.site_output(layer, x).copy()
     want = site64(ref64_layers(full)[layer], RefParams.of(model), x)

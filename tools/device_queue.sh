@@ -17,6 +17,8 @@
 #                                  # ring and the block kernels, glm-ep bench (the NVFP4 dense rows)
 #   bash tools/device_queue.sh next # what waits (2026-12-05): the split tests not yet run on a GPU, one row of the
 #                                  # NVFP4 dense FFN on the ring / block kernels on an H200, glm-ep bench there
+#   bash tools/device_queue.sh dequant # the NVFP4 dense FFN through bf16 weights and cuBLAS: its tests (with the
+#                                  # split tests not yet run on a GPU), then bench --prefill (its sweep, the peers)
 # Logs and results under $OUT (or /tmp/out).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -75,6 +77,18 @@ next)
     timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
         tests/test_cuda_paths.py -k "partial_tiles or k_split" 2>&1 | tee "$O/next_tests.log" | tail -8
     one_row_and_bench ;;
+dequant)
+    stage "dequant path and K split tests"
+    if timeout 220 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
+        tests/test_cuda_paths.py -k "dequant or nvfp4_dense or partial_tiles or k_split" 2>&1 \
+        | tee "$O/dequant_tests.log" | tail -8 && grep -q " passed" "$O/dequant_tests.log" \
+        && ! grep -q "failed\|error" "$O/dequant_tests.log"; then
+        stage "bench --prefill"
+        timeout 360 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -45
+        tail -3 "$O/prefill.err"
+    else
+        echo "tests failed: no bench"
+    fi ;;
 ablate)
     stage "ring ablation"
     timeout 150 python3 tools/kernel_timing.py --ring-ablation 2>&1 | tee "$O/ring_ablation.log" | tail -9

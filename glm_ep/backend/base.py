@@ -120,8 +120,8 @@ class Capabilities:
         if levers.union_max_ids > self.max_union_ids:
             raise ConfigError(f"levers.union_max_ids = {levers.union_max_ids}, expected 1..{self.max_union_ids} {on} "
                               "(the ids one union table holds)")
-        for key in ("prefill_gemm_min_rows", "nvfp4_dense_gemm_min_rows"):
-            if getattr(levers, key) <= self.max_row_group:
+        for key in ("prefill_gemm_min_rows", "nvfp4_dense_gemm_min_rows", "nvfp4_dense_dequant_min_rows"):
+            if 0 < getattr(levers, key) <= self.max_row_group:  # (PathLevers allows 0 only where it means off)
                 raise ConfigError(f"levers.{key} = {getattr(levers, key)}, expected >= {self.max_row_group + 1} {on} "
                                   f"(rows up to {self.max_row_group} are one row group)")
 
@@ -274,6 +274,12 @@ class Backend(ABC, Generic[A, P]):
     @abstractmethod
     def expert_linear(self, a_1K: Any, table: ExpertTable[P], local: int, out_1N: Any) -> None:
         """Local expert ``local``'s projection for one row (host-dispatch path)."""
+
+    @abstractmethod
+    def dequant_linear(self, a_TK: Any, table: ExpertTable[P], local: int, w_NK: Any, out_TN: Any) -> None:
+        """Local expert ``local``'s projection for every row of ``a`` through bf16 weights: ``w`` [n, k] (scratch,
+        overwritten) takes the exact bf16 ``e2m1 * e4m3``, then ``out = bf16(scale_2 * (a @ w^T))`` with fp32 sums,
+        the numerics of ``moe_gemm_sorted`` (a dense FFN stored NVFP4 at compute-bound widths)."""
 
     # ---- gate + up + SwiGLU in one step --------------------------------------------------------
     # Each writes gate, up and act exactly as the separate ops would (a backend may fuse them into

@@ -7,7 +7,8 @@ next to the measured bf16 GEMM rate), the dense site, the shared expert and the 
 HF transformers' ``Glm5NextTextMoE`` (fastest experts implementation), ``Glm5NextTextMLP``,
 ``torch._grouped_mm`` on bf16 experts and the HF router. A sweep of the two routed paths gives the
 crossover the ``prefill_gemm_min_rows`` lever is set from; one of a dense FFN stored NVFP4 (row groups,
-the grouped GEMM with and without its K split) the ``nvfp4_dense_gemm_min_rows`` lever's. Synthetic
+the grouped GEMM with and without its K split, its projections dequantized to bf16 for cuBLAS) the
+``nvfp4_dense_gemm_min_rows`` and ``nvfp4_dense_dequant_min_rows`` levers'. Synthetic
 weights made on the GPU; every figure a median over repeats after warm-up. Writes PREFILL.md, prefill.json,
 prefill.png; a run of other ``--rows`` than the default widths writes PREFILL_<rows>.md, prefill_<rows>.json and
 prefill_<rows>.png instead
@@ -37,18 +38,23 @@ from glm_ep.workspace import Workspace
 log = logging.getLogger(__name__)
 WIDTHS = (16, 64, 128, 256, 1024, 4096)
 SWEEP = (9, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+NVFP4_SWEEP = SWEEP + (384, 512)  # the dense FFN stored NVFP4: past 256 rows for the dequant crossover
 UNION_MAX_TIMED = 1024  # the row-group path is timed up to this width (it is the slow one past it)
+NVFP4_UNION_MAX_TIMED = 256  # likewise for the dense FFN stored NVFP4 (each row group sweeps all of it)
 
 
 def _iters(rows: int) -> int:
     return max(2, min(40, 8192 // rows))
 
 
-def crossover(sweep: list[dict[str, Any]]) -> int | None:
-    """The smallest swept width from which the grouped GEMM is never slower than row groups."""
+def crossover(sweep: list[dict[str, Any]], slow: str = "union_us", fast: str = "sorted_us") -> int | None:
+    """The smallest swept width from which path ``fast`` (default: the grouped GEMM) is never slower than ``slow``
+    (row groups), over the widths where both were timed."""
     best = None
     for r in reversed(sweep):
-        if r["sorted_us"] > r["union_us"]:
+        if r.get(fast) is None or r.get(slow) is None:
+            continue
+        if r[fast] > r[slow]:
             break
         best = r["rows"]
     return best
@@ -87,11 +93,13 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     def t(fn: Callable[[], Any], rows: int) -> float:
         return time_median(cp, stream, fn, iters=_iters(rows), warmup=2, repeats=5)
 
-    # the dense FFN stored NVFP4 on each path: row groups, the grouped GEMM without and with its K split (the
-    # default levers' site)
+    # the dense FFN stored NVFP4 on each path: row groups, the grouped GEMM without and with its K split, its
+    # projections dequantized to bf16 for cuBLAS (each forced where the levers allow)
     nvfp4_paths = {key: replace(dense_nvfp4_site, nvfp4=ExpertDispatch(be, cfg.dense_as_expert(), lv)) for key, lv in (
-        ("union_us", PathLevers(prefill_gemm=False)), ("sorted_nosplit_us", PathLevers(prefill_k_split=False)))}
-    nvfp4_paths["sorted_us"] = dense_nvfp4_site
+        ("union_us", PathLevers(prefill_gemm=False, nvfp4_dense_dequant_min_rows=0)),
+        ("sorted_nosplit_us", PathLevers(prefill_k_split=False, nvfp4_dense_dequant_min_rows=0)),
+        ("sorted_us", PathLevers(nvfp4_dense_dequant_min_rows=0)),
+        ("dequant_us", PathLevers(nvfp4_dense_dequant_min_rows=SWEEP[0])))}
     results: dict[str, Any] = {"widths": [], "sweep": [], "nvfp4_sweep": []}
     for rows in SWEEP:
         x = gpu_bf16(cp, (rows, h), 1.0)
@@ -99,8 +107,12 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         results["sweep"].append({"rows": rows, "union_us": t(lambda: union_site(x, ws, o), rows),
                                  "sorted_us": t(lambda: sorted_site(x, ws, o), rows)})
         log.info("sweep %s", results["sweep"][-1])
+    for rows in NVFP4_SWEEP:
+        x = gpu_bf16(cp, (rows, h), 1.0)
+        o = out[:rows]
         results["nvfp4_sweep"].append({"rows": rows, **{key: t(lambda: st(x, ws, o), rows)
-                                                        for key, st in nvfp4_paths.items()}})
+                                                        for key, st in nvfp4_paths.items()
+                                                        if key != "union_us" or rows <= NVFP4_UNION_MAX_TIMED}})
         log.info("NVFP4 dense sweep %s", results["nvfp4_sweep"][-1])
     for rows in widths:
         x = gpu_bf16(cp, (rows, h), 1.0)
@@ -136,6 +148,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
             r["variants"][NV.GemmGeometry.of(v).suffix] = [glu, down]
         r["dense_us"] = t(lambda: dense_site(x, ws, o), rows)
         r["dense_nvfp4_us"] = t(lambda: dense_nvfp4_site(x, ws, o), rows)
+        r["dense_nvfp4_gemm_us"] = t(lambda: nvfp4_paths["sorted_us"](x, ws, o), rows)  # the grouped GEMM only
         r["shared_us"] = t(lambda: clamped_swiglu_mlp(be, moe.shared, cfg.swiglu_limit, x, ws, o), rows)
         r["router_us"] = t(lambda: site.route(x, ws), rows)
         results["widths"].append(r)
@@ -147,7 +160,8 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     meta.update(gemm_tflops=peers.get("gemm_tflops"), dense_floor_us=dense_bytes(model) / (copy_gbs * 1e9) * 1e6,
                 crossover=crossover(results["sweep"]), peer_note=peers.get("note", ""),
                 nvfp4_dense_floor_us=dense_nvfp4_bytes(model) / (copy_gbs * 1e9) * 1e6,
-                nvfp4_crossover=crossover(results["nvfp4_sweep"]))
+                nvfp4_crossover=crossover(results["nvfp4_sweep"]),
+                nvfp4_dequant_crossover=crossover(results["nvfp4_sweep"], "sorted_us", "dequant_us"))
     for r in results["widths"]:
         r.update(peers.get(r["rows"], {}))
     out_dir = Path(args.out)
@@ -232,12 +246,13 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
         cells = [f"{a:.0f} / {b:.0f}" + (" ★" if n == best else "") for n, (a, b) in r["variants"].items()]
         lines.append(f"| {r['rows']} | {r.get('variant', '')} | " + " | ".join(cells) + " |")
     lines += ["", f"## Dense site, shared expert, router (dense byte floor {meta['dense_floor_us']:.1f} µs)", "",
-              "| rows | dense glm_ep | HF `Glm5NextTextMLP` | floor / dense | dense, NVFP4 weights | shared glm_ep "
-              "| HF MLP (shared shape) | router glm_ep | torch router |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| rows | dense glm_ep | HF `Glm5NextTextMLP` | floor / dense | dense, NVFP4 weights "
+              "| NVFP4, grouped GEMM only | shared glm_ep | HF MLP (shared shape) | router glm_ep | torch router |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in w:
         lines.append(f"| {r['rows']} | {r['dense_us']:.1f} | {_f(r.get('hf_mlp_us'))} | "
                      f"{meta['dense_floor_us'] / r['dense_us']:.2f} | {_f(r.get('dense_nvfp4_us'))} | "
+                     f"{_f(r.get('dense_nvfp4_gemm_us'))} | "
                      f"{r['shared_us']:.1f} | "
                      f"{_f(r.get('hf_shared_us'))} | "
                      f"{r['router_us']:.1f} | {_f(r.get('torch_router_us'))} |")
@@ -247,14 +262,17 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
         lines.append(f"| {r['rows']} | {r['union_us']:.1f} | {r['sorted_us']:.1f} |")
     if res.get("nvfp4_sweep"):
         floor = meta["nvfp4_dense_floor_us"]
+        dq = meta.get("nvfp4_dequant_crossover")
         lines += ["", f"## Dense FFN stored NVFP4: row groups vs grouped GEMM — crossover at "
-                      f"**{meta['nvfp4_crossover']} rows** (byte floor {floor:.1f} µs)", "",
-                  "| rows | row groups | grouped GEMM, no K split | grouped GEMM, K split | floor / best |",
-                  "|---:|---:|---:|---:|---:|"]
+                      f"**{meta['nvfp4_crossover']} rows** (byte floor {floor:.1f} µs)"
+                      + (f"; grouped GEMM vs bf16 weights (cuBLAS) — crossover at **{dq} rows**" if dq else ""), "",
+                  "| rows | row groups | grouped GEMM, no K split | grouped GEMM, K split | dequantized to bf16, cuBLAS "
+                  "| floor / best |",
+                  "|---:|---:|---:|---:|---:|---:|"]
         for r in res["nvfp4_sweep"]:
-            best = min(r["union_us"], r["sorted_nosplit_us"], r["sorted_us"])
-            lines.append(f"| {r['rows']} | {r['union_us']:.1f} | {r['sorted_nosplit_us']:.1f} | "
-                         f"{r['sorted_us']:.1f} | {floor / best:.2f} |")
+            keys = ("union_us", "sorted_nosplit_us", "sorted_us", "dequant_us")
+            best = min(r[key] for key in keys if r.get(key) is not None)
+            lines.append(f"| {r['rows']} | " + " | ".join(_f(r.get(key)) for key in keys) + f" | {floor / best:.2f} |")
     return "\n".join(lines) + "\n"
 
 

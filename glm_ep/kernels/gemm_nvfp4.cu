@@ -43,6 +43,7 @@
 //   nvfp4_gemm_sorted_SUFFIX       one projection                        grid (tiles * ceil(N / BN), splits)
 //   nvfp4_gemm_sorted_glu_SUFFIX   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)), splits)
 //   nvfp4_gemm_reduce[_glu]        a K split's second pass               grid (slots * N / 4 threads)
+//   nvfp4_dequant_bf16             one expert's weights as exact bf16    grid (N * K / 32 threads)
 // K split (gridDim.y = splits > 1, for grids with fewer blocks than SMs; gemm_nvfp4_split.cuh): block y
 // streams its share of K and writes fp32 partial sums (scale_2 applied) instead of bf16; the reduce adds them
 // in split order and rounds once, as the unsplit epilogue does (for the glu: gate and up to bf16, then the SwiGLU).
@@ -441,3 +442,29 @@ GEMM_VARIANT(128, 8, 8, 64, 3, 1)
 GEMM_TILED(64, 2, 2, 4, 64, 3, 2)
 GEMM_TILED(128, 4, 2, 4, 64, 3, 2)
 GEMM_WGMMA(64, 4, 2)
+
+// One expert's projection [N, K] as bf16 w[n, k] = e2m1[n, k] * e4m3[n, k / 16], exact (the GEMM's operand
+// times 2^8: dequant_word with the scale pair times 2^8, at most 6 significant bits), for a bf16 GEMM that
+// applies scale_2 to its fp32 sums (a dense FFN stored NVFP4 at compute-bound widths). A thread per 16-byte
+// chunk of packed weights (32 k, two block scales): four 16-byte stores.
+extern "C" __global__ void __launch_bounds__(256) nvfp4_dequant_bf16(const uint4* __restrict__ packed,
+                                                                     const unsigned short* __restrict__ scale,
+                                                                     uint4* __restrict__ out, long long chunks) {
+    pdl_enter();  // the GEMM before this launch may still read `out`
+    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < chunks;
+         c += (long long)gridDim.x * blockDim.x) {
+        const uint4 w = packed[c];
+        float f[2];
+        chunk_scales_f32(scale[c], f[0], f[1]);
+        unsigned sp[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) sp[i] = prmt(__float_as_uint(f[i] * 256.0f), 0u, 0x3232u);  // e4m3, exact
+        const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // 8 k a word; words 0-1 take the first block scale, 2-3 the second
+            unsigned b[4];
+            dequant_word(words[q], sp[q >> 1], b);
+            out[4 * c + q] = make_uint4(b[0], b[1], b[2], b[3]);
+        }
+    }
+}

@@ -391,3 +391,10 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     def expert_linear(self, a_1K, table: ExpertTable[Nvfp4Pointers], local, out_1N):
         w = table.weights
         NV.nvfp4_gemv(a_1K, w.packed[local], w.scale[local], w.scale2_host[local], out_1N)
+
+    @_on_stream
+    def dequant_linear(self, a_TK, table: ExpertTable[Nvfp4Pointers], local, w_NK, out_TN):
+        """The weights dequantized by one launch (``grouped.nvfp4_dequant_bf16``), then ONE cuBLAS GemmEx with
+        ``scale_2`` as its alpha (never captured: a wide path)."""
+        grouped.nvfp4_dequant_bf16(table.weights, local, w_NK)
+        dense.gemm_bf16(a_TK, w_NK, out_TN, alpha=table.weights.scale2_host[local])

@@ -37,9 +37,10 @@ def _cublas() -> Any:
     return cublas
 
 
-def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any) -> None:
-    """``out = x @ w^T`` in ONE cuBLAS GemmEx call: bf16 operands (products exact in fp32), fp32
-    accumulation, ``out`` bf16 (rounded once) or fp32 (the router's logits), on the current stream.
+def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any, alpha: float = 1.0) -> None:
+    """``out = alpha * (x @ w^T)`` in ONE cuBLAS GemmEx call: bf16 operands (products exact in fp32), fp32
+    accumulation, ``alpha`` applied to the fp32 sums (an NVFP4 projection's ``scale_2``), ``out`` bf16 (rounded
+    once) or fp32 (the router's logits), on the current stream.
     Row-major as column-major: ``out^T [N, T] = w [N, K] @ x^T [K, T]``."""
     import cupy
 
@@ -56,8 +57,9 @@ def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any) -> None:
     # CuPy's shared handle keeps whatever stream was last set on it (at first the legacy default
     # stream, which does not order against the backend's non-blocking stream): bind it to ours
     cb.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    scale = None if alpha == 1.0 else np.full(1, alpha, np.float32)  # host pointer mode: read before gemmEx returns
     cb.gemmEx(handle, cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, t, k,
-              _ONE_PTR, w_NK.data.ptr, _CUDA_R_16BF, k, x_TK.data.ptr, _CUDA_R_16BF, k,
+              _ONE_PTR if scale is None else scale.ctypes.data, w_NK.data.ptr, _CUDA_R_16BF, k, x_TK.data.ptr, _CUDA_R_16BF, k,
               _ZERO_PTR, out_TN.data.ptr, _CUDA_R_16BF if out_TN.dtype == BF16 else _CUDA_R_32F, n,
               cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
 

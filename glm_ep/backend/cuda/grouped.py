@@ -20,7 +20,7 @@ import numpy as np
 from glm_ep.backend.base import ExpertTable, RoutedExperts
 from glm_ep.backend.cuda.loader import (ARCH_SPECIFIC, BF16, F32, GEMM_VARIANTS, I32, arch_build, block_smem_limit,
                                         cdiv, check, check_shape, compute_capability, current_device,
-                                        gemm_smem_bytes, gemm_suffix, i32, launch, sm_count)
+                                        gemm_smem_bytes, gemm_suffix, i32, i64, launch, sm_count)
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
@@ -280,3 +280,20 @@ def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: An
     if ks > 1:
         _reduce("nvfp4_gemm_reduce_glu", scratch, ks, s, expert_offsets, start, count, act_SN, gate.n,
                 np.float32(limit))
+
+
+DEQUANT_THREADS = 256
+DEQUANT_BLOCKS_PER_SM = 8  # the grid-stride loop's blocks an SM
+
+
+def nvfp4_dequant_bf16(proj: Nvfp4Pointers, local: int, out_NK: Any) -> None:
+    """Local expert ``local``'s projection as exact bf16 ``e2m1 * e4m3`` into ``out`` [n, k] (``scale_2`` left
+    for the GEMM that reads it to apply to its fp32 sums): the operand of a bf16 GEMM at compute-bound widths."""
+    if not 0 <= local < len(proj.packed):
+        raise ValueError(f"nvfp4_dequant_bf16: local expert {local}, the table holds {len(proj.packed)}")
+    check("out", out_NK, BF16), check_shape("out", out_NK, (proj.n, proj.k))
+    chunks = proj.n * proj.k // 32  # 16-byte chunks of packed weights: K is whole chunks (upload checked it)
+    if chunks == 0:
+        return
+    launch(_GEMM, "nvfp4_dequant_bf16", (min(cdiv(chunks, DEQUANT_THREADS), DEQUANT_BLOCKS_PER_SM * sm_count()), 1, 1),
+           (DEQUANT_THREADS, 1, 1), (proj.packed[local], proj.scale[local], out_NK, i64(chunks)))
