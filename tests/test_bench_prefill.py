@@ -70,3 +70,6 @@ def test_render_nvfp4_dequant_crossover():
     assert "grouped GEMM vs bf16 weights (cuBLAS) — crossover at **256 rows**" in text
     assert "| 256 | 1800.0 | 320.0 | 300.0 | 230.0 | 0.10 |" in text
     assert "| 512 | — | 600.0 | 580.0 | 300.0 | 0.08 |" in text
+    assert "dequantized to bf16 (" not in text
+    meta.update(dequant_us=40.0, dequant_gbs=2575.0, copy_gbs=4300.0)
+    assert "One projection dequantized to bf16 (40.0 µs, 2575 GB/s read + written, 60% of copy)" in render(meta, data)

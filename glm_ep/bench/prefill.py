@@ -100,6 +100,13 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         ("sorted_nosplit_us", PathLevers(prefill_k_split=False, nvfp4_dense_dequant_min_rows=0)),
         ("sorted_us", PathLevers(nvfp4_dense_dequant_min_rows=0)),
         ("dequant_us", PathLevers(nvfp4_dense_dequant_min_rows=SWEEP[0])))}
+    # the dequant path's own pass: one projection of the dense FFN to bf16, against the copy bandwidth
+    gate = dense_nvfp4_site.mlp.gate.weights
+    w_bf16 = cp.empty((gate.n, gate.k), dtype=BF16)
+    with stream:
+        dequant_us = t(lambda: NV.nvfp4_dequant_bf16(gate, 0, w_bf16), 1024)
+    dequant_bytes = gate.n * gate.k * (2 + 1 / 2 + 1 / 16)  # bf16 written, nibbles and block scales read
+    w_bf16 = None
     results: dict[str, Any] = {"widths": [], "sweep": [], "nvfp4_sweep": []}
     for rows in SWEEP:
         x = gpu_bf16(cp, (rows, h), 1.0)
@@ -161,7 +168,8 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
                 crossover=crossover(results["sweep"]), peer_note=peers.get("note", ""),
                 nvfp4_dense_floor_us=dense_nvfp4_bytes(model) / (copy_gbs * 1e9) * 1e6,
                 nvfp4_crossover=crossover(results["nvfp4_sweep"]),
-                nvfp4_dequant_crossover=crossover(results["nvfp4_sweep"], "sorted_us", "dequant_us"))
+                nvfp4_dequant_crossover=crossover(results["nvfp4_sweep"], "sorted_us", "dequant_us"),
+                dequant_us=dequant_us, dequant_gbs=dequant_bytes / (dequant_us * 1e-6) / 1e9)
     for r in results["widths"]:
         r.update(peers.get(r["rows"], {}))
     out_dir = Path(args.out)
@@ -266,6 +274,9 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
         lines += ["", f"## Dense FFN stored NVFP4: row groups vs grouped GEMM — crossover at "
                       f"**{meta['nvfp4_crossover']} rows** (byte floor {floor:.1f} µs)"
                       + (f"; grouped GEMM vs bf16 weights (cuBLAS) — crossover at **{dq} rows**" if dq else ""), "",
+                  *([f"One projection dequantized to bf16 ({meta['dequant_us']:.1f} µs, {meta['dequant_gbs']:.0f} GB/s "
+                     f"read + written, {100 * meta['dequant_gbs'] / meta['copy_gbs']:.0f}% of copy) is the bf16 path's "
+                     "pass; it runs three a call.", ""] if meta.get("dequant_us") else []),
                   "| rows | row groups | grouped GEMM, no K split | grouped GEMM, K split | dequantized to bf16, cuBLAS "
                   "| floor / best |",
                   "|---:|---:|---:|---:|---:|---:|"]

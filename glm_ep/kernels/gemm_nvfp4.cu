@@ -43,7 +43,7 @@
 //   nvfp4_gemm_sorted_SUFFIX       one projection                        grid (tiles * ceil(N / BN), splits)
 //   nvfp4_gemm_sorted_glu_SUFFIX   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)), splits)
 //   nvfp4_gemm_reduce[_glu]        a K split's second pass               grid (slots * N / 4 threads)
-//   nvfp4_dequant_bf16             one expert's weights as exact bf16    grid (N * K / 32 threads)
+//   nvfp4_dequant_bf16             one expert's weights as exact bf16    grid-stride, a thread per 4 words a round
 // K split (gridDim.y = splits > 1, for grids with fewer blocks than SMs; gemm_nvfp4_split.cuh): block y
 // streams its share of K and writes fp32 partial sums (scale_2 applied) instead of bf16; the reduce adds them
 // in split order and rounds once, as the unsplit epilogue does (for the glu: gate and up to bf16, then the SwiGLU).
@@ -443,28 +443,38 @@ GEMM_TILED(64, 2, 2, 4, 64, 3, 2)
 GEMM_TILED(128, 4, 2, 4, 64, 3, 2)
 GEMM_WGMMA(64, 4, 2)
 
-// One expert's projection [N, K] as bf16 w[n, k] = e2m1[n, k] * e4m3[n, k / 16], exact (the GEMM's operand
-// times 2^8: dequant_word with the scale pair times 2^8, at most 6 significant bits), for a bf16 GEMM that
-// applies scale_2 to its fp32 sums (a dense FFN stored NVFP4 at compute-bound widths). A thread per 16-byte
-// chunk of packed weights (32 k, two block scales): four 16-byte stores.
-extern "C" __global__ void __launch_bounds__(256) nvfp4_dequant_bf16(const uint4* __restrict__ packed,
-                                                                     const unsigned short* __restrict__ scale,
-                                                                     uint4* __restrict__ out, long long chunks) {
+// One expert's projection [N, K] as bf16 w[n, k] = e2m1[n, k] * e4m3[n, k / 16], exact (dequant_word with the
+// block scale as e4m3 itself: at most 6 significant bits), for a bf16 GEMM that applies scale_2 to its fp32 sums
+// (a dense FFN stored NVFP4 at compute-bound widths). A thread per 32-bit word of packed weights (8 k; words 2i and
+// 2i + 1 share block scale i) and its 16 output bytes, so a warp's loads and stores are each one contiguous run;
+// four words a thread in flight (a warp sweeps 128 words a round).
+__device__ __forceinline__ unsigned e4m3_pair(unsigned byte) {
+    float lo, hi;  // the byte shifted into an fp16 is e4m3 * 2^-8 (subnormals included)
+    f16x2_to_f32(((byte & 0x80u) << 8) | ((byte & 0x7fu) << 7), lo, hi);
+    return prmt(__float_as_uint(lo * 256.0f), 0u, 0x3232u);  // e4m3 as a bf16 pair (4 significant bits: exact)
+}
+
+extern "C" __global__ void __launch_bounds__(256) nvfp4_dequant_bf16(const unsigned* __restrict__ packed,
+                                                                     const unsigned char* __restrict__ scale,
+                                                                     uint4* __restrict__ out, long long words) {
     pdl_enter();  // the GEMM before this launch may still read `out`
-    for (long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x; c < chunks;
-         c += (long long)gridDim.x * blockDim.x) {
-        const uint4 w = packed[c];
-        float f[2];
-        chunk_scales_f32(scale[c], f[0], f[1]);
-        unsigned sp[2];
+    const long long warps = (long long)gridDim.x * blockDim.x / 32;
+    const int lane = threadIdx.x & 31;
+    for (long long w0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32 * 128; w0 < words; w0 += warps * 128) {
+        unsigned q[4], s[4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) sp[i] = prmt(__float_as_uint(f[i] * 256.0f), 0u, 0x3232u);  // e4m3, exact
-        const unsigned words[4] = {w.x, w.y, w.z, w.w};
+        for (int j = 0; j < 4; ++j) {
+            const long long i = w0 + 32 * j + lane;
+            q[j] = i < words ? packed[i] : 0u;
+            s[j] = i < words ? scale[i >> 1] : 0u;
+        }
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {  // 8 k a word; words 0-1 take the first block scale, 2-3 the second
+        for (int j = 0; j < 4; ++j) {
+            const long long i = w0 + 32 * j + lane;
+            if (i >= words) break;
             unsigned b[4];
-            dequant_word(words[q], sp[q >> 1], b);
-            out[4 * c + q] = make_uint4(b[0], b[1], b[2], b[3]);
+            dequant_word(q[j], e4m3_pair(s[j]), b);
+            out[i] = make_uint4(b[0], b[1], b[2], b[3]);
         }
     }
 }

@@ -292,8 +292,9 @@ def nvfp4_dequant_bf16(proj: Nvfp4Pointers, local: int, out_NK: Any) -> None:
     if not 0 <= local < len(proj.packed):
         raise ValueError(f"nvfp4_dequant_bf16: local expert {local}, the table holds {len(proj.packed)}")
     check("out", out_NK, BF16), check_shape("out", out_NK, (proj.n, proj.k))
-    chunks = proj.n * proj.k // 32  # 16-byte chunks of packed weights: K is whole chunks (upload checked it)
-    if chunks == 0:
+    words = proj.n * proj.k // 8  # 32-bit words of packed weights, a thread each
+    if words == 0:
         return
-    launch(_GEMM, "nvfp4_dequant_bf16", (min(cdiv(chunks, DEQUANT_THREADS), DEQUANT_BLOCKS_PER_SM * sm_count()), 1, 1),
-           (DEQUANT_THREADS, 1, 1), (proj.packed[local], proj.scale[local], out_NK, i64(chunks)))
+    grid = min(cdiv(words, DEQUANT_THREADS * 4), DEQUANT_BLOCKS_PER_SM * sm_count())
+    launch(_GEMM, "nvfp4_dequant_bf16", (grid, 1, 1), (DEQUANT_THREADS, 1, 1),
+           (proj.packed[local], proj.scale[local], out_NK, i64(words)))
