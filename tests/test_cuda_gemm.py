@@ -136,56 +136,30 @@ def test_gemm_dequant_bit_exact(rng, variant):
     assert not bad.any(), f"{int(bad.sum())} of {bad.size} dequantized weights differ (first at {np.argwhere(bad)[0]})"
 
 
-def test_dequant_bf16_bit_exact(rng):
+def test_dequant_bf16_bit_exact_and_dequant_linear(rng):
     """``nvfp4_dequant_bf16`` writes every weight as bf16 e2m1 * e4m3 bit for bit as the NumPy backend's
-    ``dequant_linear`` does, over all 16 nibbles and every non-NaN E4M3 scale byte, into a NaN-poisoned buffer:
-    a whole projection, and a range of weight rows (a chunk) with nothing written past it."""
-    n, k = 320, 512
-    w = _every_byte_nvfp4(rng, n, k)
-    cu, nu = _one_expert(w)
-    w_ref = np.zeros((n, k), BF16)
-    NP.dequant_linear(np.zeros((1, k), BF16), nu.gate, 0, w_ref, np.zeros((1, n), BF16))
-    for n0, r in ((0, n), (128, 72)):
-        buf = poisoned((n * k,), BF16)
-        with backend().stream:
-            grouped.nvfp4_dequant_bf16(cu.gate.weights, 0, buf[:r * k].reshape(r, k), n0)
-        got = host(buf)
-        bad = got[:r * k].reshape(r, k).view(np.uint16) != w_ref[n0:n0 + r].view(np.uint16)
-        assert not bad.any(), f"rows {n0}+{r}: {int(bad.sum())} of {bad.size} weights differ (first {np.argwhere(bad)[0]})"
-        assert unwritten(got[r * k:]).all(), f"rows {n0}+{r}: written past the chunk"
-
-
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunks"])
-def test_dequant_linear(monkeypatch, rng, chunked):
-    """``dequant_linear`` (cuBLAS, scale_2 as its alpha) equals NumPy's within bf16 rounding at 300 rows, poisoned
-    output fully written: the projection whole, and in chunks of 128 weight rows (the last one short) that reuse
-    the start of the scratch and write columns of the output."""
-    if chunked:
-        monkeypatch.setattr(grouped, "DEQUANT_CHUNK_MIN_ROWS", 1)
-        monkeypatch.setattr(grouped, "DEQUANT_CHUNK_BYTES", 128 * 512 * 2)
-    n, k, t = 320, 512, 300
-    assert grouped.dequant_chunk_rows(t, n, k) == (128 if chunked else n)
-    cu, nu = _one_expert(_every_byte_nvfp4(rng, n, k))
-    x = rand_bf16(rng, (t, k), 1.0)
-    out_ref = np.zeros((t, n), BF16)
-    NP.dequant_linear(x, nu.gate, 0, np.zeros((n, k), BF16), out_ref)
-    out = poisoned((t, n), BF16)
-    backend().dequant_linear(dev(x), cu.gate, 0, poisoned((n, k), BF16), out)
-    got = host(out)
-    assert_written(got, "dequant_linear")
-    assert_close(got, out_ref, "dequant_linear at 300 rows", tol=2e-3)
-
-
-def _every_byte_nvfp4(rng, n, k):
+    ``dequant_linear`` does, over all 16 nibbles and every non-NaN E4M3 scale byte, into a NaN-poisoned scratch;
+    ``dequant_linear`` (cuBLAS, scale_2 as its alpha) equals NumPy's within bf16 rounding at 300 rows, poisoned
+    output fully written. The scratch is a slice of a larger buffer, as the dispatch lends it."""
+    n, k, t = 384, 512, 300
     packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
     scale = rng.choice(np.setdiff1d(np.arange(256), [0x7F, 0xFF]), (n, k // 16)).astype(np.uint8)
     scale[:, :4] = np.arange(4 * n).reshape(n, 4) % 0x7F  # every positive byte: 0, subnormals, normals
-    return Nvfp4Weight(packed, scale.view(E4M3), 3.0e-3)
-
-
-def _one_expert(w):
-    return both(MoeWeights(np.zeros((1, w.shape[1]), np.float32), np.zeros(1, np.float32), 0, (ExpertWeights(w, w, w),),
-                           None))
+    w = Nvfp4Weight(packed, scale.view(E4M3), 3.0e-3)
+    cu, nu = both(MoeWeights(np.zeros((1, k), np.float32), np.zeros(1, np.float32), 0, (ExpertWeights(w, w, w),),
+                             None))
+    x = rand_bf16(rng, (t, k), 1.0)
+    w_ref, out_ref = np.zeros((n, k), BF16), np.zeros((t, n), BF16)
+    NP.dequant_linear(x, nu.gate, 0, w_ref, out_ref)
+    scratch, out = poisoned((n * k + 4096,), BF16), poisoned((t, n), BF16)
+    backend().dequant_linear(dev(x), cu.gate, 0, scratch[:n * k].reshape(n, k), out)
+    got_w = host(scratch)
+    bad = got_w[:n * k].reshape(n, k).view(np.uint16) != w_ref.view(np.uint16)
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size} dequantized weights differ (first at {np.argwhere(bad)[0]})"
+    assert unwritten(got_w[n * k:]).all(), "the scratch past the projection was written"
+    got = host(out)
+    assert_written(got, "dequant_linear")
+    assert_close(got, out_ref, "dequant_linear at 300 rows", tol=2e-3)
 
 
 def test_gemm_sorted_glm_shape(rng):

@@ -19,7 +19,6 @@
 #                                  # NVFP4 dense FFN on the ring / block kernels on an H200, glm-ep bench there
 #   bash tools/device_queue.sh dequant # the NVFP4 dense FFN through bf16 weights and cuBLAS: its tests (with the
 #                                  # split tests not yet run on a GPU), then bench --prefill (its sweep, the peers)
-#   bash tools/device_queue.sh chunks # the dequant path in chunks that stay in L2: its tests, tools/dequant_probe.py
 # Logs and results under $OUT (or /tmp/out).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -90,12 +89,6 @@ dequant)
     else
         echo "tests failed: no bench"
     fi ;;
-chunks)
-    stage "dequant tests"
-    timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
-        tests/test_cuda_paths.py -k "dequant or nvfp4_dense_site" 2>&1 | tee "$O/chunk_tests.log" | tail -8
-    stage "dequant probe"
-    timeout 240 python3 tools/dequant_probe.py 2>&1 | grep -v "^\[rank" | tee "$O/dequant_probe.log" ;;
 ablate)
     stage "ring ablation"
     timeout 150 python3 tools/kernel_timing.py --ring-ablation 2>&1 | tee "$O/ring_ablation.log" | tail -9

@@ -277,10 +277,9 @@ class Backend(ABC, Generic[A, P]):
 
     @abstractmethod
     def dequant_linear(self, a_TK: Any, table: ExpertTable[P], local: int, w_NK: Any, out_TN: Any) -> None:
-        """Local expert ``local``'s projection for every row of ``a`` through bf16 weights: the exact bf16
-        ``e2m1 * e4m3`` go through ``w`` [n, k] (scratch: whole or a chunk of weight rows at a time, its contents
-        after the call unspecified), then ``out = bf16(scale_2 * (a @ w^T))`` with fp32 sums, the numerics of
-        ``moe_gemm_sorted`` (a dense FFN stored NVFP4 at compute-bound widths)."""
+        """Local expert ``local``'s projection for every row of ``a`` through bf16 weights: ``w`` [n, k] (scratch,
+        overwritten) takes the exact bf16 ``e2m1 * e4m3``, then ``out = bf16(scale_2 * (a @ w^T))`` with fp32 sums,
+        the numerics of ``moe_gemm_sorted`` (a dense FFN stored NVFP4 at compute-bound widths)."""
 
     # ---- gate + up + SwiGLU in one step --------------------------------------------------------
     # Each writes gate, up and act exactly as the separate ops would (a backend may fuse them into

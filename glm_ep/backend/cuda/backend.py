@@ -31,8 +31,7 @@ import numpy as np
 from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
 from glm_ep.backend.cuda import dense, elementwise, grouped, pdl, route
 from glm_ep.backend.cuda import nvfp4 as NV
-from glm_ep.backend.cuda.loader import (BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, check_shape,
-                                        compute_capability)
+from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, compute_capability
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 from glm_ep.backend.cuda.ring import RingConfig, act_shift
 from glm_ep.errors import ConfigError
@@ -395,14 +394,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
 
     @_on_stream
     def dequant_linear(self, a_TK, table: ExpertTable[Nvfp4Pointers], local, w_NK, out_TN):
-        """The weights dequantized (``grouped.nvfp4_dequant_bf16``) and multiplied by cuBLAS GemmEx with ``scale_2``
-        as its alpha, whole or, for wide calls, in chunks of weight rows that stay in L2 (``dequant_chunk_rows``);
-        never captured (a wide path). ``w`` ends holding the last chunk."""
-        proj = table.weights
-        check_shape("weight scratch", w_NK, (proj.n, proj.k))
-        chunk = grouped.dequant_chunk_rows(a_TK.shape[0], proj.n, proj.k)
-        for n0 in range(0, proj.n, chunk):
-            w = w_NK[:min(chunk, proj.n - n0)]
-            grouped.nvfp4_dequant_bf16(proj, local, w, n0)
-            dense.gemm_bf16(a_TK, w, out_TN if chunk == proj.n else out_TN[:, n0:n0 + w.shape[0]],
-                            alpha=proj.scale2_host[local])
+        """The weights dequantized by one launch (``grouped.nvfp4_dequant_bf16``), then ONE cuBLAS GemmEx with
+        ``scale_2`` as its alpha (never captured: a wide path)."""
+        grouped.nvfp4_dequant_bf16(table.weights, local, w_NK)
+        dense.gemm_bf16(a_TK, w_NK, out_TN, alpha=table.weights.scale2_host[local])

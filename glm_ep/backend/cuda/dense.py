@@ -40,8 +40,8 @@ def _cublas() -> Any:
 def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any, alpha: float = 1.0) -> None:
     """``out = alpha * (x @ w^T)`` in ONE cuBLAS GemmEx call: bf16 operands (products exact in fp32), fp32
     accumulation, ``alpha`` applied to the fp32 sums (an NVFP4 projection's ``scale_2``), ``out`` bf16 (rounded
-    once) or fp32 (the router's logits), on the current stream. ``out`` may be columns of a wider array (its rows
-    strided). Row-major as column-major: ``out^T [N, T] = w [N, K] @ x^T [K, T]``."""
+    once) or fp32 (the router's logits), on the current stream.
+    Row-major as column-major: ``out^T [N, T] = w [N, K] @ x^T [K, T]``."""
     import cupy
 
     t, k = x_TK.shape
@@ -49,12 +49,7 @@ def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any, alpha: float = 1.0) -> None:
     check("x", x_TK, BF16, 2), check("w", w_NK, BF16, 2), check_shape("w", w_NK, (n, k))
     if out_TN.dtype not in (BF16, F32):
         raise TypeError(f"out: dtype {out_TN.dtype}, expected bfloat16 or float32")
-    check_shape("out", out_TN, (t, n))
-    ldc = out_TN.strides[0] // out_TN.itemsize  # out may be columns of a wider array (rows strided, columns not)
-    if out_TN.strides[1] != out_TN.itemsize or out_TN.strides[0] % out_TN.itemsize or ldc < n:
-        raise ValueError(f"out: strides {out_TN.strides}, expected contiguous rows of {n} (or more) elements")
-    if out_TN.data.ptr % 2:
-        raise ValueError(f"out: data at {out_TN.data.ptr:#x} is not 2-byte aligned")
+    check("out", out_TN, out_TN.dtype, 2), check_shape("out", out_TN, (t, n))
     if t == 0:
         return
     cb = _cublas()
@@ -65,7 +60,7 @@ def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any, alpha: float = 1.0) -> None:
     scale = None if alpha == 1.0 else np.full(1, alpha, np.float32)  # host pointer mode: read before gemmEx returns
     cb.gemmEx(handle, cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, t, k,
               _ONE_PTR if scale is None else scale.ctypes.data, w_NK.data.ptr, _CUDA_R_16BF, k, x_TK.data.ptr, _CUDA_R_16BF, k,
-              _ZERO_PTR, out_TN.data.ptr, _CUDA_R_16BF if out_TN.dtype == BF16 else _CUDA_R_32F, ldc,
+              _ZERO_PTR, out_TN.data.ptr, _CUDA_R_16BF if out_TN.dtype == BF16 else _CUDA_R_32F, n,
               cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
 
 

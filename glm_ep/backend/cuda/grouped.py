@@ -284,32 +284,17 @@ def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: An
 
 DEQUANT_THREADS = 256
 DEQUANT_BLOCKS_PER_SM = 8  # the grid-stride loop's blocks an SM
-# From DEQUANT_CHUNK_MIN_ROWS rows a projection goes to bf16 and through cuBLAS in chunks of weight rows of at most
-# DEQUANT_CHUNK_BYTES (0: whole), each reusing the start of the scratch: written and read back while in L2, the
-# bf16 weights need not reach HBM. Below it the chunks' narrower GEMMs would leave SMs idle.
-DEQUANT_CHUNK_MIN_ROWS = 1024
-DEQUANT_CHUNK_BYTES = 16 << 20
 
 
-def dequant_chunk_rows(rows: int, n: int, k: int) -> int:
-    """Weight rows per chunk of a ``rows``-row call's [n, k] projection (a multiple of 128, or n: one chunk)."""
-    if rows < DEQUANT_CHUNK_MIN_ROWS or not DEQUANT_CHUNK_BYTES:
-        return n
-    return min(n, max(128, DEQUANT_CHUNK_BYTES // (2 * k) // 128 * 128))
-
-
-def nvfp4_dequant_bf16(proj: Nvfp4Pointers, local: int, out_RK: Any, n0: int = 0) -> None:
-    """Weight rows ``n0 .. n0 + R`` of local expert ``local``'s projection as exact bf16 ``e2m1 * e4m3`` into
-    ``out`` [R, k] (``scale_2`` left for the GEMM that reads it to apply to its fp32 sums)."""
+def nvfp4_dequant_bf16(proj: Nvfp4Pointers, local: int, out_NK: Any) -> None:
+    """Local expert ``local``'s projection as exact bf16 ``e2m1 * e4m3`` into ``out`` [n, k] (``scale_2`` left
+    for the GEMM that reads it to apply to its fp32 sums): the operand of a bf16 GEMM at compute-bound widths."""
     if not 0 <= local < len(proj.packed):
         raise ValueError(f"nvfp4_dequant_bf16: local expert {local}, the table holds {len(proj.packed)}")
-    r = out_RK.shape[0] if out_RK.ndim == 2 else -1
-    if not 0 <= n0 <= n0 + r <= proj.n:
-        raise ValueError(f"nvfp4_dequant_bf16: weight rows {n0} .. {n0 + r} of a projection of {proj.n}")
-    check("out", out_RK, BF16), check_shape("out", out_RK, (r, proj.k))
-    words = r * proj.k // 8  # 32-bit words of packed weights, a thread each
+    check("out", out_NK, BF16), check_shape("out", out_NK, (proj.n, proj.k))
+    words = proj.n * proj.k // 8  # 32-bit words of packed weights, a thread each
     if words == 0:
         return
     grid = min(cdiv(words, DEQUANT_THREADS * 4), DEQUANT_BLOCKS_PER_SM * sm_count())
     launch(_GEMM, "nvfp4_dequant_bf16", (grid, 1, 1), (DEQUANT_THREADS, 1, 1),
-           (proj.packed[local][n0:n0 + r], proj.scale[local][n0:n0 + r], out_RK, i64(words)))
+           (proj.packed[local], proj.scale[local], out_NK, i64(words)))
