@@ -64,6 +64,37 @@ def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any, alpha: float = 1.0) -> None:
               cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
 
 
+def gemm_bf16_pair(x_TK: Any, w0_NK: Any, w1_NK: Any, out0_TN: Any, out1_TN: Any) -> None:
+    """``out0 = x @ w0^T`` and ``out1 = x @ w1^T`` (gate and up) as ``gemm_bf16`` computes each, in ONE cuBLAS
+    strided-batched GemmEx where ``w1`` and ``out1`` lie past ``w0`` and ``out0`` (the batch stride is the
+    distance between them: stacked weights, adjacent workspace buffers), else two calls. One launch of both
+    projections fills the device where one of them alone leaves SMs idle or takes a kernel of another shape."""
+    import cupy
+
+    t, k = x_TK.shape
+    n = w0_NK.shape[0]
+    check("x", x_TK, BF16, 2)
+    for name, w in (("w0", w0_NK), ("w1", w1_NK)):
+        check(name, w, BF16, 2), check_shape(name, w, (n, k))
+    for name, o in (("out0", out0_TN), ("out1", out1_TN)):
+        check(name, o, BF16, 2), check_shape(name, o, (t, n))
+    stride_w, stride_o = w1_NK.data.ptr - w0_NK.data.ptr, out1_TN.data.ptr - out0_TN.data.ptr
+    if stride_w <= 0 or stride_o <= 0:
+        gemm_bf16(x_TK, w0_NK, out0_TN)
+        gemm_bf16(x_TK, w1_NK, out1_TN)
+        return
+    if t == 0:
+        return
+    cb = _cublas()
+    handle = cupy.cuda.device.get_cublas_handle()
+    cb.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    cb.gemmStridedBatchedEx(handle, cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, t, k,
+                            _ONE_PTR, w0_NK.data.ptr, _CUDA_R_16BF, k, stride_w // 2,
+                            x_TK.data.ptr, _CUDA_R_16BF, k, 0,
+                            _ZERO_PTR, out0_TN.data.ptr, _CUDA_R_16BF, n, stride_o // 2,
+                            2, cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
+
+
 # ---- bf16 tensor-core GEMM, 9..64 rows (mma_bf16.cu) ---------------------------------------------------
 _MMA = "mma_bf16.cu"
 MMA_GEMM_MAX_ROWS = MMA_GEMM_TIERS[-1]
