@@ -102,6 +102,17 @@ def test_a_buffer_as_f32_is_all_of_its_bytes() -> None:
     assert ws.as_f32("a_gate") is f
 
 
+def test_a_up_lies_right_after_a_gate() -> None:
+    """One allocation holds a_gate then a_up (the same size): a view at the same offset in each is one constant
+    stride apart, what lets a backend write gate and up in one batched GEMM; a_up's writes never reach a_gate."""
+    ws = Workspace(np, _glm_tp2_ep2(), 5)
+    gate, up = ws.view("a_gate", 5, 1024, offset=160), ws.view("a_up", 5, 1024, offset=160)
+    assert up.ctypes.data - gate.ctypes.data == ws_bytes(_glm_tp2_ep2(), 5)[BUFFERS.index("a_gate")]
+    ws.view("a_gate", 5 * 16384)[...] = 0
+    ws.view("a_up", 5 * 16384)[...] = 1
+    assert not ws.view("a_gate", 5 * 16384).astype(np.float32).any()
+
+
 def test_per_layer_mode_reports_45_copies_as_the_stack() -> None:
     shared = footprint_lines(_glm_tp2_ep2(), 256, layers=45, shared=True)[1]
     private = footprint_lines(_glm_tp2_ep2(), 256, layers=45, shared=False)[1]

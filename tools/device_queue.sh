@@ -19,6 +19,8 @@
 #                                  # NVFP4 dense FFN on the ring / block kernels on an H200, glm-ep bench there
 #   bash tools/device_queue.sh dequant # the NVFP4 dense FFN through bf16 weights and cuBLAS: its tests (with the
 #                                  # split tests not yet run on a GPU), then bench --prefill (its sweep, the peers)
+#   bash tools/device_queue.sh pair # the shared expert's gate + up in one batched cuBLAS call: its tests, the
+#                                  # cuBLAS probe, bench --prefill
 # Logs and results under $OUT (or /tmp/out).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -86,6 +88,18 @@ dequant)
         stage "bench --prefill"
         timeout 360 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -45
         tail -3 "$O/prefill.err"
+    else
+        echo "tests failed: no bench"
+    fi ;;
+pair)
+    stage "gate + up in one batched cuBLAS call: tests"
+    if timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_kernels.py \
+        tests/test_cuda_paths.py -k "pair or upload_dense or gate_up_act or linear or 300 or site" 2>&1 \
+        | tee "$O/pair_tests.log" | tail -8 && ! grep -q "failed\|error" "$O/pair_tests.log"; then
+        stage "cuBLAS probe"
+        timeout 100 python3 tools/cublas_probe.py 2>&1 | grep -v "^\[rank" | tee "$O/cublas_probe.log"
+        stage "bench --prefill"
+        timeout 300 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | head -40
     else
         echo "tests failed: no bench"
     fi ;;

@@ -158,7 +158,18 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
 
     @_on_stream
     def upload_dense(self, w: DenseWeights) -> DenseResident[Any]:
-        return DenseResident(self.asarray(w.gate), self.asarray(w.up), self.asarray(w.down))
+        """gate and up are the two halves of one allocation (up right after gate), so the wide path multiplies
+        both in one batched GEMM (``dense.gemm_bf16_pair``)."""
+        if w.gate.shape != w.up.shape or w.gate.dtype != w.up.dtype:
+            raise ConfigError(f"dense mlp: gate {w.gate.dtype} {tuple(w.gate.shape)} and up {w.up.dtype} "
+                              f"{tuple(w.up.shape)} differ")
+        gate_up = self.xp.empty((2, *w.gate.shape), dtype=w.gate.dtype)
+        for half, src in zip(gate_up, (w.gate, w.up)):
+            if isinstance(src, self.xp.ndarray):
+                half[...] = src
+            else:
+                self._upload(half, np.ascontiguousarray(src))
+        return DenseResident(gate_up[0], gate_up[1], self.asarray(w.down))
 
     def _upload_proj(self, ws: list[Nvfp4Weight], what: str, form: str, xshift: int = 0) -> Nvfp4Pointers:
         shapes = {w.shape for w in ws}
@@ -343,7 +354,10 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             dense.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
         elif dense.mma_gemm_takes(x_TK, w.gate):
             dense.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
-        else:
+        elif w.gate.size <= dense.MMA_GEMM_MAX_WEIGHT:  # the shared expert's shape: one batched cuBLAS call
+            dense.gemm_bf16_pair(x_TK, w.gate, w.up, gate_TI, up_TI)
+            elementwise.swiglu(gate_TI, up_TI, limit, act_TI)
+        else:  # the dense FFN's: two calls (measured level or faster than the pair, docs/perf/NOTES.md)
             return super().gate_up_act(x_TK, w, limit, gate_TI, up_TI, act_TI)
         return act_TI
 
