@@ -98,7 +98,8 @@ class ExpertDispatch:
         if rows == 1:
             return "decode"
         caps = self.be.capabilities
-        if self.cfg.num_experts == 1 and lv.nvfp4_dense_dequant_min_rows and rows >= lv.nvfp4_dense_dequant_min_rows:
+        d = lv.nvfp4_dense_dequant_min_rows
+        if self.cfg.num_experts == 1 and d and rows >= d and rows > caps.max_row_group:  # (never a captured width)
             return "dequant"
         if rows > caps.max_row_group and lv.prefill_gemm and rows >= self.gemm_min_rows and caps.grouped_gemm:
             return "sorted"

@@ -142,9 +142,12 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
     dispatch = ExpertDispatch(be, cfg, topo.levers)
     dense_nvfp4 = ExpertDispatch(be, cfg.dense_as_expert(), topo.levers)  # a dense FFN stored NVFP4: one expert
-    dequant_bytes = 0
-    if any(isinstance(w, ExpertWeights) for w in host_weights):
-        dequant_bytes = ranks.agree("dequant scratch", lambda: reserve_dequant(dense_nvfp4, topo.workspace_rows))
+    # agreed on every rank (a collective), also on one that holds no dense FFN stored NVFP4 (tp < world) or no
+    # one-expert MoE, where it reserves nothing
+    holds = ((dispatch, any(isinstance(w, MoeWeights) for w in host_weights)),
+             (dense_nvfp4, any(isinstance(w, ExpertWeights) for w in host_weights)))
+    dequant_bytes = ranks.agree("dequant scratch", lambda: sum(reserve_dequant(d, topo.workspace_rows)
+                                                               for d, held in holds if held))
     sites: list[Any] = []
     for i, w in enumerate(host_weights):
         site_comm = comm.at(f"layer {i} all-reduce")

@@ -76,11 +76,12 @@ class Workspace:
         specs = buffer_specs(cfg, max_rows)
         self._flat = {name: xp.empty(int(np.prod(shape)), dtype=dtype) for name, (shape, dtype) in specs.items()
                       if name not in ("a_gate", "a_up")}
-        # a_gate and a_up: the halves of one allocation (a_up right after a_gate, the same size), so a backend may
-        # write gate and up in one batched GEMM whose output stride is the distance between them
+        # a_gate and a_up: one allocation (a_up right after a_gate, the same size, from the next 256 bytes), so a
+        # backend may write gate and up in one batched GEMM whose output stride is the distance between them
         n = int(np.prod(specs["a_gate"][0]))
-        pair = xp.empty(2 * n, dtype=specs["a_gate"][1])
-        self._flat["a_gate"], self._flat["a_up"] = pair[:n], pair[n:]
+        at = -(-n // 128) * 128  # a_up 256-byte aligned, as a buffer of its own is
+        pair = xp.empty(at + n, dtype=specs["a_gate"][1])
+        self._flat["a_gate"], self._flat["a_up"] = pair[:n], pair[at:]
         self._views: dict[tuple[str, tuple[int, ...], int], Any] = {}
 
     def view(self, name: str, *shape: int, offset: int = 0) -> Any:

@@ -20,7 +20,7 @@ from glm_ep.reference import Reference
 from glm_ep.synth import write_synthetic
 
 from ckpt_writer import read_f64
-from cli_jobs import copy_checkpoint, glm_ep, set_bits
+from cli_jobs import copy_checkpoint, glm_ep, set_bits, write_topology
 from helpers import random_x, site64, tiny_dict
 
 MEDIUM = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=6,
@@ -96,6 +96,19 @@ def test_the_check_runs_and_passes_on_nvfp4_dense_layers(tiny_checkpoint_dense_n
                "3", "--tp", "2", "--ep", "2")
     assert r.returncode == EXIT_OK, r.stderr[-3000:]
     assert "check: float64 full: layers [0, 1, 2, 3] of 4" in r.stdout and r.stdout.strip().endswith("PASS"), r.stdout
+
+
+def test_four_ranks_where_two_hold_the_nvfp4_dense_ffns(tiny_checkpoint_dense_nvfp4, tmp_path) -> None:
+    """world 4, tp 2: ranks 2 and 3 hold no dense FFN, yet every rank takes part in the load's agreement on the
+    dequant scratch (one collective each; a rank that skipped it hung the job), and the run's check PASSes with the
+    dense sites on their dequant path (from 9 rows)."""
+    topo = write_topology(tmp_path / "four.toml", {"nvfp4_dense_dequant_min_rows": 9}, name="four", world=4, tp=2,
+                          ep=4, workspace_rows=16)
+    r = glm_ep(4, "run", "--model", str(tiny_checkpoint_dense_nvfp4), "--prefill", "9", "--decode", "1",
+               "--topology", str(topo))
+    assert r.returncode == EXIT_OK, r.stderr[-3000:]
+    assert r.stdout.strip().endswith("PASS"), r.stdout
+    assert "dequant scratch:" in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
 
 
 def test_sampled_reference_reads_only_the_chosen_experts(tiny_checkpoint, monkeypatch) -> None:

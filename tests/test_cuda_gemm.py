@@ -142,12 +142,7 @@ def test_dequant_bf16_bit_exact_and_dequant_linear(rng):
     ``dequant_linear`` (cuBLAS, scale_2 as its alpha) equals NumPy's within bf16 rounding at 300 rows, poisoned
     output fully written. The scratch is a slice of a larger buffer, as the dispatch lends it."""
     n, k, t = 384, 512, 300
-    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
-    scale = rng.choice(np.setdiff1d(np.arange(256), [0x7F, 0xFF]), (n, k // 16)).astype(np.uint8)
-    scale[:, :4] = np.arange(4 * n).reshape(n, 4) % 0x7F  # every positive byte: 0, subnormals, normals
-    w = Nvfp4Weight(packed, scale.view(E4M3), 3.0e-3)
-    cu, nu = both(MoeWeights(np.zeros((1, k), np.float32), np.zeros(1, np.float32), 0, (ExpertWeights(w, w, w),),
-                             None))
+    cu, nu = _one_expert(_every_byte_nvfp4(rng, n, k))
     x = rand_bf16(rng, (t, k), 1.0)
     w_ref, out_ref = np.zeros((n, k), BF16), np.zeros((t, n), BF16)
     NP.dequant_linear(x, nu.gate, 0, w_ref, out_ref)
@@ -160,6 +155,36 @@ def test_dequant_bf16_bit_exact_and_dequant_linear(rng):
     got = host(out)
     assert_written(got, "dequant_linear")
     assert_close(got, out_ref, "dequant_linear at 300 rows", tol=2e-3)
+
+
+@pytest.mark.parametrize("n,k,blocks_per_sm", [(33, 32, 8), (384, 4096, 1)], ids=["ragged", "two-rounds"])
+def test_dequant_bf16_ragged_and_grid_stride(monkeypatch, rng, n, k, blocks_per_sm):
+    """The dequant kernel where a warp's last round is partial (33 x 32: 132 words, a warp sweeps 128 a round) and
+    where the grid-stride loop takes more than one round (one block an SM), bit for bit NumPy's, into a NaN-poisoned
+    buffer with nothing written past the projection."""
+    monkeypatch.setattr(grouped, "DEQUANT_BLOCKS_PER_SM", blocks_per_sm)
+    cu, nu = _one_expert(_every_byte_nvfp4(rng, n, k))
+    w_ref = np.zeros((n, k), BF16)
+    NP.dequant_linear(np.zeros((1, k), BF16), nu.gate, 0, w_ref, np.zeros((1, n), BF16))
+    buf = poisoned((n * k + 256,), BF16)
+    with backend().stream:
+        grouped.nvfp4_dequant_bf16(cu.gate.weights, 0, buf[:n * k].reshape(n, k))
+    got = host(buf)
+    bad = got[:n * k].reshape(n, k).view(np.uint16) != w_ref.view(np.uint16)
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size} weights differ (first {np.argwhere(bad)[0]})"
+    assert unwritten(got[n * k:]).all(), "written past the projection"
+
+
+def _every_byte_nvfp4(rng, n, k):
+    packed = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scale = rng.choice(np.setdiff1d(np.arange(256), [0x7F, 0xFF]), (n, k // 16)).astype(np.uint8)
+    scale[:, :2] = np.arange(2 * n).reshape(n, 2) % 0x7F  # positive bytes: 0, subnormals, normals
+    return Nvfp4Weight(packed, scale.view(E4M3), 3.0e-3)
+
+
+def _one_expert(w):
+    return both(MoeWeights(np.zeros((1, w.shape[1]), np.float32), np.zeros(1, np.float32), 0, (ExpertWeights(w, w, w),),
+                           None))
 
 
 def test_gemm_sorted_glm_shape(rng):

@@ -220,7 +220,7 @@ def test_dense_ffn_rows_in_graph(rng):
 
 
 @pytest.mark.parametrize("order", ["up-after-gate", "up-before-gate"])
-def test_gemm_bf16_pair(rng, order):
+def test_gemm_bf16_pair(monkeypatch, rng, order):
     """gate and up in one strided-batched cuBLAS call where up's weights and output lie past gate's (stacked
     weights, the workspace's adjacent a_gate / a_up; here with a gap between the outputs), in two calls where they
     do not: both equal NumPy's within bf16 rounding, poisoned outputs written, the gap untouched."""
@@ -233,8 +233,19 @@ def test_gemm_bf16_pair(rng, order):
     if order == "up-before-gate":
         halves.reverse()
     (w0, o0, h0), (w1, o1, h1) = halves
+    real, calls = dense._cublas(), []
+
+    class Spy:  # the cuBLAS module, counting its GEMM entry points
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+            if name.startswith("gemm"):
+                return lambda *a: (calls.append(name), fn(*a))[1]
+            return fn
+
+    monkeypatch.setattr(dense, "_cublas", lambda: Spy())
     with backend().stream:
         dense.gemm_bf16_pair(dev(x), w0, w1, o0, o1)
+    assert calls == (["gemmStridedBatchedEx"] if order == "up-after-gate" else ["gemmEx", "gemmEx"]), calls
     got = host(buf)
     assert unwritten(got[t * n:t * n + gap]).all(), "written between the outputs"
     for name, o, hw in (("gate", o0, h0), ("up", o1, h1)):
@@ -246,10 +257,11 @@ def test_gemm_bf16_pair(rng, order):
 
 def test_upload_dense_stacks_gate_and_up():
     """gate and up resident as the halves of one allocation (what lets the wide path batch them)."""
-    w = DenseWeights(*(np.ones(s, BF16) for s in ((64, 128), (64, 128), (128, 64))))
+    w = DenseWeights(*(np.full(s, v, BF16) for s, v in (((64, 128), 1.0), ((64, 128), 2.0), ((128, 64), 3.0))))
     r = backend().upload_dense(w)
     assert r.up.data.ptr == r.gate.data.ptr + r.gate.nbytes and r.gate.shape == r.up.shape == (64, 128)
-    assert float(host(r.up).astype(np.float32).sum()) == 64 * 128
+    for name, a, v in (("gate", r.gate, 1.0), ("up", r.up, 2.0), ("down", r.down, 3.0)):
+        assert (host(a).astype(np.float32) == v).all(), name
 
 
 @pytest.mark.parametrize("t", [1, 2, 5, 8, 9, 20, 64, 65, 300])

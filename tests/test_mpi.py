@@ -168,6 +168,9 @@ def test_nvfp4_dense_site_split_over_tp_matches_one_rank() -> None:
         for rows in (1, 5, 12):
             x = random_x(70 + rows, rows, model.hidden_size)
             path = multi.sites[layer].nvfp4.path_for(rows)
+            want = "dequant" if rows == 12 and levers.nvfp4_dense_dequant_min_rows == 12 else path
+            if path != want:
+                failures.append(f"dense nvfp4 site, {rows} rows: path {path}, expected {want}")
             y2, y1 = multi.site_output(layer, x).copy(), single.site_output(layer, x).copy()
             same_on_all_ranks(comm, f"dense nvfp4 site, {rows} rows ({path})", y2, failures)
             if not rel_l2(y2, y1) < 1e-2:
@@ -175,9 +178,12 @@ def test_nvfp4_dense_site_split_over_tp_matches_one_rank() -> None:
     agreed(comm, failures)
 
 
+@pytest.mark.parametrize("dense", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("tp,ep", [(2, 2), (1, 2), (2, 1)], ids=["tp2-ep2", "tp1-ep2", "tp2-ep1"])
-def test_loaded_runtime_matches_one_rank(tiny_checkpoint, tp: int, ep: int) -> None:
-    """The same through the product's loader: each rank reads only its share of the checkpoint."""
+def test_loaded_runtime_matches_one_rank(request, tp: int, ep: int, dense: str) -> None:
+    """The same through the product's loader: each rank reads only its share of the checkpoint. With the dense
+    FFNs stored NVFP4 on their dequant path (9 rows), whose scratch every rank agrees on at load, also a rank that
+    holds no dense FFN (tp = 1 of 2 ranks)."""
     from mpi4py import MPI
 
     from glm_ep.loader import load_runtime, open_checkpoint
@@ -185,12 +191,14 @@ def test_loaded_runtime_matches_one_rank(tiny_checkpoint, tp: int, ep: int) -> N
     from glm_ep.topology import Topology
 
     comm = _world()
+    ckpt = request.getfixturevalue("tiny_checkpoint" if dense == "bf16" else "tiny_checkpoint_dense_nvfp4")
+    levers = PathLevers(nvfp4_dense_dequant_min_rows=9)
 
     def load(topo: Topology, ranks: Ranks):
-        return load_runtime(open_checkpoint(tiny_checkpoint, topo, ranks), topo, ranks)
+        return load_runtime(open_checkpoint(ckpt, topo, ranks), topo, ranks)
 
-    single = load(Topology(world=1), Ranks(MPI.COMM_SELF))
-    multi = load(Topology(world=comm.Get_size(), tp=tp, ep=ep, workspace_rows=16), Ranks(comm))
+    single = load(Topology(world=1, levers=levers), Ranks(MPI.COMM_SELF))
+    multi = load(Topology(world=comm.Get_size(), tp=tp, ep=ep, workspace_rows=16, levers=levers), Ranks(comm))
     x = random_x(55, 9, single.model.hidden_size)
     failures: list[str] = []
     bytes_each = comm.allgather(multi.weight_bytes)
@@ -198,7 +206,8 @@ def test_loaded_runtime_matches_one_rank(tiny_checkpoint, tp: int, ep: int) -> N
         failures.append(f"ranks hold {bytes_each} bytes, one rank holds {single.weight_bytes}: nothing was split")
     mine = SiteConfig.for_rank(single.model, RankLayout(comm.Get_size(), comm.Get_rank(), tp, ep))
     for what, got, cfg in (("this rank", multi.weight_bytes, mine), ("one rank", single.weight_bytes, single.cfg)):
-        want = rank_weight_bytes(single.model, cfg)  # what the config says a rank of that layout holds
+        # what the config says a rank of that layout holds
+        want = rank_weight_bytes(single.model, cfg, dense_nvfp4=dense == "nvfp4")
         if got != want:
             failures.append(f"{what} holds {got} weight bytes, the footprint says {want}")
     for i in range(single.model.num_hidden_layers):

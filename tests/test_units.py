@@ -18,7 +18,7 @@ from glm_ep.routing import row_groups
 from glm_ep.workspace import BUFFERS, Workspace, fmt_bytes, footprint_lines, ws_bytes, ws_total_bytes
 
 from cli_jobs import mpi_env
-from helpers import REPO
+from helpers import REPO, tiny_model
 
 MAX_CAP = 8  # the widest row group that ships
 
@@ -102,15 +102,21 @@ def test_a_buffer_as_f32_is_all_of_its_bytes() -> None:
     assert ws.as_f32("a_gate") is f
 
 
-def test_a_up_lies_right_after_a_gate() -> None:
-    """One allocation holds a_gate then a_up (the same size): a view at the same offset in each is one constant
-    stride apart, what lets a backend write gate and up in one batched GEMM; a_up's writes never reach a_gate."""
-    ws = Workspace(np, _glm_tp2_ep2(), 5)
-    gate, up = ws.view("a_gate", 5, 1024, offset=160), ws.view("a_up", 5, 1024, offset=160)
-    assert up.ctypes.data - gate.ctypes.data == ws_bytes(_glm_tp2_ep2(), 5)[BUFFERS.index("a_gate")]
-    ws.view("a_gate", 5 * 16384)[...] = 0
-    ws.view("a_up", 5 * 16384)[...] = 1
-    assert not ws.view("a_gate", 5 * 16384).astype(np.float32).any()
+@pytest.mark.parametrize("model", ["glm-tp2-ep2", "odd-width"])
+def test_a_up_lies_right_after_a_gate(model: str) -> None:
+    """One allocation holds a_gate then a_up (the same size, a_up from the next 256 bytes): a view at the same offset
+    in each is one constant stride apart, what lets a backend write gate and up in one batched GEMM; a_up's writes
+    never reach a_gate. A width that is no multiple of 128 elements included."""
+    cfg = _glm_tp2_ep2() if model == "glm-tp2-ep2" else SiteConfig.for_rank(
+        tiny_model(intermediate_size=600), RankLayout(1, 0, 1, 1))  # a_gate: 5 x 600 elements
+    ws = Workspace(np, cfg, 5)
+    size = ws_bytes(cfg, 5)[BUFFERS.index("a_gate")]
+    n = size // 2
+    gate, up = ws.view("a_gate", n - 16, offset=16), ws.view("a_up", n - 16, offset=16)
+    assert up.ctypes.data - gate.ctypes.data == -(-size // 256) * 256  # (CuPy allocations start 256-aligned)
+    ws.view("a_gate", n)[...] = 0
+    ws.view("a_up", n)[...] = 1
+    assert not ws.view("a_gate", n).astype(np.float32).any() and (ws.view("a_up", n).astype(np.float32) == 1).all()
 
 
 def test_per_layer_mode_reports_45_copies_as_the_stack() -> None:

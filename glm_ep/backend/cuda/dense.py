@@ -79,7 +79,7 @@ def gemm_bf16_pair(x_TK: Any, w0_NK: Any, w1_NK: Any, out0_TN: Any, out1_TN: Any
     for name, o in (("out0", out0_TN), ("out1", out1_TN)):
         check(name, o, BF16, 2), check_shape(name, o, (t, n))
     stride_w, stride_o = w1_NK.data.ptr - w0_NK.data.ptr, out1_TN.data.ptr - out0_TN.data.ptr
-    if stride_w <= 0 or stride_o <= 0:
+    if stride_w < w0_NK.nbytes or stride_o < out0_TN.nbytes:  # up before gate, or overlapping it
         gemm_bf16(x_TK, w0_NK, out0_TN)
         gemm_bf16(x_TK, w1_NK, out1_TN)
         return
