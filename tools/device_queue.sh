@@ -15,8 +15,9 @@
 #                                  # 64 rows (its NVFP4 dense sweep, the peers)
 #   bash tools/device_queue.sh items # the ring's min items an SM: its tests, one expert's one-row launches on the
 #                                  # ring and the block kernels, glm-ep bench (the NVFP4 dense rows)
-#   bash tools/device_queue.sh next # what waits (2026-12-05): the split tests not yet run on a GPU, one row of the
-#                                  # NVFP4 dense FFN on the ring / block kernels on an H200, glm-ep bench there
+#   bash tools/device_queue.sh next # what waits (2026-12-05, later): the dequant kernel's ragged / two-round tests,
+#                                  # the batched pair's spied test, one row of the NVFP4 dense FFN on the ring / block
+#                                  # kernels on an H200, glm-ep bench there (then bench --prefill: stage dequant)
 #   bash tools/device_queue.sh dequant # the NVFP4 dense FFN through bf16 weights and cuBLAS: its tests (with the
 #                                  # split tests not yet run on a GPU), then bench --prefill (its sweep, the peers)
 #   bash tools/device_queue.sh pair # the shared expert's gate + up in one batched cuBLAS call: its tests, the
@@ -77,7 +78,8 @@ items)
 next)
     stage "CUDA tests changed since their last GPU run"
     timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
-        tests/test_cuda_paths.py -k "partial_tiles or k_split" 2>&1 | tee "$O/next_tests.log" | tail -8
+        tests/test_cuda_kernels.py -k "ragged_and_grid_stride or gemm_bf16_pair or upload_dense or dequant" 2>&1 \
+        | tee "$O/next_tests.log" | tail -8
     one_row_and_bench ;;
 dequant)
     stage "dequant path and K split tests"
