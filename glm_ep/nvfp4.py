@@ -61,13 +61,19 @@ def unpack_nibbles(packed_NK2: np.ndarray) -> np.ndarray:
     return out
 
 
-def dequantize(w: Nvfp4Weight) -> np.ndarray:
-    """The fp32 ``[N, K]`` weight: ``e2m1 * e4m3`` is exact in fp32, so the only rounding is the
-    final multiply by ``scale_2``."""
+def dequantize_unscaled(w: Nvfp4Weight) -> np.ndarray:
+    """The fp32 ``[N, K]`` ``e2m1 * e4m3`` without ``scale_2``: exact in fp32, and in bf16 too (at most 6
+    significant bits, within bf16's normal range)."""
     vals_NK = NIBBLE_TO_F32[unpack_nibbles(w.packed)]
     n, k = vals_NK.shape
     scaled = vals_NK.reshape(n, k // NVFP4_GROUP, NVFP4_GROUP) * w.scale.astype(np.float32)[:, :, None]
-    return (scaled * np.float32(w.scale_2)).reshape(n, k)
+    return scaled.reshape(n, k)
+
+
+def dequantize(w: Nvfp4Weight) -> np.ndarray:
+    """The fp32 ``[N, K]`` weight: ``e2m1 * e4m3`` is exact in fp32, so the only rounding is the
+    final multiply by ``scale_2``."""
+    return dequantize_unscaled(w) * np.float32(w.scale_2)
 
 
 def quantize(w_NK: np.ndarray) -> Nvfp4Weight:

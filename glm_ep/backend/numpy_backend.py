@@ -159,7 +159,5 @@ class NumpyBackend(Backend[np.ndarray, Projection]):
         if tuple(w_NK.shape) != w.shape or w_NK.dtype != BF16:
             raise ValueError(f"dequant_linear: weight scratch {w_NK.dtype} {tuple(w_NK.shape)}, expected bfloat16 "
                              f"{w.shape}")
-        n, k = w.shape
-        vals = nvfp4.NIBBLE_TO_F32[nvfp4.unpack_nibbles(w.packed)].reshape(n, k // nvfp4.NVFP4_GROUP, -1)
-        w_NK[...] = (vals * w.scale.astype(np.float32)[:, :, None]).reshape(n, k).astype(BF16)  # exact
+        w_NK[...] = nvfp4.dequantize_unscaled(w).astype(BF16)  # exact
         out_TN[...] = ((_f32(a_TK) @ _f32(w_NK).T) * np.float32(w.scale_2)).astype(BF16)

@@ -142,13 +142,13 @@ __device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsig
     }
 }
 
-// An E4M3 byte as the bf16 pair (e4m3 * 2^-8, e4m3 * 2^-8): the bits shifted into an fp16 (e4m3 * 2^-8,
-// subnormals included), widened to fp32 and cut to bf16 (exact: 4 significant bits).
-__device__ __forceinline__ unsigned scale_pair(unsigned byte) {
+// An E4M3 byte as the bf16 pair (e4m3 * 2^-8 * factor, twice): the bits shifted into an fp16 (e4m3 * 2^-8,
+// subnormals included), widened to fp32, times the power of two `factor`, cut to bf16 (exact: 4 significant bits).
+__device__ __forceinline__ unsigned scale_pair(unsigned byte, float factor = 1.0f) {
     const unsigned h = ((byte & 0x80u) << 8) | ((byte & 0x7fu) << 7);
     float lo, hi;
     f16x2_to_f32(h, lo, hi);
-    return prmt(__float_as_uint(lo), 0u, 0x3232u);
+    return prmt(__float_as_uint(lo * factor), 0u, 0x3232u);
 }
 
 // Both E4M3 bytes of s16 (bytes 0 and 1) at once: s[i] = scale_pair(byte i), one fp16 pair widened.
@@ -443,38 +443,4 @@ GEMM_TILED(64, 2, 2, 4, 64, 3, 2)
 GEMM_TILED(128, 4, 2, 4, 64, 3, 2)
 GEMM_WGMMA(64, 4, 2)
 
-// One expert's projection [N, K] as bf16 w[n, k] = e2m1[n, k] * e4m3[n, k / 16], exact (dequant_word with the
-// block scale as e4m3 itself: at most 6 significant bits), for a bf16 GEMM that applies scale_2 to its fp32 sums
-// (a dense FFN stored NVFP4 at compute-bound widths). A thread per 32-bit word of packed weights (8 k; words 2i and
-// 2i + 1 share block scale i) and its 16 output bytes, so a warp's loads and stores are each one contiguous run;
-// four words a thread in flight (a warp sweeps 128 words a round).
-__device__ __forceinline__ unsigned e4m3_pair(unsigned byte) {
-    float lo, hi;  // the byte shifted into an fp16 is e4m3 * 2^-8 (subnormals included)
-    f16x2_to_f32(((byte & 0x80u) << 8) | ((byte & 0x7fu) << 7), lo, hi);
-    return prmt(__float_as_uint(lo * 256.0f), 0u, 0x3232u);  // e4m3 as a bf16 pair (4 significant bits: exact)
-}
-
-extern "C" __global__ void __launch_bounds__(256) nvfp4_dequant_bf16(const unsigned* __restrict__ packed,
-                                                                     const unsigned char* __restrict__ scale,
-                                                                     uint4* __restrict__ out, long long words) {
-    pdl_enter();  // the GEMM before this launch may still read `out`
-    const long long warps = (long long)gridDim.x * blockDim.x / 32;
-    const int lane = threadIdx.x & 31;
-    for (long long w0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32 * 128; w0 < words; w0 += warps * 128) {
-        unsigned q[4], s[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const long long i = w0 + 32 * j + lane;
-            q[j] = i < words ? packed[i] : 0u;
-            s[j] = i < words ? scale[i >> 1] : 0u;
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const long long i = w0 + 32 * j + lane;
-            if (i >= words) break;
-            unsigned b[4];
-            dequant_word(q[j], e4m3_pair(s[j]), b);
-            out[i] = make_uint4(b[0], b[1], b[2], b[3]);
-        }
-    }
-}
+#include "gemm_nvfp4_dequant.cuh"

@@ -37,13 +37,23 @@ def _cublas() -> Any:
     return cublas
 
 
+def _cublas_on_stream() -> tuple[Any, int]:
+    """CuPy's cuBLAS module and its shared handle, bound to the current stream: the handle keeps whatever
+    stream was last set on it (at first the legacy default stream, which does not order against the
+    backend's non-blocking stream)."""
+    import cupy
+
+    cb = _cublas()
+    handle = cupy.cuda.device.get_cublas_handle()
+    cb.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    return cb, handle
+
+
 def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any, alpha: float = 1.0) -> None:
     """``out = alpha * (x @ w^T)`` in ONE cuBLAS GemmEx call: bf16 operands (products exact in fp32), fp32
     accumulation, ``alpha`` applied to the fp32 sums (an NVFP4 projection's ``scale_2``), ``out`` bf16 (rounded
     once) or fp32 (the router's logits), on the current stream.
     Row-major as column-major: ``out^T [N, T] = w [N, K] @ x^T [K, T]``."""
-    import cupy
-
     t, k = x_TK.shape
     n = w_NK.shape[0]
     check("x", x_TK, BF16, 2), check("w", w_NK, BF16, 2), check_shape("w", w_NK, (n, k))
@@ -52,14 +62,11 @@ def gemm_bf16(x_TK: Any, w_NK: Any, out_TN: Any, alpha: float = 1.0) -> None:
     check("out", out_TN, out_TN.dtype, 2), check_shape("out", out_TN, (t, n))
     if t == 0:
         return
-    cb = _cublas()
-    handle = cupy.cuda.device.get_cublas_handle()
-    # CuPy's shared handle keeps whatever stream was last set on it (at first the legacy default
-    # stream, which does not order against the backend's non-blocking stream): bind it to ours
-    cb.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    cb, handle = _cublas_on_stream()
     scale = None if alpha == 1.0 else np.full(1, alpha, np.float32)  # host pointer mode: read before gemmEx returns
     cb.gemmEx(handle, cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, t, k,
-              _ONE_PTR if scale is None else scale.ctypes.data, w_NK.data.ptr, _CUDA_R_16BF, k, x_TK.data.ptr, _CUDA_R_16BF, k,
+              _ONE_PTR if scale is None else scale.ctypes.data, w_NK.data.ptr, _CUDA_R_16BF, k,
+              x_TK.data.ptr, _CUDA_R_16BF, k,
               _ZERO_PTR, out_TN.data.ptr, _CUDA_R_16BF if out_TN.dtype == BF16 else _CUDA_R_32F, n,
               cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
 
@@ -69,8 +76,6 @@ def gemm_bf16_pair(x_TK: Any, w0_NK: Any, w1_NK: Any, out0_TN: Any, out1_TN: Any
     strided-batched GemmEx where ``w1`` and ``out1`` lie past ``w0`` and ``out0`` (the batch stride is the
     distance between them: stacked weights, adjacent workspace buffers), else two calls. One launch of both
     projections fills the device where one of them alone leaves SMs idle or takes a kernel of another shape."""
-    import cupy
-
     t, k = x_TK.shape
     n = w0_NK.shape[0]
     check("x", x_TK, BF16, 2)
@@ -85,9 +90,7 @@ def gemm_bf16_pair(x_TK: Any, w0_NK: Any, w1_NK: Any, out0_TN: Any, out1_TN: Any
         return
     if t == 0:
         return
-    cb = _cublas()
-    handle = cupy.cuda.device.get_cublas_handle()
-    cb.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    cb, handle = _cublas_on_stream()
     cb.gemmStridedBatchedEx(handle, cb.CUBLAS_OP_T, cb.CUBLAS_OP_N, n, t, k,
                             _ONE_PTR, w0_NK.data.ptr, _CUDA_R_16BF, k, stride_w // 2,
                             x_TK.data.ptr, _CUDA_R_16BF, k, 0,
