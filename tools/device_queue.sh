@@ -20,6 +20,7 @@
 #                                  # kernels on an H200, glm-ep bench there (then bench --prefill: stage dequant)
 #   bash tools/device_queue.sh dequant # the NVFP4 dense FFN through bf16 weights and cuBLAS: its tests (with the
 #                                  # split tests not yet run on a GPU), then bench --prefill (its sweep, the peers)
+#   bash tools/device_queue.sh wide # the CUDA tests not yet run on a GPU (next's and dequant's), then bench --prefill
 #   bash tools/device_queue.sh pair # the shared expert's gate + up in one batched cuBLAS call: its tests, the
 #                                  # cuBLAS probe, bench --prefill
 # Logs and results under $OUT (or /tmp/out).
@@ -93,6 +94,15 @@ dequant)
     else
         echo "tests failed: no bench"
     fi ;;
+wide)
+    stage "CUDA tests not yet run on a GPU"
+    timeout 230 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
+        tests/test_cuda_kernels.py tests/test_cuda_paths.py \
+        -k "ragged_and_grid_stride or gemm_bf16_pair or upload_dense or dequant or nvfp4_dense or k_split" 2>&1 \
+        | tee "$O/wide_tests.log" | tail -8
+    stage "bench --prefill"
+    timeout 330 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -45
+    tail -3 "$O/prefill.err" ;;
 pair)
     stage "gate + up in one batched cuBLAS call: tests"
     if timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_kernels.py \
