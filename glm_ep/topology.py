@@ -89,9 +89,6 @@ class PathLevers:
     ring_union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (0: block kernels)
     ring_union_slab: tuple[int, ...] = (2, 2)  # the union ring's slab and depth: (one projection, gate + up)
     ring_union_depth: tuple[int, ...] = (3, 3)
-    # the rings as programmatic dependents too (with pdl): placed while the kernel before drains, their blocks capped
-    # per SM (by padding their shared memory) at the share an even placement gives, so no SM crowds
-    ring_dependent: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self, "levers.")

@@ -65,8 +65,6 @@ def test_ring_levers_default_to_the_measured_ring_and_parse_from_toml() -> None:
     assert RingConfig.from_levers(lv) == RingConfig(down_combine=False)
     lv = Topology.from_dict({"levers": {"ring_min_items_per_sm": 0}}).levers
     assert RingConfig.from_levers(lv) == RingConfig(min_items_per_sm=0)
-    lv = Topology.from_dict({"levers": {"ring_dependent": True}}).levers
-    assert RingConfig.from_levers(lv) == RingConfig(dependent=True) and not RingConfig(dependent=True).persistent
 
 
 def test_the_ring_declines_launches_of_few_items_an_sm(monkeypatch) -> None:
@@ -193,35 +191,6 @@ def test_the_fp16_form_only_where_the_limit_bounds_the_activation() -> None:
     topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_f16": True}})
     with pytest.raises(ConfigError, match=r"levers.ring_f16 = true: .* swiglu_limit = 300"):
         make_backend(topo, HERE, _cfg(swiglu_limit=300.0))
-
-
-@pytest.mark.parametrize("sms,smem", [(132, 233472), (48, 102400)], ids=["H200", "GB10"])
-def test_dependent_rings_hold_at_most_an_even_share_of_blocks_an_sm(monkeypatch, sms: int, smem: int) -> None:
-    """A ring launched as a programmatic dependent (``ring_dependent``) may be placed while the kernel before it
-    drains, on whichever SMs free first: its blocks' shared memory is padded so that no SM can hold more of them
-    than ceil(blocks / SMs), for the one-row glu and down rings, the down ring with the shared expert's items,
-    and the union rings; a plain (persistent) launch asks for what its stages need and nothing more."""
-    from glm_ep.backend.cuda import ring as R
-
-    monkeypatch.setattr(R, "sm_count", lambda: sms)
-    monkeypatch.setattr(R, "smem_per_sm", lambda: (smem, 1024))
-    plain, dep = RingConfig(), RingConfig(dependent=True)
-    launches = [((2048, 8, 2, "bf16u", 0, 4096), "glu"), ((4096, 8, 1, "placed", 0, 0), "down"),
-                ((4096, 8, 1, "placed", 512, 0), "down + shared"), ((4096, 1, 1, "bf16u", 0, 0), "one slot"),
-                ((12288, 1, 2, "bf16u", 0, 4096), "dense gate + up")]
-    for (n, slots, p, form, extra, k), what in launches:
-        blocks, need, suffix = plain.geometry(n, slots, p, form, extra_items=extra, k=k)
-        d_blocks, padded, d_suffix = dep.geometry(n, slots, p, form, extra_items=extra, k=k)
-        assert (d_blocks, d_suffix) == (blocks, suffix) and need == plain.smem(p, form, k), what
-        share = -(-blocks // sms)
-        fits = smem // (padded + 1024)
-        assert padded >= need and 1 <= fits <= share, f"{what}: {fits} blocks an SM fit, share {share}"
-        assert fits == share or need + 1024 > smem // share, f"{what}: padded past the even share"
-    for rows in (2, 4):
-        for p in (1, 2):
-            blocks, need, _ = plain.union_geometry(2048 if p == 2 else 4096, rows, 8 * rows, p)
-            _, padded, _ = dep.union_geometry(2048 if p == 2 else 4096, rows, 8 * rows, p)
-            assert padded >= need and smem // (padded + 1024) <= -(-blocks // sms)
 
 
 @pytest.mark.parametrize("sms,smem,resident", [(132, 233472, 396), (48, 102400, 48)], ids=["H200", "GB10"])

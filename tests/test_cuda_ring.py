@@ -49,8 +49,6 @@ DEFAULT = ("bf16u", "placed")  # (gate and up, down)
     pytest.param(dict(placed_hidden=True, depth=(2, 2), max_warps=3), PLACED, id="placed-t4d2-w3"),
     pytest.param(dict(placed_hidden=True, slab=(8, 8), depth=(3, 2), max_warps=7), PLACED, id="placed-t8d3-w7"),
     pytest.param(dict(placed_hidden=True, f16=True), ("placed", "f16"), id="placed-f16-down"),
-    pytest.param(dict(dependent=True), DEFAULT, id="dependent"),  # programmatic dependents, padded shared memory
-    pytest.param(dict(dependent=True, depth=(2, 2), max_warps=3), DEFAULT, id="dependent-t4d2-w3"),
 ])
 def test_moe_decode_ring(rng, ring, forms):
     """A backend built with each ring config, on the shared backend's stream (the helpers' buffers)."""
@@ -78,8 +76,6 @@ def test_moe_decode_ring(rng, ring, forms):
     pytest.param(dict(f16=True), 512, id="f16"),
     pytest.param(dict(placed=False), 512, id="bf16u"),
     pytest.param(dict(placed=False, max_warps=3), 768, id="bf16u-w3-3parts"),
-    pytest.param(dict(dependent=True), 512, id="dependent"),
-    pytest.param(dict(dependent=True, max_warps=3), 768, id="dependent-w3-3parts"),
 ])
 def test_moe_down_combine_ring(rng, ring, shared_k):
     """``moe_down_shared_combine`` in ONE launch: the routed rows bit for bit the down ring's, the

@@ -21,8 +21,6 @@
 #   bash tools/device_queue.sh dequant # the NVFP4 dense FFN through bf16 weights and cuBLAS: its tests (with the
 #                                  # split tests not yet run on a GPU), then bench --prefill (its sweep, the peers)
 #   bash tools/device_queue.sh wide # the CUDA tests not yet run on a GPU (next's and dequant's), then bench --prefill
-#   bash tools/device_queue.sh dependent # the rings as programmatic dependents (ring_dependent): their tests,
-#                                  # kernel_timing --ring-dependent, glm-ep bench (its rows with the lever flipped)
 #   bash tools/device_queue.sh pair # the shared expert's gate + up in one batched cuBLAS call: its tests, the
 #                                  # cuBLAS probe, bench --prefill
 # Logs and results under $OUT (or /tmp/out).
@@ -105,16 +103,6 @@ wide)
     stage "bench --prefill"
     timeout 330 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -45
     tail -3 "$O/prefill.err" ;;
-dependent)
-    stage "ring tests"
-    timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_ring.py \
-        tests/test_cuda_union.py tests/test_cuda_paths.py -k "dependent or default or t2d3" 2>&1 \
-        | tee "$O/dependent_tests.log" | tail -8
-    stage "kernel_timing --ring-dependent"
-    timeout 100 python3 tools/kernel_timing.py --ring-dependent 2>&1 | tee "$O/ring_dependent.log" | tail -13
-    stage "bench"
-    timeout 250 python3 -m glm_ep bench --out "$O/decode" 2>"$O/decode.err" | tail -24
-    tail -3 "$O/decode.err" ;;
 pair)
     stage "gate + up in one batched cuBLAS call: tests"
     if timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_kernels.py \

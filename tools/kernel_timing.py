@@ -46,8 +46,6 @@ def main() -> int:
     ap.add_argument("--ring-ablation", action="store_true",
                     help="only the one-row routed kernels as built, without dequantization, without math")
     ap.add_argument("--no-pdl", action="store_true", help="plain launches (no programmatic dependent launch)")
-    ap.add_argument("--ring-dependent", action="store_true",
-                    help="only the one-row routed rings launched plain and as programmatic dependents (ring_dependent)")
     args = ap.parse_args()
     be = CudaBackend(0, dependent_launch=not args.no_pdl)
     s = be.stream
@@ -209,11 +207,6 @@ def main() -> int:
 
     if args.ring_ablation:
         return ring_ablation(time_ring)
-    if args.ring_dependent:
-        for name, cfg in (("plain", RingConfig()), ("dependent", RingConfig(dependent=True)),
-                          ("plain (again)", RingConfig()), ("dependent (again)", RingConfig(dependent=True))):
-            time_ring(name, cfg)
-        return 0
     if args.ring_variants:
         for name, cfg in (("blocks", RingConfig(enabled=False)),
                           ("ring t4 d2/2 w16 bf16", RingConfig(unscaled=False)),

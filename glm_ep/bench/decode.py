@@ -163,19 +163,6 @@ def run_bench(args: argparse.Namespace) -> int:
     us = time_median(cp, stream, replay, iters=max(iters // g, 5)) / g
     rows.append(Row("sparse site, 1 row (graph)", us, sparse_bytes(model, model.num_experts_per_tok), copy_gbs,
                     f"mean over {g} layers' distinct weights"))
-    shipped_ring = be.ring
-    other_ring = replace(shipped_ring, dependent=not shipped_ring.dependent)
-    ring_how = "rings as programmatic dependents" if other_ring.dependent else "rings launched plain"
-    if be.pdl and shipped_ring.enabled:  # the other setting of levers.ring_dependent, same sites
-        be.ring = other_ring
-        try:
-            replay = graph_of_sites(sparse_sites[:g], x1)
-            us_other = time_median(cp, stream, replay, iters=max(iters // g, 5)) / g
-        finally:
-            be.ring = shipped_ring
-        rows.append(Row(f"sparse site, 1 row (graph), {ring_how}", us_other,
-                        sparse_bytes(model, model.num_experts_per_tok), copy_gbs,
-                        f"levers.ring_dependent = {str(other_ring.dependent).lower()}: {us_other / us:.3f}x the time"))
     if peer is not None:
         rows.append(Row("PyTorch HF-style sparse site, 1 row", peer.style_sparse, sparse_bytes(model, 8), copy_gbs,
                         f"peer (bf16 experts, eager loop); glm_ep is {peer.style_sparse / us:.1f}x faster"))
@@ -216,16 +203,6 @@ def run_bench(args: argparse.Namespace) -> int:
         peer_step = n_dense * peer.fastest_dense + n_sparse * peer.fastest_sparse
         note += f"; the fastest peer sites add up to {peer_step / 1e3:.1f} ms: {peer_step / us:.1f}x slower"
     rows.append(Row(f"decode step, {n_dense + n_sparse}-layer stack", us, step_bytes, copy_gbs, note))
-    if be.pdl and shipped_ring.enabled:  # the other setting of levers.ring_dependent
-        be.ring = other_ring
-        try:
-            flipped = MlpStack(be, comm, cfg, dense_sites + sparse_sites, levers, max_rows=8)
-            flipped.step(x1)
-            us_other = time_median(cp, stream, lambda: flipped.step(x1), iters=max(iters // 10, 5))
-        finally:
-            be.ring = shipped_ring
-        rows.append(Row(f"decode step, {n_dense + n_sparse}-layer stack, {ring_how}", us_other, step_bytes, copy_gbs,
-                        f"levers.ring_dependent = {str(other_ring.dependent).lower()}: {us_other / us:.3f}x the time"))
     if be.pdl:  # the same sites captured with plain launches: what programmatic dependent launch saves
         be.pdl = False
         try:

@@ -97,7 +97,7 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointer
         blocks, smem, suffix = ring.geometry(proj.n, s, 1, form)
         launch(_RING, f"nvfp4_ring_moe_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, i32(s), i32(start),
-                i32(count), out_SN, i32(proj.n), i32(proj.k), i32(xshift)), smem=smem, persistent=ring.persistent)
+                i32(count), out_SN, i32(proj.n), i32(proj.k), i32(xshift)), smem=smem, persistent=True)
         return
     head = (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S,
             i32(start), i32(count), out_SN, i32(proj.n), i32(proj.k))
@@ -135,7 +135,7 @@ def nvfp4_moe_down_combine(act_SK: Any, table: ExpertTable[Nvfp4Pointers], ids_S
     launch(_RING, f"nvfp4_ring_moe_down_combine_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
            (act_SK, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, i32(s), i32(start), i32(count),
             routed_SN, i32(n), i32(k), shared_down_NI, shared_act_1I, i32(shared_k), i32(parts), partials, arrived,
-            wts_1S, out_1N, i32(proj.xshift)), smem=smem, persistent=ring.persistent)
+            wts_1S, out_1N, i32(proj.xshift)), smem=smem, persistent=True)
     return True
 
 
@@ -153,7 +153,7 @@ def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, 
         launch(_RING, f"nvfp4_ring_moe_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
                 ids_S, i32(s), i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k),
-                np.float32(limit)), smem=smem, persistent=ring.persistent)
+                np.float32(limit)), smem=smem, persistent=True)
         return
     head = (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
             ids_S, i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k))
@@ -188,8 +188,7 @@ def nvfp4_moe_gemv_union(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4P
         blocks, smem, suffix = ring.union_geometry(proj.n, r, r * k, 1)
         launch(_UNION, f"nvfp4_ring_union_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x, i64(x_row), i64(proj.k if per_slot_input else 0), *tables, i32(r * k), i32(r), i32(start),
-                i32(count), out_RKN, i64(k * proj.n), i32(proj.n), i32(proj.k)), smem=smem,
-               persistent=ring.persistent)
+                i32(count), out_RKN, i64(k * proj.n), i32(proj.n), i32(proj.k)), smem=smem, persistent=True)
         return
     grid_x, ks = _mma_geometry(proj.n, proj.k, r * k)
     launch(_NVFP4, "nvfp4_mma_moe_gemv_union", (grid_x, r * k, 1), _NVFP4_BLOCK,
@@ -212,7 +211,7 @@ def nvfp4_moe_glu_union(x_RK: Any, experts: RoutedExperts[Nvfp4Pointers], u_eid_
         blocks, smem, suffix = ring.union_geometry(n, r, r * k, 2)
         launch(_UNION, f"nvfp4_ring_union_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x_RK, i64(kin), *tables, i32(r * k), i32(r), i32(start), i32(count), gate_RKN, up_RKN, act_RKN,
-                i64(k * n), i32(n), i32(kin), np.float32(limit)), smem=smem, persistent=ring.persistent)
+                i64(k * n), i32(n), i32(kin), np.float32(limit)), smem=smem, persistent=True)
         return
     grid_x, ks = _mma_geometry(n, kin, 2 * r * k)
     launch(_NVFP4, "nvfp4_mma_moe_glu_union", (grid_x, r * k, 1), _NVFP4_BLOCK,

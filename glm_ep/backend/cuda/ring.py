@@ -99,7 +99,6 @@ class RingConfig:
     # down projection (a dense FFN stored NVFP4, 256 items of K = 12288) took 25.4 us on the ring against 14.6
     # on them on an H100, while its gate + up (768 items) ran faster on the ring, 30.6 against 33.9 (NOTES.md)
     min_items_per_sm: int = 4
-    dependent: bool = False
 
     def __post_init__(self) -> None:
         for name, (slab, depth, built) in (("ring", (self.slab, self.depth, RING_KERNELS)),
@@ -115,8 +114,7 @@ class RingConfig:
         return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
                    lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_placed, lv.ring_placed_hidden,
                    lv.ring_down_combine, lv.ring_union_max_rows,
-                   tuple(lv.ring_union_slab), tuple(lv.ring_union_depth), lv.ring_min_items_per_sm,
-                   lv.ring_dependent)
+                   tuple(lv.ring_union_slab), tuple(lv.ring_union_depth), lv.ring_min_items_per_sm)
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
         """(gate and up, down): the operand form (``FORM_PREFIX``'s keys) in which the ring reads each
@@ -148,8 +146,7 @@ class RingConfig:
         (``k``: their in width) keep the block's prepared x row after the rings."""
         t, depth = self.slab[p - 1], self.depth[p - 1]
         smem = self.smem(p, form, k)
-        blocks = self._blocks(slots * (n // MMA_ROWS) + extra_items, smem)
-        return blocks, self.pad_to_share(blocks, smem), f"{FORM_PREFIX[form]}t{t}_d{depth}"
+        return self._blocks(slots * (n // MMA_ROWS) + extra_items, smem), smem, f"{FORM_PREFIX[form]}t{t}_d{depth}"
 
     def smem(self, p: int, form: str, k: int = 0) -> int:
         """Dynamic shared memory of one block of the ring over ``p`` matrices: RING_WARPS rings of depth stages,
@@ -205,25 +202,7 @@ class RingConfig:
         t, depth = self.union_slab[p - 1], self.union_depth[p - 1]
         r = next(r for r in UNION_RING_ROWS if rows <= r)
         smem = self.union_smem(p, rows)
-        blocks = self._blocks(entries * (n // MMA_ROWS), smem)
-        return blocks, self.pad_to_share(blocks, smem), f"r{r}_t{t}_d{depth}"
-
-    def pad_to_share(self, blocks: int, smem: int) -> int:
-        """``smem`` as a launch of ``blocks`` blocks asks for it: unchanged for a plain launch; for a dependent one
-        (``dependent``) padded until an SM holds at most ``ceil(blocks / SMs)`` of them, the share an even
-        placement gives. A ring is bound per SM (issue, ALU), so an SM given more blocks than its share, as one
-        that frees first while the kernel before drains would be, sets the launch's time."""
-        if not self.dependent:
-            return smem
-        sm_smem, reserved = smem_per_sm()
-        share = cdiv(blocks, sm_count())
-        return max(smem, sm_smem // share - reserved) if share > 1 else max(smem, sm_smem // 2 - reserved + 1)
-
-    @property
-    def persistent(self) -> bool:
-        """Whether the ring launches plain (``loader.launch``'s ``persistent``): its blocks placed on an idle
-        device, so each SM gets the even share its static split of the items assumes."""
-        return not self.dependent
+        return self._blocks(entries * (n // MMA_ROWS), smem), smem, f"r{r}_t{t}_d{depth}"
 
     def _blocks(self, items: int, smem: int) -> int:
         """As even a share of ``items`` per warp as the cap allows (warps_per_sm per SM, or fewer
