@@ -62,7 +62,7 @@ class PathLevers:
     row_batch_max: int = 8  # widest row group of the union path (<= the backend's max_row_group)
     union_max_ids: int = 64  # rows * top_k a union table may hold (<= the backend's max_union_ids)
     prefill_gemm: bool = True  # wide prefill: sort by expert + grouped GEMM
-    prefill_gemm_min_rows: int = 32  # measured crossover (five sweeps: docs/perf/NOTES.md): below it, row groups
+    prefill_gemm_min_rows: int = 24  # measured crossover (the sweeps in docs/perf/NOTES.md): below it, row groups
     # a dense FFN stored NVFP4 (one expert every row chooses: each row group re-reads all of it): its crossover
     nvfp4_dense_gemm_min_rows: int = 9
     # ... and from this many rows each of its projections dequantized to bf16 (exact) into a scratch of one
