@@ -16,7 +16,7 @@ from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.weights import DenseWeights
 
 from _cuda import (E, H, M, TOP_K, assert_written, backend, both, check_moe_gate_up_act, check_moe_gemv, dev, host,
-                   moe_weights, poisoned, requires_cuda, unwritten)
+                   moe_weights, poisoned, requires_cuda, spy_launches, unwritten)
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -322,11 +322,16 @@ def test_moe_decode_glm_shape(rng):
     assert_close(got[[0, 2]], ref_down[[0, 2]], "glm-shape down")
 
 
-@pytest.mark.parametrize("t,e", [(1, E), (37, E), (700, E), (4096, E), (37, 33), (700, 1500), (4097, 257)])
-def test_sort_by_expert(rng, t, e):
-    """Stable and exact at every width: one warp's segment of slots, several, ragged ends; expert
-    counts that are not a multiple of 32 or span two 1024-wide scan chunks (then a row may name an
-    expert twice)."""
+@pytest.mark.parametrize("t,e", [(1, E), (37, E), (128, E), (129, E), (700, E), (4096, E), (37, 33), (700, 1500),
+                                 (4097, 257)])
+def test_sort_by_expert(rng, t, e, monkeypatch):
+    """Stable and exact at every width, in both forms: one block (one warp's segment of slots, several, ragged
+    ends), and the multi-block sort the backend runs where the slots fill more than one block (chunks of
+    SORT_CHUNK slots: 1024 slots exactly one block, 1032 two, ragged last chunks, 33 blocks at 4097 rows);
+    expert counts that are not a multiple of 32 or span two 1024-wide scan chunks (then a row may name an
+    expert twice). Every output poisoned first."""
+    from glm_ep.backend.cuda import route
+
     if e == E:
         ids = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(t)]).astype(np.int32)
     else:
@@ -334,13 +339,24 @@ def test_sort_by_expert(rng, t, e):
     ids[: t // 2, 0] = 5  # one expert far more popular than the rest
     ref = routing.sort_by_expert(ids, e)
     s = t * TOP_K
-    bufs = [poisoned((s,), np.int32), poisoned((s,), np.int32), poisoned((e + 1,), np.int32),
-            poisoned((t, TOP_K), np.int32)]
-    backend().sort_by_expert(dev(ids), e, *bufs)
-    for got, want, name in zip(bufs, (ref.sorted_token_ids, ref.sorted_expert_ids, ref.expert_offsets,
-                                      ref.token_to_perm),
-                               ("sorted_token_ids", "sorted_expert_ids", "expert_offsets", "token_to_perm")):
-        np.testing.assert_array_equal(host(got), want, err_msg=name)
+    names = ("sorted_token_ids", "sorted_expert_ids", "expert_offsets", "token_to_perm")
+    launched = spy_launches(monkeypatch, route)
+    for form in ("backend", "one block"):
+        bufs = [poisoned((s,), np.int32), poisoned((s,), np.int32), poisoned((e + 1,), np.int32),
+                poisoned((t, TOP_K), np.int32)]
+        launched.clear()
+        if form == "backend":
+            backend().sort_by_expert(dev(ids), e, *bufs)
+            blocks = route.sort_blocks(s, route.sm_count())
+            assert launched == (["moe_sort_count", "moe_sort_place"] if blocks > 1 else ["moe_sort_by_expert"])
+            assert (blocks > 1) == (s > route.SORT_CHUNK)
+        else:
+            with backend().stream:
+                route.sort_by_expert(dev(ids), e, *bufs)
+            assert launched == ["moe_sort_by_expert"]
+        for got, want, name in zip(bufs, (ref.sorted_token_ids, ref.sorted_expert_ids, ref.expert_offsets,
+                                          ref.token_to_perm), names):
+            np.testing.assert_array_equal(host(got), want, err_msg=f"{form}: {name}")
 
 
 def test_moe_gemm_sorted(rng):

@@ -21,6 +21,7 @@
 #   bash tools/device_queue.sh dequant # the NVFP4 dense FFN through bf16 weights and cuBLAS: its tests (with the
 #                                  # split tests not yet run on a GPU), then bench --prefill (its sweep, the peers)
 #   bash tools/device_queue.sh wide # the CUDA tests not yet run on a GPU (next's and dequant's), then bench --prefill
+#   bash tools/device_queue.sh sort # the multi-block sort by expert: its tests and the sorted paths', bench --prefill
 #   bash tools/device_queue.sh pair # the shared expert's gate + up in one batched cuBLAS call: its tests, the
 #                                  # cuBLAS probe, bench --prefill
 # Logs and results under $OUT (or /tmp/out).
@@ -103,6 +104,16 @@ wide)
     stage "bench --prefill"
     timeout 330 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -45
     tail -3 "$O/prefill.err" ;;
+sort)
+    stage "sort tests"
+    if timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_kernels.py \
+        tests/test_cuda_paths.py tests/test_cuda_gemm.py -k "sort or prefill_paths or sorted" 2>&1 \
+        | tee "$O/sort_tests.log" | tail -8 && ! grep -q "failed\|error" "$O/sort_tests.log"; then
+        stage "bench --prefill"
+        timeout 300 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | head -24
+    else
+        echo "tests failed: no bench"
+    fi ;;
 pair)
     stage "gate + up in one batched cuBLAS call: tests"
     if timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_kernels.py \

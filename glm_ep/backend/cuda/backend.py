@@ -31,7 +31,7 @@ import numpy as np
 from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
 from glm_ep.backend.cuda import dense, elementwise, grouped, pdl, route
 from glm_ep.backend.cuda import nvfp4 as NV
-from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, compute_capability
+from glm_ep.backend.cuda.loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, compute_capability, sm_count
 from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
 from glm_ep.backend.cuda.ring import RingConfig, act_shift
 from glm_ep.errors import ConfigError
@@ -95,6 +95,8 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         self._ws_arrived = self.zero(cupy.empty(n_arrived, dtype=np.uint32))
         # the one-row down ring's combine scratch (nvfp4_moe_down_combine): sized at upload_moe, before any capture
         self._dc_partials, self._dc_arrived, self._dc_retired = None, None, []
+        # the multi-block sort's per-(block, expert) counts (wide calls, never captured): grown by sort_by_expert
+        self._sort_counts = None
 
     @property
     def pci_bus_id(self) -> str:
@@ -386,8 +388,15 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     @_on_stream
     def sort_by_expert(self, ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
                        token_to_perm_TK):
+        """Over several blocks where the slots fill them (``route.sort_blocks``), through a per-(block, expert)
+        count scratch the backend grows on demand; one block while a capture is running and it would have to."""
+        need = route.sort_blocks(ids_TK.size, sm_count()) * num_experts
+        if need > num_experts and (self._sort_counts is None or self._sort_counts.size < need):
+            if not self.stream.is_capturing():
+                self._sort_counts = self.xp.empty(need, dtype=np.int32)
+        counts = self._sort_counts if self._sort_counts is not None and self._sort_counts.size >= need else None
         route.sort_by_expert(ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
-                             token_to_perm_TK)
+                             token_to_perm_TK, counts)
 
     @_on_stream
     def moe_gemm_sorted(self, a, table: ExpertTable[Nvfp4Pointers], sorted_token_ids_S, expert_offsets, out_SN,

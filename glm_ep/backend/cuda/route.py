@@ -13,7 +13,7 @@ import numpy as np
 
 from glm_ep.backend.cuda import dense as D
 from glm_ep.backend.cuda.loader import (F32, I32, ROUTER_MAX_TOP_K, SORT_THREADS, U32, UNION_MAX_IDS, check,
-                                        check_shape, i32, i64, launch)
+                                        check_shape, i32, i64, launch, sm_count)
 from glm_ep.routing import RouteParams
 
 ROUTER_THREADS = 32  # one warp per row
@@ -82,8 +82,19 @@ def union_table(ids_RK: Any, u_eid_U: Any, u_slot_UR: Any) -> None:
     launch("moe_route.cu", "moe_union_table", (1, 1, 1), (r * k, 1, 1), (ids_RK, u_eid_U, u_slot_UR, i32(r), i32(k)))
 
 
+SORT_CHUNK = 1024  # slots a block of the multi-block sort takes at least
+
+
+def sort_blocks(slots: int, sms: int) -> int:
+    """Blocks of the sort: one per SORT_CHUNK slots, at most one an SM (1: the one-block kernel)."""
+    return max(1, min(-(-slots // SORT_CHUNK), sms))
+
+
 def sort_by_expert(ids_TK: Any, num_experts: int, sorted_token_ids_S: Any, sorted_expert_ids_S: Any,
-                   expert_offsets: Any, token_to_perm_TK: Any) -> None:
+                   expert_offsets: Any, token_to_perm_TK: Any, counts: Any = None) -> None:
+    """The stable counting sort by expert (``glm_ep.routing.sort_by_expert`` exactly). ONE block, or where
+    ``counts`` (int32, at least blocks x experts, contents dead) is given and the slots fill several
+    blocks, two launches: each block's per-expert counts, then each block places its chunk."""
     t, k = ids_TK.shape
     check("ids", ids_TK, I32, 4)
     for name, a, shape in (("sorted_token_ids", sorted_token_ids_S, (t * k,)),
@@ -91,6 +102,20 @@ def sort_by_expert(ids_TK: Any, num_experts: int, sorted_token_ids_S: Any, sorte
                            ("expert_offsets", expert_offsets, (num_experts + 1,)),
                            ("token_to_perm", token_to_perm_TK, (t, k))):
         check(name, a, I32, 4), check_shape(name, a, shape)
+    s, e = t * k, num_experts
+    smem = 4 * e * (1 + SORT_THREADS // 32)
+    blocks = sort_blocks(s, sm_count()) if counts is not None else 1
+    if blocks > 1:
+        check("counts", counts, I32, 4)
+        if counts.size < blocks * e:
+            raise ValueError(f"sort_by_expert: counts of {counts.size} int32, {blocks} blocks of {e} experts need "
+                             f"{blocks * e}")
+        launch("moe_route.cu", "moe_sort_count", (blocks, 1, 1), (SORT_THREADS, 1, 1),
+               (ids_TK, i32(s), i32(e), counts), smem=smem)
+        launch("moe_route.cu", "moe_sort_place", (blocks, 1, 1), (SORT_THREADS, 1, 1),
+               (ids_TK, i32(s), i32(k), i32(e), counts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
+                token_to_perm_TK), smem=smem)
+        return
     launch("moe_route.cu", "moe_sort_by_expert", (1, 1, 1), (SORT_THREADS, 1, 1),
-           (ids_TK, i32(t * k), i32(k), i32(num_experts), sorted_token_ids_S, sorted_expert_ids_S,
-            expert_offsets, token_to_perm_TK), smem=4 * num_experts * (1 + SORT_THREADS // 32))
+           (ids_TK, i32(s), i32(k), i32(e), sorted_token_ids_S, sorted_expert_ids_S,
+            expert_offsets, token_to_perm_TK), smem=smem)
