@@ -1,7 +1,7 @@
 """Measurement: the bf16 projections of 1..64 rows on each engine, per shape, graph-free but kernel-bound (the same
 launch back to back): the batch-M GEMV (<= 8 rows), the warp-streaming GEMM (<= 16 rows), the tensor-core GEMM
 (mma_bf16.cu, 9..64 rows) and cuBLAS
-(gate, up, then the SwiGLU pass for the gate + up shapes); medians in us, and the weight bytes over the time in
+(gate, up, then the SwiGLU pass for the gate + up shapes; ``cublas_pair``: gate and up in one batched call); medians in us, and the weight bytes over the time in
 TB/s: which rows and widths each should serve. ``--wstream-splits 4 6`` adds the warp-streaming GEMM at those
 fixed K splits beside its own choice (``wstream_s4``, ``wstream_s6``)."""
 import argparse
@@ -43,6 +43,7 @@ print("shape rows engine us TB/s", flush=True)
 for name in args.shapes:
     n, k, glu = SHAPES[name]
     wg, wu = rnd((n, k)), rnd((n, k))
+    w2 = rnd((2, n, k)) if glu else None  # gate and up stacked, as upload_dense keeps them
     nbytes = (2 if glu else 1) * n * k * 2
     for rows in args.rows:
         x = rnd((rows, k))
@@ -51,7 +52,7 @@ for name in args.shapes:
         if glu:
             if rows <= K.GEMV_MAX_ROWS:
                 runs["gemv"] = lambda: K.glu_bf16(x, wg, wu, 7.0, g, u, a)
-            else:
+            elif rows <= K.MMA_GEMM_MAX_ROWS:
                 runs["mma"] = lambda: K.mma_glu_bf16(x, wg, wu, 7.0, g, u, a)
             if rows <= K.WSTREAM_MAX_ROWS:
                 runs["wstream"] = lambda: K.wstream_glu_bf16(x, wg, wu, 7.0, g, u, a, partials, arrived)
@@ -64,10 +65,16 @@ for name in args.shapes:
                 K.gemm_bf16(x, wu, u)
                 swiglu(g, u, 7.0, a)
             runs["cublas"] = cub
+            gu = cp.empty((2, rows, n), dtype=BF16)
+
+            def cub_pair():  # gate and up in one strided-batched call (stacked weights, adjacent outputs)
+                K.gemm_bf16_pair(x, w2[0], w2[1], gu[0], gu[1])
+                swiglu(gu[0], gu[1], 7.0, a)
+            runs["cublas_pair"] = cub_pair
         else:
             if rows <= K.GEMV_MAX_ROWS:
                 runs["gemv"] = lambda: K.gemv_bf16(x, wg, g)
-            else:
+            elif rows <= K.MMA_GEMM_MAX_ROWS:
                 runs["mma"] = lambda: K.mma_gemm_bf16(x, wg, g)
             if rows <= K.WSTREAM_MAX_ROWS:
                 runs["wstream"] = lambda: K.wstream_gemm_bf16(x, wg, g, partials, arrived)
