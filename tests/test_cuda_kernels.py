@@ -322,12 +322,12 @@ def test_moe_decode_glm_shape(rng):
     assert_close(got[[0, 2]], ref_down[[0, 2]], "glm-shape down")
 
 
-@pytest.mark.parametrize("t,e", [(1, E), (37, E), (128, E), (129, E), (700, E), (4096, E), (37, 33), (700, 1500),
-                                 (4097, 257)])
+@pytest.mark.parametrize("t,e", [(1, E), (37, E), (700, E), (1023, E), (1024, E), (1025, E), (4096, E), (37, 33),
+                                 (700, 1500), (1100, 1500), (4097, 257)])
 def test_sort_by_expert(rng, t, e, monkeypatch):
     """Stable and exact at every width, in both forms: one block (one warp's segment of slots, several, ragged
-    ends), and the multi-block sort the backend runs where the slots fill more than one block (chunks of
-    SORT_CHUNK slots: 1024 slots exactly one block, 1032 two, ragged last chunks, 33 blocks at 4097 rows);
+    ends), and the multi-block sort the backend runs from SORT_MULTI_MIN_SLOTS slots (chunks of SORT_CHUNK
+    slots: 8 blocks of exactly a chunk at 1024 rows, a ragged ninth at 1025, 33 blocks at 4097 rows);
     expert counts that are not a multiple of 32 or span two 1024-wide scan chunks (then a row may name an
     expert twice). Every output poisoned first."""
     from glm_ep.backend.cuda import route
@@ -349,7 +349,7 @@ def test_sort_by_expert(rng, t, e, monkeypatch):
             backend().sort_by_expert(dev(ids), e, *bufs)
             blocks = route.sort_blocks(s, route.sm_count())
             assert launched == (["moe_sort_count", "moe_sort_place"] if blocks > 1 else ["moe_sort_by_expert"])
-            assert (blocks > 1) == (s > route.SORT_CHUNK)
+            assert (blocks > 1) == (s >= route.SORT_MULTI_MIN_SLOTS)
         else:
             with backend().stream:
                 route.sort_by_expert(dev(ids), e, *bufs)

@@ -109,8 +109,12 @@ sort)
     if timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_kernels.py \
         tests/test_cuda_paths.py tests/test_cuda_gemm.py -k "sort or prefill_paths or sorted" 2>&1 \
         | tee "$O/sort_tests.log" | tail -8 && ! grep -q "failed\|error" "$O/sort_tests.log"; then
-        stage "bench --prefill"
-        timeout 300 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | head -24
+        stage "dense tiers: the shared expert's shapes"
+        timeout 90 python3 tools/dense_tiers.py --shapes shared_glu shared_down --rows 16 24 32 48 64 96 128 2>&1 \
+            | tee "$O/dense_tiers.log" | tail -40
+        stage "bench --prefill 256 1024 4096, no peers"
+        timeout 200 python3 -m glm_ep bench --prefill --rows 256 1024 4096 --no-peer --out "$O/prefill" \
+            2>"$O/prefill.err" | sed -n '/Routed-expert GEMMs alone/,/Grouped-GEMM variants/p'
     else
         echo "tests failed: no bench"
     fi ;;

@@ -83,11 +83,15 @@ def union_table(ids_RK: Any, u_eid_U: Any, u_slot_UR: Any) -> None:
 
 
 SORT_CHUNK = 1024  # slots a block of the multi-block sort takes at least
+# fewer slots take the one-block kernel: its device time there (~5 us at 2048 slots, 25 at 8192 on an H100) is
+# about what the second launch costs an eager call (docs/perf/NOTES.md)
+SORT_MULTI_MIN_SLOTS = 8192
 
 
 def sort_blocks(slots: int, sms: int) -> int:
-    """Blocks of the sort: one per SORT_CHUNK slots, at most one an SM (1: the one-block kernel)."""
-    return max(1, min(-(-slots // SORT_CHUNK), sms))
+    """Blocks of the sort: 1 (the one-block kernel) below SORT_MULTI_MIN_SLOTS slots, else one per SORT_CHUNK
+    slots, at most one an SM."""
+    return 1 if slots < SORT_MULTI_MIN_SLOTS else max(1, min(-(-slots // SORT_CHUNK), sms))
 
 
 def sort_by_expert(ids_TK: Any, num_experts: int, sorted_token_ids_S: Any, sorted_expert_ids_S: Any,
