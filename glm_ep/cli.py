@@ -133,7 +133,13 @@ def _footprint(args: argparse.Namespace) -> int:
 
         with Checkpoint(args.model, check_finite=False) as ck:
             dense_nvfp4 = dense_is_nvfp4(ck, model.mlp_layer_types.index("dense"))
-    for line in report_lines(model, cfg, topo, weight_bytes_per_rank(model, topo, dense_nvfp4)):
+    from glm_ep.experts import dequant_scratch_bytes
+
+    # the dequant scratch the load makes on rank 0 (which holds a dense FFN's shard and a sparse layer's experts)
+    scratch = sum(dequant_scratch_bytes(c, topo.levers, topo.workspace_rows)
+                  for c, held in ((cfg.dense_as_expert(), dense_nvfp4 and bool(model.dense_layers)),
+                                  (cfg, bool(model.sparse_layers))) if held)
+    for line in report_lines(model, cfg, topo, weight_bytes_per_rank(model, topo, dense_nvfp4), scratch):
         print(line)
     return 0
 

@@ -54,6 +54,15 @@ class SharedTail:
     out_1H: Any
 
 
+def dequant_scratch_bytes(cfg: SiteConfig, levers: PathLevers, max_rows: int) -> int:
+    """Bytes of the dequant path's bf16 weight scratch (one projection of the one expert: a dense FFN stored NVFP4,
+    ``cfg`` its ``dense_as_expert``) where calls of up to ``max_rows`` rows may take it, else 0."""
+    d = levers.nvfp4_dense_dequant_min_rows
+    if cfg.num_experts != 1 or levers.host_dispatch or not d or max_rows < d:
+        return 0
+    return cfg.moe_intermediate * cfg.hidden * 2
+
+
 @dataclass
 class ExpertDispatch:
     """Chooses and runs the routed-expert path for one rank; says once per row count which ran."""
@@ -78,10 +87,7 @@ class ExpertDispatch:
 
     def dequant_bytes(self, max_rows: int) -> int:
         """Bytes of the dequant path's bf16 weight scratch if calls of up to ``max_rows`` rows may take it, else 0."""
-        d = self.levers.nvfp4_dense_dequant_min_rows
-        if self.cfg.num_experts != 1 or self.levers.host_dispatch or not d or max_rows < d:
-            return 0
-        return self.cfg.moe_intermediate * self.cfg.hidden * 2
+        return dequant_scratch_bytes(self.cfg, self.levers, max_rows)
 
     def reserve(self, max_rows: int) -> int:
         """Allocate the dequant path's scratch now (at load: a call never allocates) if calls of up to ``max_rows``
@@ -99,7 +105,8 @@ class ExpertDispatch:
             return "decode"
         caps = self.be.capabilities
         d = lv.nvfp4_dense_dequant_min_rows
-        if self.cfg.num_experts == 1 and d and rows >= d and rows > caps.max_row_group:  # (never a captured width)
+        # (never a captured width: past every row group and every width a step captures, since it calls cuBLAS)
+        if self.cfg.num_experts == 1 and d and rows >= d and rows > max(caps.max_row_group, caps.max_gemv_rows):
             return "dequant"
         if rows > caps.max_row_group and lv.prefill_gemm and rows >= self.gemm_min_rows and caps.grouped_gemm:
             return "sorted"

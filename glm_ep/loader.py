@@ -148,16 +148,26 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
              (dense_nvfp4, any(isinstance(w, ExpertWeights) for w in host_weights)))
     dequant_bytes = ranks.agree("dequant scratch", lambda: sum(reserve_dequant(d, topo.workspace_rows)
                                                                for d, held in holds if held))
-    sites: list[Any] = []
-    for i, w in enumerate(host_weights):
+    def site(i: int, w: Any) -> Any:
         site_comm = comm.at(f"layer {i} all-reduce")
         if isinstance(w, MoeWeights):
-            sites.append(MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch))
-        elif isinstance(w, ExpertWeights):
+            return MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch)
+        if isinstance(w, ExpertWeights):
             mlp = be.upload_experts((w,), 0, cfg.swiglu_limit, what=f"layer {i} dense mlp")
-            sites.append(DenseSite(be, site_comm, cfg, mlp, dense_nvfp4))
-        else:
-            sites.append(DenseSite(be, site_comm, cfg, be.upload_dense(w) if w is not None else None))
+            return DenseSite(be, site_comm, cfg, mlp, dense_nvfp4)
+        return DenseSite(be, site_comm, cfg, be.upload_dense(w) if w is not None else None)
+
+    def upload() -> list[Any]:  # agreed: a rank that cannot place its weights stops every rank, not only itself
+        sites = []
+        for i, w in enumerate(host_weights):
+            try:
+                sites.append(site(i, w))
+            except MemoryError as e:
+                raise ConfigError(f"layer {i}: this rank's weights do not fit its device's memory ({e}); spread "
+                                  "the experts and the dense FFNs over more ranks (ep, tp) or free the device") from None
+        return sites
+
+    sites = ranks.agree("weight upload", upload)
     stack = MlpStack(be, comm, cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace, workspaces)
     every = ranks.allgather("weight report", (weight_bytes, to_read, load_s))
     if rank == 0:

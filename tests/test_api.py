@@ -282,3 +282,28 @@ def test_a_bad_model_path_on_one_rank_is_an_error_on_every_rank(tiny_checkpoint)
         if "model_dir = None: expected the checkpoint folder's path" not in str(e):
             failures.append(str(e))
     agreed(comm, failures)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_weights_that_do_not_fit_one_rank_stop_every_rank(tiny_checkpoint, monkeypatch) -> None:
+    """A rank whose weights do not fit its device (here: rank 1's upload of a sparse layer runs out of memory) ends
+    the load on every rank with the same error naming the layer and what to change, instead of leaving the other
+    rank waiting in the next collective."""
+    from mpi4py import MPI
+
+    from glm_ep.backend.numpy_backend import NumpyBackend
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_rank() == 1:
+        def no_memory(self, *args, **kwargs):
+            raise MemoryError("Out of memory allocating 1,073,741,824 bytes")
+        monkeypatch.setattr(NumpyBackend, "upload_moe", no_memory)
+    failures: list[str] = []
+    try:
+        glm_ep.load(tiny_checkpoint, Topology(world=2, tp=2, ep=2))
+        failures.append("loaded")
+    except GlmEpError as e:
+        if not re.search(r"layer \d+: this rank's weights do not fit its device's memory \(Out of memory .*\); "
+                         r"spread .* \(on rank 1\)", str(e)):
+            failures.append(f"refused otherwise: {e}")
+    agreed(comm, failures)

@@ -37,7 +37,7 @@ def _cfg(**overrides) -> SiteConfig:
     ({"prefill_gemm_min_rows": 8}, 8, "levers.prefill_gemm_min_rows = 8, expected >= 9 on backend '{}'"),
     ({"nvfp4_dense_gemm_min_rows": 4}, 8, "levers.nvfp4_dense_gemm_min_rows = 4, expected >= 9 on backend '{}'"),
     ({"nvfp4_dense_dequant_min_rows": 8}, 8,
-     "levers.nvfp4_dense_dequant_min_rows = 8, expected >= 9 on backend '{}'"),
+     "levers.nvfp4_dense_dequant_min_rows = 8, expected >= 9 or 0 (off) on backend '{}'"),
     ({}, 17, "num_experts_per_tok = 17, expected <= 16 on backend '{}'"),
 ], ids=["row-batch-max", "union-max-ids", "prefill-min-rows", "nvfp4-dense-min-rows", "nvfp4-dequant-min-rows",
         "top-k"])

@@ -100,6 +100,25 @@ def test_linear(rng, t, n, k):
     assert_close(got, ref, f"linear t={t}")
 
 
+@pytest.mark.parametrize("t", [9, 16, 33, 64])
+@pytest.mark.parametrize("out_dtype", [BF16, np.float32], ids=["bf16", "f32"])
+def test_mma_gemm(rng, t, out_dtype):
+    """The 9..64-row tensor-core GEMM itself (the router's fp32 logits; bf16 out for tools/dense_tiers.py, which
+    times it against cuBLAS), each tier, against NumPy; every output written."""
+    from glm_ep.backend.cuda import dense
+
+    n, k = 288, 4096
+    x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
+    ref = np.empty((t, n), BF16)
+    NP.linear(x, w, ref)
+    out = poisoned((t, n), out_dtype)
+    with backend().stream:
+        dense.mma_gemm_bf16(dev(x), dev(w), out)
+    got = host(out)
+    assert np.isfinite(got.astype(np.float32)).all(), "outputs left unwritten"
+    assert_close(got.astype(BF16), ref, f"mma_gemm t={t}")
+
+
 @pytest.mark.parametrize("t", [20, 300])
 def test_linear_large_weight_on_stream(rng, t):
     """A weight past the tensor-core GEMM's size goes to cuBLAS at every width, and cuBLAS runs on

@@ -15,7 +15,7 @@ from glm_ep.experts import ExpertDispatch
 from glm_ep.loader import report_lines, reserve_dequant
 from glm_ep.topology import PathLevers, Topology
 from glm_ep.weights import ExpertWeights
-from glm_ep.workspace import Workspace
+from glm_ep.workspace import Workspace, fmt_bytes
 
 from helpers import BF16, random_nvfp4_mlp, tiny_model
 
@@ -123,3 +123,16 @@ def test_a_routed_experts_table_of_one_expert_runs_the_path() -> None:
     assert np.all(np.isfinite(outs["dequant"]))
     err = np.linalg.norm(outs["dequant"] - outs["sorted"]) / np.linalg.norm(outs["sorted"])
     assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("rows,dense,shown", [(256, "nvfp4", True), (255, "nvfp4", False), (256, "bf16", False)])
+def test_footprint_reports_the_scratch_the_load_makes(rows: int, dense: str, shown: bool, capsys) -> None:
+    """``glm-ep footprint`` prints the dequant scratch line the load logs, with the same bytes (one projection of
+    the dense FFN's rank-0 shard in bf16), where the workspace's widest call reaches the lever and the dense FFN is
+    stored NVFP4; not otherwise."""
+    from glm_ep.cli import main
+
+    assert main(["footprint", "--preset", "glm-5.3-flash", "--dense", dense, "--rows", str(rows), "--tp", "2"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dequant scratch:")]
+    want = f"dequant scratch: {fmt_bytes(12288 // 2 * 4096 * 2)} (the dense FFN stored NVFP4 from 256 rows"
+    assert [ln.startswith(want) for ln in lines] == ([True] if shown else []), lines

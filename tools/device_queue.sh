@@ -22,6 +22,7 @@
 #                                  # split tests not yet run on a GPU), then bench --prefill (its sweep, the peers)
 #   bash tools/device_queue.sh wide # the CUDA tests not yet run on a GPU (next's and dequant's), then bench --prefill
 #   bash tools/device_queue.sh sort # the multi-block sort by expert: its tests and the sorted paths', bench --prefill
+#   bash tools/device_queue.sh shared # the shared expert's projections on cuBLAS from 9 / 17 rows: tests, bench --prefill
 #   bash tools/device_queue.sh pair # the shared expert's gate + up in one batched cuBLAS call: its tests, the
 #                                  # cuBLAS probe, bench --prefill
 # Logs and results under $OUT (or /tmp/out).
@@ -115,6 +116,17 @@ sort)
         stage "bench --prefill 256 1024 4096, no peers"
         timeout 200 python3 -m glm_ep bench --prefill --rows 256 1024 4096 --no-peer --out "$O/prefill" \
             2>"$O/prefill.err" | sed -n '/Routed-expert GEMMs alone/,/Grouped-GEMM variants/p'
+    else
+        echo "tests failed: no bench"
+    fi ;;
+shared)
+    stage "tests"
+    if timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_kernels.py \
+        tests/test_cuda_paths.py -k "linear or gate_up_act or mma_gemm or sort or prefill_paths or site" 2>&1 \
+        | tee "$O/shared_tests.log" | tail -8 && ! grep -q "failed\|error" "$O/shared_tests.log"; then
+        stage "bench --prefill 16 64 128"
+        timeout 240 python3 -m glm_ep bench --prefill --rows 16 64 128 --out "$O/prefill" 2>"$O/prefill.err" \
+            | sed -n '/^## Sparse site/,/^## Routed/p;/^## Dense site, shared/,/^## Crossover sweep: row/p'
     else
         echo "tests failed: no bench"
     fi ;;

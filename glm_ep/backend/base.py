@@ -122,8 +122,9 @@ class Capabilities:
                               "(the ids one union table holds)")
         for key in ("prefill_gemm_min_rows", "nvfp4_dense_gemm_min_rows", "nvfp4_dense_dequant_min_rows"):
             if 0 < getattr(levers, key) <= self.max_row_group:  # (PathLevers allows 0 only where it means off)
-                raise ConfigError(f"levers.{key} = {getattr(levers, key)}, expected >= {self.max_row_group + 1} {on} "
-                                  f"(rows up to {self.max_row_group} are one row group)")
+                off = " or 0 (off)" if key == "nvfp4_dense_dequant_min_rows" else ""
+                raise ConfigError(f"levers.{key} = {getattr(levers, key)}, expected >= {self.max_row_group + 1}{off} "
+                                  f"{on} (rows up to {self.max_row_group} are one row group)")
 
 
 # ---- the interface ------------------------------------------------------------------------------

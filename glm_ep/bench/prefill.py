@@ -68,7 +68,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     model = glm_model()
     cfg = world1_cfg(model)
     widths = sorted(set(args.rows or WIDTHS))
-    max_rows = max(widths + list(SWEEP))
+    max_rows = max(widths + list(SWEEP) + list(NVFP4_SWEEP))
     be = CudaBackend(0)
     stream = be.stream
     device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()

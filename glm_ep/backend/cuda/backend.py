@@ -4,7 +4,7 @@
 |-------|--------------------------------------------|---------------------|--------------------------------------------|
 | 1     | GEMV; gate + up + SwiGLU fused             | GEMV (fp32) + top-k, ONE launch, with the shared expert's gate + up | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
 | 2..8  | batch-M GEMV, one weight read for all rows; weights past 2048 x 4096 (dense FFN) from 5 rows: the warp-streaming tensor-core GEMM (each warp its own rows and ring), gate + up + SwiGLU fused | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns): on the decode ring's pipeline up to `ring_union_max_rows` rows, block kernels above |
-| 9..64 | weights up to 2048 x 4096 (shared expert): tensor-core GEMM (mma_bf16.cu), one weight read for all rows, gate + up + SwiGLU fused; larger (dense FFN): gate + up + SwiGLU on the warp-streaming GEMM to 16 rows, cuBLAS otherwise | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
+| 9..64 | weights up to 2048 x 4096 (shared expert): gate + up + SwiGLU fused on the tensor-core GEMM (mma_bf16.cu) to 16 rows, then gate + up in one batched cuBLAS call; larger (dense FFN): gate + up + SwiGLU on the warp-streaming GEMM to 16 rows, cuBLAS otherwise; one projection (down): cuBLAS | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
 | > 64  | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | the grouped GEMM                           |
 
 Everything a step runs is queued on ``self.stream`` (non-blocking, current only inside each op:
@@ -223,9 +223,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             dense.wstream_gemm_bf16(x_TK, w_NK, out_TN, self._ws_partials, self._ws_arrived)
         elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.gemv_bf16(x_TK, w_NK, out_TN)
-        elif dense.mma_gemm_takes(x_TK, w_NK):
-            dense.mma_gemm_bf16(x_TK, w_NK, out_TN)
-        else:  # cuBLAS, bf16 operands, fp32 accumulation
+        else:  # cuBLAS, bf16 operands, fp32 accumulation (faster than the tensor-core GEMM here: mma_gemm_takes)
             dense.gemm_bf16(x_TK, w_NK, out_TN)
         return out_TN
 
@@ -354,9 +352,10 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
                                    self._ws_arrived)
         elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
-        elif dense.mma_gemm_takes(x_TK, w.gate):
+        elif dense.mma_gemm_takes(x_TK, w.gate, dense.MMA_GLU_MAX_ROWS):
             dense.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
-        elif w.gate.size <= dense.MMA_GEMM_MAX_WEIGHT:  # the shared expert's shape: one batched cuBLAS call
+        elif w.gate.size <= dense.MMA_GEMM_MAX_WEIGHT:  # the shared expert's shape (or a dense FFN's tp >= 6 shard):
+            # gate and up in one batched cuBLAS call
             dense.gemm_bf16_pair(x_TK, w.gate, w.up, gate_TI, up_TI)
             elementwise.swiglu(gate_TI, up_TI, limit, act_TI)
         else:  # the dense FFN's: two calls (measured level or faster than the pair, docs/perf/NOTES.md)

@@ -1,7 +1,8 @@
 """Wrappers of the bf16 projection kernels, one path per row count: the batch-M GEMV tiers for
 1..8 rows (``gemv_bf16.cu``: plain, gate + up + SwiGLU fused, the router's fp32 logits), the
-tensor-core GEMM for 9..64 rows (``mma_bf16.cu``), the warp-streaming tensor-core GEMM for the dense
-FFN's weights at 5..16 rows (also ``mma_bf16.cu``) and cuBLAS GemmEx past those.
+tensor-core GEMM for 9..64 rows (``mma_bf16.cu``: the router's logits, and the shared expert's fused
+gate + up + SwiGLU to 16 rows), the warp-streaming tensor-core GEMM for the dense FFN's weights at 5..16
+rows (also ``mma_bf16.cu``) and cuBLAS GemmEx past those.
 
 Shape suffixes: T rows, R rows of one call, N/K a projection's out/in width, E experts.
 """
@@ -117,13 +118,19 @@ def _mma_geometry(n: int, k: int, p: int, tier: int) -> tuple[int, int, int]:
 MMA_GEMM_MAX_WEIGHT = 2048 * 4096  # elements of one weight matrix: larger ones go to cuBLAS at every width
 
 
-def mma_gemm_takes(x_RK: Any, w_NK: Any) -> bool:
-    """Whether the tensor-core GEMM serves this call: at most MMA_GEMM_MAX_ROWS rows, K in whole
-    steps, and a weight of at most MMA_GEMM_MAX_WEIGHT elements. Measured on H200 (docs/perf/NOTES.md,
-    "Dense widths"): it beats cuBLAS 2x on the shared expert's [2048, 4096] and on the router, where
-    cuBLAS leaves part of the GPU idle at 9..64 rows; on the dense FFN's [12288, 4096] / [4096, 12288]
-    cuBLAS streams at ~3.2 TB/s and the GEMM, whose x operand every warp re-reads, does not."""
-    return (x_RK.shape[0] <= MMA_GEMM_MAX_ROWS and x_RK.shape[1] % MMA_GEMM_K_STEP == 0
+MMA_GLU_MAX_ROWS = 16  # gate + up + SwiGLU of the shared expert's shape: the fused GEMM to here, cuBLAS's pair past it
+
+
+def mma_gemm_takes(x_RK: Any, w_NK: Any, max_rows: int = MMA_GEMM_MAX_ROWS) -> bool:
+    """Whether the tensor-core GEMM serves this call: at most ``max_rows`` rows, K in whole steps, and a
+    weight of at most MMA_GEMM_MAX_WEIGHT elements (on the dense FFN's [12288, 4096] / [4096, 12288] cuBLAS
+    streams at ~3.2 TB/s and the GEMM, whose x operand every warp re-reads, does not). The backend takes it
+    for the router's fp32 logits at 9..64 rows and for the shared expert's fused gate + up + SwiGLU at 9..16
+    (MMA_GLU_MAX_ROWS); one projection of 9+ rows goes to cuBLAS, and so does gate + up past 16 rows, in one
+    batched call: on an H100 (docs/perf/NOTES.md, "The shared expert at 9..64 rows") the shared expert's down
+    projection took 9.5-9.7 us on cuBLAS against 14.4-40.5 here, its gate + up 27.3-27.7 us as the pair
+    against 28.8-34.4 from 24 rows (17.4 against 28.3 at 16)."""
+    return (x_RK.shape[0] <= max_rows and x_RK.shape[1] % MMA_GEMM_K_STEP == 0
             and w_NK.size <= MMA_GEMM_MAX_WEIGHT)
 
 
