@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from glm_ep.backend import make_backend, make_comm
@@ -91,9 +92,32 @@ def load_line(read_bytes: list[int], seconds: list[float]) -> str:
             f"(slowest rank), {fmt_bytes(rate)}/s")
 
 
-def topology_digest(topo: Topology) -> str:
-    """Digest of every topology value but its name (two files saying the same are one layout)."""
-    return hashlib.sha256(repr(dataclasses.astuple(dataclasses.replace(topo, name=""))).encode()).hexdigest()
+def topology_values(topo: Topology) -> dict[str, str]:
+    """Every topology value but its name (two files saying the same are one layout), by key (``levers.<key>`` for
+    a lever): ranks that differ are told which keys, with each rank's value."""
+    values = {}
+    for f in dataclasses.fields(topo):
+        if f.name == "name":
+            continue
+        v = getattr(topo, f.name)
+        if dataclasses.is_dataclass(v):
+            values.update({f"topology levers.{g.name}": repr(getattr(v, g.name)) for g in dataclasses.fields(v)})
+        else:
+            values[f"topology {f.name}"] = repr(v)
+    return values
+
+
+def router_digest(host_weights: list[Any]) -> dict[str, str]:
+    """A digest of the router weights and correction biases of every sparse layer: the tensors every rank reads
+    whole (the experts and the dense FFNs are sharded), so ranks that opened different checkpoints of the same
+    shapes (each node its own copy) differ here."""
+    h = hashlib.blake2b(digest_size=16)
+    for w in host_weights:
+        if isinstance(w, MoeWeights):
+            for a in (w.router, w.bias):
+                h.update(np.ascontiguousarray(a).view(np.uint8).data)
+    sparse = any(isinstance(w, MoeWeights) for w in host_weights)
+    return {"router weights and biases": h.hexdigest()} if sparse else {}
 
 
 def _opened(model_dir: str | Path, check_weights: bool) -> Checkpoint:
@@ -110,7 +134,7 @@ def open_checkpoint(model_dir: str | Path, topo: Topology, ranks: Ranks) -> Chec
     ranks.agree("world size check", lambda: topo.check_world(ranks.size))
     ckpt = ranks.agree("checkpoint open", lambda: _opened(model_dir, topo.check_weights))
     ranks.check_same("checkpoint fingerprint", "checkpoints or layouts",
-                     dict(ckpt.fingerprint, topology=topology_digest(topo)))
+                     dict(ckpt.fingerprint, **topology_values(topo)))
     return ckpt
 
 
@@ -138,6 +162,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
         host_weights = [ranks.agree(f"load of layer {i}", lambda i=i: load_layer(ckpt, cfg, i))
                         for i in range(model.num_hidden_layers)]
         ckpt.on_read = None
+    ranks.check_same("weight fingerprint", "checkpoints", router_digest(host_weights))
     load_s = time.perf_counter() - t0
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
     dispatch = ExpertDispatch(be, cfg, topo.levers)

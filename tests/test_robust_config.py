@@ -94,6 +94,20 @@ def test_ranks_that_opened_different_checkpoints_refuse_to_run(ckpt, tiny_checkp
     assert not loaded_weights(r)
 
 
+def test_ranks_that_opened_checkpoints_of_other_weights_refuse_to_run(tiny_checkpoint, tmp_path) -> None:
+    """Each node its own copy, of the same shapes but other weights (another seed of the synthetic checkpoint: the
+    config, index and shard headers are all the same): refused once the weights are read, from the router weights
+    every rank reads whole, before any output is written."""
+    from glm_ep.presets import preset
+    from glm_ep.synth import write_synthetic
+
+    other = write_synthetic(tmp_path / "seed7", preset("tiny"), seed=7, shard_bytes=256 * 1024)
+    r = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path), _forward_args(other, tmp_path))
+    fails(r, "ranks hold different checkpoints (differing: router weights and biases)",
+          "rank 0: router weights and biases", "rank 1: router weights and biases")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_ranks_with_different_shard_headers_refuse_to_run(ckpt, tiny_checkpoint, tmp_path) -> None:
     shard = sorted(ckpt.glob("model-*.safetensors"))[0]
     write_safetensors(shard, read_safetensors(shard))  # the same tensors under another writer's header
@@ -106,7 +120,8 @@ def test_ranks_with_different_topologies_refuse_to_run(tiny_checkpoint, tmp_path
     b = write_topology(tmp_path / "b.toml", world=2, tp=2, ep=2, workspace_rows=256)
     r = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path, "--topology", str(a)),
                         _forward_args(tiny_checkpoint, tmp_path, "--topology", str(b)))
-    fails(r, "ranks hold different checkpoints or layouts (differing: topology)")
+    fails(r, "ranks hold different checkpoints or layouts (differing: topology workspace_rows); ",
+          "rank 0: topology workspace_rows 512", "rank 1: topology workspace_rows 256")
     same = write_topology(tmp_path / "same.toml", world=2, tp=2, ep=2)  # another name, the same layout
     ok = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path, "--topology", str(a)),
                          _forward_args(tiny_checkpoint, tmp_path, "--topology", str(same)))
