@@ -4,17 +4,22 @@ Both are checked before any weight is read. The input must be bf16 ``[rows, hidd
 value finite (``allow_nonfinite_input`` computes NaN/Inf rows instead). The output's folder must
 exist and be writable, and an existing output must be a regular file: a folder, a symbolic link,
 a FIFO or a device node is refused, never replaced (``save_file`` renames a new file over the path).
+Nor may the output be a file the job reads: the input, or a file of the model folder (``job_inputs``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Iterable
 
 import ml_dtypes
 import numpy as np
 
+from glm_ep.checkpoint import INDEX_FILE, SINGLE_FILE
+from glm_ep.config import HF_QUANT_FILE
 from glm_ep.errors import InputError
 from glm_ep.finite import nonfinite_mask
 
@@ -22,6 +27,15 @@ BF16 = ml_dtypes.bfloat16
 _KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISCHR, "a character device node"), (stat.S_ISBLK, "a block device node"),
           (stat.S_ISSOCK, "a socket"))
+_SHOWN_NAMES = 8  # names an error message lists before "... N more"
+
+
+def few_names(names: Iterable[str], shown: int = _SHOWN_NAMES) -> str:
+    """``names`` sorted, as a list of at most ``shown`` of them and how many more there are: an error line stays
+    short however many tensors a file holds (a checkpoint shard given as the input holds thousands)."""
+    names = sorted(names)
+    more = [f"... {len(names) - shown} more"] if len(names) > shown else []
+    return "[" + ", ".join([repr(n) for n in names[:shown]] + more) + "]"
 
 
 def read_hidden_states(path: str, hidden: int, allow_nonfinite: bool = False) -> np.ndarray:
@@ -35,7 +49,7 @@ def read_hidden_states(path: str, hidden: int, allow_nonfinite: bool = False) ->
     try:
         with safe_open(str(p), framework="numpy") as f:
             if "hidden_states" not in f.keys():
-                raise InputError(f"{p}: no tensor 'hidden_states' (found {sorted(f.keys())})")
+                raise InputError(f"{p}: no tensor 'hidden_states' (found {few_names(f.keys())})")
             sl = f.get_slice("hidden_states")
             dtype, shape = sl.get_dtype(), list(sl.get_shape())
             if dtype != "BF16":  # read from the header: NumPy cannot even hold some (F8_E4M3, F4)
@@ -54,9 +68,32 @@ def read_hidden_states(path: str, hidden: int, allow_nonfinite: bool = False) ->
     return x
 
 
-def check_output_path(path: str) -> Path:
-    """``path`` if a new output can be written there: its folder exists and is writable, and an
-    existing file at ``path`` is a regular one. InputError naming what is wrong otherwise."""
+def job_inputs(input_path: str, model_dir: str) -> list[tuple[str, Path]]:
+    """What ``forward`` reads, as (what it is, path) pairs: the input file and the files of the model folder
+    (config.json, the quantization record, the safetensors index and every shard it names, or the single
+    file). Read from the folder as it is; an unreadable index names no shards (the load reports it)."""
+    folder = Path(model_dir)
+    names = ["config.json", HF_QUANT_FILE, INDEX_FILE, SINGLE_FILE]
+    try:
+        weight_map = json.loads((folder / INDEX_FILE).read_bytes()).get("weight_map")
+        names += sorted({v for v in weight_map.values() if isinstance(v, str)})
+    except (OSError, ValueError, AttributeError, RecursionError):
+        pass
+    return [("the --input file", Path(input_path))] + [(f"a file of the model folder ({n})", folder / n)
+                                                        for n in names]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # either missing (or a name the OS refuses): not the same existing file
+        return False
+
+
+def check_output_path(path: str, reads: Iterable[tuple[str, Path]] = ()) -> Path:
+    """``path`` if a new output can be written there: its folder exists and is writable, an
+    existing file at ``path`` is a regular one, and it is none of the files the job ``reads``
+    ((what it is, path) pairs: ``job_inputs``). InputError naming what is wrong otherwise."""
     p = Path(path)
     folder = p.parent
     if not folder.is_dir():
@@ -71,15 +108,19 @@ def check_output_path(path: str) -> Path:
         kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
         raise InputError(f"{p}: the output path exists and is {kind}; expected a new path or a regular file "
                          "to replace")
+    for what, q in reads:
+        if _same_file(p, q):
+            raise InputError(f"--output {p}: is {what}; expected another path (writing there would destroy "
+                             "what the job reads)")
     return p
 
 
-def write_outputs(outputs: dict[str, np.ndarray], path: str) -> Path:
+def write_outputs(outputs: dict[str, np.ndarray], path: str, reads: Iterable[tuple[str, Path]] = ()) -> Path:
     """Write ``outputs`` as safetensors to ``path``, checked again right before writing."""
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
-    p = check_output_path(path)
+    p = check_output_path(path, reads)
     try:
         save_file(outputs, str(p))
     except (OSError, SafetensorError) as e:

@@ -20,7 +20,7 @@ import numpy as np
 from glm_ep.check import check_run
 from glm_ep.check_plan import memory_budget, plan_check
 from glm_ep.errors import EXIT_FAIL, EXIT_OK, InputError
-from glm_ep.files import check_output_path, read_hidden_states, write_outputs
+from glm_ep.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.finite import nonfinite_mask
 from glm_ep.loader import Runtime, load_runtime, open_checkpoint
 from glm_ep.parallel import Ranks
@@ -45,7 +45,9 @@ def agreed_topology(args: argparse.Namespace, ranks: Ranks) -> Topology:
 
 def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     topo = agreed_topology(args, ranks)
-    ranks.agree("output check", lambda: check_output_path(args.output) if ranks.rank == 0 else None)
+    # rank 0 writes the output: never over its own input or model files
+    ranks.agree("output check", lambda: check_output_path(args.output, job_inputs(args.input, args.model))
+                if ranks.rank == 0 else None)
     ckpt = open_checkpoint(args.model, topo, ranks)  # config and headers: the hidden size
     hidden = ckpt.config.hidden_size
     x = ranks.agree("input read", lambda: read_hidden_states(args.input, hidden, topo.allow_nonfinite_input))
@@ -56,7 +58,8 @@ def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     for i in range(rt.model.num_hidden_layers):
         parts = [_site_on_host(rt, ranks, i, x[r:r + chunk]) for r in range(0, x.shape[0], chunk)]
         outputs[f"layers.{i}"] = np.ascontiguousarray(np.concatenate(parts))
-    ranks.agree("output write", lambda: write_outputs(outputs, args.output) if ranks.rank == 0 else None)
+    ranks.agree("output write", lambda: write_outputs(outputs, args.output, job_inputs(args.input, args.model))
+                if ranks.rank == 0 else None)
     if ranks.rank == 0:
         log.info("wrote %d site outputs of %s rows to %s", len(outputs), x.shape[0], args.output)
         _warn_overflow(x, outputs)

@@ -13,8 +13,8 @@ import pytest
 from glm_ep.errors import InputError
 from glm_ep.files import check_output_path, read_hidden_states
 
-from ckpt_writer import write_safetensors
-from cli_jobs import fails, glm_ep, load_outputs, loaded_weights, save_hidden
+from ckpt_writer import read_safetensors, write_safetensors
+from cli_jobs import copy_checkpoint, fails, glm_ep, load_outputs, loaded_weights, save_hidden, shard_of
 from helpers import random_x
 
 
@@ -121,3 +121,42 @@ def test_input_dtype_is_named_from_the_header(tmp_path, dtype: str, itemsize: in
     write_safetensors(path, {"hidden_states": (dtype, (3, 128), bytes(3 * 128 * itemsize))})
     with pytest.raises(InputError, match=rf"hidden_states is {dtype} \[3, 128\], expected BF16 \[rows, 128\]"):
         read_hidden_states(str(path), 128)
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def _same_as_input(ckpt: Path, x_file: Path) -> Path:
+    """The input by another spelling: through a sibling folder and '..'."""
+    (x_file.parent / "sub").mkdir()
+    return x_file.parent / "sub" / ".." / x_file.name
+
+
+@pytest.mark.parametrize("target,what", [
+    (lambda ckpt, x: x, "the --input file"),
+    (_same_as_input, "the --input file"),
+    (lambda ckpt, x: ckpt / "config.json", "a file of the model folder (config.json)"),
+    (lambda ckpt, x: ckpt / INDEX, f"a file of the model folder ({INDEX})"),
+    (lambda ckpt, x: shard_of(ckpt, "model.layers.2.mlp.experts.3.up_proj.weight"), "a file of the model folder ("),
+], ids=["input", "input-other-spelling", "config", "index", "shard"])
+def test_output_that_is_a_file_the_job_reads_is_refused_and_kept(tiny_checkpoint, x_file, tmp_path, target,
+                                                                 what: str) -> None:
+    """``--output`` naming the input or a file of the model folder was written over (exit 0, the input gone):
+    refused on every rank before the load, the file left as it was."""
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "tiny")  # a regression writes over this copy only
+    out = target(ckpt, x_file)
+    before = out.read_bytes()
+    r = _forward(ckpt, x_file, out)
+    fails(r, f"--output {out}: is {what}", "expected another path")
+    assert not loaded_weights(r)
+    assert out.read_bytes() == before
+
+
+def test_a_checkpoint_shard_as_the_input_is_named_in_one_short_line(tiny_checkpoint, tmp_path) -> None:
+    """A shard has no hidden_states: the message lists a few of its tensors, not every name (a 63 KB line for a
+    real shard)."""
+    shard = shard_of(tiny_checkpoint, "model.layers.2.mlp.experts.3.up_proj.weight")
+    assert len(read_safetensors(shard)) > 20
+    r = _forward(tiny_checkpoint, shard, tmp_path / "out.safetensors")
+    fails(r, f"{shard}: no tensor 'hidden_states' (found ['model.layers.", " more])")
+    assert max(len(line) for line in r.stderr.splitlines()) < 600, r.stderr[-3000:]
