@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+import typing
 from typing import Any, Callable
 
 from glm_ep import bench
@@ -22,6 +24,35 @@ from glm_ep.errors import EXIT_USER
 from glm_ep.mpi_lib import MpiUnavailable
 from glm_ep.parallel import Ranks, mpi_world, run_guarded, setup_logging
 from glm_ep.topologies import shipped_names
+
+
+#: where a launcher puts a process's rank before MPI is initialised (Open MPI, MPICH/Hydra and Intel MPI, PMIx,
+#: MVAPICH2)
+_LAUNCH_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def launch_rank() -> int:
+    """This process's rank as the launcher's environment says it, before MPI is initialised; 0 outside mpiexec
+    (or where the value is not an integer)."""
+    for name in _LAUNCH_RANK_VARS:
+        value = os.environ.get(name, "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument error is printed once under mpiexec (by rank 0, whose rank the environment gives before MPI
+    is up): argparse's usage and one line ``glm-ep: error: <what argparse found>``; every rank exits 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        if launch_rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"glm-ep: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER)
 
 
 def _count(least: int) -> Callable[[str], int]:
@@ -47,7 +78,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="glm-ep", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[-1])
+    ap = _Parser(prog="glm-ep", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[-1])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint in the real GLM-5.3 NVFP4 format")

@@ -282,6 +282,55 @@ def test_bad_counts_are_refused_by_the_parser(argv: list[str], needle: str, caps
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "--prefill", "0"], "argument --prefill: 0, expected an integer >= 1"),
+    (["run", "--check", "fulll"], "argument --check: invalid choice: 'fulll'"),
+    (["forward", "--model", "m"], "the following arguments are required: --input, --output"),
+], ids=["prefill-0", "check-typo", "forward-no-input"])
+def test_an_argument_error_under_mpiexec_is_printed_once(argv: list[str], needle: str, tmp_path) -> None:
+    """Every rank printed argparse's usage block and its error, interleaved: now rank 0 alone prints them (one
+    usage, one error line), and every rank exits 2."""
+    r = glm_ep(2, *argv, cwd=tmp_path)
+    fails(r, f"glm-ep: error: {needle}")
+    assert r.stderr.count("usage:") == 1, r.stderr
+
+
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+@pytest.mark.parametrize("env,printed", [
+    ({}, True), ({"PMI_RANK": "0"}, True), ({"PMI_RANK": "1"}, False), ({"OMPI_COMM_WORLD_RANK": "3"}, False),
+    ({"PMIX_RANK": "2"}, False), ({"MV2_COMM_WORLD_RANK": "1"}, False),
+])
+def test_an_argument_error_is_printed_by_rank_0_only(env: dict[str, str], printed: bool, capsys,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank from the launcher's environment (MPI is not up while arguments are parsed): rank 0, or no
+    launcher, prints one error line; any other rank prints nothing; all exit 2."""
+    from glm_ep.cli import main
+
+    for name in _RANK_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--warmup", "-1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    if printed:
+        assert [line for line in err.splitlines() if "error" in line] == [
+            "glm-ep: error: argument --warmup: -1, expected an integer >= 0"], err
+    else:
+        assert err == ""
+
+
+def test_help_still_prints(capsys) -> None:
+    from glm_ep.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--help"])
+    assert e.value.code == 0 and "--prefill PREFILL" in capsys.readouterr().out
+
+
 def test_synth_into_a_file_or_an_unmakeable_folder_is_a_clear_error(tmp_path, capsys) -> None:
     from glm_ep.cli import main
 
