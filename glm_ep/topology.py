@@ -8,6 +8,7 @@ A topology is small, frozen and explicit. Every value is type-checked against it
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import tomllib
 import typing
@@ -49,6 +50,24 @@ def _check_types(obj: Any, prefix: str) -> None:
         if not _has_type(v, want):
             got = f"{list(v)!r} holds a non-integer" if isinstance(v, tuple) else f"{v!r} has type {type(v).__name__}"
             raise ConfigError(f"{prefix}{f.name} = {got}, expected {_EXPECTED.get(want, want.__name__)}")
+
+
+def _unknown_keys(unknown: list[str], known: set[str], lever_names: set[str]) -> str:
+    """What is wrong with ``unknown`` keys: for each, the key it was likely meant to be (a typo, or a lever
+    written outside [levers] or a top-level key inside it); the valid keys listed only where one has none."""
+    spelled = {k: k for k in known} | {k: f"levers.{k}" for k in lever_names}  # bare name -> as the file says it
+    meant = {}
+    for key in unknown:
+        close = difflib.get_close_matches(key.removeprefix("levers."), list(spelled), n=1, cutoff=0.75)
+        if close:
+            meant[key] = spelled[close[0]]
+    if len(unknown) == 1:
+        hint = f" (did you mean {meant[unknown[0]]!r}?)" if meant else ""
+    else:
+        hint = f" (did you mean {', '.join(f'{m!r} for {k!r}' for k, m in meant.items())}?)" if meant else ""
+    if len(meant) == len(unknown):
+        return f"unknown keys {unknown}{hint}"
+    return f"unknown keys {unknown}{hint}; expected {sorted(known)} and [levers] {sorted(lever_names)}"
 
 
 @dataclass(frozen=True)
@@ -177,8 +196,7 @@ class Topology:
         lever_names = {f.name for f in dataclasses.fields(PathLevers)}
         unknown = sorted(set(raw) - known) + sorted(f"levers.{k}" for k in set(levers_raw) - lever_names)
         if unknown:
-            raise ConfigError(f"{source}: unknown keys {unknown}; expected {sorted(known)} and "
-                              f"[levers] {sorted(lever_names)}")
+            raise ConfigError(f"{source}: {_unknown_keys(unknown, known, lever_names)}")
         if isinstance(raw.get("devices"), list):
             raw["devices"] = tuple(raw["devices"])
         levers_raw = {k: tuple(v) if isinstance(v, list) else v for k, v in levers_raw.items()}

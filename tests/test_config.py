@@ -263,6 +263,29 @@ def test_topology_unknown_keys_bad_toml_and_bad_levers(tmp_path: Path) -> None:
         Topology.from_dict({"backend": "tpu"})
 
 
+@pytest.mark.parametrize("raw,message", [
+    ({"wrold": 2}, "unknown keys ['wrold'] (did you mean 'world'?)"),
+    ({"levers": {"row_batch_maxx": 4}},
+     "unknown keys ['levers.row_batch_maxx'] (did you mean 'levers.row_batch_max'?)"),
+    ({"row_batch_max": 4}, "unknown keys ['row_batch_max'] (did you mean 'levers.row_batch_max'?)"),  # not in [levers]
+    ({"tpp": 2, "levers": {"pddl": True}}, "unknown keys ['tpp', 'levers.pddl'] (did you mean 'tp' for 'tpp', "
+                                           "'levers.pdl' for 'levers.pddl'?)"),
+], ids=["typo", "lever-typo", "lever-at-the-top", "two"])
+def test_an_unknown_topology_key_with_a_close_match_names_it_not_every_key(raw: dict, message: str) -> None:
+    """Each unknown key listed every valid one (about 40): a close match is named instead."""
+    with pytest.raises(ConfigError) as e:
+        Topology.from_dict(raw)
+    assert str(e.value) == f"topology: {message}"
+
+
+def test_an_unknown_topology_key_without_a_close_match_lists_the_valid_keys() -> None:
+    with pytest.raises(ConfigError) as e:
+        Topology.from_dict({"wrold": 2, "zzz": 1})
+    assert str(e.value).startswith("topology: unknown keys ['wrold', 'zzz'] (did you mean 'world' for 'wrold'?); "
+                                   "expected ['allow_nonfinite_input', "), str(e.value)
+    assert "[levers] ['graph_decode', " in str(e.value)
+
+
 def test_topology_world_check_and_overrides() -> None:
     cpu2 = Topology.load(REPO / "configs" / "cpu-2.toml")
     with pytest.raises(ConfigError, match="world = 2 ranks, but the MPI job has 1"):
