@@ -36,6 +36,7 @@ _REQUIRED = {
     "n_group": int,
     "swiglu_limit": (int, float),
 }
+_EXPECTED = {int: "an integer", (int, float): "a number", bool: "a boolean (true or false)"}  # of _REQUIRED's types
 
 
 def parse_json(raw: bytes, source: str, error: type[GlmEpError] = ConfigError) -> Any:
@@ -108,7 +109,8 @@ class ModelConfig:
                 raise ConfigError(f"{source}: missing required field '{key}'{why}")
             v = text[key]
             if isinstance(v, bool) and typ is not bool or not isinstance(v, typ):
-                raise ConfigError(f"{source}: field '{key}' = {v!r} has type {type(v).__name__}, expected {typ}")
+                raise ConfigError(f"{source}: field '{key}' = {v!r} has type {type(v).__name__}, "
+                                  f"expected {_EXPECTED[typ]}")
             vals[key] = v
         vals["routed_scaling_factor"] = float(vals["routed_scaling_factor"])
         vals["swiglu_limit"] = float(vals["swiglu_limit"])

@@ -174,6 +174,19 @@ def test_bad_model_values_are_refused_by_name(overrides: dict, named: str) -> No
         _parse(tiny_dict(**overrides))
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (dict(norm_topk_prob="yes"), "field 'norm_topk_prob' = 'yes' has type str, expected a boolean (true or false)"),
+    (dict(n_routed_experts=32.0), "field 'n_routed_experts' = 32.0 has type float, expected an integer"),
+    (dict(hidden_size=True), "field 'hidden_size' = True has type bool, expected an integer"),
+    (dict(swiglu_limit="7"), "field 'swiglu_limit' = '7' has type str, expected a number"),
+], ids=["bool", "int", "bool-for-int", "number"])
+def test_a_model_field_of_the_wrong_type_says_what_was_expected_in_words(overrides: dict, message: str) -> None:
+    """Not a Python repr ("expected <class 'int'>", "(<class 'int'>, <class 'float'>)")."""
+    with pytest.raises(ConfigError) as e:
+        _parse(tiny_dict(**overrides))
+    assert str(e.value).endswith(message) and "<class" not in str(e.value), str(e.value)
+
+
 def test_site_config_divides_tp_and_ep_and_names_the_values() -> None:
     m = _parse(tiny_dict())
     c = SiteConfig.for_rank(m, RankLayout(world=2, rank=1, tp=2, ep=2))
