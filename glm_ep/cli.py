@@ -17,10 +17,11 @@ import math
 import os
 import sys
 import typing
+from pathlib import Path
 from typing import Any, Callable
 
 from glm_ep import bench
-from glm_ep.errors import EXIT_USER
+from glm_ep.errors import EXIT_USER, InputError
 from glm_ep.mpi_lib import MpiUnavailable
 from glm_ep.parallel import Ranks, mpi_world, run_guarded, setup_logging
 from glm_ep.topologies import shipped_names
@@ -29,6 +30,15 @@ from glm_ep.topologies import shipped_names
 #: where a launcher puts a process's rank before MPI is initialised (Open MPI, MPICH/Hydra and Intel MPI, PMIx,
 #: MVAPICH2)
 _LAUNCH_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def _launch_size() -> int:
+    """The ranks the launcher started (its environment, before MPI is initialised); 1 outside mpiexec."""
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 1
 
 
 def launch_rank() -> int:
@@ -91,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
                    help="how the dense FFNs are stored (nvfp4: quantized like the experts)")
     p.add_argument("--shard-mb", type=_count(1), default=256)
+    p.add_argument("--force", action="store_true", help="write into a folder that already holds a checkpoint")
 
     p = sub.add_parser("footprint", help="print weight and workspace footprints from a config alone")
     src = p.add_mutually_exclusive_group(required=True)
@@ -132,6 +143,15 @@ def _synth(args: argparse.Namespace) -> int:
     from glm_ep.presets import preset
     from glm_ep.synth import write_synthetic
 
+    if _launch_size() > 1:  # every rank would write the same files at once
+        raise InputError("synth writes one checkpoint from one process; expected it run without mpiexec (or with "
+                         "-n 1)")
+    held = sorted(p.name for pattern in ("config.json", "*.safetensors", "*.safetensors.index.json")
+                  for p in Path(args.out).glob(pattern)) if Path(args.out).is_dir() else []
+    if held and not args.force:
+        raise InputError(f"{args.out}: already holds a checkpoint ({', '.join(held[:3])}"
+                         f"{', ...' if len(held) > 3 else ''}); expected an empty or new folder (--force replaces "
+                         "its files)")
     cfg = preset(args.preset)
     if args.layers is not None:
         cfg["num_hidden_layers"] = args.layers

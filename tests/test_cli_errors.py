@@ -342,6 +342,27 @@ def test_synth_into_a_file_or_an_unmakeable_folder_is_a_clear_error(tmp_path, ca
     assert "cannot make the synthetic checkpoint's folder there" in capsys.readouterr().err
 
 
+def test_synth_refuses_to_overwrite_a_checkpoint_or_to_run_on_several_ranks(tmp_path, capsys, monkeypatch) -> None:
+    """``synth --out`` into a folder that holds a checkpoint (a typo for a real one) is refused unless --force, and
+    so is synth under mpiexec with more than one rank (every rank would write the same files at once)."""
+    from glm_ep.cli import main
+
+    out = tmp_path / "ck"
+    assert main(["synth", "--out", str(out), "--shard-mb", "1"]) == 0
+    config = (out / "config.json").read_bytes()
+    capsys.readouterr()
+    assert main(["synth", "--out", str(out), "--seed", "3"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out}: already holds a checkpoint (config.json, model-" in err and "--force replaces its files" in err
+    assert (out / "config.json").read_bytes() == config
+    assert main(["synth", "--out", str(out), "--seed", "3", "--shard-mb", "1", "--force"]) == 0
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    capsys.readouterr()
+    assert main(["synth", "--out", str(tmp_path / "new")]) == 2
+    assert "synth writes one checkpoint from one process; expected it run without mpiexec" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 def test_run_with_a_cache_dir_that_is_a_file_is_a_clear_error(tmp_path) -> None:
     a_file = tmp_path / "cache"
     a_file.write_text("x")
