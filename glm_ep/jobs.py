@@ -51,7 +51,8 @@ def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     ckpt = open_checkpoint(args.model, topo, ranks)  # config and headers: the hidden size
     hidden = ckpt.config.hidden_size
     x = ranks.agree("input read", lambda: read_hidden_states(args.input, hidden, topo.allow_nonfinite_input))
-    ranks.check_same("input fingerprint", "inputs", {"input": hashlib.sha256(x.tobytes()).hexdigest()})
+    ranks.check_same("input fingerprint", "inputs", {"input rows": str(x.shape[0]),
+                                                     "input": hashlib.sha256(x.tobytes()).hexdigest()})
     rt = load_runtime(ckpt, topo, ranks)
     outputs = {}
     chunk = rt.stack.max_rows  # wider inputs run in workspace-sized chunks (rows are independent)

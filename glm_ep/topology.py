@@ -163,9 +163,15 @@ class Topology:
             raise ConfigError(f"topology {self.name!r}: backend = {self.backend!r}, expected one of {BACKENDS}")
         if self.comm not in COMMS:
             raise ConfigError(f"topology {self.name!r}: comm = {self.comm!r}, expected one of {COMMS}")
+        if self.comm == "nccl" and self.backend != "cuda":
+            raise ConfigError(f"topology {self.name!r}: comm = 'nccl' with backend = {self.backend!r}; NCCL sums "
+                              "the cuda backend's GPU buffers: expected comm = 'auto' or 'mpi' (or backend = 'cuda')")
         if self.devices and len(self.devices) != self.world:
             raise ConfigError(f"topology {self.name!r}: devices lists {len(self.devices)} entries for "
                               f"world = {self.world}; expected one device per rank")
+        if any(d < 0 for d in self.devices):
+            raise ConfigError(f"topology {self.name!r}: devices = {list(self.devices)}; expected CUDA device "
+                              "numbers >= 0")
         if self.workspace_rows < 1:
             raise ConfigError(f"topology {self.name!r}: workspace_rows = {self.workspace_rows}, expected >= 1")
         if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):

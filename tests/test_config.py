@@ -274,6 +274,12 @@ def test_topology_unknown_keys_bad_toml_and_bad_levers(tmp_path: Path) -> None:
         Topology.from_dict({"world": 2, "devices": [0]})
     with pytest.raises(ConfigError, match="backend = 'tpu'"):
         Topology.from_dict({"backend": "tpu"})
+    with pytest.raises(ConfigError, match=r"devices = \[0, -1\]; expected CUDA device numbers >= 0"):
+        Topology.from_dict({"world": 2, "devices": [0, -1]})
+    with pytest.raises(ConfigError, match="comm = 'nccl' with backend = 'cpu'; NCCL sums the cuda backend's GPU "
+                                          "buffers: expected comm = 'auto' or 'mpi'"):
+        Topology.from_dict({"comm": "nccl"})
+    assert Topology.from_dict({"comm": "nccl", "backend": "cuda"}).comm == "nccl"
 
 
 @pytest.mark.parametrize("raw,message", [
