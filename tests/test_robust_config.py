@@ -140,7 +140,8 @@ def test_ranks_that_read_different_inputs_refuse_to_run(tiny_checkpoint, tmp_pat
     args1 = _forward_args(tiny_checkpoint, other)
     save_hidden(other / "x.safetensors", random_x(1, 5, 128))  # ... with other rows: named, with each rank's count
     r = glm_ep_per_rank(args0, args1)
-    fails(r, "ranks hold different inputs (differing: input rows, input)", "rank 0: input rows 3", "rank 1: input rows 5")
+    fails(r, "ranks hold different inputs (differing: input rows, input)", "rank 0: input rows 3",
+          "rank 1: input rows 5")
 
 
 @pytest.mark.parametrize("other,differing", [
