@@ -37,6 +37,16 @@ one_row_and_bench() {  # one row of the NVFP4 dense FFN (ring, as shipped, block
     stage "bench"
     timeout 240 python3 -m glm_ep bench --out "$O/decode" 2>"$O/decode.err" | tail -24
 }
+cuda_tests() {  # cuda_tests NAME SECONDS EXPR FILE...: the CUDA tests of FILEs matching EXPR into NAME_tests.log;
+    # succeeds only where some passed and none failed (the stages bench only what their tests passed)
+    local name=$1 secs=$2 expr=$3
+    shift 3
+    stage "$name tests"
+    timeout "$secs" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda "$@" -k "$expr" 2>&1 \
+        | tee "$O/${name}_tests.log" | tail -8
+    grep -q " passed" "$O/${name}_tests.log" && ! grep -q "failed\|error" "$O/${name}_tests.log" \
+        || { echo "tests failed: no bench"; return 1; }
+}
 pip install -q --no-deps --no-build-isolation -e . > "$O/pip.log" 2>&1 || echo "pip failed (see pip.log)"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$O/gpu.txt"
 case "${1:-a}" in
@@ -85,17 +95,11 @@ next)
         | tee "$O/next_tests.log" | tail -8
     one_row_and_bench ;;
 dequant)
-    stage "dequant path and K split tests"
-    if timeout 220 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
-        tests/test_cuda_paths.py -k "dequant or nvfp4_dense or partial_tiles or k_split" 2>&1 \
-        | tee "$O/dequant_tests.log" | tail -8 && grep -q " passed" "$O/dequant_tests.log" \
-        && ! grep -q "failed\|error" "$O/dequant_tests.log"; then
-        stage "bench --prefill"
-        timeout 360 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -45
-        tail -3 "$O/prefill.err"
-    else
-        echo "tests failed: no bench"
-    fi ;;
+    cuda_tests dequant 220 "dequant or nvfp4_dense or partial_tiles or k_split" tests/test_cuda_gemm.py \
+        tests/test_cuda_paths.py || exit 1
+    stage "bench --prefill"
+    timeout 360 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -45
+    tail -3 "$O/prefill.err" ;;
 wide)
     stage "CUDA tests not yet run on a GPU"
     timeout 230 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
@@ -106,42 +110,27 @@ wide)
     timeout 330 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -45
     tail -3 "$O/prefill.err" ;;
 sort)
-    stage "sort tests"
-    if timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_kernels.py \
-        tests/test_cuda_paths.py tests/test_cuda_gemm.py -k "sort or prefill_paths or sorted" 2>&1 \
-        | tee "$O/sort_tests.log" | tail -8 && ! grep -q "failed\|error" "$O/sort_tests.log"; then
-        stage "dense tiers: the shared expert's shapes"
-        timeout 90 python3 tools/dense_tiers.py --shapes shared_glu shared_down --rows 16 24 32 48 64 96 128 2>&1 \
-            | tee "$O/dense_tiers.log" | tail -40
-        stage "bench --prefill 256 1024 4096, no peers"
-        timeout 200 python3 -m glm_ep bench --prefill --rows 256 1024 4096 --no-peer --out "$O/prefill" \
-            2>"$O/prefill.err" | sed -n '/Routed-expert GEMMs alone/,/Grouped-GEMM variants/p'
-    else
-        echo "tests failed: no bench"
-    fi ;;
+    cuda_tests sort 240 "sort or prefill_paths or sorted" tests/test_cuda_kernels.py tests/test_cuda_paths.py \
+        tests/test_cuda_gemm.py || exit 1
+    stage "dense tiers: the shared expert's shapes"
+    timeout 90 python3 tools/dense_tiers.py --shapes shared_glu shared_down --rows 16 24 32 48 64 96 128 2>&1 \
+        | tee "$O/dense_tiers.log" | tail -40
+    stage "bench --prefill 256 1024 4096, no peers"
+    timeout 200 python3 -m glm_ep bench --prefill --rows 256 1024 4096 --no-peer --out "$O/prefill" \
+        2>"$O/prefill.err" | sed -n '/Routed-expert GEMMs alone/,/Grouped-GEMM variants/p' ;;
 shared)
-    stage "tests"
-    if timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_kernels.py \
-        tests/test_cuda_paths.py -k "linear or gate_up_act or mma_gemm or sort or prefill_paths or site" 2>&1 \
-        | tee "$O/shared_tests.log" | tail -8 && ! grep -q "failed\|error" "$O/shared_tests.log"; then
-        stage "bench --prefill 16 64 128"
-        timeout 240 python3 -m glm_ep bench --prefill --rows 16 64 128 --out "$O/prefill" 2>"$O/prefill.err" \
-            | sed -n '/^## Sparse site/,/^## Routed/p;/^## Dense site, shared/,/^## Crossover sweep: row/p'
-    else
-        echo "tests failed: no bench"
-    fi ;;
+    cuda_tests shared 200 "linear or gate_up_act or mma_gemm or sort or prefill_paths or site" \
+        tests/test_cuda_kernels.py tests/test_cuda_paths.py || exit 1
+    stage "bench --prefill 16 64 128"
+    timeout 240 python3 -m glm_ep bench --prefill --rows 16 64 128 --out "$O/prefill" 2>"$O/prefill.err" \
+        | sed -n '/^## Sparse site/,/^## Routed/p;/^## Dense site, shared/,/^## Crossover sweep: row/p' ;;
 pair)
-    stage "gate + up in one batched cuBLAS call: tests"
-    if timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_kernels.py \
-        tests/test_cuda_paths.py -k "pair or upload_dense or gate_up_act or linear or 300 or site" 2>&1 \
-        | tee "$O/pair_tests.log" | tail -8 && ! grep -q "failed\|error" "$O/pair_tests.log"; then
-        stage "cuBLAS probe"
-        timeout 100 python3 tools/cublas_probe.py 2>&1 | grep -v "^\[rank" | tee "$O/cublas_probe.log"
-        stage "bench --prefill"
-        timeout 300 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | head -40
-    else
-        echo "tests failed: no bench"
-    fi ;;
+    cuda_tests pair 240 "pair or upload_dense or gate_up_act or linear or 300 or site" tests/test_cuda_kernels.py \
+        tests/test_cuda_paths.py || exit 1
+    stage "cuBLAS probe"
+    timeout 100 python3 tools/cublas_probe.py 2>&1 | grep -v "^\[rank" | tee "$O/cublas_probe.log"
+    stage "bench --prefill"
+    timeout 300 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | head -40 ;;
 ablate)
     stage "ring ablation"
     timeout 150 python3 tools/kernel_timing.py --ring-ablation 2>&1 | tee "$O/ring_ablation.log" | tail -9
