@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
                    help="how the dense FFNs are stored (nvfp4: quantized like the experts)")
     p.add_argument("--shard-mb", type=_count(1), default=256)
-    p.add_argument("--force", action="store_true", help="write into a folder that already holds a checkpoint")
+    p.add_argument("--force", action="store_true", help="write over a checkpoint already in the folder")
 
     p = sub.add_parser("footprint", help="print weight and workspace footprints from a config alone")
     src = p.add_mutually_exclusive_group(required=True)
@@ -146,12 +146,12 @@ def _synth(args: argparse.Namespace) -> int:
     if _launch_size() > 1:  # every rank would write the same files at once
         raise InputError("synth writes one checkpoint from one process; expected it run without mpiexec (or with "
                          "-n 1)")
-    held = sorted(p.name for pattern in ("config.json", "*.safetensors", "*.safetensors.index.json")
-                  for p in Path(args.out).glob(pattern)) if Path(args.out).is_dir() else []
+    from glm_ep.checkpoint import INDEX_FILE, SINGLE_FILE
+
+    held = [n for n in ("config.json", INDEX_FILE, SINGLE_FILE) if (Path(args.out) / n).exists()]
     if held and not args.force:
-        raise InputError(f"{args.out}: already holds a checkpoint ({', '.join(held[:3])}"
-                         f"{', ...' if len(held) > 3 else ''}); expected an empty or new folder (--force replaces "
-                         "its files)")
+        raise InputError(f"{args.out}: already holds a checkpoint ({', '.join(held)}); expected an empty or new "
+                         "folder (--force writes over its files)")
     cfg = preset(args.preset)
     if args.layers is not None:
         cfg["num_hidden_layers"] = args.layers

@@ -215,6 +215,8 @@ class Topology:
     def with_overrides(self, tp: int | None = None, ep: int | None = None,
                        backend: str | None = None, world: int | None = None) -> "Topology":
         changes = {k: v for k, v in dict(tp=tp, ep=ep, backend=backend, world=world).items() if v is not None}
+        if changes.get("backend") == "cpu" and self.comm == "nccl":  # a GPU layout run on CPUs: sums over MPI
+            changes["comm"] = "mpi"
         return dataclasses.replace(self, **changes) if changes else self
 
     def check_world(self, mpi_size: int) -> None:

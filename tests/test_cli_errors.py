@@ -353,7 +353,8 @@ def test_synth_refuses_to_overwrite_a_checkpoint_or_to_run_on_several_ranks(tmp_
     capsys.readouterr()
     assert main(["synth", "--out", str(out), "--seed", "3"]) == 2
     err = capsys.readouterr().err
-    assert f"{out}: already holds a checkpoint (config.json, model-" in err and "--force replaces its files" in err
+    assert f"{out}: already holds a checkpoint (config.json, model.safetensors.index.json)" in err, err
+    assert "--force writes over its files" in err
     assert (out / "config.json").read_bytes() == config
     assert main(["synth", "--out", str(out), "--seed", "3", "--shard-mb", "1", "--force"]) == 0
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")

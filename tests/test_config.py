@@ -279,7 +279,10 @@ def test_topology_unknown_keys_bad_toml_and_bad_levers(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="comm = 'nccl' with backend = 'cpu'; NCCL sums the cuda backend's GPU "
                                           "buffers: expected comm = 'auto' or 'mpi'"):
         Topology.from_dict({"comm": "nccl"})
-    assert Topology.from_dict({"comm": "nccl", "backend": "cuda"}).comm == "nccl"
+    nccl = Topology.from_dict({"comm": "nccl", "backend": "cuda"})
+    assert nccl.comm == "nccl" and nccl.with_overrides(backend="cuda").comm == "nccl"
+    assert nccl.with_overrides(backend="cpu").comm == "mpi"  # --backend cpu on a GPU topology (h200-2, gb10-2)
+    assert Topology.load(REPO / "configs" / "gb10-2.toml").with_overrides(backend="cpu").backend == "cpu"
 
 
 @pytest.mark.parametrize("raw,message", [

@@ -341,16 +341,22 @@ def test_moe_decode_glm_shape(rng):
     assert_close(got[[0, 2]], ref_down[[0, 2]], "glm-shape down")
 
 
-@pytest.mark.parametrize("t,e", [(1, E), (37, E), (700, E), (1023, E), (1024, E), (1025, E), (4096, E), (37, 33),
-                                 (700, 1500), (1100, 1500), (4097, 257)])
-def test_sort_by_expert(rng, t, e, monkeypatch):
+@pytest.mark.parametrize("t,e,sms", [(1, E, None), (37, E, None), (700, E, None), (1023, E, None), (1024, E, None),
+                                     (1025, E, None), (4096, E, None), (37, 33, None), (700, 1500, None),
+                                     (1100, 1500, None), (4097, 257, None), (4096, E, 3), (1100, 1500, 5)])
+def test_sort_by_expert(rng, t, e, sms, monkeypatch):
     """Stable and exact at every width, in both forms: one block (one warp's segment of slots, several, ragged
-    ends), and the multi-block sort the backend runs from SORT_MULTI_MIN_SLOTS slots (chunks of SORT_CHUNK
-    slots: 8 blocks of exactly a chunk at 1024 rows, a ragged ninth at 1025, 33 blocks at 4097 rows);
-    expert counts that are not a multiple of 32 or span two 1024-wide scan chunks (then a row may name an
-    expert twice). Every output poisoned first."""
+    ends), and the multi-block sort the backend runs from SORT_MULTI_MIN_SLOTS slots in ceil(S / B) slot chunks
+    (B = one block per SORT_CHUNK slots, at most one an SM: 8 chunks of 1024 at 1024 rows, 9 of 912 and a last
+    of 904 at 1025, 33 at 4097; ``sms`` caps B lower, so chunks pass SORT_CHUNK: 3 of 10923 / 10923 / 10922
+    slots); expert counts that are not a multiple of 32 or span two 1024-wide scan chunks (then a row may name
+    an expert twice). Every output poisoned first."""
+    from glm_ep.backend.cuda import backend as cuda_backend
     from glm_ep.backend.cuda import route
 
+    if sms is not None:
+        for module in (route, cuda_backend):
+            monkeypatch.setattr(module, "sm_count", lambda: sms)
     if e == E:
         ids = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(t)]).astype(np.int32)
     else:
@@ -358,6 +364,7 @@ def test_sort_by_expert(rng, t, e, monkeypatch):
     ids[: t // 2, 0] = 5  # one expert far more popular than the rest
     ref = routing.sort_by_expert(ids, e)
     s = t * TOP_K
+    backend()._sort_scratch(e)  # (upload_moe does this for its router's experts)
     names = ("sorted_token_ids", "sorted_expert_ids", "expert_offsets", "token_to_perm")
     launched = spy_launches(monkeypatch, route)
     for form in ("backend", "one block"):
@@ -376,6 +383,16 @@ def test_sort_by_expert(rng, t, e, monkeypatch):
         for got, want, name in zip(bufs, (ref.sorted_token_ids, ref.sorted_expert_ids, ref.expert_offsets,
                                           ref.token_to_perm), names):
             np.testing.assert_array_equal(host(got), want, err_msg=f"{form}: {name}")
+
+
+def test_upload_moe_sizes_the_sort_scratch(rng):
+    """A routed site's upload makes the multi-block sort's count scratch for its router's experts, so a wide call
+    never allocates."""
+    from glm_ep.backend.cuda import route
+
+    be = backend()
+    be.upload_moe(moe_weights(rng, start=0, count=4), 10.0)
+    assert be._sort_counts is not None and be._sort_counts.size >= route.sm_count() * E
 
 
 def test_moe_gemm_sorted(rng):

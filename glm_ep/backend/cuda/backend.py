@@ -94,8 +94,8 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         self._ws_partials = cupy.empty(n_partials, dtype=np.float32)
         self._ws_arrived = self.zero(cupy.empty(n_arrived, dtype=np.uint32))
         # the one-row down ring's combine scratch (nvfp4_moe_down_combine): sized at upload_moe, before any capture
-        self._dc_partials, self._dc_arrived, self._dc_retired = None, None, []
-        # the multi-block sort's per-(block, expert) counts (wide calls, never captured): grown by sort_by_expert
+        self._dc_partials, self._dc_arrived, self._retired = None, None, []
+        # the multi-block sort's per-(block, expert) counts (wide calls, never captured): sized at upload_moe
         self._sort_counts = None
 
     @property
@@ -212,6 +212,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         experts = self.upload_experts(w.experts, w.expert_start, swiglu_limit)
         if w.shared is not None and experts.count:
             self._down_combine_scratch(experts.down.weights.n, experts.down.weights.k, w.shared.down.shape[1])
+        self._sort_scratch(w.router.shape[0])
         bias = self.asarray(w.bias).astype(np.float32, copy=False)
         return MoeResident(self.asarray(w.router), bias, experts,
                            self.upload_dense(w.shared) if w.shared is not None else None)
@@ -304,7 +305,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         if self.stream.is_capturing():
             return False
         cupy = self.xp
-        self._dc_retired += [b for b, small in ((self._dc_partials, small_p), (self._dc_arrived, small_a))
+        self._retired += [b for b, small in ((self._dc_partials, small_p), (self._dc_arrived, small_a))
                              if small and b is not None]
         if small_p:
             self._dc_partials = cupy.empty(parts * n, dtype=np.float32)
@@ -387,15 +388,24 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     @_on_stream
     def sort_by_expert(self, ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
                        token_to_perm_TK):
-        """Over several blocks where the slots fill them (``route.sort_blocks``), through a per-(block, expert)
-        count scratch the backend grows on demand; one block while a capture is running and it would have to."""
+        """Over several blocks where the slots fill them (``route.sort_blocks``), through the per-(block, expert)
+        count scratch ``upload_moe`` sized for its router's experts (a call never allocates); one block where
+        the scratch does not hold them (experts of another count than any uploaded site's)."""
         need = route.sort_blocks(ids_TK.size, sm_count()) * num_experts
-        if need > num_experts and (self._sort_counts is None or self._sort_counts.size < need):
-            if not self.stream.is_capturing():
-                self._sort_counts = self.xp.empty(need, dtype=np.int32)
         counts = self._sort_counts if self._sort_counts is not None and self._sort_counts.size >= need else None
         route.sort_by_expert(ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
                              token_to_perm_TK, counts)
+
+    def _sort_scratch(self, num_experts: int) -> None:
+        """Grow the multi-block sort's count scratch to hold ``num_experts`` experts in the most blocks it runs (one
+        an SM): at most SMs x experts int32, 152 KB for 288 experts on 132 SMs. Made at upload, so a call (and a
+        capture) never allocates; a buffer it outgrows is kept, as the down ring's (a captured graph never holds
+        the sort, but an earlier launch may still be queued)."""
+        need = sm_count() * num_experts
+        if self._sort_counts is None or self._sort_counts.size < need:
+            if self._sort_counts is not None:
+                self._retired.append(self._sort_counts)
+            self._sort_counts = self.xp.empty(need, dtype=np.int32)
 
     @_on_stream
     def moe_gemm_sorted(self, a, table: ExpertTable[Nvfp4Pointers], sorted_token_ids_S, expert_offsets, out_SN,

@@ -1,6 +1,7 @@
 """Wrappers of the routing kernels: the router's top-k (``router.cu``; fused with the router GEMV of
 1..8 rows in ``gemv_bf16.cu``), the union table of a row group and the counting sort by expert
-(``moe_route.cu``). Each must match its NumPy twin in ``glm_ep.routing`` exactly.
+(``moe_route.cu``). Each must match its NumPy twin in ``glm_ep.routing`` exactly, for the expert ids a router
+writes (in [0, E): the sort does not place others, where the NumPy twin puts ids past E last).
 
 Shape suffixes: T rows, R rows of one group, E experts, K top-k, S slots (T*K), U union entries.
 """
@@ -96,8 +97,8 @@ def sort_blocks(slots: int, sms: int) -> int:
 
 def sort_by_expert(ids_TK: Any, num_experts: int, sorted_token_ids_S: Any, sorted_expert_ids_S: Any,
                    expert_offsets: Any, token_to_perm_TK: Any, counts: Any = None) -> None:
-    """The stable counting sort by expert (``glm_ep.routing.sort_by_expert`` exactly). ONE block, or where
-    ``counts`` (int32, at least blocks x experts, contents dead) is given and the slots fill several
+    """The stable counting sort by expert (``glm_ep.routing.sort_by_expert`` exactly, for ids in [0, E)). ONE
+    block, or where ``counts`` (int32, at least blocks x experts, contents dead) is given and the slots fill several
     blocks, two launches: each block's per-expert counts, then each block places its chunk."""
     t, k = ids_TK.shape
     check("ids", ids_TK, I32, 4)
