@@ -15,9 +15,9 @@
 #                                  # 64 rows (its NVFP4 dense sweep, the peers)
 #   bash tools/device_queue.sh items # the ring's min items an SM: its tests, one expert's one-row launches on the
 #                                  # ring and the block kernels, glm-ep bench (the NVFP4 dense rows)
-#   bash tools/device_queue.sh next # what waits (2026-12-05, later): the dequant kernel's ragged / two-round tests,
-#                                  # the batched pair's spied test, one row of the NVFP4 dense FFN on the ring / block
-#                                  # kernels on an H200, glm-ep bench there (then bench --prefill: stage dequant)
+#   bash tools/device_queue.sh next # what waits (2026-12-05, last): the sort's tests at capped grids and its scratch
+#                                  # made at upload, one row of the NVFP4 dense FFN on the ring / block kernels,
+#                                  # glm-ep bench (on an H200: then stage dequant for PREFILL.md)
 #   bash tools/device_queue.sh dequant # the NVFP4 dense FFN through bf16 weights and cuBLAS: its tests (with the
 #                                  # split tests not yet run on a GPU), then bench --prefill (its sweep, the peers)
 #   bash tools/device_queue.sh wide # the CUDA tests not yet run on a GPU (next's and dequant's), then bench --prefill
@@ -89,10 +89,8 @@ items)
         tests/test_cuda_paths.py -k "few_items or nvfp4_dense or default" 2>&1 | tee "$O/items_tests.log" | tail -8
     one_row_and_bench ;;
 next)
-    stage "CUDA tests changed since their last GPU run"
-    timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
-        tests/test_cuda_kernels.py -k "ragged_and_grid_stride or gemm_bf16_pair or upload_dense or dequant" 2>&1 \
-        | tee "$O/next_tests.log" | tail -8
+    cuda_tests next 240 "sort_by_expert or sort_scratch or prefill_paths" tests/test_cuda_kernels.py \
+        tests/test_cuda_paths.py || exit 1
     one_row_and_bench ;;
 dequant)
     cuda_tests dequant 220 "dequant or nvfp4_dense or partial_tiles or k_split" tests/test_cuda_gemm.py \
