@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -100,6 +101,13 @@ def check_output_path(path: str, reads: Iterable[tuple[str, Path]] = ()) -> Path
         raise InputError(f"{p}: output folder '{folder}' does not exist; expected an existing, writable folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise InputError(f"{p}: output folder '{folder}' is not writable")
+    try:  # what the permission bits do not say (a read-only or pseudo file system): a file made and removed now
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".glm-ep-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InputError(f"{p}: cannot make a file in output folder '{folder}' ({e.strerror or e}); expected a "
+                         "writable folder") from None
     try:
         mode = os.lstat(p).st_mode
     except FileNotFoundError:
@@ -115,14 +123,24 @@ def check_output_path(path: str, reads: Iterable[tuple[str, Path]] = ()) -> Path
     return p
 
 
+def save_readable(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.numpy.save_file``, leaving the file with the permissions any new file of this process gets
+    (0666 less the umask): save_file writes a private temporary file (0600) and renames it over the path."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_outputs(outputs: dict[str, np.ndarray], path: str, reads: Iterable[tuple[str, Path]] = ()) -> Path:
     """Write ``outputs`` as safetensors to ``path``, checked again right before writing."""
     from safetensors import SafetensorError
-    from safetensors.numpy import save_file
 
     p = check_output_path(path, reads)
     try:
-        save_file(outputs, str(p))
+        save_readable(outputs, p)
     except (OSError, SafetensorError) as e:
         raise InputError(f"{p}: cannot write the output ({e})") from None
     return p

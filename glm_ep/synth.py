@@ -28,12 +28,12 @@ from typing import Any, Callable, Iterator
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from glm_ep.checkpoint import INDEX_FILE
 from glm_ep.config import ModelConfig
 from glm_ep.errors import InputError
+from glm_ep.files import save_readable
 from glm_ep.nvfp4 import quantize
 from glm_ep.presets import preset
 
@@ -186,7 +186,7 @@ def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, 
             total += g.nbytes
             bar.update()
         with _writing(out / name):
-            save_file(tensors, str(out / name), metadata={"format": "pt"})
+            save_readable(tensors, out / name, metadata={"format": "pt"})
         del tensors
     bar.close()
     with _writing(out / INDEX_FILE):

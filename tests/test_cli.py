@@ -8,6 +8,7 @@ the checkpoint files by the tests' own decoder, not by ``glm_ep.reference``.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -113,6 +114,10 @@ def test_synth_cli_writes_a_loadable_checkpoint(tmp_path) -> None:
                         "--composite", "--router-dtype", "f32", "--layers", "2", "--shard-mb", "1"],
                        capture_output=True, text=True, timeout=120, env=mpi_env(), cwd=REPO)
     assert r.returncode == 0, r.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in out.glob("*.safetensors")}
+    assert modes and set(modes.values()) == {oct(0o666 & ~umask)}, modes  # readable as any new file, not 0600
     layers, p = read_f64(out)
     assert [layer.kind for layer in layers] == ["dense", "sparse"]
     assert layers[1].router.shape == (32, 128) and np.all(np.abs(layers[1].bias - 7) < 0.5)

@@ -77,11 +77,31 @@ def test_output_that_is_not_a_regular_file_is_refused_and_kept(tiny_checkpoint, 
 
 
 def test_an_existing_regular_output_is_replaced(tiny_checkpoint, x_file, tmp_path) -> None:
+    """... and the new file gets the permissions any new file of the process gets (safetensors writes a private
+    temporary file and renames it over the path)."""
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"old bytes")
     r = _forward(tiny_checkpoint, x_file, out)
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(load_outputs(out)) == [f"layers.{i}" for i in range(4)]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out).st_mode & 0o777 == 0o666 & ~umask
+    assert not list(tmp_path.glob(".glm-ep-probe-*")), "the writability probe was left behind"
+
+
+def test_an_output_folder_where_no_file_can_be_made_is_refused_early(tmp_path, monkeypatch) -> None:
+    """What the permission bits do not say (a read-only or pseudo file system, as /sys): refused by the check that
+    runs before the load, not after it at the write."""
+    import errno
+    import tempfile
+
+    def read_only(**kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+    monkeypatch.setattr(tempfile, "mkstemp", read_only)
+    with pytest.raises(InputError, match=f"cannot make a file in output folder '{tmp_path}' \\(Read-only file "
+                                         "system\\); expected a writable folder"):
+        check_output_path(str(tmp_path / "out.safetensors"))
 
 
 def test_output_folder_not_writable(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
