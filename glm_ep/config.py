@@ -142,7 +142,7 @@ class ModelConfig:
             raise bad(f"swiglu_limit = {self.swiglu_limit}, expected a value > 0 that is finite and nonzero in "
                       "float32 (a zero limit is not 'no clamp', it forces the gate to <= 0)")
         if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:  # the backend's own limit: make_backend
-            raise bad(f"num_experts_per_tok = {self.num_experts_per_tok}, expected 1..={self.n_routed_experts} "
+            raise bad(f"num_experts_per_tok = {self.num_experts_per_tok}, expected 1 to {self.n_routed_experts} "
                       "(n_routed_experts)")
         for key in ("hidden_size", "moe_intermediate_size"):
             if getattr(self, key) % NVFP4_GROUP:

@@ -126,6 +126,7 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
     """Run ``main``; map errors to a clear message and an exit code, aborting MPI when needed."""
     rank = comm.Get_rank() if comm is not None else 0
     size = comm.Get_size() if comm is not None else 1
+    who = f"[rank {rank}] " if size > 1 else ""  # which rank, where there are several
     try:
         return main()
     except AgreedError as e:  # every rank holds the same message: rank 0 prints it, every rank exits
@@ -133,14 +134,14 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
             print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
         return EXIT_INTERNAL if e.internal else EXIT_USER
     except GlmEpError as e:
-        msg, code = f"[rank {rank}] glm-ep: error: {e}", EXIT_USER
+        msg, code = f"{who}glm-ep: error: {e}", EXIT_USER
     except KeyboardInterrupt:
         msg, code = "", 130
     except BrokenPipeError:  # stdout closed by its reader (``| head``): quiet, as a shell tool would be
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not raise
         msg, code = "", EXIT_BROKEN_PIPE
     except BaseException:  # noqa: BLE001 - a crash on one rank must not leave the others hanging
-        msg, code = f"[rank {rank}] glm-ep: internal error:\n{traceback.format_exc().rstrip()}", EXIT_INTERNAL
+        msg, code = f"{who}glm-ep: internal error:\n{traceback.format_exc().rstrip()}", EXIT_INTERNAL
     if size > 1:
         msg = "\n".join(m for m in (msg, f"[rank {rank}] glm-ep: aborting all {size} ranks") if m)
     if msg:

@@ -221,5 +221,6 @@ class Topology:
 
     def check_world(self, mpi_size: int) -> None:
         if mpi_size != self.world:
-            raise ConfigError(f"topology {self.name!r} is for world = {self.world} ranks, but the MPI job "
-                              f"has {mpi_size}; launch with mpiexec -n {self.world} or pick another topology")
+            ranks = f"{self.world} rank{'s' if self.world != 1 else ''}"
+            raise ConfigError(f"topology {self.name!r} is for {ranks} (world = {self.world}), but the MPI job has "
+                              f"{mpi_size}; launch with mpiexec -n {self.world} or pick another topology")

@@ -121,7 +121,7 @@ def test_bad_topology_or_model_is_a_clear_error(tiny_checkpoint, tmp_path) -> No
         glm_ep.load(tiny_checkpoint, topology=3, comm=_self_comm())
     with pytest.raises(GlmEpError, match="gb10-9: topology file not found"):
         glm_ep.load(tiny_checkpoint, topology="gb10-9", comm=_self_comm())
-    with pytest.raises(GlmEpError, match="topology .cpu-2. is for world = 2 ranks, but the MPI job has 1"):
+    with pytest.raises(GlmEpError, match=r"topology .cpu-2. is for 2 ranks \(world = 2\), but the MPI job has 1"):
         glm_ep.load(tiny_checkpoint, topology="cpu-2", comm=_self_comm())
     with pytest.raises(GlmEpError, match=re.escape(str(tmp_path / "none"))):
         glm_ep.load(tmp_path / "none", comm=_self_comm())

@@ -142,7 +142,7 @@ def test_fp16_form_the_swiglu_limit_does_not_bound(ckpt, x_file, tmp_path) -> No
 
 def test_topology_world_differs_from_mpi_size(ckpt, x_file, tmp_path) -> None:
     r = _forward(ckpt, x_file, tmp_path, "--topology", str(REPO / "configs" / "single.toml"))
-    fails(r, "'single' is for world = 1 ranks, but the MPI job has 2")
+    fails(r, "'single' is for 1 rank (world = 1), but the MPI job has 2")
 
 
 def test_input_of_the_wrong_hidden_size(ckpt, tmp_path) -> None:

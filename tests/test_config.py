@@ -310,7 +310,7 @@ def test_an_unknown_topology_key_without_a_close_match_lists_the_valid_keys() ->
 
 def test_topology_world_check_and_overrides() -> None:
     cpu2 = Topology.load(REPO / "configs" / "cpu-2.toml")
-    with pytest.raises(ConfigError, match="world = 2 ranks, but the MPI job has 1"):
+    with pytest.raises(ConfigError, match=r"is for 2 ranks \(world = 2\), but the MPI job has 1"):
         cpu2.check_world(1)
     t = cpu2.with_overrides(tp=1, ep=2, backend="cpu")
     assert (t.world, t.tp, t.ep) == (2, 1, 2) and cpu2.tp == 2  # frozen: a new object
