@@ -27,31 +27,34 @@ from glm_ep.parallel import Ranks, mpi_world, run_guarded, setup_logging
 from glm_ep.topologies import shipped_names
 
 
-#: where a launcher puts a process's rank before MPI is initialised (Open MPI, MPICH/Hydra and Intel MPI, PMIx,
-#: MVAPICH2)
-_LAUNCH_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+#: where a launcher puts a process's (rank, rank count) before MPI is initialised: Open MPI, MPICH/Hydra and Intel
+#: MPI, PMIx, MVAPICH2
+_LAUNCH_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+                ("PMIX_RANK", "PMIX_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+
+
+def _launch_value(which: int, default: int) -> int:
+    """The first of the launchers' variables ``which`` (0: rank, 1: rank count) that is set, as an integer;
+    ``default`` outside mpiexec or where the value is not one."""
+    for names in _LAUNCH_VARS:
+        value = os.environ.get(names[which], "").strip()
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                return default
+    return default
 
 
 def _launch_size() -> int:
     """The ranks the launcher started (its environment, before MPI is initialised); 1 outside mpiexec."""
-    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE"):
-        value = os.environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value)
-    return 1
+    return _launch_value(1, 1)
 
 
 def launch_rank() -> int:
     """This process's rank as the launcher's environment says it, before MPI is initialised; 0 outside mpiexec
     (or where the value is not an integer)."""
-    for name in _LAUNCH_RANK_VARS:
-        value = os.environ.get(name, "").strip()
-        if value:
-            try:
-                return int(value)
-            except ValueError:
-                return 0
-    return 0
+    return _launch_value(0, 0)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -111,13 +111,12 @@ def router_digest(host_weights: list[Any]) -> dict[str, str]:
     """A digest of the router weights and correction biases of every sparse layer: the tensors every rank reads
     whole (the experts and the dense FFNs are sharded), so ranks that opened different checkpoints of the same
     shapes (each node its own copy) differ here."""
+    routed = [w for w in host_weights if isinstance(w, MoeWeights)]
     h = hashlib.blake2b(digest_size=16)
-    for w in host_weights:
-        if isinstance(w, MoeWeights):
-            for a in (w.router, w.bias):
-                h.update(np.ascontiguousarray(a).view(np.uint8).data)
-    sparse = any(isinstance(w, MoeWeights) for w in host_weights)
-    return {"router weights and biases": h.hexdigest()} if sparse else {}
+    for w in routed:
+        for a in (w.router, w.bias):
+            h.update(np.ascontiguousarray(a).view(np.uint8).data)
+    return {"router weights and biases": h.hexdigest()} if routed else {}
 
 
 def _opened(model_dir: str | Path, check_weights: bool) -> Checkpoint:
@@ -173,6 +172,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
              (dense_nvfp4, any(isinstance(w, ExpertWeights) for w in host_weights)))
     dequant_bytes = ranks.agree("dequant scratch", lambda: sum(reserve_dequant(d, topo.workspace_rows)
                                                                for d, held in holds if held))
+
     def site(i: int, w: Any) -> Any:
         site_comm = comm.at(f"layer {i} all-reduce")
         if isinstance(w, MoeWeights):

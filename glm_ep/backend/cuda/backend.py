@@ -306,7 +306,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             return False
         cupy = self.xp
         self._retired += [b for b, small in ((self._dc_partials, small_p), (self._dc_arrived, small_a))
-                             if small and b is not None]
+                          if small and b is not None]
         if small_p:
             self._dc_partials = cupy.empty(parts * n, dtype=np.float32)
         if small_a:
