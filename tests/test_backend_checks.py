@@ -287,3 +287,19 @@ def test_ring_levers_past_the_block_shared_memory_are_refused() -> None:
         union.check_fits(65536, union.forms(10.0), 4096)
     RingConfig(union_max_rows=1, union_slab=(4, 4), union_depth=(2, 2)).check_fits(65536, forms, 4096)
     RingConfig(enabled=False, slab=(8, 8), depth=(3, 3)).check_fits(1024, ("bf16", "bf16"), 4096)
+
+
+@pytest.mark.parametrize("limit,most", [(232448, 1760), (101376, 767)], ids=["H200", "GB10"])
+def test_the_sort_by_expert_fits_the_device_or_is_refused(limit: int, most: int) -> None:
+    """A sort block holds a count per expert for the block and each of its 32 warps (132 bytes an expert): on a
+    GB10's 99 KB a block that is 767 experts. More is refused at load, naming the limit and the lever that keeps
+    wide calls off the sort, not at the first wide call."""
+    from glm_ep.backend.cuda import route
+
+    assert route.sort_smem(most) + route.SORT_STATIC_SMEM <= limit < route.sort_smem(most + 1) + route.SORT_STATIC_SMEM
+    route.check_sort_fits(most, limit, "sm_x")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"n_routed_experts = {most + 1}: the sort by expert of wide calls needs "
+            f"{route.sort_smem(most + 1) + route.SORT_STATIC_SMEM} bytes of shared memory a block, this device "
+            f"(sm_x) allows {limit} (at most {most} experts); expected fewer experts, or levers.prefill_gemm = false")):
+        route.check_sort_fits(most + 1, limit, "sm_x")

@@ -13,6 +13,8 @@ two choices come closer than the sigmoid's rounding could move them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -383,3 +385,10 @@ def test_make_backend_refuses_ring_levers_past_the_device_shared_memory(monkeypa
     with pytest.raises(ConfigError, match=r"levers.ring_slab = \[4, 8\], ring_depth = \[2, 3\]: .* allows 101376"):
         make_backend(topo, here, cfg)
     assert isinstance(make_backend(Topology.from_dict({"backend": "cuda"}), here, cfg), CudaBackend)
+    # 1000 experts: the sort by expert of wide calls needs 132128 bytes a block, past the GB10's; refused unless wide
+    # calls stay off the sort (or the workspace never reaches the grouped GEMM's rows)
+    many = dataclasses.replace(cfg, num_experts=1000)
+    with pytest.raises(ConfigError, match=r"n_routed_experts = 1000: the sort by expert .* allows 101376 \(at most 767"):
+        make_backend(Topology.from_dict({"backend": "cuda"}), here, many)
+    for off in ({"levers": {"prefill_gemm": False}}, {"workspace_rows": 8}):
+        assert isinstance(make_backend(Topology.from_dict({"backend": "cuda", **off}), here, many), CudaBackend)

@@ -21,7 +21,8 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
     ConfigError, before any device is touched, where a lever or the model's top-k is past the
     backend's ``Capabilities``, or (CUDA) where the ring levers ask for a kernel that is not built
     or an fp16 form the site's ``swiglu_limit`` does not bound; and (CUDA, once the device is chosen)
-    where a ring block would need more shared memory than the device gives one."""
+    where a ring block, or the sort by expert of wide calls, would need more shared memory than the device
+    gives one."""
     if topology.backend == "cpu":
         from glm_ep.backend.numpy_backend import NumpyBackend
 
@@ -43,6 +44,12 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
                           "install '.[cuda13]' from the checkout) or use backend = 'cpu'") from None
     be = CudaBackend(device_index(topology.devices, placement, visible), ring, dependent_launch=topology.levers.pdl)
     ring.check_fits(block_smem_limit(), forms, cfg.hidden)  # the device's own limit
+    lv = topology.levers
+    if lv.prefill_gemm and topology.workspace_rows >= min(lv.prefill_gemm_min_rows, lv.nvfp4_dense_gemm_min_rows):
+        from glm_ep.backend.cuda import route
+        from glm_ep.backend.cuda.loader import compute_capability, current_device
+
+        route.check_sort_fits(cfg.num_experts, block_smem_limit(), "sm_%d%d" % compute_capability(current_device()))
     return be
 
 

@@ -1,7 +1,9 @@
 // On-device routing tables, mirroring glm_ep/routing.py exactly:
 //   moe_union_table      the union of a row group's chosen experts in first-occurrence
 //                        (row-major) order: u_eid [R*K] (-1 unused), u_slot [R*K, R] (-1: absent)
-//   moe_sort_by_expert   a stable counting sort of the flat (row, slot) ids by expert
+//   moe_sort_by_expert   a stable counting sort of the flat (row, slot) ids by expert, in one block
+//   moe_sort_count       the same sort over several blocks: each block's per-expert counts of its chunk,
+//   moe_sort_place       then each block places its chunk after the counts of the chunks before it
 #include "common.cuh"
 
 #if !defined(UNION_MAX_IDS) || !defined(SORT_THREADS)

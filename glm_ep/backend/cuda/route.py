@@ -15,6 +15,7 @@ import numpy as np
 from glm_ep.backend.cuda import dense as D
 from glm_ep.backend.cuda.loader import (F32, I32, ROUTER_MAX_TOP_K, SORT_THREADS, U32, UNION_MAX_IDS, check,
                                         check_shape, i32, i64, launch, sm_count)
+from glm_ep.errors import ConfigError
 from glm_ep.routing import RouteParams
 
 ROUTER_THREADS = 32  # one warp per row
@@ -89,6 +90,26 @@ SORT_CHUNK = 1024  # slots a block of the multi-block sort takes at least
 SORT_MULTI_MIN_SLOTS = 8192
 
 
+def sort_smem(num_experts: int) -> int:
+    """Dynamic shared memory of a sort block: a count per expert for the block and for each of its warps."""
+    return 4 * num_experts * (1 + SORT_THREADS // 32)
+
+
+SORT_STATIC_SMEM = 4 * (SORT_THREADS // 32)  # scan_starts' per-warp totals
+
+
+def check_sort_fits(num_experts: int, limit: int, arch: str) -> None:
+    """A ConfigError where a sort block for ``num_experts`` experts would need more shared memory than ``limit``
+    (the device's opt-in limit a block), naming the largest expert count that fits and the lever that avoids
+    the sort (wide calls then run as row groups)."""
+    need = sort_smem(num_experts) + SORT_STATIC_SMEM
+    if need > limit:
+        most = (limit - SORT_STATIC_SMEM) // sort_smem(1)
+        raise ConfigError(f"n_routed_experts = {num_experts}: the sort by expert of wide calls needs {need} bytes of "
+                          f"shared memory a block, this device ({arch}) allows {limit} (at most {most} experts); "
+                          "expected fewer experts, or levers.prefill_gemm = false (wide calls as row groups)")
+
+
 def sort_blocks(slots: int, sms: int) -> int:
     """Blocks of the sort: 1 (the one-block kernel) below SORT_MULTI_MIN_SLOTS slots, else one per SORT_CHUNK
     slots, at most one an SM."""
@@ -108,7 +129,7 @@ def sort_by_expert(ids_TK: Any, num_experts: int, sorted_token_ids_S: Any, sorte
                            ("token_to_perm", token_to_perm_TK, (t, k))):
         check(name, a, I32, 4), check_shape(name, a, shape)
     s, e = t * k, num_experts
-    smem = 4 * e * (1 + SORT_THREADS // 32)
+    smem = sort_smem(e)
     blocks = sort_blocks(s, sm_count()) if counts is not None else 1
     if blocks > 1:
         check("counts", counts, I32, 4)
