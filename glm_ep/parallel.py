@@ -64,6 +64,14 @@ def setup_logging(rank: int, verbose: bool = False) -> None:
             handler.addFilter(QuietRank())
 
 
+def _shown(value: str) -> str:
+    """A value as ``check_same`` prints it: a hex digest by its first 12 digits, any other text whole up to 200
+    characters (two ranks' values may differ only at their end)."""
+    if len(value) >= 32 and all(c in "0123456789abcdef" for c in value):
+        return value[:12]
+    return value if len(value) <= 200 else value[:200] + "..."
+
+
 class Ranks:
     """The MPI job as the runtime uses it: an mpi4py communicator and the deadline that bounds
     every wait on the other ranks (``deadline.timeout_s`` is the topology's ``collective_timeout_s``)."""
@@ -111,12 +119,13 @@ class Ranks:
                               internal)
         return result  # type: ignore[return-value]
 
-    def check_same(self, site: str, what: str, digests: dict[str, str]) -> None:
-        """Refuse to go on unless every rank holds the same ``digests`` (name -> hex digest)."""
-        every = self.allgather(site, digests)
-        differ = [name for name in digests if len({d.get(name) for d in every}) > 1]
+    def check_same(self, site: str, what: str, values: dict[str, str]) -> None:
+        """Refuse to go on unless every rank holds the same ``values`` (name -> a hex digest or a value's text),
+        naming the keys that differ with each rank's value (a digest by its first 12 digits)."""
+        every = self.allgather(site, values)
+        differ = [name for name in values if len({d.get(name) for d in every}) > 1]
         if differ:
-            per_rank = "\n".join(f"  rank {r}: " + ", ".join(f"{n} {d.get(n, '-')[:12]}" for n in differ)
+            per_rank = "\n".join(f"  rank {r}: " + ", ".join(f"{n} {_shown(d.get(n, '-'))}" for n in differ)
                                   for r, d in enumerate(every))
             raise AgreedError(f"ranks hold different {what} (differing: {', '.join(differ)}); expected every "
                               f"rank to read the same files with the same settings:\n{per_rank}")

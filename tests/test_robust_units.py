@@ -4,6 +4,7 @@ the deadline's guard, and the checkpoint fingerprint."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -131,3 +132,41 @@ def test_fingerprint_follows_config_and_headers_not_the_folder(tiny_checkpoint: 
     (copy / "config.json").write_text(json.dumps(cfg, indent=4))
     with Checkpoint(tiny_checkpoint) as a, Checkpoint(copy) as b:
         assert a.fingerprint["config"] != b.fingerprint["config"] and a.fingerprint["index"] == b.fingerprint["index"]
+
+
+class _TwoRanks:
+    """A communicator stand-in whose allgather hands back what two ranks gave: this one's, then ``other``."""
+
+    def __init__(self, other: dict[str, str]):
+        self.other = other
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 2
+
+    def Abort(self, code: int) -> None:
+        raise AssertionError(f"abort {code}")
+
+    def allgather(self, value: dict[str, str]) -> list[dict[str, str]]:
+        return [value, self.other]
+
+
+def test_check_same_names_each_rank_value_whole_and_digests_short() -> None:
+    """Values that differ only past their 12th character (a devices list, a lever tuple, a command line's rows)
+    are shown whole, so the ranks' lines differ; hex digests by their first 12 digits."""
+    from glm_ep.parallel import AgreedError, Ranks
+
+    mine = {"topology devices": "(0, 1, 2, 3, 4, 5, 6, 7)", "config": "ab" * 32, "same": "x"}
+    theirs = {"topology devices": "(0, 1, 2, 3, 4, 5, 7, 6)", "config": "cd" * 32, "same": "x"}
+    with pytest.raises(AgreedError) as e:
+        Ranks(_TwoRanks(theirs)).check_same("site", "layouts", mine)
+    msg = str(e.value)
+    assert "(differing: topology devices, config)" in msg
+    assert "rank 0: topology devices (0, 1, 2, 3, 4, 5, 6, 7), config abababababab\n" in msg
+    assert msg.endswith("rank 1: topology devices (0, 1, 2, 3, 4, 5, 7, 6), config cdcdcdcdcdcd")
+    long = {"a": "[" + "1, " * 100 + "]"}
+    with pytest.raises(AgreedError, match=re.escape("rank 1: a " + ("[" + "1, " * 100)[:200] + "...") + "$"):
+        Ranks(_TwoRanks(long)).check_same("site", "values", {"a": "2"})
+    Ranks(_TwoRanks(dict(mine))).check_same("site", "layouts", mine)  # the same everywhere: no error
