@@ -29,15 +29,16 @@ from glm_ep.topologies import shipped_names
 
 #: where a launcher puts a process's (rank, rank count) before MPI is initialised: Open MPI, MPICH/Hydra and Intel
 #: MPI, PMIx, MVAPICH2
-_LAUNCH_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
-                ("PMIX_RANK", "PMIX_SIZE"), ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+# (rank, rank count) as each launcher sets them; PMIx launchers (srun --mpi=pmix) give a rank but no count
+_LAUNCH_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", None),
+                ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
 
 
 def _launch_value(which: int, default: int) -> int:
     """The first of the launchers' variables ``which`` (0: rank, 1: rank count) that is set, as an integer;
     ``default`` outside mpiexec or where the value is not one."""
     for names in _LAUNCH_VARS:
-        value = os.environ.get(names[which], "").strip()
+        value = os.environ.get(names[which], "").strip() if names[which] else ""
         if value:
             try:
                 return int(value)
@@ -47,8 +48,9 @@ def _launch_value(which: int, default: int) -> int:
 
 
 def _launch_size() -> int:
-    """The ranks the launcher started (its environment, before MPI is initialised); 1 outside mpiexec."""
-    return _launch_value(1, 1)
+    """The ranks the launcher started (its environment, before MPI is initialised); 1 outside mpiexec. At least
+    one more than the rank where a launcher gives no count (PMIx): every rank but 0 then knows it is not alone."""
+    return max(_launch_value(1, 1), launch_rank() + 1)
 
 
 def launch_rank() -> int:

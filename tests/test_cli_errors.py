@@ -362,6 +362,11 @@ def test_synth_refuses_to_overwrite_a_checkpoint_or_to_run_on_several_ranks(tmp_
     assert main(["synth", "--out", str(tmp_path / "new")]) == 2
     assert "synth writes one checkpoint from one process; expected it run without mpiexec" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.setenv("PMIX_RANK", "3")  # srun --mpi=pmix: a rank, no rank count
+    assert main(["synth", "--out", str(tmp_path / "new")]) == 2
+    assert "synth writes one checkpoint from one process" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
 
 
 def test_run_with_a_cache_dir_that_is_a_file_is_a_clear_error(tmp_path) -> None:
