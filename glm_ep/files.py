@@ -129,9 +129,25 @@ def save_readable(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str
     from safetensors.numpy import save_file
 
     save_file(tensors, str(path), metadata=metadata)
-    umask = os.umask(0)
+    try:
+        os.chmod(path, 0o666 & ~_umask())
+    except OSError:  # a file system that keeps its own modes: the file is written all the same
+        pass
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where Linux reports it (``os.umask`` sets it, for a moment
+    the whole process's, threads included)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o022)
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    return umask
 
 
 def write_outputs(outputs: dict[str, np.ndarray], path: str, reads: Iterable[tuple[str, Path]] = ()) -> Path:

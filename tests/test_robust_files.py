@@ -8,6 +8,7 @@ import os
 import stat
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from glm_ep.errors import InputError
@@ -88,6 +89,25 @@ def test_an_existing_regular_output_is_replaced(tiny_checkpoint, x_file, tmp_pat
     os.umask(umask)
     assert os.stat(out).st_mode & 0o777 == 0o666 & ~umask
     assert not list(tmp_path.glob(".glm-ep-probe-*")), "the writability probe was left behind"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_save_readable_gives_the_umask_modes_and_leaves_the_umask(tmp_path, monkeypatch, umask: int) -> None:
+    """The mode comes from the process's umask, read without changing it; a file system that refuses chmod
+    leaves the file written (safetensors' 0600), not an error."""
+    from glm_ep import files
+
+    old = os.umask(umask)
+    try:
+        assert files._umask() == umask
+        files.save_readable({"a": np.zeros(3, np.float32)}, tmp_path / "a.safetensors")
+        assert os.stat(tmp_path / "a.safetensors").st_mode & 0o777 == 0o666 & ~umask
+        assert os.umask(umask) == umask  # still the process's
+        monkeypatch.setattr(os, "chmod", lambda *a, **k: (_ for _ in ()).throw(PermissionError("no chmod here")))
+        files.save_readable({"b": np.ones(2, np.float32)}, tmp_path / "b.safetensors")
+        assert (tmp_path / "b.safetensors").stat().st_size > 0
+    finally:
+        os.umask(old)
 
 
 def test_an_output_folder_where_no_file_can_be_made_is_refused_early(tmp_path, monkeypatch) -> None:
