@@ -44,7 +44,8 @@ cuda_tests() {  # cuda_tests NAME SECONDS EXPR FILE...: the CUDA tests of FILEs 
     stage "$name tests"
     timeout "$secs" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda "$@" -k "$expr" 2>&1 \
         | tee "$O/${name}_tests.log" | tail -8
-    grep -q " passed" "$O/${name}_tests.log" && ! grep -q "failed\|error" "$O/${name}_tests.log" \
+    grep -q " passed" "$O/${name}_tests.log" && ! grep -Eq "^(FAILED|ERROR) | [0-9]+ (failed|errors?)\b" \
+        "$O/${name}_tests.log" \
         || { echo "tests failed: no bench"; return 1; }
 }
 pip install -q --no-deps --no-build-isolation -e . > "$O/pip.log" 2>&1 || echo "pip failed (see pip.log)"

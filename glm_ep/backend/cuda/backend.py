@@ -94,7 +94,10 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         self._ws_partials = cupy.empty(n_partials, dtype=np.float32)
         self._ws_arrived = self.zero(cupy.empty(n_arrived, dtype=np.uint32))
         # the one-row down ring's combine scratch (nvfp4_moe_down_combine): sized at upload_moe, before any capture
-        self._dc_partials, self._dc_arrived, self._retired = None, None, []
+        self._dc_partials, self._dc_arrived = None, None
+        # scratch buffers a later upload outgrew (this one's and the sort's below): kept for the backend's life, since
+        # a graph captured earlier, or a launch still queued, may use them; they grow only with a larger model
+        self._retired = []
         # the multi-block sort's per-(block, expert) counts (wide calls, never captured): sized at upload_moe
         self._sort_counts = None
 
