@@ -90,7 +90,7 @@ items)
         tests/test_cuda_paths.py -k "few_items or nvfp4_dense or default" 2>&1 | tee "$O/items_tests.log" | tail -8
     one_row_and_bench ;;
 next)
-    cuda_tests next 240 "sort_by_expert or sort_scratch or prefill_paths" tests/test_cuda_kernels.py \
+    cuda_tests next 240 "sort_by_expert or sort_scratch or prefill_paths or make_backend" tests/test_cuda_kernels.py \
         tests/test_cuda_paths.py || exit 1
     one_row_and_bench ;;
 dequant)
