@@ -145,8 +145,8 @@ def allocate_workspaces(xp: Any, cfg: SiteConfig, max_rows: int, layers: int, sh
     one host on NumPy, of one GPU on CUDA) allocated theirs (default: measured here, one rank); each may take
     its share."""
     need = ws_total_bytes(cfg, max_rows) * (1 if shared else layers)
-    what = (f"the {'shared' if shared else f'{layers} per-layer'} workspace for workspace_rows = {max_rows} "
-            f"needs {fmt_bytes(need)}")
+    what = (f"the shared workspace for workspace_rows = {max_rows} needs {fmt_bytes(need)}" if shared else
+            f"the {layers} per-layer workspaces for workspace_rows = {max_rows} need {fmt_bytes(need)}")
     hint = "lower workspace_rows in the topology" + ("" if shared else " or set shared_workspace = true")
     if free == "measure":
         free = free_memory_bytes(xp)
@@ -157,7 +157,7 @@ def allocate_workspaces(xp: Any, cfg: SiteConfig, max_rows: int, layers: int, sh
     try:
         return workspace_pool(xp, cfg, max_rows, layers, shared)
     except MemoryError as e:  # CuPy's OutOfMemoryError is a MemoryError too
-        raise ConfigError(f"{what}, and allocating it failed ({e}); {hint}") from None
+        raise ConfigError(f"{what}, and allocating {'it' if shared else 'them'} failed ({e}); {hint}") from None
 
 
 @dataclass(frozen=True)

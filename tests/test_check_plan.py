@@ -11,7 +11,7 @@ import pytest
 
 from glm_ep import jobs as jobs_module
 from glm_ep import reference as reference_module
-from glm_ep.check_plan import plan_check, sampled_layers
+from glm_ep.check_plan import plan_check
 from glm_ep.cli import build_parser
 from glm_ep.config import ModelConfig
 from glm_ep.errors import EXIT_FAIL, EXIT_OK
@@ -67,9 +67,80 @@ def test_plan_modes() -> None:
     assert auto.mode == "sampled" and auto.estimate_bytes < full.estimate_bytes / 10
     assert {0, 1, 5} <= set(auto.layers) and len(auto.layers) == 5  # first dense, first/last sparse, 2 more
     assert len(auto.rows[0]) == 4 and auto.rows[1:] == ((0,), (0,), (0, 1, 2))  # every decode row
-    assert auto.layers_of(0) + auto.layers_of(1) == auto.layers[0::2] + auto.layers[1::2]
-    picks = {seed: sampled_layers(model, seed) for seed in range(8)}
-    assert picks[0] == sampled_layers(model, 0) and len(set(picks.values())) > 1  # seeded, and by the seed
+
+
+@pytest.mark.parametrize("mode", ["full", "sampled"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_checked_layers_are_shared_out_over_the_ranks(mode: str, world: int) -> None:
+    """Every checked layer is evaluated by exactly one rank: the ranks' shares are disjoint, together they are the
+    plan's layers, and they are even (in turn: no rank takes two layers more than another)."""
+    model = ModelConfig.from_dict(tiny_dict(**MEDIUM), source="medium")
+    plan = plan_check(model, mode, [16, 1, 3], seed=3, world=world, budget_bytes=0)
+    assert plan.mode == mode and len(plan.layers) == (6 if mode == "full" else 5)
+    shares = [plan.layers_of(rank) for rank in range(world)]
+    every = [i for share in shares for i in share]
+    assert len(every) == len(set(every)), f"world {world}: a layer checked twice: {shares}"
+    assert sorted(every) == list(plan.layers), f"world {world}: {shares} vs {plan.layers}"
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1, f"world {world}: uneven {shares}"
+
+
+#: dense layers at 1, 3 and 6, so the first dense layer is neither layer 0 nor the only or last dense one
+MIXED = ["sparse", "dense", "sparse", "dense", "sparse", "sparse", "dense", "sparse"]
+
+
+@pytest.mark.parametrize("types", [MEDIUM["mlp_layer_types"], MIXED], ids=["medium", "mixed"])
+def test_sampled_layers_are_the_first_dense_first_and_last_sparse_and_two_seeded(types: list[str]) -> None:
+    """README: ``sampled`` checks the first dense layer, the first and last sparse layers and two seeded others;
+    those three found here from the model's layer types."""
+    model = ModelConfig.from_dict(tiny_dict(**{**MEDIUM, "num_hidden_layers": len(types), "mlp_layer_types": types}),
+                                  source="mixed")
+    first_dense = types.index("dense")
+    sparse = [i for i, t in enumerate(types) if t == "sparse"]
+    fixed = {first_dense, sparse[0], sparse[-1]}
+    extras = {}
+    for seed in range(8):
+        layers = plan_check(model, "sampled", [16, 1], seed=seed, world=1, budget_bytes=0).layers
+        assert list(layers) == sorted(set(layers)) and set(layers) <= set(range(len(types))), (seed, layers)
+        assert fixed <= set(layers), f"seed {seed}: {layers} lacks one of {sorted(fixed)}"
+        extras[seed] = tuple(sorted(set(layers) - fixed))
+        assert len(extras[seed]) == 2, f"seed {seed}: {layers}, expected {sorted(fixed)} and two others"
+        # every rank plans on its own: the same seed must give the same layers
+        assert plan_check(model, "sampled", [16, 1], seed=seed, world=1, budget_bytes=0).layers == layers
+    assert len(set(extras.values())) > 1, f"the two other layers do not follow the seed: {extras}"
+
+
+GiB = 2**30
+
+
+class _FakeRanks:
+    """``Ranks`` as ``memory_budget`` uses it: ``allgather`` hands back every rank's (host, physical memory bytes),
+    after checking that this rank gave its own."""
+
+    def __init__(self, rank: int, every: list[tuple[str, int]]):
+        self.rank, self.every = rank, every
+
+    def allgather(self, site: str, value):
+        assert value == self.every[self.rank], (self.rank, value)
+        return list(self.every)
+
+
+@pytest.mark.parametrize("every,budget", [
+    ([("a", 64 * GiB), ("a", 64 * GiB), ("b", 48 * GiB)], 8 * GiB),  # host a's two ranks: 64 / 4 / 2
+    ([("a", 64 * GiB), ("a", 64 * GiB), ("b", 24 * GiB)], 6 * GiB),  # host b's one rank: 24 / 4 / 1
+], ids=["shared-host-least", "lone-host-least"])
+def test_memory_budget_is_a_quarter_of_a_hosts_memory_per_rank_on_it(monkeypatch, every, budget) -> None:
+    """README: ``auto`` is ``full`` where the estimate fits a quarter of the physical memory per rank of a node.
+    Three ranks, two on host a, one on host b: each rank's budget is a quarter of its host's memory over the ranks
+    on that host, the least over the ranks, the same on every rank."""
+    from glm_ep import check_plan
+
+    real_sysconf = check_plan.os.sysconf
+    for rank, (host, phys) in enumerate(every):
+        sysconf = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": phys // 4096}
+        monkeypatch.setattr(check_plan.os, "sysconf", lambda name, s=sysconf: s[name] if name in s
+                            else real_sysconf(name))
+        monkeypatch.setattr(check_plan.socket, "gethostname", lambda h=host: h)
+        assert check_plan.memory_budget(_FakeRanks(rank, every)) == budget, (rank, host)
 
 
 def test_auto_checks_the_tiny_model_fully_and_none_skips(tiny_checkpoint) -> None:

@@ -65,6 +65,28 @@ def test_workspace_bigger_than_free_memory_is_refused(monkeypatch: pytest.Monkey
     assert len({id(ws) for ws in private}) == 4
 
 
+def test_per_layer_workspaces_are_checked_as_one_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``shared_workspace = false``: each of the layers gets its own workspace, so the free memory must hold layers x
+    one workspace. The tiny model at 8 rows, counted by hand from the buffer list: act = max(8 * 256, 8 * 8 * 64)
+    bf16 for each of gate/up/act (3 * 1024 bytes a row), logits 32 fp32 (128), six int32/fp32 [rows, top_k]
+    buffers (6 * 32), expert_out [rows * 8, 128] bf16 (2048), shared_out [rows, 128] bf16 (256): 5696 bytes a row;
+    u_slot [rows * 8, rows] int32 (32 a row squared); expert_offsets 33 int32 (132)."""
+    cfg = _cfg()
+    one = 5696 * 8 + 32 * 8 * 8 + 132  # 47748
+    monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: 4 * one - 1)
+    with pytest.raises(ConfigError, match=r"the 4 per-layer workspaces for workspace_rows = 8 need 0\.19 MB, but only "
+                                          r"0\.19 MB of host memory is free; lower workspace_rows in the topology or "
+                                          r"set shared_workspace = true"):
+        allocate_workspaces(np, cfg, 8, 4, shared=False)
+    monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: 4 * one)
+    pool = allocate_workspaces(np, cfg, 8, 4, shared=False)
+    assert len({id(ws) for ws in pool}) == 4 and all(ws.nbytes == one for ws in pool)
+    # two ranks sharing that memory: each needs its four
+    with pytest.raises(ConfigError, match=r"4 per-layer workspaces .* for the 2 ranks that share it"):
+        allocate_workspaces(np, cfg, 8, 4, False, 2 * 4 * one - 1, 2)
+    assert len(allocate_workspaces(np, cfg, 8, 4, False, 2 * 4 * one, 2)) == 4
+
+
 def test_ranks_sharing_memory_each_take_their_share(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks on one host (NumPy) or one GPU each checked their workspace against ALL of the memory free there, so
     two ranks could take twice what is free; now each fits its share of what was free before any allocated."""
@@ -84,8 +106,10 @@ def test_workspace_allocation_failure_is_a_config_error(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: None)
     monkeypatch.setattr(workspace, "workspace_pool", no_memory)
-    with pytest.raises(ConfigError, match="allocating it failed .*Unable to allocate"):
+    with pytest.raises(ConfigError, match="the 4 per-layer workspaces .* allocating them failed .*Unable to allocate"):
         allocate_workspaces(np, _cfg(), 64, 4, shared=False)
+    with pytest.raises(ConfigError, match="the shared workspace .* allocating it failed .*Unable to allocate"):
+        allocate_workspaces(np, _cfg(), 64, 4, shared=True)
 
 
 def test_free_host_memory_is_known_here() -> None:

@@ -80,6 +80,42 @@ def test_workspace_buffers_match_hand_computed_sizes(rows: int) -> None:
     assert ws_total_bytes(_glm_tp2_ep2(), rows) == 173376 * rows + 32 * rows * rows + 1156
 
 
+def _wide_dense_tp2_ep2() -> SiteConfig:
+    """tiny with a 2048-wide dense FFN at tp = ep = 2: hidden 128, dense 1024 a rank, routed 64 x top-8 = 512
+    (the dense width the larger term, unlike GLM's), shared 64 / 2 = 32, 32 experts."""
+    model = tiny_model(intermediate_size=2048)
+    return SiteConfig.for_rank(model, RankLayout(world=2, rank=0, tp=2, ep=2))
+
+
+def _wide_shared() -> SiteConfig:
+    """tiny with 16 shared experts and top-2 at tp = 1: hidden 128, dense 256, routed 64 x top-2 = 128, shared
+    16 x 64 = 1024 (the shared width the larger term), 32 experts."""
+    return SiteConfig.for_rank(tiny_model(n_shared_experts=16, num_experts_per_tok=2), RankLayout(1, 0, 1, 1))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("shape", ["wide-dense-tp2", "wide-shared"])
+def test_workspace_act_buffers_hold_the_widest_of_dense_shared_and_routed(shape: str, rows: int) -> None:
+    """gate/up/act hold [rows, width] of the dense FFN and the shared expert as well as the routed
+    [rows, top_k, moe width]: where this rank's dense (or shared) width passes top_k * moe width, it sizes them."""
+    cfg, k = (_wide_dense_tp2_ep2(), 8) if shape == "wide-dense-tp2" else (_wide_shared(), 2)
+    b = dict(zip(BUFFERS, ws_bytes(cfg, rows)))
+    # act = max(rows * 1024, rows * k * 64) = rows * 1024 bf16 elements
+    assert b["a_gate"] == b["a_up"] == b["a_act"] == rows * 1024 * 2
+    assert b["logits"] == rows * 32 * 4
+    assert b["ids"] == b["wts"] == b["u_eid"] == b["token_to_perm"] == rows * k * 4
+    assert b["sorted_token_ids"] == b["sorted_expert_ids"] == rows * k * 4
+    assert b["expert_out"] == rows * k * 128 * 2
+    assert b["shared_out"] == rows * 128 * 2
+    assert b["u_slot"] == rows * k * rows * 4
+    assert b["expert_offsets"] == 33 * 4
+    # 3 * 2048 + 128 + 6 * 4k + 256k + 256 per row, 4k per row squared, 132
+    assert ws_total_bytes(cfg, rows) == (6528 + 280 * k) * rows + 4 * k * rows * rows + 132
+    ws = Workspace(np, cfg, rows)  # what is allocated
+    assert ws.fits("a_act", rows * 1024) and not ws.fits("a_act", rows * 1024 + 1)
+    assert ws.fits("a_up", rows * 1024) and not ws.fits("a_up", rows * 1024 + 1)
+
+
 @pytest.mark.parametrize("rows,per_ws,copies45", [
     (256, "46.48 MB", "2.092 GB"), (512, "97.16 MB", "4.372 GB"), (1024, "211.09 MB", "9.499 GB")])
 def test_workspace_decimal_megabytes_and_45_copies(rows: int, per_ws: str, copies45: str) -> None:
