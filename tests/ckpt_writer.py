@@ -103,10 +103,14 @@ def _decode(dtype: str, shape: tuple[int, ...], data: bytes) -> np.ndarray:
 
 # ---- writer ------------------------------------------------------------------------------------
 def write_checkpoint(out: Path, seed: int, text: dict[str, Any] | None = None, out_gain: float = 1.0,
-                     bias_spread: float = 0.05, shards: int = 3,
-                     dense_nvfp4: bool = False) -> tuple[list[Ref64Layer], RefParams]:
+                     bias_spread: float = 0.05, shards: int = 3, dense_nvfp4: bool = False,
+                     scale_2_shape: tuple[int, ...] = ()) -> tuple[list[Ref64Layer], RefParams]:
     """Write the checkpoint; return its float64 layers and routing parameters. ``dense_nvfp4``: the dense
-    MLPs quantized like the experts (ModelOpt's nvfp4_experts_dense_mlp recipe)."""
+    MLPs quantized like the experts (ModelOpt's nvfp4_experts_dense_mlp recipe). ``scale_2_shape``: the stored
+    shape of every ``weight_scale_2`` (``()`` or ``(1,)``, both of which exports write; any other one-element
+    shape to test its refusal)."""
+    if math.prod(scale_2_shape) != 1:
+        raise ValueError(f"scale_2_shape {scale_2_shape} does not hold one value")
     t = dict(TEXT_CONFIG, **(text or {}))
     rng = np.random.default_rng(seed)
     h, inter, m, e = t["hidden_size"], t["intermediate_size"], t["moe_intermediate_size"], t["n_routed_experts"]
@@ -138,7 +142,7 @@ def write_checkpoint(out: Path, seed: int, text: dict[str, Any] | None = None, o
         packed, scale_bits, scale_2 = nvfp4_encode(w)
         tensors[f"{p}.weight"] = ("U8", packed.shape, packed.tobytes())
         tensors[f"{p}.weight_scale"] = ("F8_E4M3", scale_bits.shape, scale_bits.tobytes())
-        tensors[f"{p}.weight_scale_2"] = ("F32", (), np.float32(scale_2).tobytes())
+        tensors[f"{p}.weight_scale_2"] = ("F32", tuple(scale_2_shape), np.float32(scale_2).tobytes())
         tensors[f"{p}.input_scale"] = ("F32", (), np.float32(0.0123).tobytes())  # unused: W4A16
         return nvfp4_to_f64(packed, scale_bits, float(scale_2))
 

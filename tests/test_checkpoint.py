@@ -17,11 +17,13 @@ from glm_ep.checkpoint import Checkpoint, load_layer, read_nvfp4
 from glm_ep.config import RankLayout, SiteConfig
 from glm_ep.errors import CheckpointError, ConfigError
 from glm_ep.presets import preset
+from glm_ep.reference import Reference
 from glm_ep.synth import write_synthetic
 from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
 
-from ckpt_writer import read_safetensors, write_safetensors
+from ckpt_writer import read_safetensors, write_checkpoint, write_safetensors
 from cli_jobs import shard_of
+from helpers import nvfp4_to_f64, random_x, rel_l2, site64
 
 LAYOUTS = [(1, 0, 1, 1), (2, 0, 2, 2), (2, 1, 2, 2), (2, 1, 1, 2), (2, 1, 2, 1)]
 SPARSE = "model.layers.1.mlp"
@@ -174,6 +176,82 @@ def test_composite_and_single_file_and_f32_router(tiny_checkpoint: Path, tmp_pat
         assert np.array_equal(other.experts[5].down.packed, ref.experts[5].down.packed)
     f32 = _load_all(write_synthetic(tmp_path / "f32", preset("tiny"), router_dtype="f32"), 1)
     assert f32.router.dtype == np.float32 and f32.router.shape == ref.router.shape
+
+
+def _self_comm():
+    from mpi4py import MPI
+
+    return MPI.COMM_SELF
+
+
+def _matches_float64(folder: Path, layers: list, p, x: np.ndarray) -> None:
+    """``glm_ep.reference.Reference`` agrees with the tests' own float64 site to rounding, and the runtime loaded
+    from ``folder`` (one rank, NumPy) is within the run's bound of it, at every site."""
+    import glm_ep
+
+    with Reference(folder) as ref:
+        for i, layer in enumerate(layers):
+            np.testing.assert_allclose(ref.site(i, x), site64(layer, p, x), rtol=1e-9, atol=1e-9,
+                                       err_msg=f"Reference, site {i}")
+    mlp = glm_ep.load(folder, comm=_self_comm())
+    errs = [rel_l2(mlp.site(i, x), site64(layer, p, x)) for i, layer in enumerate(layers)]
+    assert all(e < 1e-2 for e in errs), errs
+
+
+def test_norm_topk_prob_false_is_followed_by_the_reference_and_the_runtime(tmp_path: Path) -> None:
+    """``norm_topk_prob = false``: a routed weight is the expert's unbiased score times routed_scaling_factor, not
+    renormalised over the chosen experts, in the float64 Reference (what ``run``'s check holds the runtime
+    against) and in the runtime, on a checkpoint of the independent writer."""
+    folder = tmp_path / "no-renorm"
+    layers, p = write_checkpoint(folder, seed=5, text={"norm_topk_prob": False})
+    assert p.renormalize is False
+    x = random_x(8, 6, layers[0].mlp[0].shape[1], gain=1.5)
+    with Reference(folder) as ref:
+        _, wts = ref.route(0, x)
+    # renormalised weights would sum to routed_scaling_factor on every row
+    assert np.abs(wts.sum(axis=1) - p.routed_scale).min() > 0.05 * p.routed_scale, wts.sum(axis=1)
+    _matches_float64(folder, layers, p, x)
+
+
+def _scale_2_shapes(folder: Path) -> set[tuple[int, ...]]:
+    return {shape for f in folder.glob("*.safetensors") for k, (_, shape, _) in read_safetensors(f).items()
+            if k.endswith(".weight_scale_2")}
+
+
+def test_weight_scale_2_stored_with_shape_1_is_read(tmp_path: Path) -> None:
+    """A ``weight_scale_2`` of shape ``[1]`` (README: ``[]`` or ``[1]``), routed experts and a dense FFN stored
+    NVFP4 alike: read as the scalar it holds, by the loader, the float64 Reference and the runtime."""
+    folder = tmp_path / "scale2-1"
+    layers, p = write_checkpoint(folder, seed=6, dense_nvfp4=True, scale_2_shape=(1,))
+    assert _scale_2_shapes(folder) == {(1,)}
+    with Checkpoint(folder) as ck:
+        dense, moe = (load_layer(ck, _site(ck, LAYOUTS[0]), i) for i in (1, 0))
+        assert isinstance(dense, ExpertWeights) and isinstance(moe, MoeWeights)
+        # the decoded projections are the values the writer meant: scale_2 taken whole from the [1] tensor
+        for q, want in ((dense.gate, layers[1].mlp[0]), (moe.experts[3].down, layers[0].experts[3][2])):
+            assert isinstance(q.scale_2, float), type(q.scale_2)
+            np.testing.assert_array_equal(nvfp4_to_f64(q.packed, q.scale.view(np.uint8), q.scale_2), want)
+    x = random_x(9, 5, layers[0].mlp[0].shape[1], gain=1.5)
+    _matches_float64(folder, layers, p, x)
+
+
+def test_weight_scale_2_of_another_shape_is_refused(tmp_path: Path, ckpt_copy: Path) -> None:
+    """``[1, 1]`` (one value, so a reshape would take it silently) and ``[2]``: refused, naming file and tensor."""
+    folder = tmp_path / "scale2-11"
+    write_checkpoint(folder, seed=6, scale_2_shape=(1, 1))
+    assert _scale_2_shapes(folder) == {(1, 1)}
+    with Checkpoint(folder) as ck, pytest.raises(
+            CheckpointError, match=r"model-0000\d-of-00003\.safetensors: tensor 'model\.language_model\.layers\.0\.mlp"
+                                   r"\.experts\.0\.gate_proj\.weight_scale_2' has shape \[1, 1\], expected a scalar "
+                                   r"\(\[\] or \[1\]\)"):
+        load_layer(ck, _site(ck, LAYOUTS[0]), 0)
+    key = f"{SPARSE}.experts.3.down_proj.weight_scale_2"
+    shard = shard_of(ckpt_copy, key)
+    _rewrite(shard, lambda t: t.__setitem__(key, ["F32", [2], np.array([0.5, 0.5], np.float32).tobytes()]))
+    with Checkpoint(ckpt_copy) as ck:
+        with pytest.raises(CheckpointError, match=rf"{shard.name}: tensor '{key}' has shape \[2\], expected a scalar"):
+            load_layer(ck, _site(ck, LAYOUTS[0]), 1)
+        assert len(load_layer(ck, _site(ck, (2, 1, 2, 2)), 1).experts) == 16  # rank 1 never reads expert 3
 
 
 # ---- errors: each names the file, tensor or value at fault ------------------------------------

@@ -194,14 +194,15 @@ def test_unexpected_exception_on_one_rank_aborts_the_job(tmp_path) -> None:
 def test_a_crash_on_one_rank_inside_an_agreement_stops_every_rank_at_once(tmp_path) -> None:
     """A crash (not a user error) on one rank inside ``Ranks.agree``, as the library API meets it (no
     run_guarded): that rank raises its own exception, the other an AgreedError naming it, both at once, not
-    after the collective deadline (60 s here; the default is 300)."""
+    at the collective deadline: that is an hour here, so a job that waited for it would outlive the launch's
+    timeout."""
     script = textwrap.dedent("""
-        import sys, time
+        import sys
         from pathlib import Path
         from mpi4py import MPI
         from glm_ep.parallel import AgreedError, Ranks
 
-        rank, t0 = MPI.COMM_WORLD.Get_rank(), time.monotonic()
+        rank = MPI.COMM_WORLD.Get_rank()
 
         def step():
             if rank == 1:
@@ -209,20 +210,19 @@ def test_a_crash_on_one_rank_inside_an_agreement_stops_every_rank_at_once(tmp_pa
             return 7
 
         try:
-            Ranks(MPI.COMM_WORLD, timeout_s=60).agree("step", step)
+            Ranks(MPI.COMM_WORLD, timeout_s=3600).agree("step", step)
             said = "went on"
         except AgreedError as e:
             said = f"agreed {e.internal} [{e}]"
         except ZeroDivisionError as e:
             said = f"own {e!r}"
-        Path(sys.argv[1], f"rank{rank}").write_text(f"{said}\\n{time.monotonic() - t0}")
+        Path(sys.argv[1], f"rank{rank}").write_text(said)
     """)
-    r = mpiexec(2, "-c", script, str(tmp_path), timeout=50)
+    r = mpiexec(2, "-c", script, str(tmp_path), timeout=60)  # the hang guard: far below the deadline
     assert r.returncode == 0, r.stdout + r.stderr
-    said = {rank: (tmp_path / f"rank{rank}").read_text().split("\n") for rank in (0, 1)}
-    assert said[0][0] == "agreed True [internal error: ZeroDivisionError: boom (on rank 1)]", said
-    assert said[1][0] == "own ZeroDivisionError('boom')", said
-    assert all(float(t) < 30 for _, t in said.values()), said  # not the collective deadline
+    said = {rank: (tmp_path / f"rank{rank}").read_text() for rank in (0, 1)}
+    assert said[0] == "agreed True [internal error: ZeroDivisionError: boom (on rank 1)]", said
+    assert said[1] == "own ZeroDivisionError('boom')", said
 
 
 def test_an_agreed_crash_exits_as_an_internal_error(capsys) -> None:
@@ -239,6 +239,18 @@ def test_an_agreed_crash_exits_as_an_internal_error(capsys) -> None:
     err = capsys.readouterr().err
     assert "glm-ep: error: internal error: ZeroDivisionError: boom (on rank 1)" in err
     assert "glm-ep: error: value 3 is bad, expected 7" in err
+
+
+def test_an_interrupt_exits_130_quietly(capsys) -> None:
+    """Ctrl-C (KeyboardInterrupt) ends the command with 130 (128 + SIGINT), as a shell reports it, and no
+    traceback or error line."""
+    from glm_ep.parallel import run_guarded
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    assert run_guarded(interrupted, None) == 130
+    assert capsys.readouterr().err == ""
 
 
 def test_an_agreed_error_is_printed_once_whole_one_rank_per_line(tmp_path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from glm_ep.config import RankLayout
 from glm_ep.topology import PathLevers
 
 from helpers import (CapturingNumpy, RefParams, assert_ulps, build_stack, random_weights, random_x, ref64_layers,
@@ -21,9 +22,12 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def setup():
-    model = tiny_model()
+@pytest.fixture(scope="module", params=[True, False], ids=["renorm", "no-renorm"])
+def setup(request):
+    """The tiny model with ``norm_topk_prob`` true (GLM's) and false: the routed weights are then the
+    unbiased scores themselves, scaled (about 8 times the renormalised ones at top-8)."""
+    model = tiny_model(norm_topk_prob=request.param)
+    assert model.norm_topk_prob is request.param
     full = random_weights(model, seed=7, bias_spread=0.05)
     return model, full, ref64_layers(full), RefParams.of(model)
 
@@ -244,3 +248,31 @@ def test_one_site_calls_replay_a_graph_per_site_and_width() -> None:
             got, want = stack.site_output(i, x).copy(), eager.site_output(i, x).copy()
             np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
         assert stack.step(x) is not None and be.captured == wanted and (3 not in stack._graphs)
+
+
+#: a dense width of 2048 (1024 per rank at tp = 2): past the routed experts' top_k * moe_intermediate = 512
+WIDE_DENSE = 2048
+
+
+@pytest.mark.parametrize("dense_nvfp4", [False, True], ids=["bf16", "nvfp4"])
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_a_dense_ffn_wider_than_the_routed_activations(rows: int, dense_nvfp4: bool) -> None:
+    """``intermediate_size / tp`` larger than ``top_k * moe_intermediate_size`` (every other test's dense FFN is
+    narrower): the activation buffers hold the dense FFN's rows, on every path, whole (tp 1) and as the sum of
+    the two TP ranks' partials (tp = ep = 2), close to float64; the sparse sites of that model too."""
+    model = tiny_model(intermediate_size=WIDE_DENSE)
+    assert model.intermediate_size // 2 > model.num_experts_per_tok * model.moe_intermediate_size
+    full = random_weights(model, seed=13, dense_nvfp4=dense_nvfp4)
+    ref, p = ref64_layers(full), RefParams.of(model)
+    assert ref[0].kind == "dense" and ref[0].mlp[0].shape == (WIDE_DENSE, model.hidden_size)
+    x = random_x(700 + rows, rows, model.hidden_size)
+    want = [site64(layer, p, x) for layer in ref]
+    for name, levers in VARIANTS.items():
+        whole = build_stack(full, model, levers=levers, max_rows=MAX_ROWS)
+        halves = [build_stack(full, model, RankLayout(2, r, 2, 2), levers=levers, max_rows=MAX_ROWS) for r in (0, 1)]
+        for i in range(len(full)):
+            y = whole.site_output(i, x).copy()
+            assert np.isfinite(y.astype(np.float32)).all(), (name, i)
+            assert rel_l2(y, want[i]) < 1e-2, (name, "tp 1", i, rel_l2(y, want[i]))
+            summed = sum(h.site_output(i, x).astype(np.float64) for h in halves)
+            assert rel_l2(summed, want[i]) < 1e-2, (name, "tp 2", i, rel_l2(summed, want[i]))

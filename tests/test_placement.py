@@ -68,6 +68,11 @@ def test_device_is_the_node_local_rank_unless_listed() -> None:
     with pytest.raises(ConfigError, match=r"rank 3 \(rank 1 of 2 on node1\) is mapped to CUDA device 5, "
                                           r"but 2 device\(s\) are visible"):
         device_index((0, 0, 0, 5), _at(3, 1, 1), visible=2)
+    # the first device past the visible ones (CUDA devices count from 0): refused, not taken as the last one
+    with pytest.raises(ConfigError, match=r"rank 1 \(rank 1 of 2 on node0\) is mapped to CUDA device 2, "
+                                          r"but 2 device\(s\) are visible"):
+        device_index((0, 2), _at(1, 1), visible=2)
+    assert device_index((0, 1), _at(1, 1), visible=2) == 1  # the last visible device
 
 
 class _FakeWorld:

@@ -5,12 +5,15 @@ read; ranks that opened different checkpoints or layouts refuse to run."""
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ckpt_writer import read_safetensors, write_safetensors
-from cli_jobs import copy_checkpoint, fails, glm_ep, glm_ep_per_rank, loaded_weights, save_hidden, write_topology
+from cli_jobs import (copy_checkpoint, fails, glm_ep, glm_ep_per_rank, loaded_weights, save_hidden, shard_of,
+                      write_topology)
 from helpers import random_x
 
 INDEX = "model.safetensors.index.json"
@@ -82,7 +85,7 @@ def test_workspace_too_big_is_refused_before_any_weight_is_read(ckpt, tmp_path) 
     topo = write_topology(tmp_path / "huge.toml", world=2, tp=2, ep=2, workspace_rows=10_000_000,
                           shared_workspace=False)
     r = _forward(ckpt, tmp_path, "--topology", str(topo))
-    fails(r, "the 4 per-layer workspace for workspace_rows = 10000000 needs", "of host memory is free",
+    fails(r, "the 4 per-layer workspaces for workspace_rows = 10000000 need", "of host memory is free",
           "lower workspace_rows in the topology or set shared_workspace = true")
     assert not loaded_weights(r)
 
@@ -103,6 +106,37 @@ def test_ranks_that_opened_checkpoints_of_other_weights_refuse_to_run(tiny_check
 
     other = write_synthetic(tmp_path / "seed7", preset("tiny"), seed=7, shard_bytes=256 * 1024)
     r = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path), _forward_args(other, tmp_path))
+    fails(r, "ranks hold different checkpoints (differing: router weights and biases)",
+          "rank 0: router weights and biases", "rank 1: router weights and biases")
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def _nudge_f32_in_place(ckpt: Path, key: str, index: int) -> Path:
+    """Move element ``index`` of the F32 tensor ``key`` one float32 step up, in the shard's bytes themselves (the
+    header, and so the checkpoint's fingerprint, stay as they are)."""
+    shard = shard_of(ckpt, key)
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    entry = json.loads(data[8:8 + n])[key]
+    assert entry["dtype"] == "F32", entry
+    at = 8 + n + entry["data_offsets"][0] + 4 * index
+    (old,) = struct.unpack("<f", data[at:at + 4])
+    data[at:at + 4] = struct.pack("<f", float(np.nextafter(np.float32(old), np.float32(np.inf))))
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_ranks_whose_checkpoints_differ_in_one_routing_bias_refuse_to_run(ckpt, tiny_checkpoint, tmp_path) -> None:
+    """Two copies that differ in one float32 step of one e_score_correction_bias value (the rest of the files, the
+    router weights among them, byte for byte the same): the bias selects experts, so the job is refused as for
+    other router weights, before any output is written."""
+    key = "model.layers.2.mlp.gate.e_score_correction_bias"
+    shard = _nudge_f32_in_place(ckpt, key, 5)
+    for theirs in sorted(tiny_checkpoint.iterdir()):
+        a, b = theirs.read_bytes(), (ckpt / theirs.name).read_bytes()
+        differ = sum(x != y for x, y in zip(a, b)) if len(a) == len(b) else -1
+        assert (0 < differ <= 4 if theirs.name == shard.name else differ == 0), (theirs.name, differ)  # one value
+    r = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path), _forward_args(ckpt, tmp_path))
     fails(r, "ranks hold different checkpoints (differing: router weights and biases)",
           "rank 0: router weights and biases", "rank 1: router weights and biases")
     assert not (tmp_path / "out.safetensors").exists()

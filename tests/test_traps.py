@@ -17,8 +17,8 @@ from glm_ep.topology import PathLevers
 from glm_ep.weights import ExpertWeights, MoeWeights
 from glm_ep.workspace import Workspace
 
-from helpers import (BF16, RefParams, build_stack, mlp64, random_weights, random_x, ref64_layers, rel_l2,
-                     shard_layer, site64, tiny_model)
+from helpers import (BF16, RefParams, bf16_ulps, build_stack, mlp64, random_weights, random_x, ref64_layers, rel_l2,
+                     route64, shard_layer, site64, tiny_model)
 
 
 def _p(k: int, scale: float = 1.0, renorm: bool = False, ladder: bool = False) -> RouteParams:
@@ -232,3 +232,60 @@ def test_remote_slots_are_exactly_zero(rows: int, levers: PathLevers) -> None:
     assert (rows_remote.view(np.uint16) == 0).all()  # bitwise +0.0
     rows_local = np.asarray(routed, dtype=np.float32)[perm[~remote]]
     assert np.isfinite(rows_local).all() and (np.abs(rows_local).sum(axis=1) > 0).all()
+
+
+def _route64_bf16(router: np.ndarray, bias: np.ndarray, p: RefParams, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bf16 router (``moe_router_dtype = "bfloat16"``) in float64, from its definition: the logits and the
+    scores rounded to bf16 (nearest even), the fp32 bias added to select only, the chosen unbiased scores
+    renormalised and rounded, then scaled and rounded again."""
+    def bf16(a: np.ndarray) -> np.ndarray:
+        return np.asarray(a, np.float64).astype(np.float32).astype(BF16).astype(np.float64)
+
+    scores = bf16(1.0 / (1.0 + np.exp(-bf16(x.astype(np.float64) @ router.astype(np.float64).T))))
+    ids = np.argsort(-(scores + bias.astype(np.float64)[None, :]), axis=1, kind="stable")[:, : p.top_k]
+    wts = np.take_along_axis(scores, ids, axis=1)
+    if p.renormalize:
+        wts = bf16(wts / wts.sum(axis=1, keepdims=True))
+    return ids, bf16(wts * p.routed_scale)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_bf16_router_site_routes_as_the_bf16_router(rows: int) -> None:
+    """``moe_router_dtype = "bfloat16"`` reaches the site: rows whose fp32 and bf16 choices differ (an expert whose
+    score sigmoid(0.003) = 0.50075 beats 0.5 in fp32 and ties with it in bf16, where the lower id wins) take the
+    bf16 router's experts and weights, on the route beside the shared expert and on the one after the experts."""
+    model = _one_sparse(moe_router_dtype="bfloat16")
+    assert model.router_bf16
+    p, e, h = RefParams.of(model), model.n_routed_experts, model.hidden_size
+    full = random_weights(model, seed=51)[0]
+    # row r reads only column r of the router (x[r, 0:4] is one-hot), so its logits are that column exactly:
+    # top-7 clear experts, the 8th slot between a 0.003 logit and the zero logits of the rest
+    router = np.zeros((e, h), np.float32)
+    tie = float(np.float32(0.003).astype(BF16))
+    for r, (clear, near) in enumerate([(range(7), 31), (range(10, 17), 20), (range(20, 27), 29), (range(7), 8)]):
+        router[list(clear), r] = 2.0 + 0.125 * np.arange(7)
+        router[near, r] = tie
+    bias = np.full(e, 7.0, np.float32)  # equal: the scores alone decide, as in a tie of the choices
+    moe = MoeWeights(router.astype(BF16), bias, 0, full.experts, full.shared)
+    x = random_x(52, 4, h).astype(np.float32)
+    x[:, :4] = np.eye(4, dtype=np.float32)
+    x = x.astype(BF16)[:rows]
+    ids64, wts64 = _route64_bf16(router, bias, p, x)
+    ref = ref64_layers([moe])[0]
+    fp32_ids, _ = route64(ref, p, x.astype(np.float64))
+    assert (np.sort(ids64, axis=1) != np.sort(fp32_ids, axis=1)).any(axis=1).all()  # every row's choice differs
+    want = mlp64(ref.mlp, p.limit, x.astype(np.float64))
+    for t in range(rows):
+        for k in range(p.top_k):
+            want[t] += wts64[t, k] * mlp64(ref.experts[ids64[t, k]], p.limit, x[t:t + 1].astype(np.float64))[0]
+    for max_rows in (32, rows):  # shared gate/up beside the router, then after the experts
+        stack = build_stack([moe], model, max_rows=max_rows)
+        beside = stack.sites[0].route_and_shared_glu(x, stack.workspaces[0]) is not None
+        assert beside == (max_rows == 32), max_rows
+        y = stack.site_output(0, x).copy()
+        ids = np.asarray(stack.workspaces[0].view("ids", rows, p.top_k)).copy()
+        wts = np.asarray(stack.workspaces[0].view("wts", rows, p.top_k), np.float64).copy()
+        np.testing.assert_array_equal(ids, ids64, err_msg=f"workspace of {max_rows} rows")
+        assert (wts.astype(np.float32).astype(BF16).astype(np.float64) == wts).all(), wts  # bf16 values
+        assert bf16_ulps(wts, wts64).max() <= 1, (wts, wts64)  # float64 vs fp32 sums may round a step apart
+        assert rel_l2(y, want) < 1e-2, (max_rows, rel_l2(y, want))
