@@ -1,6 +1,10 @@
 """The project's exception types and exit codes. Every message names the offending value and what
 was expected."""
 
+from __future__ import annotations
+
+import errno
+
 #: Exit codes of every ``glm-ep`` command (README "Exit codes").
 EXIT_OK = 0  # done; for ``run`` with its check: PASS
 EXIT_INTERNAL = 1  # an unexpected exception (a bug): traceback printed, the MPI job aborted
@@ -25,3 +29,31 @@ class CheckpointError(GlmEpError):
 class InputError(GlmEpError):
     """A job's input or output file is unusable: wrong shape, non-finite rows, an output path that
     cannot be written or is not a regular file."""
+
+
+class FileAccessError(GlmEpError):
+    """The operating system refused a file the job names: a permission, a name too long, a full disk."""
+
+
+_EXPECTED = {
+    errno.EACCES: "expected a path this process may read (or write, for an output)",
+    errno.EPERM: "expected a path this process may read (or write, for an output)",
+    errno.ENAMETOOLONG: "expected a shorter path",
+    errno.ENOSPC: "expected room on the device for what is written",
+    errno.EDQUOT: "expected room in the disk quota for what is written",
+    errno.EROFS: "expected a writable file system for what is written",
+    errno.ENOENT: "expected an existing path",
+    errno.ENOTDIR: "expected each folder of the path to be a folder",
+    errno.EISDIR: "expected a file, not a folder",
+}
+
+
+def file_access_error(e: BaseException) -> FileAccessError | None:
+    """The user error an ``OSError`` stands for where it is about the job's files: one that names a path, or a
+    full disk or quota (a write to stdout names none). None for any other exception: a crash."""
+    if not isinstance(e, OSError) or (e.filename is None and e.errno not in (errno.ENOSPC, errno.EDQUOT)):
+        return None
+    reason = e.strerror or str(e)
+    expected = _EXPECTED.get(e.errno, "")
+    where = f"{e.filename}: " if e.filename is not None else "writing the output: "
+    return FileAccessError(f"{where}{reason[:1].lower()}{reason[1:]}" + (f"; {expected}" if expected else ""))

@@ -47,6 +47,8 @@ def read_hidden_states(path: str, hidden: int, allow_nonfinite: bool = False) ->
     if not p.is_file():
         raise InputError(f"{p}: input file not found" if not p.exists() else
                          f"{p}: input is not a regular file; expected a safetensors file")
+    if not os.access(p, os.R_OK):  # safetensors would call it a file not found
+        raise InputError(f"{p}: permission denied; expected an input file this process may read")
     try:
         with safe_open(str(p), framework="numpy") as f:
             if "hidden_states" not in f.keys():

@@ -23,7 +23,7 @@ import traceback
 from typing import Any, Callable, TypeVar
 
 from glm_ep.deadline import ABORT_GRACE_S, DEFAULT_COLLECTIVE_TIMEOUT_S, Deadline, Guard
-from glm_ep.errors import EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_USER, GlmEpError
+from glm_ep.errors import EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_USER, GlmEpError, file_access_error
 
 T = TypeVar("T")
 
@@ -103,7 +103,10 @@ class Ranks:
         except GlmEpError as e:
             msg = str(e)
         except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised here as it was
-            crash, msg = e, f"internal error: {type(e).__name__}: {e}"
+            if (refused := file_access_error(e)) is not None:  # a file the OS refused: the user's to mend
+                msg = str(refused)
+            else:
+                crash, msg = e, f"internal error: {type(e).__name__}: {e}"
         msgs = self.allgather(site, (msg, crash is not None))
         if crash is not None:
             raise crash
@@ -131,6 +134,16 @@ class Ranks:
                               f"rank to read the same files with the same settings:\n{per_rank}")
 
 
+def _quiet_stdout(e: OSError) -> None:
+    """After a failed write to stdout (a full disk, /dev/full), send the rest to /dev/null: the exit's own flush of
+    what is still buffered must not fail the same way."""
+    if e.filename is None:
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+
+
 def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
     """Run ``main``; map errors to a clear message and an exit code, aborting MPI when needed."""
     rank = comm.Get_rank() if comm is not None else 0
@@ -149,8 +162,12 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
     except BrokenPipeError:  # stdout closed by its reader (``| head``): quiet, as a shell tool would be
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not raise
         msg, code = "", EXIT_BROKEN_PIPE
-    except BaseException:  # noqa: BLE001 - a crash on one rank must not leave the others hanging
-        msg, code = f"{who}glm-ep: internal error:\n{traceback.format_exc().rstrip()}", EXIT_INTERNAL
+    except BaseException as e:  # noqa: BLE001 - a crash on one rank must not leave the others hanging
+        if (refused := file_access_error(e)) is not None:  # a file the OS refused (outside an agreement point)
+            _quiet_stdout(e)
+            msg, code = f"{who}glm-ep: error: {refused}", EXIT_USER
+        else:
+            msg, code = f"{who}glm-ep: internal error:\n{traceback.format_exc().rstrip()}", EXIT_INTERNAL
     if size > 1:
         msg = "\n".join(m for m in (msg, f"[rank {rank}] glm-ep: aborting all {size} ranks") if m)
     if msg:

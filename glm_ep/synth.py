@@ -211,11 +211,16 @@ def _folder(path: str | Path, what: str) -> Path:
 
 @contextmanager
 def _writing(path: Path) -> Iterator[None]:
-    """An OSError while writing ``path`` as an InputError naming it (a full disk, a folder made read-only)."""
+    """An OSError while writing ``path`` as an InputError naming it (a full disk, a folder made read-only); and
+    safetensors' own error for the same (its writer reports an I/O failure as a SafetensorError)."""
+    from safetensors import SafetensorError
+
     try:
         yield
     except OSError as e:
         raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
+    except SafetensorError as e:
+        raise InputError(f"{path}: cannot write it ({e})") from None
 
 
 def _complete(path: Path) -> bool:
