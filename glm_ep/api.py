@@ -67,27 +67,32 @@ class GlmMlp:
 
     def site(self, i: int, x: Any) -> Any:
         """Layer ``i``'s MLP applied to ``x`` (bf16 ``[rows, hidden]``), not chained."""
-        def index() -> int:
-            return interop.layer_index(i, self.num_layers)
-
-        layer = self._ranks.agree("site index check", index) if self._rt.topo.check_calls else index()
-        return self._apply(lambda x_TH: self._rt.stack.site_output(layer, x_TH), x, f"site {layer}")
+        return self._apply(lambda: interop.layer_index(i, self.num_layers), x)
 
     def step(self, x: Any) -> Any:
         """Every layer's MLP, chained: ``h = h + site(h)`` from ``h = x``; returns the last ``h``."""
-        return self._apply(self._rt.stack.step, x, "step")
+        return self._apply(None, x)
 
-    def _agree_call(self, what: str, x: Any) -> str:
-        """``check_calls``: every rank makes this call (``what``) with an input of the same bits, or all refuse.
-        Returns the input's kind (``interop.check_input``)."""
-        kind = self._ranks.agree("input check", lambda: interop.check_input(x, self.hidden_size))
+    def _checked(self, index: Callable[[], int] | None, x: Any) -> tuple[str, int | None]:
+        """The input's kind (``interop.check_input``) and the layer a site call names (None: a step). With
+        ``check_calls``, every rank makes the same call with an input of the same bits, or all refuse: a site and a
+        step go through the same collectives, so ranks that make different calls are told so, by name."""
+        def check() -> tuple[str, int | None]:
+            layer = index() if index is not None else None
+            return interop.check_input(x, self.hidden_size), layer
+
+        if not self._rt.topo.check_calls:
+            return check()
+        kind, layer = self._ranks.agree("call check", check)
         digest = hashlib.sha256(interop.host_bits(x)).hexdigest()
+        what = "step" if layer is None else f"site {layer}"
         self._ranks.check_same("call check", "calls", {"call": what, "input": digest})
-        return kind
+        return kind, layer
 
-    def _apply(self, fn: Callable[[Any], Any], x: Any, what: str) -> Any:
-        kind = (self._agree_call(what, x) if self._rt.topo.check_calls
-                else interop.check_input(x, self.hidden_size))
+    def _apply(self, index: Callable[[], int] | None, x: Any) -> Any:
+        kind, layer = self._checked(index, x)
+        stack = self._rt.stack
+        fn = stack.step if layer is None else (lambda x_TH: stack.site_output(layer, x_TH))
         be, rows, chunk = self._rt.be, x.shape[0], self.max_rows
         with interop.runtime_stream(be):
             x_TH = interop.to_backend(x, kind, be)

@@ -59,11 +59,30 @@ def launch_rank() -> int:
     return _launch_value(0, 0)
 
 
+_MPI_JOBS = ("run", "forward")  # the commands whose ranks meet in collectives
+
+
+class _ArgumentsRefused(Exception):
+    """An argument error of an MPI job's command under a launch of several ranks: ``main`` has the ranks agree on
+    it, since a rank whose arguments parsed would otherwise wait for this one in its first collective."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str):
+        super().__init__(message)
+        self.parser, self.message = parser, message
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument error is printed once under mpiexec (by rank 0, whose rank the environment gives before MPI
-    is up): argparse's usage and one line ``glm-ep: error: <what argparse found>``; every rank exits 2."""
+    is up): argparse's usage and one line ``glm-ep: error: <what argparse found>``; every rank exits 2. For
+    ``run`` and ``forward`` under several ranks the ranks agree first (``main``): one rank's bad argument then
+    ends every rank, named, instead of leaving the others waiting at their first collective."""
+
+    argv: list[str] = []  # what main parses: the command of an error the top-level parser reports (extra arguments)
 
     def error(self, message: str) -> typing.NoReturn:
+        cmd = self.prog.split()[1:2] or [a for a in _Parser.argv if not a.startswith("-")][:1]
+        if cmd and cmd[0] in _MPI_JOBS and _launch_size() > 1:
+            raise _ArgumentsRefused(self, message)
         if launch_rank() == 0:
             self.print_usage(sys.stderr)
             print(f"glm-ep: error: {message}", file=sys.stderr, flush=True)
@@ -200,8 +219,30 @@ def _footprint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refused_with_the_others(refused: _ArgumentsRefused) -> int:
+    """Every rank meets the others at the argument check ``agreed_job`` opens with, this one holding its argument
+    error: every rank exits 2, and rank 0 prints the error once, naming the ranks it was on where not all."""
+    try:
+        comm: Any = mpi_world()
+    except MpiUnavailable as e:
+        print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER
+    setup_logging(comm.Get_rank())
+    if comm.Get_rank() == 0:
+        refused.parser.print_usage(sys.stderr)
+
+    def check() -> None:
+        raise InputError(refused.message)
+
+    return run_guarded(lambda: Ranks(comm).agree("argument check", check), comm)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _ArgumentsRefused as refused:
+        return _refused_with_the_others(refused)
     if args.cmd in ("synth", "footprint"):
         setup_logging(0)
         return run_guarded(lambda: {"synth": _synth, "footprint": _footprint}[args.cmd](args), None)
@@ -219,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def agreed_job() -> int:
         ranks = Ranks(comm)
+        ranks.agree("argument check", lambda: None)  # where a rank's arguments did not parse, it meets us here
         _same_command(args, ranks)
         return job(args, ranks)
 

@@ -23,7 +23,7 @@ from glm_ep.errors import EXIT_FAIL, EXIT_OK, InputError
 from glm_ep.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.finite import nonfinite_mask
 from glm_ep.loader import Runtime, load_runtime, open_checkpoint
-from glm_ep.parallel import Ranks
+from glm_ep.parallel import AgreedError, Ranks
 from glm_ep.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,11 @@ def _check_workload(args: argparse.Namespace, workspace_rows: int) -> None:
 
 
 def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
+    default = ranks.allgather("default checkpoint check", args.model is None)
+    if any(default) and not all(default):  # a path is per rank (each node its copy), but given by all or none
+        given = ", ".join(str(r) for r, d in enumerate(default) if not d)
+        raise AgreedError(f"--model is given on rank(s) {given} but not on the others; expected it on every rank "
+                          "(a checkpoint each) or on none (rank 0 writes the tiny one into --cache-dir)")
     if args.model is None:
         from glm_ep.synth import ensure_default_checkpoint
 

@@ -256,9 +256,9 @@ def test_two_ranks_agree_with_one(tiny_checkpoint) -> None:
 
 @pytest.mark.mpi(min_size=2)
 def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint) -> None:
-    """``check_calls = true``: a rank with another layer index or other input bits, or a bad input on one rank,
-    is an error on every rank at once (without it: a wrong sum, exit 0, or a wait for the deadline); calls that
-    keep the contract give what they give without the check."""
+    """``check_calls = true``: a rank with another layer index, a site where another rank steps, other input bits,
+    or a bad input or index on one rank, is an error on every rank at once (without it: a wrong sum, exit 0, or a
+    wait for the deadline); calls that keep the contract give what they give without the check."""
     from mpi4py import MPI
 
     from glm_ep.parallel import AgreedError
@@ -275,9 +275,12 @@ def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint)
     other = random_x(6, 3, checked.hidden_size)
     cases = {"layer": lambda: checked.site(1 if rank == 0 else 2, x),
              "input": lambda: checked.step(x if rank == 0 else other),
-             "dtype": lambda: checked.site(0, x if rank == 0 else x.astype(np.float32))}
+             "dtype": lambda: checked.site(0, x if rank == 0 else x.astype(np.float32)),
+             "site-step": lambda: checked.site(1, x) if rank == 0 else checked.step(x),
+             "index": lambda: checked.site(1 if rank == 0 else 99, x)}
     needles = {"layer": "ranks hold different calls (differing: call)", "input": "(differing: input)",
-               "dtype": "input is float32 [3, 128], expected bfloat16"}
+               "dtype": "input is float32 [3, 128], expected bfloat16",
+               "site-step": "ranks hold different calls (differing: call)", "index": "site index 99 is out of range"}
     for case, call in cases.items():
         try:
             call()

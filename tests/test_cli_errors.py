@@ -13,7 +13,7 @@ import pytest
 from glm_ep.errors import EXIT_INTERNAL
 
 from ckpt_writer import read_safetensors, write_safetensors
-from cli_jobs import copy_checkpoint, fails, glm_ep, mpiexec, save_hidden, shard_of
+from cli_jobs import copy_checkpoint, fails, glm_ep, glm_ep_per_rank, mpiexec, save_hidden, shard_of
 from helpers import REPO, random_x
 
 INDEX = "model.safetensors.index.json"
@@ -317,7 +317,8 @@ _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_R
 def test_an_argument_error_is_printed_by_rank_0_only(env: dict[str, str], printed: bool, capsys,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The rank from the launcher's environment (MPI is not up while arguments are parsed): rank 0, or no
-    launcher, prints one error line; any other rank prints nothing; all exit 2."""
+    launcher, prints one error line; any other rank prints nothing; all exit 2. (A command whose ranks never meet:
+    ``run`` and ``forward`` agree an argument error across ranks, the next test.)"""
     from glm_ep.cli import main
 
     for name in _RANK_VARS:
@@ -325,14 +326,28 @@ def test_an_argument_error_is_printed_by_rank_0_only(env: dict[str, str], printe
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as e:
-        main(["run", "--warmup", "-1"])
+        main(["footprint", "--preset", "tiny", "--rows", "0"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     if printed:
         assert [line for line in err.splitlines() if "error" in line] == [
-            "glm-ep: error: argument --warmup: -1, expected an integer >= 0"], err
+            "glm-ep: error: argument --rows: 0, expected an integer >= 1"], err
     else:
         assert err == ""
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (["--bogus"], "glm-ep: error: unrecognized arguments: --bogus (on rank 1)"),
+    (["--check", "fulll"], "glm-ep: error: argument --check: invalid choice: 'fulll'"),
+], ids=["unknown-flag", "bad-choice"])
+def test_a_bad_argument_on_one_rank_ends_every_rank(bad: list[str], needle: str, tiny_checkpoint) -> None:
+    """Rank 1's arguments do not parse, rank 0's do: rank 0 used to wait in MPI's start-up for a rank that had
+    exited, without a word (the job hung). Now the failing rank meets the others at the argument check every job
+    opens with: one agreed error naming the rank, exit 2 on every rank."""
+    good = ["run", "--model", str(tiny_checkpoint), "--decode", "1", "--prefill", "2"]
+    r = glm_ep_per_rank(good, good + bad)
+    fails(r, needle, "(on rank 1)")
+    assert "PASS" not in r.stdout
 
 
 def test_help_still_prints(capsys) -> None:
@@ -438,3 +453,77 @@ def test_the_cuda_backend_without_cuda_is_one_clear_error(tiny_checkpoint) -> No
     r = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--backend", "cuda", "--decode", "1", "--prefill", "2")
     fails(r, "asks for backend = 'cuda', but CUDA is unusable on", "or use backend = 'cpu'")
     assert "loading weights" not in r.stderr
+
+
+@pytest.mark.parametrize("error,message", [
+    (PermissionError(13, "Permission denied", "ck/config.json"),
+     "ck/config.json: permission denied; expected a path this process may read (or write, for an output)"),
+    (FileNotFoundError(2, "No such file or directory", "ck/s.safetensors"),
+     "ck/s.safetensors: no such file or directory; expected an existing path"),
+    (OSError(36, "File name too long", "x" * 300), f"{'x' * 300}: file name too long; expected a shorter path"),
+    (OSError(28, "No space left on device"),
+     "writing the output: no space left on device; expected room on the device for what is written"),
+], ids=["permission", "missing", "name-too-long", "full-disk"])
+def test_a_file_the_system_refuses_is_a_user_error(error: OSError, message: str, capsys) -> None:
+    """An OSError about one of the job's files (it names the path; or a full disk, which a write to stdout names
+    none of) is the user's to mend: inside an agreement point an agreed error, not a crash; outside one a clear
+    line and exit 2, not a traceback. Any other exception stays a crash."""
+    from mpi4py import MPI
+
+    from glm_ep.errors import EXIT_USER, file_access_error
+    from glm_ep.parallel import AgreedError, Ranks, run_guarded
+
+    def refused():
+        raise error
+
+    with pytest.raises(AgreedError) as e:
+        Ranks(MPI.COMM_SELF).agree("open", refused)
+    assert str(e.value) == message and not e.value.internal
+    assert run_guarded(refused, None) == EXIT_USER
+    assert capsys.readouterr().err == f"glm-ep: error: {message}\n"
+    assert file_access_error(OSError(5, "Input/output error")) is None  # no path: a crash
+    assert file_access_error(ValueError("x")) is None
+
+
+def test_files_the_system_refuses_end_the_job_with_one_line(tiny_checkpoint, tmp_path) -> None:
+    """A path too long for the file system, on every rank (an agreed error), and a full stdout: exit 2 with one
+    line each, never a traceback (run as root too, where permissions do not refuse)."""
+    long = tmp_path / ("a" * 300 + ".safetensors")
+    r = glm_ep(2, "forward", "--model", str(tiny_checkpoint), "--input", str(long), "--output",
+               str(tmp_path / "out.safetensors"))
+    fails(r, f"{long}: file name too long; expected a shorter path")
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--preset", "tiny"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == ("glm-ep: error: writing the output: no space left on device; expected room on the device "
+                        "for what is written\n"), r.stderr
+
+
+def test_synth_on_a_full_disk_is_a_user_error(tmp_path, monkeypatch, capsys) -> None:
+    """safetensors reports a failed write (no space left) as its own SafetensorError, not an OSError."""
+    from safetensors import SafetensorError
+
+    from glm_ep import synth
+    from glm_ep.cli import main
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(synth, "save_readable", full)
+    assert main(["synth", "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write it (Error while serializing: I/O error: No space left on device" in err, err
+    assert "Traceback" not in err
+
+
+def test_run_with_model_on_some_ranks_only_is_one_agreed_error(tiny_checkpoint, tmp_path) -> None:
+    """``--model`` is a per-rank path, but the default checkpoint is made (and agreed) only where none is given:
+    given on rank 1 alone, the ranks' collectives paired up wrongly and both crashed. Now one agreed error."""
+    args = ["run", "--decode", "1", "--prefill", "2", "--cache-dir", str(tmp_path / "cache")]
+    r = glm_ep_per_rank(args, args + ["--model", str(tiny_checkpoint)])
+    fails(r, "--model is given on rank(s) 1 but not on the others; expected it on every rank")
+    assert not (tmp_path / "cache").exists()  # refused before rank 0 wrote the default checkpoint
