@@ -179,9 +179,10 @@ def _synth(args: argparse.Namespace) -> int:
     cfg = preset(args.preset)
     if args.layers is not None:
         cfg["num_hidden_layers"] = args.layers
-        if "mlp_layer_types" in cfg:
+        if "mlp_layer_types" in cfg:  # the schedule itself (a first_k_dense_replace beside it could contradict it)
             cfg["mlp_layer_types"] = (cfg["mlp_layer_types"] * args.layers)[: args.layers]
-        cfg["first_k_dense_replace"] = min(cfg.get("first_k_dense_replace", 0), args.layers)
+        if "first_k_dense_replace" in cfg:
+            cfg["first_k_dense_replace"] = min(cfg["first_k_dense_replace"], args.layers)
     path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
                            router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense)
     print(f"wrote {path}")

@@ -142,3 +142,23 @@ def test_ensure_default_checkpoint(tmp_path: Path, tiny_checkpoint: Path) -> Non
     assert np.array_equal(a.experts[4].gate.packed, b.experts[4].gate.packed)
     (path / "model.safetensors.index.json").unlink()  # an incomplete cache entry is replaced
     assert _load_sparse(synth.ensure_default_checkpoint(tmp_path / "cache"), 2).experts
+
+
+@pytest.mark.parametrize("name,layers,types,first_k", [
+    ("tiny", 2, ["dense", "sparse"], None), ("glm-5.3-flash", 2, None, 2), ("glm-5.3-flash", 5, None, 3)])
+def test_synth_layers_keeps_one_schedule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, layers: int,
+                                        types, first_k) -> None:
+    """``--layers N`` cuts the preset's own schedule: mlp_layer_types where it has one (and no first_k_dense_replace
+    beside it, which a reader of that key alone would take as another schedule), else first_k_dense_replace."""
+    from glm_ep.cli import _synth, build_parser
+    from glm_ep.config import ModelConfig
+
+    args = build_parser().parse_args(["synth", "--preset", name, "--layers", str(layers), "--out", str(tmp_path)])
+    written = {}
+    import glm_ep.synth as synth
+
+    monkeypatch.setattr(synth, "write_synthetic", lambda out, cfg, **kw: written.update(cfg) or Path(out))
+    assert _synth(args) == 0
+    assert written.get("mlp_layer_types") == types and written.get("first_k_dense_replace") == first_k
+    expected = types or ["dense"] * first_k + ["sparse"] * (layers - first_k)
+    assert list(ModelConfig.from_dict(written, source="x").mlp_layer_types) == expected
