@@ -52,13 +52,14 @@ class QuietRank(logging.Filter):
 
 def setup_logging(rank: int, verbose: bool = False) -> None:
     """``[rank r]``-prefixed lines on stderr; ranks other than 0 print only warnings and errors
-    unless ``verbose``."""
+    unless ``verbose``. Python warnings (NumPy's overflow on a huge input, say) go the same way."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
         force=True,
     )
+    logging.captureWarnings(True)
     if rank != 0 and not verbose:
         for handler in logging.getLogger().handlers:
             handler.addFilter(QuietRank())

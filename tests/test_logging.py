@@ -55,6 +55,7 @@ def test_run_prints_shared_lines_once_and_the_load_time(tiny_checkpoint) -> None
     load = re.findall(r"^\[rank 0\] INFO glm_ep.loader: load: [\d.]+ [MG]B read by 2 rank\(s\) in [\d.]+ s "
                       r"\(slowest rank\), [\d.]+ [MG]B/s$", r.stderr, re.M)
     assert len(load) == 1, r.stderr[-3000:]
+    assert r.stderr.count("[rank 0] INFO glm_ep.backend: all-reduce: MPI over 2 rank(s)\n") == 1, r.stderr[-3000:]
     assert "[rank 1] INFO" not in r.stderr, r.stderr[-3000:]
     verbose = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--prefill", "12", "--decode", "1", "--verify", "3",
                      "--check", "none", "-v")
@@ -75,3 +76,13 @@ def test_load_progress_counts_exactly_the_bytes_read(request, checkpoint, layout
             ck.on_read = read.append
             load_layer(ck, cfg, i)
             assert sum(read) == layer_read_bytes(ck, cfg, i), (i, layout)
+
+
+def test_python_warnings_carry_the_rank_prefix() -> None:
+    """A warning (NumPy's overflow on a huge input) is a log line with the rank's prefix, as every line is."""
+    code = ("import warnings; from glm_ep.parallel import setup_logging; setup_logging(1)\n"
+            "warnings.warn('overflow encountered in exp', RuntimeWarning)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("[rank 1] WARNING py.warnings: ") and "RuntimeWarning: overflow encountered in exp" \
+        in r.stderr, r.stderr

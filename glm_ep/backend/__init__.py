@@ -63,6 +63,8 @@ def make_comm(mpi_comm: Any, backend: Backend, topology: Any, placement: Placeme
     ranks are bounded by ``deadline``.
     """
     if backend.name == "cpu":
+        if placement.rank == 0:
+            log.info("all-reduce: MPI over %d rank(s)", placement.world)
         return MpiComm(mpi_comm, deadline=deadline)
     with guarded(deadline, "GPU placement exchange"):
         gpus = mpi_comm.allgather(NodeGpu(placement.node, placement.host, backend.pci_bus_id))
