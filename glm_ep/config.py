@@ -97,10 +97,16 @@ class ModelConfig:
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
         text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
         quant = raw.get("quantization_config", text.get("quantization_config"))
+        quant_source, quant_key = source, "quantization_config"  # the file and key the settings came from
         if ("quantization_config" not in raw and "quantization_config" not in text and quant_file is not None
                 and quant_file.is_file()):
-            found = parse_json(quant_file.read_bytes(), str(quant_file))
-            quant = dict(found, quant_method="modelopt") if isinstance(found, dict) else found
+            quant_source = str(quant_file)
+            found = parse_json(quant_file.read_bytes(), quant_source)
+            if not isinstance(found, dict):
+                raise ConfigError(f"{quant_source}: a JSON {type(found).__name__}, expected an object whose "
+                                  f"'quantization' describes {_EXPECTED_QUANT}")
+            quant = dict(found, quant_method="modelopt")
+            quant_key = "quantization" if isinstance(found.get("quantization"), dict) else "the file"
         vals: dict[str, Any] = {}
         for key, typ in _REQUIRED.items():
             if key not in text:
@@ -119,7 +125,7 @@ class ModelConfig:
         if router_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"{source}: moe_router_dtype = {router_dtype!r}, expected 'float32' or 'bfloat16'")
         vals["router_bf16"] = router_dtype == "bfloat16"
-        _check_quantization(quant, source, vals["num_hidden_layers"])
+        _check_quantization(quant, source, vals["num_hidden_layers"], quant_source, quant_key)
         cfg = cls(**vals)
         cfg.validate(source)
         return cfg
@@ -182,25 +188,28 @@ _EXPECTED_QUANT = "ModelOpt NVFP4 (quant_method 'modelopt', quant_algo 'NVFP4' o
 _MLP_MODULE = re.compile(r"layers\.(\d+)\.mlp\.")
 
 
-def _check_quantization(quant: Any, source: str, n_layers: int) -> None:
+def _check_quantization(quant: Any, source: str, n_layers: int, quant_source: str | None = None,
+                        key: str = "quantization_config") -> None:
     """The checkpoint's quantization is ModelOpt NVFP4 with 16-element blocks for every MLP tensor it
     quantizes: a config.json ``quantization_config`` (``quant_method`` or the older ``quant_library``), or an
     hf_quant_config.json (``quantization`` nested); ``MIXED_PRECISION`` where every MLP module of layers
     ``0 .. n_layers - 1`` in its ``quantized_layers`` map is NVFP4 (other modules, and MTP layers past the
     last, are not read). Activation smoothing (``pre_quant_scale``, NVFP4_AWQ) is refused: glm_ep does not
-    apply it, and the products would be silently wrong."""
+    apply it, and the products would be silently wrong. ``source`` is config.json; ``quant_source`` and ``key``
+    name the file and key the settings came from (hf_quant_config.json's ``quantization``), which a refusal names."""
+    quant_source = source if quant_source is None else quant_source
     if quant is None:
         raise ConfigError(f"{source}: no quantization_config (nor an hf_quant_config.json beside it); expected "
                           f"{_EXPECTED_QUANT} routed experts")
     if not isinstance(quant, dict):
-        raise ConfigError(f"{source}: quantization_config = {quant!r} has type {type(quant).__name__}, expected "
+        raise ConfigError(f"{quant_source}: {key} = {quant!r} has type {type(quant).__name__}, expected "
                           f"an object describing {_EXPECTED_QUANT}")
     method = str(quant.get("quant_method", quant.get("quant_library", ""))).lower()
     q = quant["quantization"] if isinstance(quant.get("quantization"), dict) else quant
     algo, group = str(q.get("quant_algo")).upper(), q.get("group_size", NVFP4_GROUP)
 
     def refuse(what: str) -> ConfigError:
-        return ConfigError(f"{source}: quantization_config has {what}; expected {_EXPECTED_QUANT}")
+        return ConfigError(f"{quant_source}: {key} has {what}; expected {_EXPECTED_QUANT}")
 
     if method not in ("modelopt", "modelopt_fp4"):
         raise refuse(f"quant_method={method!r}")

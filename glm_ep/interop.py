@@ -41,6 +41,8 @@ def kind_of(x: Any) -> str:
 def check_input(x: Any, hidden: int) -> str:
     """The kind of ``x`` after checking it is bfloat16 ``[rows >= 1, hidden]``."""
     kind = kind_of(x)
+    if kind == "torch" and x.device.type not in ("cpu", "cuda"):  # meta (no data), mps, xla, ...: nothing to read
+        raise InputError(f"input is a torch tensor on device {str(x.device)!r}; expected a CPU or CUDA tensor")
     dtype = str(x.dtype).rpartition(".")[2]  # 'bfloat16' for NumPy/CuPy, 'torch.bfloat16' for torch
     shape = tuple(x.shape)
     if dtype != "bfloat16" or len(shape) != 2 or shape[1] != hidden or shape[0] < 1:
@@ -50,11 +52,14 @@ def check_input(x: Any, hidden: int) -> str:
 
 
 def layer_index(i: Any, layers: int) -> int:
+    """``i`` as a layer index in ``0 .. layers - 1``: a Python or NumPy integer, never a boolean."""
     try:
+        if isinstance(i, (bool, np.bool_)):
+            raise TypeError
         index = operator.index(i)
     except TypeError:
         raise InputError(f"site index {i!r} is not an integer; expected 0..{layers - 1}") from None
-    if isinstance(i, bool) or not 0 <= index < layers:
+    if not 0 <= index < layers:
         raise InputError(f"site index {i!r} is out of range; the model has layers 0..{layers - 1}")
     return index
 

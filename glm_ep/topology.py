@@ -43,12 +43,18 @@ def _has_type(v: Any, want: Any) -> bool:
 
 
 def _check_types(obj: Any, prefix: str) -> None:
-    """Each field of dataclass ``obj`` holds a value of its annotated type, else a ConfigError naming it."""
+    """Each field of dataclass ``obj`` holds a value of its annotated type, else a ConfigError naming it. A list
+    where a tuple of integers is expected (``devices=[0, 1]``, a TOML array) is taken as that tuple: set on the
+    frozen ``obj`` in place, so it stays immutable and hashable."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         v, want = getattr(obj, f.name), hints[f.name]
+        if want == tuple[int, ...] and isinstance(v, list):
+            v = tuple(v)
+            object.__setattr__(obj, f.name, v)
         if not _has_type(v, want):
-            got = f"{list(v)!r} holds a non-integer" if isinstance(v, tuple) else f"{v!r} has type {type(v).__name__}"
+            tuple_field = want == tuple[int, ...] and isinstance(v, tuple)
+            got = f"{list(v)!r} holds a non-integer" if tuple_field else f"{v!r} has type {type(v).__name__}"
             raise ConfigError(f"{prefix}{f.name} = {got}, expected {_EXPECTED.get(want, want.__name__)}")
 
 
@@ -136,7 +142,7 @@ class PathLevers:
 
 @dataclass(frozen=True)
 class Topology:
-    name: str = "single"
+    name: str = "unnamed"  # what messages call it; a file's own name, else its file name (from_dict)
     world: int = 1
     tp: int = 1
     ep: int = 1
@@ -203,9 +209,6 @@ class Topology:
         unknown = sorted(set(raw) - known) + sorted(f"levers.{k}" for k in set(levers_raw) - lever_names)
         if unknown:
             raise ConfigError(f"{source}: {_unknown_keys(unknown, known, lever_names)}")
-        if isinstance(raw.get("devices"), list):
-            raw["devices"] = tuple(raw["devices"])
-        levers_raw = {k: tuple(v) if isinstance(v, list) else v for k, v in levers_raw.items()}
         raw.setdefault("name", Path(source).stem)
         try:
             return cls(levers=PathLevers(**levers_raw), **raw)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,31 @@ def test_an_hf_quant_config_file_serves_when_config_json_has_none(tmp_path: Path
     (tmp_path / "hf_quant_config.json").write_text(json.dumps(hf_quant))
     with pytest.raises(ConfigError, match="quant_algo='FP8'"):
         ModelConfig.from_file(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("hf_quant,named", [
+    ({"quantization": {"quant_algo": "FP8"}}, "quantization has quant_algo='FP8', group_size=16; expected ModelOpt"),
+    ({"quantization": {"quant_algo": "NVFP4", "group_size": 32}}, "quantization has quant_algo='NVFP4', group_size=32"),
+    ({"quant_algo": "FP8"}, "the file has quant_algo='FP8'"),  # not nested under 'quantization'
+    (["NVFP4"], "a JSON list, expected an object whose 'quantization' describes ModelOpt NVFP4"),
+], ids=["fp8", "group-32", "flat", "list"])
+def test_a_refused_hf_quant_config_is_named_not_config_json(tmp_path: Path, hf_quant, named: str) -> None:
+    """The quantization settings came from hf_quant_config.json: the refusal names that file, not config.json
+    (which had no quantization_config to blame)."""
+    d = tiny_dict()
+    del d["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(hf_quant))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_file(tmp_path / "config.json")
+    assert str(e.value).startswith(f"{tmp_path / 'hf_quant_config.json'}: {named}"), str(e.value)
+    assert "config.json:" not in str(e.value).replace("hf_quant_config.json:", ""), str(e.value)
+
+
+def test_a_refused_quantization_config_in_config_json_still_names_config_json() -> None:
+    with pytest.raises(ConfigError) as e:
+        _parse(tiny_dict(quantization_config=dict(QUANT, quant_algo="FP8")))
+    assert str(e.value).startswith("cfg.json: quantization_config has quant_algo='FP8', group_size=16; expected")
 
 
 @pytest.mark.parametrize("quant,named", [
@@ -338,6 +364,49 @@ def test_topology_world_check_and_overrides() -> None:
 def test_topology_values_are_type_checked_by_name(raw: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         Topology.from_dict(raw, source="t.toml")
+
+
+def test_lists_are_taken_where_a_tuple_of_integers_is_expected() -> None:
+    """Python callers write lists (as TOML does): a Topology and its levers take them as tuples, and stay frozen
+    and hashable."""
+    t = Topology(world=2, tp=2, ep=2, devices=[0, 1], levers=PathLevers(ring_slab=[4, 4], ring_depth=[3, 2]))
+    assert t.devices == (0, 1) and (t.levers.ring_slab, t.levers.ring_depth) == ((4, 4), (3, 2))
+    assert t == Topology(world=2, tp=2, ep=2, devices=(0, 1), levers=PathLevers(ring_slab=(4, 4), ring_depth=(3, 2)))
+    assert hash(t) == hash(dataclasses.replace(t))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.devices = [1, 0]  # type: ignore[misc]
+    assert Topology.from_dict({"world": 2, "devices": [1, 0]}).devices == (1, 0)  # a TOML array, as before
+
+
+@pytest.mark.parametrize("make,named", [
+    (lambda: Topology(world=2, devices=[0, "1"]), "devices = [0, '1'] holds a non-integer, expected a list of "
+                                                  "integers"),
+    (lambda: Topology(world=2, devices=[0, 1.0]), "devices = [0, 1.0] holds a non-integer, expected a list"),
+    (lambda: Topology(world=2, devices=[True, 0]), "devices = [True, 0] holds a non-integer, expected a list"),
+    (lambda: Topology(devices="0"), "devices = '0' has type str, expected a list of integers"),
+    (lambda: PathLevers(ring_slab=[4, None]), "levers.ring_slab = [4, None] holds a non-integer, expected a list "
+                                              "of integers"),
+    (lambda: PathLevers(ring_slab=[4]), "levers.ring_slab = [4], expected two positive integers"),
+    (lambda: Topology.from_dict({"levers": {"ring": [True]}}), "levers.ring = [True] has type list, expected a "
+                                                               "boolean"),
+], ids=["str", "float", "bool", "not-a-list", "lever-none", "lever-one", "list-for-a-boolean"])
+def test_a_list_with_a_non_integer_is_refused_naming_it(make, named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        make()
+
+
+def test_a_python_built_topology_is_not_called_single() -> None:
+    """An unnamed Topology is no shipped file: its messages do not name one (world = 2 is not 'single')."""
+    assert Topology().name == "unnamed" and Topology(world=2, tp=2, ep=2).name == "unnamed"
+    with pytest.raises(ConfigError) as e:
+        Topology(world=2, tp=2, ep=2, devices=[0])
+    assert str(e.value).startswith("topology 'unnamed': devices lists 1 entries for world = 2"), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        Topology(world=2, tp=2, ep=2).check_world(1)
+    assert str(e.value).startswith("topology 'unnamed' is for 2 ranks (world = 2), but the MPI job has 1")
+    assert Topology(name="mine", world=2).name == "mine"
+    assert Topology.load(REPO / "configs" / "single.toml").name == "single"  # shipped files keep their names
+    assert Topology.load(REPO / "configs" / "cpu-2.toml").name == "cpu-2"
 
 
 def test_topology_defaults_and_new_keys(tmp_path: Path) -> None:
