@@ -28,8 +28,7 @@ from glm_ep.topologies import shipped_names
 
 
 #: where a launcher puts a process's (rank, rank count) before MPI is initialised: Open MPI, MPICH/Hydra and Intel
-#: MPI, PMIx, MVAPICH2
-# (rank, rank count) as each launcher sets them; PMIx launchers (srun --mpi=pmix) give a rank but no count
+#: MPI, PMIx, MVAPICH2; PMIx launchers (srun --mpi=pmix) give a rank but no count
 _LAUNCH_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", None),
                 ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
 
@@ -47,10 +46,12 @@ def _launch_value(which: int, default: int) -> int:
     return default
 
 
-def _launch_size() -> int:
-    """The ranks the launcher started (its environment, before MPI is initialised); 1 outside mpiexec. At least
-    one more than the rank where a launcher gives no count (PMIx): every rank but 0 then knows it is not alone."""
-    return max(_launch_value(1, 1), launch_rank() + 1)
+def _launch_size() -> int | None:
+    """The ranks the launcher started (its environment, before MPI is initialised); 1 outside mpiexec; None where
+    a launcher gives a rank but no count (PMIx): then only MPI can tell."""
+    if any(size_var and os.environ.get(size_var, "").strip() for _, size_var in _LAUNCH_VARS):
+        return _launch_value(1, 1)
+    return None if any(os.environ.get(rank_var, "").strip() for rank_var, _ in _LAUNCH_VARS) else 1
 
 
 def launch_rank() -> int:
@@ -59,12 +60,13 @@ def launch_rank() -> int:
     return _launch_value(0, 0)
 
 
-_MPI_JOBS = ("run", "forward")  # the commands whose ranks meet in collectives
+_ALONE = ("synth", "footprint", "bench")  # the commands whose ranks never meet (bench: one rank)
 
 
 class _ArgumentsRefused(Exception):
-    """An argument error of an MPI job's command under a launch of several ranks: ``main`` has the ranks agree on
-    it, since a rank whose arguments parsed would otherwise wait for this one in its first collective."""
+    """An argument error under a launch of several ranks (or of a count the launcher does not give), of a command
+    whose ranks meet in collectives, or of no command known: ``main`` has the ranks agree on it, since a rank whose
+    arguments parsed would otherwise wait for this one in MPI's start-up or its first collective."""
 
     def __init__(self, parser: argparse.ArgumentParser, message: str):
         super().__init__(message)
@@ -77,11 +79,12 @@ class _Parser(argparse.ArgumentParser):
     ``run`` and ``forward`` under several ranks the ranks agree first (``main``): one rank's bad argument then
     ends every rank, named, instead of leaving the others waiting at their first collective."""
 
-    argv: list[str] = []  # what main parses: the command of an error the top-level parser reports (extra arguments)
+    argv: tuple[str, ...] = ()  # main's argv, on the top-level parser: the command of an error it reports
 
     def error(self, message: str) -> typing.NoReturn:
-        cmd = self.prog.split()[1:2] or [a for a in _Parser.argv if not a.startswith("-")][:1]
-        if cmd and cmd[0] in _MPI_JOBS and _launch_size() > 1:
+        cmd = self.prog.split()[1:2] or [a for a in self.argv if not a.startswith("-")][:1]
+        size = _launch_size()
+        if (size is None or size > 1) and not (cmd and cmd[0] in _ALONE):
             raise _ArgumentsRefused(self, message)
         if launch_rank() == 0:
             self.print_usage(sys.stderr)
@@ -167,7 +170,8 @@ def _synth(args: argparse.Namespace) -> int:
     from glm_ep.presets import preset
     from glm_ep.synth import write_synthetic
 
-    if _launch_size() > 1:  # every rank would write the same files at once
+    if (_launch_size() or launch_rank() + 1) > 1:  # every rank would write the same files at once (PMIx: rank 0
+        # cannot tell, the others refuse)
         raise InputError("synth writes one checkpoint from one process; expected it run without mpiexec (or with "
                          "-n 1)")
     from glm_ep.checkpoint import INDEX_FILE, SINGLE_FILE
@@ -226,7 +230,7 @@ def _refused_with_the_others(refused: _ArgumentsRefused) -> int:
     try:
         comm: Any = mpi_world()
     except MpiUnavailable as e:
-        print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
+        print(f"glm-ep: error: {refused.message}\nglm-ep: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER
     setup_logging(comm.Get_rank())
     if comm.Get_rank() == 0:
@@ -239,9 +243,10 @@ def _refused_with_the_others(refused: _ArgumentsRefused) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    parser.argv = tuple(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except _ArgumentsRefused as refused:
         return _refused_with_the_others(refused)
     if args.cmd in ("synth", "footprint"):

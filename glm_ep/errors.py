@@ -4,6 +4,7 @@ was expected."""
 from __future__ import annotations
 
 import errno
+import os
 
 #: Exit codes of every ``glm-ep`` command (README "Exit codes").
 EXIT_OK = 0  # done; for ``run`` with its check: PASS
@@ -48,12 +49,22 @@ _EXPECTED = {
 }
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+STDOUT = "<stdout>"  # the file an OSError of a write to stdout names (``glm_ep.parallel.run_guarded`` tags it)
+
+
 def file_access_error(e: BaseException) -> FileAccessError | None:
-    """The user error an ``OSError`` stands for where it is about the job's files: one that names a path, or a
-    full disk or quota (a write to stdout names none). None for any other exception: a crash."""
-    if not isinstance(e, OSError) or (e.filename is None and e.errno not in (errno.ENOSPC, errno.EDQUOT)):
+    """The user error an ``OSError`` stands for where the system refused one of the job's files for a reason the
+    user can mend (the errnos of ``_EXPECTED``): one that names a path outside the package or stdout, or a full disk
+    or quota (a write through a file object names no path). None for anything else, a crash: another errno (too
+    many open files, an I/O error), or a file of the package's own (a kernel source)."""
+    if not isinstance(e, OSError) or e.errno not in _EXPECTED:
+        return None
+    if e.filename is None:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return None
+    elif e.filename != STDOUT and os.path.abspath(os.fsdecode(e.filename)).startswith(_PACKAGE + os.sep):
         return None
     reason = e.strerror or str(e)
-    expected = _EXPECTED.get(e.errno, "")
-    where = f"{e.filename}: " if e.filename is not None else "writing the output: "
-    return FileAccessError(f"{where}{reason[:1].lower()}{reason[1:]}" + (f"; {expected}" if expected else ""))
+    place = {None: "writing a file: ", STDOUT: "writing to stdout: "}.get(e.filename, f"{e.filename}: ")
+    return FileAccessError(f"{place}{reason[:1].lower()}{reason[1:]}; {_EXPECTED[e.errno]}")

@@ -23,7 +23,7 @@ import traceback
 from typing import Any, Callable, TypeVar
 
 from glm_ep.deadline import ABORT_GRACE_S, DEFAULT_COLLECTIVE_TIMEOUT_S, Deadline, Guard
-from glm_ep.errors import EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_USER, GlmEpError, file_access_error
+from glm_ep.errors import STDOUT, EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_USER, GlmEpError, file_access_error
 
 T = TypeVar("T")
 
@@ -135,14 +135,45 @@ class Ranks:
                               f"rank to read the same files with the same settings:\n{per_rank}")
 
 
-def _quiet_stdout(e: OSError) -> None:
-    """After a failed write to stdout (a full disk, /dev/full), send the rest to /dev/null: the exit's own flush of
-    what is still buffered must not fail the same way."""
-    if e.filename is None:
+class _TaggedStdout:
+    """``sys.stdout`` while a command runs: a write or flush the system refuses (a full disk, /dev/full) raises its
+    OSError naming ``STDOUT`` as the file, so the error says what could not be written (a file object's own
+    OSError names no path, and a failed flush drops its buffer: nothing later can tell it was stdout)."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
         try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except OSError:
-            pass
+            return self._stream.write(text)
+        except OSError as e:
+            raise _tagged(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise _tagged(e) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _tagged(e: OSError) -> OSError:
+    if e.filename is None and not isinstance(e, BrokenPipeError):  # a closed reader stays a BrokenPipeError
+        e.filename = STDOUT
+    return e
+
+
+def _with_tagged_stdout(main: Callable[[], int]) -> int:
+    real = sys.stdout
+    sys.stdout = _TaggedStdout(real)
+    try:
+        code = main()
+        sys.stdout.flush()  # here, not at the exit, where a failure would only be reported by the interpreter
+        return code
+    finally:
+        sys.stdout = real
 
 
 def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
@@ -151,7 +182,7 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
     size = comm.Get_size() if comm is not None else 1
     who = f"[rank {rank}] " if size > 1 else ""  # which rank, where there are several
     try:
-        return main()
+        return _with_tagged_stdout(main)
     except AgreedError as e:  # every rank holds the same message: rank 0 prints it, every rank exits
         if rank == 0:
             print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
@@ -164,8 +195,9 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not raise
         msg, code = "", EXIT_BROKEN_PIPE
     except BaseException as e:  # noqa: BLE001 - a crash on one rank must not leave the others hanging
-        if (refused := file_access_error(e)) is not None:  # a file the OS refused (outside an agreement point)
-            _quiet_stdout(e)
+        if (refused := file_access_error(e)) is not None:
+            if isinstance(e, OSError) and e.filename == STDOUT:  # the exit's own flush must not fail the same way
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             msg, code = f"{who}glm-ep: error: {refused}", EXIT_USER
         else:
             msg, code = f"{who}glm-ep: internal error:\n{traceback.format_exc().rstrip()}", EXIT_INTERNAL
@@ -174,8 +206,11 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
     if msg:
         # ONE write: the launcher forwards a rank's stderr on its own schedule, and the abort below
         # tears the job down; a message split over writes has lost its second half that way
-        sys.stderr.write(msg + "\n")
-        sys.stderr.flush()
+        try:
+            sys.stderr.write(msg + "\n")
+            sys.stderr.flush()
+        except OSError:  # stderr itself refused (2>/dev/full): the exit code still says it
+            pass
     if size > 1:
         time.sleep(ABORT_GRACE_S)  # let the launcher forward the message before the abort
         comm.Abort(code)

@@ -220,6 +220,8 @@ def _writing(path: Path) -> Iterator[None]:
     except OSError as e:
         raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
     except SafetensorError as e:
+        if "I/O error" not in str(e):  # a tensor it could not serialise: ours, a crash
+            raise
         raise InputError(f"{path}: cannot write it ({e})") from None
 
 

@@ -462,7 +462,7 @@ def test_the_cuda_backend_without_cuda_is_one_clear_error(tiny_checkpoint) -> No
      "ck/s.safetensors: no such file or directory; expected an existing path"),
     (OSError(36, "File name too long", "x" * 300), f"{'x' * 300}: file name too long; expected a shorter path"),
     (OSError(28, "No space left on device"),
-     "writing the output: no space left on device; expected room on the device for what is written"),
+     "writing a file: no space left on device; expected room on the device for what is written"),
 ], ids=["permission", "missing", "name-too-long", "full-disk"])
 def test_a_file_the_system_refuses_is_a_user_error(error: OSError, message: str, capsys) -> None:
     """An OSError about one of the job's files (it names the path; or a full disk, which a write to stdout names
@@ -483,6 +483,13 @@ def test_a_file_the_system_refuses_is_a_user_error(error: OSError, message: str,
     assert capsys.readouterr().err == f"glm-ep: error: {message}\n"
     assert file_access_error(OSError(5, "Input/output error")) is None  # no path: a crash
     assert file_access_error(ValueError("x")) is None
+    # errors of ours, not the user's: too many open files, an I/O error on a named file, a missing kernel source
+    assert file_access_error(OSError(24, "Too many open files", "/tmp/x")) is None
+    assert file_access_error(OSError(5, "Input/output error", "/tmp/x")) is None
+    import glm_ep
+
+    own = Path(glm_ep.__file__).parent / "kernels" / "missing.cu"
+    assert file_access_error(FileNotFoundError(2, "No such file or directory", str(own))) is None
 
 
 def test_files_the_system_refuses_end_the_job_with_one_line(tiny_checkpoint, tmp_path) -> None:
@@ -499,8 +506,12 @@ def test_files_the_system_refuses_end_the_job_with_one_line(tiny_checkpoint, tmp
         r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--preset", "tiny"], stdout=full,
                            stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2, r.stderr
-    assert r.stderr == ("glm-ep: error: writing the output: no space left on device; expected room on the device "
+    assert r.stderr == ("glm-ep: error: writing to stdout: no space left on device; expected room on the device "
                         "for what is written\n"), r.stderr
+    with open("/dev/full", "w") as full:  # stderr refused too: the exit code still says it
+        r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--preset", "tiny"], stdout=full,
+                           stderr=full, timeout=120, cwd=REPO)
+    assert r.returncode == 2
 
 
 def test_synth_on_a_full_disk_is_a_user_error(tmp_path, monkeypatch, capsys) -> None:
@@ -519,6 +530,13 @@ def test_synth_on_a_full_disk_is_a_user_error(tmp_path, monkeypatch, capsys) -> 
     assert "cannot write it (Error while serializing: I/O error: No space left on device" in err, err
     assert "Traceback" not in err
 
+    def unserialisable(*args, **kwargs):  # not the disk: a tensor of ours it could not write, a crash
+        raise SafetensorError("Error while serializing: the tensor is not contiguous")
+
+    monkeypatch.setattr(synth, "save_readable", unserialisable)
+    assert main(["synth", "--out", str(tmp_path / "ck2"), "--force"]) == 1
+    assert "internal error" in capsys.readouterr().err
+
 
 def test_run_with_model_on_some_ranks_only_is_one_agreed_error(tiny_checkpoint, tmp_path) -> None:
     """``--model`` is a per-rank path, but the default checkpoint is made (and agreed) only where none is given:
@@ -527,3 +545,30 @@ def test_run_with_model_on_some_ranks_only_is_one_agreed_error(tiny_checkpoint, 
     r = glm_ep_per_rank(args, args + ["--model", str(tiny_checkpoint)])
     fails(r, "--model is given on rank(s) 1 but not on the others; expected it on every rank")
     assert not (tmp_path / "cache").exists()  # refused before rank 0 wrote the default checkpoint
+
+
+def test_argument_errors_of_commands_that_meet_are_agreed_under_any_launcher(monkeypatch) -> None:
+    """Which argument errors take the ranks' agreement: run/forward and errors of no known command under a launch of
+    several ranks, or of a count the launcher does not give (PMIx sets a rank only; rank 0 too must not exit while
+    the others wait for it in MPI's start-up); synth, footprint and bench keep rank 0's one line."""
+    from glm_ep import cli
+
+    for name in _RANK_VARS + ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli._launch_size() == 1
+    monkeypatch.setenv("PMIX_RANK", "0")
+    assert cli._launch_size() is None
+    for argv, agreed in ((["run", "--prefill", "0"], True), (["forward", "--model"], True), (["runn"], True),
+                         ([], True), (["footprint", "--rows", "0"], False), (["bench", "--iters", "x"], False)):
+        parser = cli.build_parser()
+        parser.argv = tuple(argv)
+        try:
+            parser.parse_args(argv)
+            raise AssertionError(f"{argv} parsed")
+        except cli._ArgumentsRefused:
+            assert agreed, argv
+        except SystemExit:
+            assert not agreed, argv
+    monkeypatch.setenv("PMI_SIZE", "1")  # a launch of one rank: no agreement needed
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", "--prefill", "0"])

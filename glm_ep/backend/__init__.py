@@ -45,7 +45,8 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
     be = CudaBackend(device_index(topology.devices, placement, visible), ring, dependent_launch=topology.levers.pdl)
     ring.check_fits(block_smem_limit(), forms, cfg.hidden)  # the device's own limit
     lv = topology.levers
-    if lv.prefill_gemm and topology.workspace_rows >= min(lv.prefill_gemm_min_rows, lv.nvfp4_dense_gemm_min_rows):
+    if lv.prefill_gemm and not lv.host_dispatch and topology.workspace_rows >= lv.prefill_gemm_min_rows:
+        # the routed experts' sorted path can run (a dense FFN stored NVFP4 sorts one expert: it always fits)
         from glm_ep.backend.cuda import route
         from glm_ep.backend.cuda.loader import compute_capability, current_device
 
