@@ -2,7 +2,8 @@
 
 It shares no arithmetic with the backends: whole (unsharded) weights, NVFP4 decoded to float64
 (``e2m1 * e4m3 * scale_2``, exact), the router in float64, no bf16 rounding anywhere after the
-bf16 input. A faithful bf16 pipeline lands about 3e-3 relative (L2) from it; 1e-2 is the bound
+bf16 input but where the model defines it: a ``moe_router_dtype: bfloat16`` model routes on bf16 logits and
+scores, so its choices are made so here too (its weights stay float64). A faithful bf16 pipeline lands about 3e-3 relative (L2) from it; 1e-2 is the bound
 the run checks.
 
 Memory is bounded by ``block_bytes``: each product ``x @ W.T`` runs over blocks of W's rows, each
@@ -20,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Callable
 
+import ml_dtypes
 import numpy as np
 
 from glm_ep.checkpoint import Checkpoint, dense_is_nvfp4, expert_prefix, read_nvfp4
@@ -133,10 +135,17 @@ class Reference:
         e, h = m.n_routed_experts, m.hidden_size
         router = f"{p}.mlp.gate.weight"
         logits_TE = self._matmul_t(_f64(x_TH), router, e, self._bf16(router, e, h, ("BF16", "F32")))
+        if m.router_bf16:  # moe_router_dtype bfloat16: the model routes on bf16 logits and scores
+            logits_TE = _f64(logits_TE.astype(ml_dtypes.bfloat16))
         with np.errstate(over="ignore"):
             scores_TE = 1.0 / (1.0 + np.exp(-logits_TE))
-        bias_E = _f64(self.ckpt.read(f"{p}.mlp.gate.e_score_correction_bias", (e,), ("F32",)))
-        ids_TK = np.argsort(-(scores_TE + bias_E[None, :]), axis=1, kind="stable")[:, : m.num_experts_per_tok]
+        bias = self.ckpt.read(f"{p}.mlp.gate.e_score_correction_bias", (e,), ("F32",))
+        if m.router_bf16:  # ... and chooses by bf16 score + fp32 bias, summed in fp32 (as HF's module does)
+            scores_TE = _f64(scores_TE.astype(ml_dtypes.bfloat16))
+            choice_TE = scores_TE.astype(np.float32) + np.asarray(bias, np.float32)[None, :]
+        else:
+            choice_TE = scores_TE + _f64(bias)[None, :]
+        ids_TK = np.argsort(-choice_TE, axis=1, kind="stable")[:, : m.num_experts_per_tok]
         w_TK = np.take_along_axis(scores_TE, ids_TK, axis=1)
         if m.norm_topk_prob:
             w_TK = w_TK / (w_TK.sum(axis=1, keepdims=True) + 1e-20)

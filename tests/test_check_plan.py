@@ -226,3 +226,19 @@ def test_sampled_check_fails_when_a_checked_expert_differs(tiny_checkpoint, tmp_
 
 def plan_layer_is_sparse(model_dir: str, layer: int) -> bool:
     return ModelConfig.from_file(Path(model_dir) / "config.json").mlp_layer_types[layer] == "sparse"
+
+
+@pytest.mark.parametrize("mode", ["full", "sampled"])
+def test_a_bf16_router_model_passes_its_check(tiny_checkpoint, tmp_path, mode: str) -> None:
+    """``moe_router_dtype: bfloat16``: the model routes on bf16 logits and scores, so the float64 evaluation the run
+    checks against must choose as that model does (it routed in float64 and chose other experts: a FAIL at ~0.2
+    relative L2 on a correct run)."""
+    import json
+
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "bf16-router")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(cfg | {"moe_router_dtype": "bfloat16"}))
+    r = glm_ep(2, "run", "--model", str(ckpt), "--check", mode, "--decode", "4", "--prefill", "40")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    err = float(re.search(r"max relative L2 error of a site vs float64 = ([\d.e+-]+)", r.stdout).group(1))
+    assert err < 1e-2
