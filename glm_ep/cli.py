@@ -207,19 +207,24 @@ def _footprint(args: argparse.Namespace) -> int:
     cfg = site_config(model, topo, 0)
     from glm_ep.footprint import weight_bytes_per_rank
 
-    dense_nvfp4 = args.dense == "nvfp4"
-    if args.model and "dense" in model.mlp_layer_types:  # how the checkpoint stores its dense FFNs, from a header
+    dense_nvfp4, router_itemsize = args.dense == "nvfp4", 2
+    if args.model:  # how the checkpoint stores its dense FFNs and its routers, from the headers
         from glm_ep.checkpoint import Checkpoint, dense_is_nvfp4
 
         with Checkpoint(args.model, check_finite=False) as ck:
-            dense_nvfp4 = dense_is_nvfp4(ck, model.mlp_layer_types.index("dense"))
+            if "dense" in model.mlp_layer_types:
+                dense_nvfp4 = dense_is_nvfp4(ck, model.mlp_layer_types.index("dense"))
+            if "sparse" in model.mlp_layer_types:
+                router = f"{ck.layer_prefix(model.mlp_layer_types.index('sparse'))}.mlp.gate.weight"
+                router_itemsize = 4 if ck.info(router).dtype == "F32" else 2
     from glm_ep.experts import dequant_scratch_bytes
 
     # the dequant scratch the load makes on rank 0 (which holds a dense FFN's shard and a sparse layer's experts)
     scratch = sum(dequant_scratch_bytes(c, topo.levers, topo.workspace_rows)
                   for c, held in ((cfg.dense_as_expert(), dense_nvfp4 and bool(model.dense_layers)),
                                   (cfg, bool(model.sparse_layers))) if held)
-    for line in report_lines(model, cfg, topo, weight_bytes_per_rank(model, topo, dense_nvfp4), scratch):
+    for line in report_lines(model, cfg, topo, weight_bytes_per_rank(model, topo, dense_nvfp4, router_itemsize),
+                             scratch):
         print(line)
     return 0
 

@@ -26,6 +26,8 @@ def rank_weight_bytes(model: ModelConfig, cfg: SiteConfig, router_itemsize: int 
     return total
 
 
-def weight_bytes_per_rank(model: ModelConfig, topo: Topology, dense_nvfp4: bool = False) -> list[int]:
+def weight_bytes_per_rank(model: ModelConfig, topo: Topology, dense_nvfp4: bool = False,
+                          router_itemsize: int = 2) -> list[int]:
+    """``router_itemsize``: 4 where the checkpoint stores the router F32 (the runtime holds it as stored)."""
     return [rank_weight_bytes(model, SiteConfig.for_rank(model, RankLayout(topo.world, r, topo.tp, topo.ep)),
-                              dense_nvfp4=dense_nvfp4) for r in range(topo.world)]
+                              router_itemsize, dense_nvfp4) for r in range(topo.world)]

@@ -227,6 +227,26 @@ def test_footprint_weight_bytes_are_what_a_rank_loads(tiny_checkpoint, tiny_chec
             assert r.returncode == 0 and f"weights: rank 0 holds {fmt_bytes(loaded)}" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("layout", [(1, 0, 1, 1), (2, 1, 2, 2)])
+def test_footprint_counts_an_f32_router_as_stored(tmp_path, layout) -> None:
+    """A checkpoint whose routers are stored F32 (the runtime holds them so): ``footprint --model`` reads the dtype
+    from a header (it counted 2 bytes an element: 99 MB a rank short at the GLM shape)."""
+    from glm_ep.checkpoint import Checkpoint, load_layer
+    from glm_ep.config import RankLayout, SiteConfig
+    from glm_ep.presets import preset
+    from glm_ep.synth import write_synthetic
+
+    ckpt = write_synthetic(tmp_path / "f32", preset("tiny"), router_dtype="f32")
+    with Checkpoint(ckpt) as ck:
+        cfg = SiteConfig.for_rank(ck.config, RankLayout(*layout))
+        loaded = sum(w.nbytes for w in (load_layer(ck, cfg, i) for i in range(ck.config.num_hidden_layers))
+                     if w is not None)
+    tp, ep = layout[2], layout[3]
+    r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--model", str(ckpt), "--tp", str(tp),
+                        "--ep", str(ep)], capture_output=True, text=True, timeout=60, env=mpi_env(), cwd=REPO)
+    assert r.returncode == 0 and f"weights: rank {layout[1]} holds {fmt_bytes(loaded)}" in r.stdout, r.stdout + r.stderr
+
+
 def test_numpy_combine_rounds_once() -> None:
     """The combine sums the weighted slots and the shared expert in fp32 and rounds ONCE to bf16: 1 + 2^-8 + 2^-8
     is 1 + 2^-7 (a bf16), where rounding after each add would stay at 1 (1 + 2^-8 is a tie, to even: 1)."""
