@@ -168,7 +168,7 @@ class Checkpoint:
         more (a typo of num_hidden_layers or n_routed_experts) is refused here, from the keys alone, where the
         per-tensor lookups of every declared layer took minutes to name the first missing tensor."""
         model, lead = self.config, self._prefix + "."
-        mlp_layers, experts = set(), set()
+        mlp_layers, experts, routed_layers, dense_layers = set(), set(), set(), set()
         first_sparse = model.sparse_layers[0] if model.sparse_layers else None
         expert_lead = f"{lead}{first_sparse}.mlp.experts."
         for key in self._file_of:
@@ -177,6 +177,10 @@ class Checkpoint:
             layer, _, rest = key[len(lead):].partition(".")
             if layer.isdigit() and rest.startswith("mlp."):
                 mlp_layers.add(int(layer))
+                if rest.startswith("mlp.experts."):
+                    routed_layers.add(int(layer))
+                elif rest.startswith("mlp.gate_proj."):
+                    dense_layers.add(int(layer))
             if key.startswith(expert_lead):
                 e = key[len(expert_lead):].partition(".")[0]
                 if e.isdigit():
@@ -187,6 +191,15 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir / 'config.json'}: num_hidden_layers = {model.num_hidden_layers}, but "
                                   f"{self.source} holds MLP tensors for {held} ({len(mlp_layers)} layers); no "
                                   f"'{lead}{{i}}.mlp.*' for layer {_few(missing)}")
+        types = model.mlp_layer_types
+        wrong = [(i, kind) for i, kind in enumerate(types) if i in (dense_layers if kind == "sparse" else routed_layers)
+                 and i not in (routed_layers if kind == "sparse" else dense_layers)]
+        if wrong:
+            i, kind = wrong[0]
+            held = "a dense FFN" if kind == "sparse" else "routed experts"
+            raise CheckpointError(f"{self.dir / 'config.json'}: the schedule (mlp_layer_types or first_k_dense_replace) "
+                                  f"makes layer {i} {kind}, but {self.source} holds {held} there (disagreeing layers: "
+                                  f"{_few([j for j, _ in wrong])}); expected a schedule that matches the tensors")
         missing = [e for e in range(model.n_routed_experts) if e not in experts] if first_sparse is not None else []
         if missing:
             raise CheckpointError(f"{self.dir / 'config.json'}: n_routed_experts = {model.n_routed_experts}, but "

@@ -61,7 +61,7 @@ def read_hidden_states(path: str, hidden: int, allow_nonfinite: bool = False) ->
     except SafetensorError as e:
         raise InputError(f"{p}: not a readable safetensors file ({e})") from None
     if x.dtype != BF16 or x.ndim != 2 or x.shape[1] != hidden or x.shape[0] < 1:
-        raise InputError(f"{p}: hidden_states is {x.dtype} {list(x.shape)}, expected bfloat16 [rows, {hidden}]")
+        raise InputError(f"{p}: hidden_states is {x.dtype} {list(x.shape)}, expected bfloat16 [rows >= 1, {hidden}]")
     bad_rows = np.flatnonzero(nonfinite_mask(x).any(axis=1))
     if bad_rows.size and not allow_nonfinite:
         shown = bad_rows[:8].tolist()

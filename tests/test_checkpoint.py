@@ -339,6 +339,27 @@ def test_a_config_that_declares_more_than_the_checkpoint_holds_is_refused_at_onc
         ck.check_extent()
 
 
+@pytest.mark.parametrize("types,needle", [
+    (["sparse"] * 4, "makes layer 0 sparse, but .* holds a dense FFN there \\(disagreeing layers: 0\\)"),
+    (["dense", "dense", "dense", "sparse"], "makes layer 1 dense, but .* holds routed experts there "
+     "\\(disagreeing layers: 1, 2\\)"),
+    ({"first_k_dense_replace": 0}, "makes layer 0 sparse, but .* holds a dense FFN there"),
+], ids=["dense-as-sparse", "sparse-as-dense", "first-k-0"])
+def test_a_schedule_that_does_not_match_the_tensors_is_named(ckpt_copy: Path, types, needle: str) -> None:
+    """A layer the schedule calls sparse that holds a dense FFN (or the reverse) is named as a schedule mismatch,
+    not as a missing expert count or a missing tensor."""
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    if isinstance(types, dict):
+        cfg.pop("mlp_layer_types")
+        cfg.update(types)
+    else:
+        cfg["mlp_layer_types"] = types
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    with Checkpoint(ckpt_copy) as ck, pytest.raises(CheckpointError, match="the schedule \\(mlp_layer_types or "
+                                                                          "first_k_dense_replace\\) " + needle):
+        ck.check_extent()
+
+
 def test_missing_tensor(ckpt_copy: Path) -> None:
     key = f"{SPARSE}.experts.3.down_proj.weight_scale"
     _rewrite(shard_of(ckpt_copy, key), lambda t: t.pop(key))

@@ -7,6 +7,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -147,7 +148,10 @@ def test_topology_world_differs_from_mpi_size(ckpt, x_file, tmp_path) -> None:
 
 def test_input_of_the_wrong_hidden_size(ckpt, tmp_path) -> None:
     bad = save_hidden(tmp_path / "narrow.safetensors", random_x(1, 3, 64))
-    fails(_forward(ckpt, bad, tmp_path), "narrow.safetensors", "[3, 64]", "[rows, 128]")
+    fails(_forward(ckpt, bad, tmp_path), "narrow.safetensors", "[3, 64]", "[rows >= 1, 128]")
+    empty = save_hidden(tmp_path / "empty.safetensors", np.zeros((0, 128), ml_dtypes.bfloat16))
+    fails(_forward(ckpt, empty, tmp_path), "empty.safetensors: hidden_states is bfloat16 [0, 128], expected "
+          "bfloat16 [rows >= 1, 128]")
 
 
 def test_run_rows_over_the_workspace(ckpt) -> None:
