@@ -17,7 +17,7 @@ from glm_ep import GlmEpError, InputError, Topology
 from _cuda import cupy, requires_cuda
 from ckpt_writer import read_f64
 from cli_jobs import copy_checkpoint, mpiexec
-from helpers import BF16, REPO, agreed, random_x, rel_l2, site64
+from helpers import BF16, REPO, agreed, elementwise_close, random_x, rel_l2, site64
 
 #: the MPI tests' bound on every wait on the other ranks, far below their pytest timeout (120 s)
 COLLECTIVE_TIMEOUT_S = 30.0
@@ -38,13 +38,6 @@ def _across(n: int, **kw) -> Topology:
     """The default layout of ``n`` ranks (world = tp = ep = n) with the tests' collective timeout."""
     return Topology(**{"name": "across", "world": n, "tp": n, "ep": n, "collective_timeout_s": COLLECTIVE_TIMEOUT_S,
                        **kw})
-
-
-def elementwise_close(got: np.ndarray, want: np.ndarray) -> bool:
-    """The elementwise bound test_mpi.py holds multi-rank sites to: every element within 2^-6 relative, or 2 % of
-    the one-rank output's RMS, of the one-rank output (a relative L2 bound alone lets a few elements be far off)."""
-    scale = float(np.sqrt(np.mean(want.astype(np.float64) ** 2)))
-    return bool(np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=2 ** -6, atol=2e-2 * scale))
 
 
 def _chain(mlp, x: np.ndarray) -> np.ndarray:

@@ -31,8 +31,8 @@ from glm_ep.nvfp4 import quantize
 from glm_ep.topology import PathLevers
 from glm_ep.weights import ExpertWeights, MoeWeights
 
-from helpers import (BF16, RefParams, agreed, bf16_ulps, build_stack, random_weights, random_x, ref64_layers, rel_l2,
-                     route_margins64, tiny_model)
+from helpers import (BF16, RefParams, agreed, bf16_ulps, build_stack, elementwise_close, random_weights, random_x,
+                     ref64_layers, rel_l2, route_margins64, tiny_model)
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -44,13 +44,6 @@ def _world():
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
-
-
-def elementwise_close(got: np.ndarray, want: np.ndarray) -> bool:
-    """Every element of a multi-rank output within 2^-6 relative, or 2 % of the one-rank output's RMS, of the
-    one-rank output: a relative L2 bound alone lets a few elements be far off while the rest match."""
-    scale = float(np.sqrt(np.mean(want.astype(np.float64) ** 2)))
-    return bool(np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=2 ** -6, atol=2e-2 * scale))
 
 
 @dataclass
