@@ -15,8 +15,9 @@
 #                                  # 64 rows (its NVFP4 dense sweep, the peers)
 #   bash tools/device_queue.sh items # the ring's min items an SM: its tests, one expert's one-row launches on the
 #                                  # ring and the block kernels, glm-ep bench (the NVFP4 dense rows)
-#   bash tools/device_queue.sh next # what waits (2026-12-05, last): the sort's tests at capped grids and its scratch
-#                                  # made at upload, one row of the NVFP4 dense FFN on the ring / block kernels,
+#   bash tools/device_queue.sh next # what waits (2026-12-05, last): the sort's tests at capped grids, its scratch
+#                                  # made at upload and its shared memory checked at load (make_backend),
+#                                  # one row of the NVFP4 dense FFN on the ring / block kernels,
 #                                  # glm-ep bench (on an H200: then stage dequant for PREFILL.md)
 #   bash tools/device_queue.sh dequant # the NVFP4 dense FFN through bf16 weights and cuBLAS: its tests (with the
 #                                  # split tests not yet run on a GPU), then bench --prefill (its sweep, the peers)
