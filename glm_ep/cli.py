@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def agreed_job() -> int:
         ranks = Ranks(comm)
+        ranks.deadline.watch_signals()  # Ctrl-C / SIGTERM while this rank waits on the others: still ends the job
         ranks.agree("argument check", lambda: None)  # where a rank's arguments did not parse, it meets us here
         _same_command(args, ranks)
         return job(args, ranks)

@@ -19,7 +19,7 @@ import numpy as np
 
 from glm_ep.check import check_run
 from glm_ep.check_plan import memory_budget, plan_check
-from glm_ep.errors import EXIT_FAIL, EXIT_OK, InputError
+from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError
 from glm_ep.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.finite import nonfinite_mask
 from glm_ep.loader import Runtime, load_runtime, open_checkpoint
@@ -32,7 +32,10 @@ BF16 = ml_dtypes.bfloat16
 
 def resolve_topology(args: argparse.Namespace, world: int) -> Topology:
     """The topology file if given (else world = tp = ep = MPI size), then the CLI overrides."""
-    topo = Topology.load(args.topology) if args.topology else Topology(name="cli", world=world, tp=world, ep=world)
+    if args.topology is not None and not args.topology.strip():  # an unset shell variable, say: not the default
+        raise ConfigError(f"--topology {args.topology!r}: expected a shipped topology name or a TOML path")
+    topo = (Topology.load(args.topology) if args.topology is not None
+            else Topology(name="cli", world=world, tp=world, ep=world))
     return topo.with_overrides(tp=args.tp, ep=args.ep, backend=args.backend)
 
 

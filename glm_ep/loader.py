@@ -141,7 +141,8 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     """This rank's share of ``ckpt`` resident on its backend, as an ``MlpStack``; closes ``ckpt``."""
     rank, model = ranks.rank, ckpt.config
     cfg = ranks.agree("site geometry", lambda: site_config(model, topo, rank))
-    placement = discover(ranks.comm)  # collective, and it cannot fail on one rank alone
+    with ranks.guard("placement discovery"):
+        placement = discover(ranks.comm)  # collective, and it cannot fail on one rank alone
     be = ranks.agree("backend", lambda: make_backend(topo, placement, cfg))
     comm = ranks.agree("communicator", lambda: make_comm(ranks.comm, be, topo, placement, ranks.deadline))
     # ranks that allocate from the same memory (one host's on NumPy, one GPU's on CUDA) each take a share of what

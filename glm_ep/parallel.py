@@ -22,8 +22,9 @@ import time
 import traceback
 from typing import Any, Callable, TypeVar
 
-from glm_ep.deadline import ABORT_GRACE_S, DEFAULT_COLLECTIVE_TIMEOUT_S, Deadline, Guard
-from glm_ep.errors import STDOUT, EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_USER, GlmEpError, file_access_error
+from glm_ep.deadline import ABORT_GRACE_S, DEFAULT_COLLECTIVE_TIMEOUT_S, Deadline, Guard, Terminated
+from glm_ep.errors import (EXIT_BROKEN_PIPE, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED, EXIT_USER, STDOUT,
+                           GlmEpError, file_access_error)
 
 T = TypeVar("T")
 
@@ -189,8 +190,10 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
         return EXIT_INTERNAL if e.internal else EXIT_USER
     except GlmEpError as e:
         msg, code = f"{who}glm-ep: error: {e}", EXIT_USER
-    except KeyboardInterrupt:
-        msg, code = "", 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM where the command watches signals (deadline.Terminated)
+        terminated = isinstance(e, Terminated)
+        msg = f"{who}glm-ep: {'terminated (SIGTERM)' if terminated else 'interrupted'}"
+        code = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except BrokenPipeError:  # stdout closed by its reader (``| head``): quiet, as a shell tool would be
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not raise
         msg, code = "", EXIT_BROKEN_PIPE

@@ -245,16 +245,22 @@ def test_an_agreed_crash_exits_as_an_internal_error(capsys) -> None:
     assert "glm-ep: error: value 3 is bad, expected 7" in err
 
 
-def test_an_interrupt_exits_130_quietly(capsys) -> None:
-    """Ctrl-C (KeyboardInterrupt) ends the command with 130 (128 + SIGINT), as a shell reports it, and no
-    traceback or error line."""
+def test_an_interrupt_exits_130_with_one_line(capsys) -> None:
+    """Ctrl-C (KeyboardInterrupt) ends the command with 130 (128 + SIGINT), as a shell reports it, saying so in one
+    line and no traceback; SIGTERM (raised as deadline.Terminated where the command watches signals) with 143."""
+    from glm_ep.deadline import Terminated
     from glm_ep.parallel import run_guarded
 
     def interrupted() -> int:
         raise KeyboardInterrupt
 
+    def terminated() -> int:
+        raise Terminated
+
     assert run_guarded(interrupted, None) == 130
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "glm-ep: interrupted\n"
+    assert run_guarded(terminated, None) == 143
+    assert capsys.readouterr().err == "glm-ep: terminated (SIGTERM)\n"
 
 
 def test_an_agreed_error_is_printed_once_whole_one_rank_per_line(tmp_path) -> None:
@@ -576,3 +582,10 @@ def test_argument_errors_of_commands_that_meet_are_agreed_under_any_launcher(mon
     monkeypatch.setenv("PMI_SIZE", "1")  # a launch of one rank: no agreement needed
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["run", "--prefill", "0"])
+
+
+def test_an_empty_topology_argument_is_refused(tiny_checkpoint, tmp_path) -> None:
+    """``--topology "$UNSET"``: an empty name is an error, not the default layout run silently."""
+    r = glm_ep(2, "forward", "--model", str(tiny_checkpoint), "--input", str(tmp_path / "x"), "--output",
+               str(tmp_path / "o.safetensors"), "--topology", "")
+    fails(r, "--topology '': expected a shipped topology name or a TOML path")

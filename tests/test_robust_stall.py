@@ -160,3 +160,44 @@ def test_sigstop_of_one_rank_mid_run_ends_the_job_within_the_deadline(tiny_check
         job.wait_for("weights: rank 1 holds", timeout=60)  # loaded: the decode steps are running
         os.kill(job.rank_pid(1), signal.SIGSTOP)
         _ends_with_stall(job, "all-reduce' for the other ranks")
+
+
+def test_ctrl_c_while_a_rank_waits_on_a_stopped_one_ends_the_job_at_once(tmp_path) -> None:
+    """Rank 1 stopped, rank 0 blocked in a collective waiting for it: a Ctrl-C there cannot reach Python (the
+    main thread sits in MPI), so the job used to wait out collective_timeout_s and exit 4. The watchdog hears the
+    signal and ends the job as an interrupt: 130, 'interrupted while rank 0 waited at ...', long before the
+    (here an hour's) deadline."""
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from mpi4py import MPI
+        from glm_ep.parallel import Ranks, run_guarded
+
+        ranks = Ranks(MPI.COMM_WORLD, timeout_s=3600)
+        ranks.deadline.watch_signals()
+
+        def main():
+            ranks.agree("start", lambda: None)
+            if ranks.rank == 1:
+                print("rank 1 stops now", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            print(f"rank {ranks.rank} waits", flush=True)
+            ranks.agree("the agreement after the stop", lambda: None)
+            return 0
+
+        sys.exit(run_guarded(main, MPI.COMM_WORLD))
+    """)
+    with MpiJob("-c", script) as job:
+        job.wait_for("rank 1 stops now", timeout=60)
+        job.wait_for("rank 0 waits", timeout=60)
+        time.sleep(0.5)  # in the collective
+        os.kill(job.rank_pid(0), signal.SIGINT)
+        try:
+            code = job.proc.wait(timeout=HANG_GUARD_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {HANG_GUARD_S:g} s after Ctrl-C:\n{''.join(job.stderr)[-3000:]}")
+        for t in job._readers:
+            t.join(timeout=5)
+        err = "".join(job.stderr)
+        assert code == 130, f"exit {code}:\n{err[-3000:]}"
+        assert ("[rank 0] glm-ep: interrupted while rank 0 waited at 'the agreement after the stop' for the other "
+                "ranks; aborting all 2 ranks") in err, err[-3000:]

@@ -194,3 +194,68 @@ def test_check_same_names_each_rank_value_whole_and_digests_short() -> None:
     with pytest.raises(AgreedError, match=re.escape("rank 1: a " + ("[" + "1, " * 100)[:200] + "...") + "$"):
         Ranks(_TwoRanks(long)).check_same("site", "values", {"a": "2"})
     Ranks(_TwoRanks(dict(mine))).check_same("site", "layouts", mine)  # the same everywhere: no error
+
+
+class _Aborted(Exception):
+    pass
+
+
+def _deadline(timeout_s: float = 5.0) -> tuple[Deadline, list[int]]:
+    codes: list[int] = []
+
+    def abort(code: int) -> None:  # MPI_Abort never returns: here it raises out of the tick instead
+        codes.append(code)
+        raise _Aborted
+
+    return Deadline(rank=0, size=2, timeout_s=timeout_s, abort=abort), codes
+
+
+def test_time_the_process_spent_stopped_is_not_waiting(capsys) -> None:
+    """A gap between two watchdog ticks far past the tick is the process stopped (SIGSTOP of the whole job, a
+    frozen container): left out of the wait, so a job paused past collective_timeout_s and resumed goes on."""
+    d, codes = _deadline(5.0)
+    d._armed = ("site", 100.0, d._stopped_s)
+    d._tick(100.0)
+    d._tick(100.0 + 600.0)  # stopped ten minutes
+    assert d.waited(d._armed, 700.0) == pytest.approx(d.tick_s) and not codes
+    now = 700.0
+    with pytest.raises(_Aborted):
+        while now < 720.0:  # then really waiting, the watchdog ticking: past the deadline
+            now += d.tick_s
+            d._tick(now)
+    assert codes == [EXIT_STALL] and d.waited(d._armed, now) > 5.0
+    assert now == pytest.approx(700.0 + 5.0, abs=2 * d.tick_s)
+    assert "rank 0 waited 5.2 s at 'site'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum,code,said", [(2, 130, "interrupted"), (15, 143, "terminated (SIGTERM)")])
+def test_a_signal_during_a_guarded_wait_ends_the_job(capsys, signum: int, code: int, said: str) -> None:
+    """A signal the wake-up pipe brings while a guard is armed: if the main thread is still in that wait after
+    the grace, the watchdog ends the job with the interrupt's code; if it left the wait, the signal is its own."""
+    import os
+
+    from glm_ep.deadline import SIGNAL_GRACE_S
+
+    d, codes = _deadline()
+    r, w = os.pipe()
+    d._signal_fd = r
+    os.set_blocking(r, False)
+    d._armed = ("all-reduce", 10.0, 0.0)
+    os.write(w, bytes([signum]))
+    d._tick(10.0)
+    assert not codes
+    with pytest.raises(_Aborted):
+        d._tick(10.0 + SIGNAL_GRACE_S)
+    assert codes == [code]
+    assert f"[rank 0] glm-ep: {said} while rank 0 waited at 'all-reduce'" in capsys.readouterr().err
+    d2, codes2 = _deadline()
+    d2._signal_fd = r
+    d2._armed = ("all-reduce", 10.0, 0.0)
+    os.write(w, bytes([signum]))
+    d2._tick(10.0)
+    d2._armed = None  # the main thread took it: out of the wait
+    d2._tick(11.0)
+    d2._armed = ("next", 11.0, 0.0)
+    d2._tick(12.0)
+    assert not codes2
+    os.close(r), os.close(w)
