@@ -107,16 +107,21 @@ class MpiJob:
             t.join(timeout=5)
 
 
-def _ends_with_stall(job: MpiJob, site: str) -> None:
-    """The job ends with ``EXIT_STALL``, and rank 0 says how long it waited at ``site``: at least the deadline
-    (the product's own clock; the test times nothing, its wait is only a hang guard)."""
+def _ended(job: MpiJob, after: str) -> tuple[int, str]:
+    """The job's exit code and stderr once it ends; failed as hung if it runs HANG_GUARD_S past ``after``."""
     try:
         code = job.proc.wait(timeout=HANG_GUARD_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"still running {HANG_GUARD_S:g} s after the stop:\n{''.join(job.stderr)[-3000:]}")
+        pytest.fail(f"still running {HANG_GUARD_S:g} s after {after}:\n{''.join(job.stderr)[-3000:]}")
     for t in job._readers:
         t.join(timeout=5)
-    err = "".join(job.stderr)
+    return code, "".join(job.stderr)
+
+
+def _ends_with_stall(job: MpiJob, site: str) -> None:
+    """The job ends with ``EXIT_STALL``, and rank 0 says how long it waited at ``site``: at least the deadline
+    (the product's own clock; the test times nothing, its wait is only a hang guard)."""
+    code, err = _ended(job, "the stop")
     assert code == EXIT_STALL, f"exit {code}, expected {EXIT_STALL}:\n{err[-3000:]}"
     said = re.findall(r"^\[rank 0\] glm-ep: error: rank 0 waited (\d+\.\d) s at '([^']*)' for the other ranks "
                       rf"\(collective_timeout_s = {DEADLINE_S:g}\): ", err, re.M)
@@ -191,13 +196,7 @@ def test_ctrl_c_while_a_rank_waits_on_a_stopped_one_ends_the_job_at_once(tmp_pat
         job.wait_for("rank 0 waits", timeout=60)
         time.sleep(0.5)  # in the collective
         os.kill(job.rank_pid(0), signal.SIGINT)
-        try:
-            code = job.proc.wait(timeout=HANG_GUARD_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"still running {HANG_GUARD_S:g} s after Ctrl-C:\n{''.join(job.stderr)[-3000:]}")
-        for t in job._readers:
-            t.join(timeout=5)
-        err = "".join(job.stderr)
+        code, err = _ended(job, "Ctrl-C")
         assert code == 130, f"exit {code}:\n{err[-3000:]}"
         assert ("[rank 0] glm-ep: interrupted while rank 0 waited at 'the agreement after the stop' for the other "
                 "ranks; aborting all 2 ranks") in err, err[-3000:]
