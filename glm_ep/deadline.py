@@ -100,8 +100,8 @@ class Deadline:
         self._last_tick = now
         armed = self._armed
         self._take_signals(now, armed)
-        if armed is not None and self.waited(armed, now) > self.timeout_s:
-            self._expire(armed[0], self.waited(armed, now))
+        if armed is not None and (waited := self.waited(armed, now)) > self.timeout_s:
+            self._expire(armed[0], waited)
 
     def waited(self, armed: tuple[str, float, float], now: float) -> float:
         """How long the guard ``armed`` has waited at ``now``, the time the process was stopped left out."""

@@ -166,6 +166,12 @@ def _tagged(e: OSError) -> OSError:
     return e
 
 
+def _stdout_to_devnull() -> None:
+    """After stdout failed (a closed reader, a full disk): the exit's own flush of what is buffered must not fail
+    the same way."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _with_tagged_stdout(main: Callable[[], int]) -> int:
     real = sys.stdout
     sys.stdout = _TaggedStdout(real)
@@ -195,12 +201,12 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
         msg = f"{who}glm-ep: {'terminated (SIGTERM)' if terminated else 'interrupted'}"
         code = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except BrokenPipeError:  # stdout closed by its reader (``| head``): quiet, as a shell tool would be
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not raise
+        _stdout_to_devnull()
         msg, code = "", EXIT_BROKEN_PIPE
     except BaseException as e:  # noqa: BLE001 - a crash on one rank must not leave the others hanging
         if (refused := file_access_error(e)) is not None:
-            if isinstance(e, OSError) and e.filename == STDOUT:  # the exit's own flush must not fail the same way
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            if isinstance(e, OSError) and e.filename == STDOUT:
+                _stdout_to_devnull()
             msg, code = f"{who}glm-ep: error: {refused}", EXIT_USER
         else:
             msg, code = f"{who}glm-ep: internal error:\n{traceback.format_exc().rstrip()}", EXIT_INTERNAL
