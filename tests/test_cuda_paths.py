@@ -388,7 +388,8 @@ def test_make_backend_refuses_ring_levers_past_the_device_shared_memory(monkeypa
     # 1000 experts: the sort by expert of wide calls needs 132128 bytes a block, past the GB10's; refused unless wide
     # calls stay off the sort (or the workspace never reaches the grouped GEMM's rows)
     many = dataclasses.replace(cfg, num_experts=1000)
-    with pytest.raises(ConfigError, match=r"n_routed_experts = 1000: the sort by expert .* allows 101376 \(at most 767"):
+    with pytest.raises(ConfigError,
+                       match=r"n_routed_experts = 1000: the sort by expert .* allows 101376 \(at most 767"):
         make_backend(Topology.from_dict({"backend": "cuda"}), here, many)
     for off in ({"levers": {"prefill_gemm": False}}, {"workspace_rows": 8}):
         assert isinstance(make_backend(Topology.from_dict({"backend": "cuda", **off}), here, many), CudaBackend)

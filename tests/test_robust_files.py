@@ -1,11 +1,14 @@
 """``forward``'s files are checked before any weight is read: an output whose folder is missing, or
 that names a folder, symbolic link, FIFO or device node, is refused on every rank and never
-replaced; an existing regular file is replaced; rank 0 writes the result under agreement."""
+replaced; an existing regular file is replaced; rank 0 writes the result under agreement. A file the
+system refuses (permission, a name too long, a full disk, stdout on /dev/full) is a user error, not a crash."""
 
 from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ from glm_ep.files import check_output_path, read_hidden_states
 
 from ckpt_writer import read_safetensors, write_safetensors
 from cli_jobs import copy_checkpoint, fails, glm_ep, load_outputs, loaded_weights, save_hidden, shard_of
-from helpers import random_x
+from helpers import REPO, random_x
 
 
 @pytest.fixture
@@ -200,3 +203,83 @@ def test_a_checkpoint_shard_as_the_input_is_named_in_one_short_line(tiny_checkpo
     r = _forward(tiny_checkpoint, shard, tmp_path / "out.safetensors")
     fails(r, f"{shard}: no tensor 'hidden_states' (found ['model.layers.", " more])")
     assert max(len(line) for line in r.stderr.splitlines()) < 600, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("error,message", [
+    (PermissionError(13, "Permission denied", "ck/config.json"),
+     "ck/config.json: permission denied; expected a path this process may read (or write, for an output)"),
+    (FileNotFoundError(2, "No such file or directory", "ck/s.safetensors"),
+     "ck/s.safetensors: no such file or directory; expected an existing path"),
+    (OSError(36, "File name too long", "x" * 300), f"{'x' * 300}: file name too long; expected a shorter path"),
+    (OSError(28, "No space left on device"),
+     "writing a file: no space left on device; expected room on the device for what is written"),
+], ids=["permission", "missing", "name-too-long", "full-disk"])
+def test_a_file_the_system_refuses_is_a_user_error(error: OSError, message: str, capsys) -> None:
+    """An OSError about one of the job's files (it names the path; or a full disk, which a write to stdout names
+    none of) is the user's to mend: inside an agreement point an agreed error, not a crash; outside one a clear
+    line and exit 2, not a traceback. Any other exception stays a crash."""
+    from mpi4py import MPI
+
+    from glm_ep.errors import EXIT_USER, file_access_error
+    from glm_ep.parallel import AgreedError, Ranks, run_guarded
+
+    def refused():
+        raise error
+
+    with pytest.raises(AgreedError) as e:
+        Ranks(MPI.COMM_SELF).agree("open", refused)
+    assert str(e.value) == message and not e.value.internal
+    assert run_guarded(refused, None) == EXIT_USER
+    assert capsys.readouterr().err == f"glm-ep: error: {message}\n"
+    assert file_access_error(OSError(5, "Input/output error")) is None  # no path: a crash
+    assert file_access_error(ValueError("x")) is None
+    # errors of ours, not the user's: too many open files, an I/O error on a named file, a missing kernel source
+    assert file_access_error(OSError(24, "Too many open files", "/tmp/x")) is None
+    assert file_access_error(OSError(5, "Input/output error", "/tmp/x")) is None
+    import glm_ep
+
+    own = Path(glm_ep.__file__).parent / "kernels" / "missing.cu"
+    assert file_access_error(FileNotFoundError(2, "No such file or directory", str(own))) is None
+
+
+def test_files_the_system_refuses_end_the_job_with_one_line(tiny_checkpoint, tmp_path) -> None:
+    """A path too long for the file system, on every rank (an agreed error), and a full stdout: exit 2 with one
+    line each, never a traceback (run as root too, where permissions do not refuse)."""
+    long = tmp_path / ("a" * 300 + ".safetensors")
+    r = glm_ep(2, "forward", "--model", str(tiny_checkpoint), "--input", str(long), "--output",
+               str(tmp_path / "out.safetensors"))
+    fails(r, f"{long}: file name too long; expected a shorter path")
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--preset", "tiny"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == ("glm-ep: error: writing to stdout: no space left on device; expected room on the device "
+                        "for what is written\n"), r.stderr
+    with open("/dev/full", "w") as full:  # stderr refused too: the exit code still says it
+        r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--preset", "tiny"], stdout=full,
+                           stderr=full, timeout=120, cwd=REPO)
+    assert r.returncode == 2
+
+
+def test_synth_on_a_full_disk_is_a_user_error(tmp_path, monkeypatch, capsys) -> None:
+    """safetensors reports a failed write (no space left) as its own SafetensorError, not an OSError."""
+    from safetensors import SafetensorError
+
+    from glm_ep import synth
+    from glm_ep.cli import main
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(synth, "save_readable", full)
+    assert main(["synth", "--out", str(tmp_path / "ck")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write it (Error while serializing: I/O error: No space left on device" in err, err
+    assert "Traceback" not in err
+
+    def unserialisable(*args, **kwargs):  # not the disk: a tensor of ours it could not write, a crash
+        raise SafetensorError("Error while serializing: the tensor is not contiguous")
+
+    monkeypatch.setattr(synth, "save_readable", unserialisable)
+    assert main(["synth", "--out", str(tmp_path / "ck2"), "--force"]) == 1
+    assert "internal error" in capsys.readouterr().err
