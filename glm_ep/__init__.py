@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 from glm_ep.api import GlmMlp, load  # noqa: E402 - after __version__, which setup.cfg reads
 from glm_ep.errors import CheckpointError, ConfigError, GlmEpError, InputError  # noqa: E402
-from glm_ep.parallel import AgreedError  # noqa: E402
-from glm_ep.topology import Topology  # noqa: E402
+from glm_ep.dist.ranks import AgreedError  # noqa: E402
+from glm_ep.config.topology import Topology  # noqa: E402
 
 __all__ = ["AgreedError", "CheckpointError", "ConfigError", "GlmEpError", "GlmMlp", "InputError", "Topology", "load"]

@@ -1,3 +1,3 @@
-from glm_ep.cli import main
+from glm_ep.app.cli import main
 
 raise SystemExit(main())

@@ -26,11 +26,11 @@ from typing import Any, Callable
 import ml_dtypes
 
 from glm_ep import interop
-from glm_ep.config import ModelConfig
+from glm_ep.config.model import ModelConfig
 from glm_ep.errors import ConfigError
-from glm_ep.loader import Runtime, load_runtime, open_checkpoint
-from glm_ep.parallel import Ranks, mpi_world
-from glm_ep.topology import Topology
+from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint
+from glm_ep.dist.ranks import Ranks, mpi_world
+from glm_ep.config.topology import Topology
 
 
 class GlmMlp:

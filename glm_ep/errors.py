@@ -52,7 +52,7 @@ _EXPECTED = {
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
-STDOUT = "<stdout>"  # the file an OSError of a write to stdout names (``glm_ep.parallel.run_guarded`` tags it)
+STDOUT = "<stdout>"  # the file an OSError of a write to stdout names (``glm_ep.dist.ranks.run_guarded`` tags it)
 
 
 def file_access_error(e: BaseException) -> FileAccessError | None:

@@ -10,9 +10,9 @@ import functools
 import numpy as np
 import pytest
 
-from glm_ep import nvfp4
+from glm_ep.checkpoint import nvfp4
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
 from helpers import BF16, assert_close, rand_bf16
 

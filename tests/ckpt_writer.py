@@ -6,7 +6,7 @@ real ModelOpt layout: a composite ``config.json`` (text fields under ``text_conf
 ``quantization_config`` of a ModelOpt export), the ``model.language_model.layers.{i}`` prefix,
 an fp32 router, sharded files with an index, and tensors the MLP loader must ignore.
 ``write_checkpoint`` returns the float64 values the files hold; ``read_f64`` decodes any such
-checkpoint (also ``glm_ep.synth``'s) back to float64 with the same independent decoders.
+checkpoint (also ``glm_ep.checkpoint.synth``'s) back to float64 with the same independent decoders.
 """
 
 from __future__ import annotations

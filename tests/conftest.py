@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glm_ep.presets import preset
-from glm_ep.synth import write_synthetic
+from glm_ep.config.presets import preset
+from glm_ep.checkpoint.synth import write_synthetic
 
 
 @pytest.fixture(scope="session")

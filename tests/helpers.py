@@ -1,5 +1,5 @@
 """Shared test helpers: small random in-memory weights, NumPy stacks for any rank layout, a float64
-reference that shares no code with ``glm_ep.reference`` or the backends, and the comparisons every
+reference that shares no code with ``glm_ep.check.reference`` or the backends, and the comparisons every
 test makes (relative L2, bf16 steps). The CUDA tests' device side is in ``_cuda``; the CLI run as an MPI job,
 and the checkpoint and topology files it reads, in ``cli_jobs``.
 
@@ -17,15 +17,15 @@ import ml_dtypes
 import numpy as np
 
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.comm import Communicator, SelfComm
-from glm_ep.config import ModelConfig, RankLayout, SiteConfig
-from glm_ep.experts import ExpertDispatch
-from glm_ep.nvfp4 import Nvfp4Weight, quantize
-from glm_ep.presets import preset
-from glm_ep.site import DenseSite, MoeSite
-from glm_ep.stack import MlpStack
-from glm_ep.topology import PathLevers
-from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.dist.comm import Communicator, SelfComm
+from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
+from glm_ep.mlp.dispatch import ExpertDispatch
+from glm_ep.checkpoint.nvfp4 import Nvfp4Weight, quantize
+from glm_ep.config.presets import preset
+from glm_ep.mlp.site import DenseSite, MoeSite
+from glm_ep.mlp.stack import MlpStack
+from glm_ep.config.topology import PathLevers
+from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
 BF16 = ml_dtypes.bfloat16
 REPO = Path(__file__).resolve().parents[1]

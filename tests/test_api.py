@@ -254,7 +254,7 @@ def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint)
     wait for the deadline); calls that keep the contract give what they give without the check."""
     from mpi4py import MPI
 
-    from glm_ep.parallel import AgreedError
+    from glm_ep.dist.ranks import AgreedError
 
     comm = MPI.COMM_WORLD
     n, rank = comm.Get_size(), comm.Get_rank()
@@ -294,9 +294,9 @@ def test_ranks_of_one_host_share_its_free_memory_at_load(tiny_checkpoint, monkey
     workspace but not all of theirs is refused on every rank, naming the share; enough for all of them loads."""
     from mpi4py import MPI
 
-    from glm_ep import loader
-    from glm_ep.config import ModelConfig, RankLayout, SiteConfig
-    from glm_ep.workspace import ws_total_bytes
+    from glm_ep.mlp import runtime as loader
+    from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
+    from glm_ep.mlp.workspace import ws_total_bytes
 
     comm = MPI.COMM_WORLD
     n = comm.Get_size()

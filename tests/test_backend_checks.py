@@ -16,10 +16,10 @@ from glm_ep.backend import make_backend
 from glm_ep.backend.cuda import CudaBackend, RingConfig
 from glm_ep.backend.cuda.ring import act_bound, act_fits_f16, act_shift
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
-from glm_ep.placement import Placement
-from glm_ep.topology import PathLevers, Topology
+from glm_ep.dist.placement import Placement
+from glm_ep.config.topology import PathLevers, Topology
 
 from helpers import tiny_dict
 
@@ -294,7 +294,7 @@ def test_the_sort_by_expert_fits_the_device_or_is_refused(limit: int, most: int)
     """A sort block holds a count per expert for the block and each of its 32 warps (132 bytes an expert): on a
     GB10's 99 KB a block that is 767 experts. More is refused at load, naming the limit and the lever that keeps
     wide calls off the sort, not at the first wide call."""
-    from glm_ep.backend.cuda import route
+    from glm_ep.backend.cuda import route_kernels as route
 
     assert route.sort_smem(most) + route.SORT_STATIC_SMEM <= limit < route.sort_smem(most + 1) + route.SORT_STATIC_SMEM
     route.check_sort_fits(most, limit, "sm_x")

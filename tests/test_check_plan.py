@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glm_ep import jobs as jobs_module
-from glm_ep import reference as reference_module
-from glm_ep.check_plan import plan_check
-from glm_ep.cli import build_parser
-from glm_ep.config import ModelConfig
+from glm_ep.app import jobs as jobs_module
+from glm_ep.check import reference as reference_module
+from glm_ep.check.plan import plan_check
+from glm_ep.app.cli import build_parser
+from glm_ep.config.model import ModelConfig
 from glm_ep.errors import EXIT_FAIL, EXIT_OK
-from glm_ep.parallel import Ranks
-from glm_ep.reference import Reference
-from glm_ep.synth import write_synthetic
+from glm_ep.dist.ranks import Ranks
+from glm_ep.check.reference import Reference
+from glm_ep.checkpoint.synth import write_synthetic
 
 from ckpt_writer import read_f64
 from cli_jobs import copy_checkpoint, glm_ep, set_bits, write_topology
@@ -132,7 +132,7 @@ def test_memory_budget_is_a_quarter_of_a_hosts_memory_per_rank_on_it(monkeypatch
     """README: ``auto`` is ``full`` where the estimate fits a quarter of the physical memory per rank of a node.
     Three ranks, two on host a, one on host b: each rank's budget is a quarter of its host's memory over the ranks
     on that host, the least over the ranks, the same on every rank."""
-    from glm_ep import check_plan
+    from glm_ep.check import plan as check_plan
 
     real_sysconf = check_plan.os.sysconf
     for rank, (host, phys) in enumerate(every):

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from glm_ep.checkpoint import Checkpoint, load_layer, read_nvfp4
-from glm_ep.config import RankLayout, SiteConfig
+from glm_ep.checkpoint.reader import Checkpoint, load_layer, read_nvfp4
+from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.errors import CheckpointError, ConfigError
-from glm_ep.presets import preset
-from glm_ep.reference import Reference
-from glm_ep.synth import write_synthetic
-from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.config.presets import preset
+from glm_ep.check.reference import Reference
+from glm_ep.checkpoint.synth import write_synthetic
+from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
 from ckpt_writer import read_safetensors, write_checkpoint, write_safetensors
 from cli_jobs import shard_of
@@ -185,7 +185,7 @@ def _self_comm():
 
 
 def _matches_float64(folder: Path, layers: list, p, x: np.ndarray) -> None:
-    """``glm_ep.reference.Reference`` agrees with the tests' own float64 site to rounding, and the runtime loaded
+    """``glm_ep.check.reference.Reference`` agrees with the tests' own float64 site to rounding, and the runtime loaded
     from ``folder`` (one rank, NumPy) is within the run's bound of it, at every site."""
     import glm_ep
 

@@ -1,9 +1,9 @@
 """End to end: ``glm-ep forward`` and ``glm-ep run`` under ``mpiexec`` (every launch has a timeout).
 
-``forward`` runs on two checkpoints: one from ``glm_ep.synth.write_synthetic`` and one from the
+``forward`` runs on two checkpoints: one from ``glm_ep.checkpoint.synth.write_synthetic`` and one from the
 independent writer in ``ckpt_writer`` (composite config, ``model.language_model`` prefix, fp32
 router, its own NVFP4 packer). Each site output is held against a float64 evaluation built from
-the checkpoint files by the tests' own decoder, not by ``glm_ep.reference``.
+the checkpoint files by the tests' own decoder, not by ``glm_ep.check.reference``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from cli_jobs import fails, glm_ep, glm_ep_per_rank
 def test_bad_counts_are_refused_by_the_parser(argv: list[str], needle: str, capsys, tmp_path) -> None:
     """A negative seed or warm-up count was a traceback (seed) or taken as it was (warm-up, shard size). Paths
     under tmp_path: a parser that let one through writes nothing into the working folder."""
-    from glm_ep.cli import main
+    from glm_ep.app.cli import main
 
     where = {"synth": ["--out", str(tmp_path / "ck")], "run": ["--cache-dir", str(tmp_path / "cache")]}.get(argv[0], [])
     with pytest.raises(SystemExit) as e:
@@ -56,7 +56,7 @@ def test_an_argument_error_is_printed_by_rank_0_only(env: dict[str, str], printe
     """The rank from the launcher's environment (MPI is not up while arguments are parsed): rank 0, or no
     launcher, prints one error line; any other rank prints nothing; all exit 2. (A command whose ranks never meet:
     ``run`` and ``forward`` agree an argument error across ranks, the next test.)"""
-    from glm_ep.cli import main
+    from glm_ep.app.cli import main
 
     for name in _RANK_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -88,7 +88,7 @@ def test_a_bad_argument_on_one_rank_ends_every_rank(bad: list[str], needle: str,
 
 
 def test_help_still_prints(capsys) -> None:
-    from glm_ep.cli import main
+    from glm_ep.app.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["run", "--help"])
@@ -108,7 +108,7 @@ def test_argument_errors_of_commands_that_meet_are_agreed_under_any_launcher(mon
     """Which argument errors take the ranks' agreement: run/forward and errors of no known command under a launch of
     several ranks, or of a count the launcher does not give (PMIx sets a rank only; rank 0 too must not exit while
     the others wait for it in MPI's start-up); synth, footprint and bench keep rank 0's one line."""
-    from glm_ep import cli
+    from glm_ep.app import cli
 
     for name in _RANK_VARS + ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

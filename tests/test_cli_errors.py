@@ -176,7 +176,7 @@ def test_unexpected_exception_on_one_rank_aborts_the_job(tmp_path) -> None:
     script = textwrap.dedent("""
         import sys
         from mpi4py import MPI
-        from glm_ep.parallel import run_guarded
+        from glm_ep.dist.ranks import run_guarded
 
         comm = MPI.COMM_WORLD
 
@@ -204,7 +204,7 @@ def test_a_crash_on_one_rank_inside_an_agreement_stops_every_rank_at_once(tmp_pa
         import sys
         from pathlib import Path
         from mpi4py import MPI
-        from glm_ep.parallel import AgreedError, Ranks
+        from glm_ep.dist.ranks import AgreedError, Ranks
 
         rank = MPI.COMM_WORLD.Get_rank()
 
@@ -232,7 +232,7 @@ def test_a_crash_on_one_rank_inside_an_agreement_stops_every_rank_at_once(tmp_pa
 def test_an_agreed_crash_exits_as_an_internal_error(capsys) -> None:
     """An AgreedError that began as a crash on some rank exits 1 (internal), a user error 2, each printed once."""
     from glm_ep.errors import EXIT_USER
-    from glm_ep.parallel import AgreedError, run_guarded
+    from glm_ep.dist.ranks import AgreedError, run_guarded
 
     def raise_(e: Exception):
         raise e
@@ -248,8 +248,8 @@ def test_an_agreed_crash_exits_as_an_internal_error(capsys) -> None:
 def test_an_interrupt_exits_130_with_one_line(capsys) -> None:
     """Ctrl-C (KeyboardInterrupt) ends the command with 130 (128 + SIGINT), as a shell reports it, saying so in one
     line and no traceback; SIGTERM (raised as deadline.Terminated where the command watches signals) with 143."""
-    from glm_ep.deadline import Terminated
-    from glm_ep.parallel import run_guarded
+    from glm_ep.dist.deadline import Terminated
+    from glm_ep.dist.ranks import run_guarded
 
     def interrupted() -> int:
         raise KeyboardInterrupt
@@ -269,7 +269,7 @@ def test_an_agreed_error_is_printed_once_whole_one_rank_per_line(tmp_path) -> No
         import sys
         from mpi4py import MPI
         from glm_ep.errors import ConfigError
-        from glm_ep.parallel import Ranks, run_guarded
+        from glm_ep.dist.ranks import Ranks, run_guarded
 
         def fail():
             raise ConfigError(f"value {MPI.COMM_WORLD.Get_rank()} is bad, expected 7")
@@ -282,7 +282,7 @@ def test_an_agreed_error_is_printed_once_whole_one_rank_per_line(tmp_path) -> No
 
 
 def test_synth_into_a_file_or_an_unmakeable_folder_is_a_clear_error(tmp_path, capsys) -> None:
-    from glm_ep.cli import main
+    from glm_ep.app.cli import main
 
     a_file = tmp_path / "f"
     a_file.write_text("x")
@@ -295,7 +295,7 @@ def test_synth_into_a_file_or_an_unmakeable_folder_is_a_clear_error(tmp_path, ca
 def test_synth_refuses_to_overwrite_a_checkpoint_or_to_run_on_several_ranks(tmp_path, capsys, monkeypatch) -> None:
     """``synth --out`` into a folder that holds a checkpoint (a typo for a real one) is refused unless --force, and
     so is synth under mpiexec with more than one rank (every rank would write the same files at once)."""
-    from glm_ep.cli import main
+    from glm_ep.app.cli import main
 
     out = tmp_path / "ck"
     assert main(["synth", "--out", str(out), "--shard-mb", "1"]) == 0
@@ -348,7 +348,7 @@ def test_a_closed_stdout_ends_the_command_quietly() -> None:
 
 @pytest.mark.parametrize("argv", [["synth", "--preset", "nope", "--out", "OUT"], ["footprint", "--preset", "nope"]])
 def test_an_unknown_preset_is_named(argv: list[str], capsys, tmp_path) -> None:
-    from glm_ep.cli import main
+    from glm_ep.app.cli import main
 
     argv = [str(tmp_path / "ck") if a == "OUT" else a for a in argv]
     assert main(argv) == 2

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from glm_ep.config import ModelConfig, RankLayout, SiteConfig
+from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
-from glm_ep.topology import PathLevers, Topology
+from glm_ep.config.topology import PathLevers, Topology
 
 from helpers import REPO, tiny_dict
 
@@ -260,7 +260,7 @@ def test_every_topology_file_loads(path: Path) -> None:
     from glm_ep.backend.cuda import CudaBackend
     from glm_ep.backend.cuda.ring import RingConfig
     from glm_ep.backend.numpy_backend import NumpyBackend
-    from glm_ep.presets import preset
+    from glm_ep.config.presets import preset
 
     glm = ModelConfig.from_dict(preset("glm-5.3-flash"), source="glm-5.3-flash")
     backend = CudaBackend if t.backend == "cuda" else NumpyBackend

@@ -15,11 +15,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from glm_ep import routing
+from glm_ep.mlp import routing
 from glm_ep.backend.cuda import grouped
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.nvfp4 import Nvfp4Weight
-from glm_ep.weights import ExpertWeights, MoeWeights
+from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
+from glm_ep.checkpoint.weights import ExpertWeights, MoeWeights
 
 from _cuda import assert_written, backend, both, dev, host, poisoned, requires_cuda, unwritten
 from helpers import BF16, assert_close, rand_bf16

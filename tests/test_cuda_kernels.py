@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glm_ep import nvfp4, routing
+from glm_ep.checkpoint import nvfp4
+from glm_ep.mlp import routing
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.errors import ConfigError
-from glm_ep.weights import DenseWeights
+from glm_ep.checkpoint.weights import DenseWeights
 
 from _cuda import (E, H, M, TOP_K, assert_written, backend, both, check_moe_gate_up_act, check_moe_gemv, dev, host,
                    moe_weights, poisoned, requires_cuda, spy_launches, unwritten)
@@ -352,9 +353,9 @@ def test_sort_by_expert(rng, t, e, sms, monkeypatch):
     of 904 at 1025, 33 at 4097; ``sms`` caps B lower, so chunks pass SORT_CHUNK: 3 of 10923 / 10923 / 10922
     slots); expert counts that are not a multiple of 32 or span two 1024-wide scan chunks (then a row may name
     an expert twice). Every output poisoned first."""
-    from glm_ep.backend.cuda import backend as cuda_backend
-    from glm_ep.backend.cuda import route
-    from glm_ep.backend.cuda.loader import block_smem_limit
+    from glm_ep.backend.cuda import cuda_backend
+    from glm_ep.backend.cuda import route_kernels as route
+    from glm_ep.backend.cuda.kernel_loader import block_smem_limit
 
     if route.sort_smem(e) + route.SORT_STATIC_SMEM > block_smem_limit():  # 1500 experts on a GB10 (99 KB a block)
         with pytest.raises(ConfigError, match="the sort by expert of wide calls needs"):
@@ -394,7 +395,7 @@ def test_sort_by_expert(rng, t, e, sms, monkeypatch):
 def test_upload_moe_sizes_the_sort_scratch(rng):
     """A routed site's upload makes the multi-block sort's count scratch for its router's experts, so a wide call
     never allocates."""
-    from glm_ep.backend.cuda import route
+    from glm_ep.backend.cuda import route_kernels as route
 
     be = backend()
     be.upload_moe(moe_weights(rng, start=0, count=4), 10.0)
@@ -423,7 +424,7 @@ def test_moe_gemm_sorted(rng):
 @pytest.mark.parametrize("n,k", [(40, 352), (24, 96), (2048, 4096)])
 def test_nvfp4_gemv_shapes(rng, n, k):
     """Row and K tails: N not a multiple of a block's rows, K not a multiple of a 128-k step."""
-    from glm_ep.backend.cuda import nvfp4 as kernels
+    from glm_ep.backend.cuda import routed as kernels
 
     w_nk = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
     w_nk[0, :16] = 0.0  # an all-zero block (scale 0)

@@ -18,15 +18,15 @@ import dataclasses
 import numpy as np
 import pytest
 
-from glm_ep import nvfp4
+from glm_ep.checkpoint import nvfp4
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.comm import MpiComm, SelfComm
-from glm_ep.config import ModelConfig, RankLayout, SiteConfig
-from glm_ep.experts import ExpertDispatch
-from glm_ep.site import DenseSite, MoeSite
-from glm_ep.stack import MlpStack
-from glm_ep.topology import PathLevers, Topology
-from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.dist.comm import MpiComm, SelfComm
+from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
+from glm_ep.mlp.dispatch import ExpertDispatch
+from glm_ep.mlp.site import DenseSite, MoeSite
+from glm_ep.mlp.stack import MlpStack
+from glm_ep.config.topology import PathLevers, Topology
+from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
 from _cuda import backend, dev, host, requires_cuda, spy_launches
 from helpers import BF16, assert_close, rand_bf16
@@ -201,7 +201,7 @@ def test_dependent_launches_change_no_bit(rows):
     1 and 4 rows and eager at 300, over fresh inputs, against the same stack on a backend with
     plain launches and against NumPy."""
     from glm_ep.backend.cuda import CudaBackend
-    from glm_ep.backend.cuda.loader import compute_capability
+    from glm_ep.backend.cuda.kernel_loader import compute_capability
 
     on = backend()
     assert on.pdl == (compute_capability(0) >= (9, 0))
@@ -308,8 +308,8 @@ def test_nccl_one_rank():
     from mpi4py import MPI
 
     from glm_ep.backend import make_comm
-    from glm_ep.backend.cuda.nccl import NcclComm
-    from glm_ep.placement import discover
+    from glm_ep.dist.nccl import NcclComm
+    from glm_ep.dist.placement import discover
 
     be = backend()
     comm = make_comm(MPI.COMM_SELF, be, Topology(backend="cuda"), discover(MPI.COMM_SELF))
@@ -330,7 +330,7 @@ def test_two_ranks_one_gpu():
     from mpi4py import MPI
 
     from glm_ep.backend import make_comm
-    from glm_ep.placement import discover
+    from glm_ep.dist.placement import discover
 
     world = MPI.COMM_WORLD
     if world.Get_size() != 2:
@@ -374,9 +374,9 @@ def test_make_backend_refuses_ring_levers_past_the_device_shared_memory(monkeypa
     """make_backend asks the device for its shared memory a block and refuses a ring lever set that passes it, by
     name (a GB10's 101376 bytes stood in, where slab 8 / depth 3 for gate + up needs 122880); the defaults build."""
     from glm_ep.backend import make_backend
-    from glm_ep.backend.cuda import CudaBackend, loader
+    from glm_ep.backend.cuda import CudaBackend, kernel_loader as loader
     from glm_ep.errors import ConfigError
-    from glm_ep.placement import Placement
+    from glm_ep.dist.placement import Placement
 
     here = Placement(rank=0, world=1, node=0, local_rank=0, local_size=1, host="here")
     cfg = SiteConfig.for_rank(model(), RankLayout(1, 0, 1, 1))

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glm_ep.comm import SelfComm
-from glm_ep.config import RankLayout, SiteConfig
+from glm_ep.dist.comm import SelfComm
+from glm_ep.config.model import RankLayout, SiteConfig
 
 import test_cuda_paths as T
 from helpers import CapturingNumpy, RefParams, ref64_layers, site64, step64

@@ -222,7 +222,7 @@ def test_few_items_an_sm_take_the_block_kernels(rng, monkeypatch):
     block kernels, on weights uploaded in the ring's forms: no ring entry launched, the outputs within bf16
     rounding of NumPy, remote slots untouched."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
-    from glm_ep.backend.cuda import nvfp4 as NVM
+    from glm_ep.backend.cuda import routed as NVM
 
     be = CudaBackend(0, RingConfig(min_items_per_sm=10 ** 6), stream=backend().stream)
     h, m, start, count = 2048, 1024, 4, 6

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glm_ep import routing
-from glm_ep.backend.cuda import route
+from glm_ep.mlp import routing
+from glm_ep.backend.cuda import route_kernels as route
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.routing import RouteParams
-from glm_ep.weights import DenseWeights
+from glm_ep.mlp.routing import RouteParams
+from glm_ep.checkpoint.weights import DenseWeights
 
 from _cuda import assert_written, backend, cupy, dev, host, poisoned, requires_cuda
 from helpers import BF16, assert_close, assert_ulps, rand_bf16

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glm_ep import routing
+from glm_ep.mlp import routing
 from glm_ep.backend.numpy_backend import NumpyBackend
 
 from _cuda import (E, H, M, TOP_K, assert_written, backend, both, dev, host, moe_weights, poisoned, requires_cuda,

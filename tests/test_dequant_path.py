@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glm_ep import nvfp4
+from glm_ep.checkpoint import nvfp4
 from glm_ep.backend.base import RoutedExperts
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.config import RankLayout, SiteConfig
+from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
-from glm_ep.experts import ExpertDispatch
-from glm_ep.loader import report_lines, reserve_dequant
-from glm_ep.topology import PathLevers, Topology
-from glm_ep.weights import ExpertWeights
-from glm_ep.workspace import Workspace, fmt_bytes
+from glm_ep.mlp.dispatch import ExpertDispatch
+from glm_ep.mlp.runtime import report_lines, reserve_dequant
+from glm_ep.config.topology import PathLevers, Topology
+from glm_ep.checkpoint.weights import ExpertWeights
+from glm_ep.mlp.workspace import Workspace, fmt_bytes
 
 from helpers import BF16, random_nvfp4_mlp, tiny_model
 
@@ -130,7 +130,7 @@ def test_footprint_reports_the_scratch_the_load_makes(rows: int, dense: str, sho
     """``glm-ep footprint`` prints the dequant scratch line the load logs, with the same bytes (one projection of
     the dense FFN's rank-0 shard in bf16), where the workspace's widest call reaches the lever and the dense FFN is
     stored NVFP4; not otherwise."""
-    from glm_ep.cli import main
+    from glm_ep.app.cli import main
 
     assert main(["footprint", "--preset", "glm-5.3-flash", "--dense", dense, "--rows", str(rows), "--tp", "2"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dequant scratch:")]

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glm_ep.backend.cuda import grouped, loader
+from glm_ep.backend.cuda import grouped, kernel_loader as loader
 
 NVCC = shutil.which("nvcc") or next((str(p) for p in [Path("/usr/local/cuda/bin/nvcc")] if p.is_file()), None)
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (no CUDA toolkit on PATH or in /usr/local/cuda)")

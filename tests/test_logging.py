@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from glm_ep.checkpoint import Checkpoint, layer_read_bytes, load_layer
-from glm_ep.config import RankLayout, SiteConfig
+from glm_ep.checkpoint.reader import Checkpoint, layer_read_bytes, load_layer
+from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.errors import EXIT_USER
 
 from cli_jobs import fails, glm_ep, mpi_env
@@ -49,17 +49,17 @@ def test_run_prints_shared_lines_once_and_the_load_time(tiny_checkpoint) -> None
     r = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--prefill", "12", "--decode", "2", "--verify", "3",
                "--check", "none")
     assert r.returncode == 0, r.stderr[-3000:]
-    paths = re.findall(r"^\[rank (\d)\] INFO glm_ep.experts: routed experts: (\d+) rows -> .* path$", r.stderr, re.M)
+    paths = re.findall(r"^\[rank (\d)\] INFO glm_ep.mlp.dispatch: routed experts: (\d+) rows -> .* path$", r.stderr, re.M)
     assert sorted(int(rows) for _, rows in paths) == [1, 3, 12], r.stderr[-3000:]  # one line per row count
     assert {rank for rank, _ in paths} == {"0"}, r.stderr[-3000:]
-    load = re.findall(r"^\[rank 0\] INFO glm_ep.loader: load: [\d.]+ [MG]B read by 2 rank\(s\) in [\d.]+ s "
+    load = re.findall(r"^\[rank 0\] INFO glm_ep.mlp.runtime: load: [\d.]+ [MG]B read by 2 rank\(s\) in [\d.]+ s "
                       r"\(slowest rank\), [\d.]+ [MG]B/s$", r.stderr, re.M)
     assert len(load) == 1, r.stderr[-3000:]
     assert r.stderr.count("[rank 0] INFO glm_ep.backend: all-reduce: MPI over 2 rank(s)\n") == 1, r.stderr[-3000:]
     assert "[rank 1] INFO" not in r.stderr, r.stderr[-3000:]
     verbose = glm_ep(2, "run", "--model", str(tiny_checkpoint), "--prefill", "12", "--decode", "1", "--verify", "3",
                      "--check", "none", "-v")
-    assert verbose.returncode == 0 and "[rank 1] INFO glm_ep.experts: routed experts" in verbose.stderr
+    assert verbose.returncode == 0 and "[rank 1] INFO glm_ep.mlp.dispatch: routed experts" in verbose.stderr
     # the synthetic checkpoint carries input_scale tensors, as a W4A4 export does: said once, by rank 0
     assert verbose.stderr.count("carry static input scales (a W4A4 export): they are not used") == 1, verbose.stderr
 
@@ -80,7 +80,7 @@ def test_load_progress_counts_exactly_the_bytes_read(request, checkpoint, layout
 
 def test_python_warnings_carry_the_rank_prefix() -> None:
     """A warning (NumPy's overflow on a huge input) is a log line with the rank's prefix, as every line is."""
-    code = ("import warnings; from glm_ep.parallel import setup_logging; setup_logging(1)\n"
+    code = ("import warnings; from glm_ep.dist.ranks import setup_logging; setup_logging(1)\n"
             "warnings.warn('overflow encountered in exp', RuntimeWarning)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode == 0, r.stderr

@@ -23,13 +23,13 @@ from typing import Any, Iterator
 import numpy as np
 import pytest
 
-from glm_ep.comm import MpiComm
-from glm_ep.config import RankLayout, SiteConfig
-from glm_ep.deadline import Deadline
-from glm_ep.footprint import rank_weight_bytes
-from glm_ep.nvfp4 import quantize
-from glm_ep.topology import PathLevers
-from glm_ep.weights import ExpertWeights, MoeWeights
+from glm_ep.dist.comm import MpiComm
+from glm_ep.config.model import RankLayout, SiteConfig
+from glm_ep.dist.deadline import Deadline
+from glm_ep.app.footprint import rank_weight_bytes
+from glm_ep.checkpoint.nvfp4 import quantize
+from glm_ep.config.topology import PathLevers
+from glm_ep.checkpoint.weights import ExpertWeights, MoeWeights
 
 from helpers import (BF16, RefParams, agreed, bf16_ulps, build_stack, elementwise_close, random_weights, random_x,
                      ref64_layers, rel_l2, route_margins64, tiny_model)
@@ -284,9 +284,9 @@ def test_loaded_runtime_matches_one_rank(job: Job, request, tp: int, ep: int, de
     holds no dense FFN (tp = 1 of 2 ranks)."""
     from mpi4py import MPI
 
-    from glm_ep.loader import load_runtime, open_checkpoint
-    from glm_ep.parallel import Ranks
-    from glm_ep.topology import Topology
+    from glm_ep.mlp.runtime import load_runtime, open_checkpoint
+    from glm_ep.dist.ranks import Ranks
+    from glm_ep.config.topology import Topology
 
     ckpt = request.getfixturevalue("tiny_checkpoint" if dense == "bf16" else "tiny_checkpoint_dense_nvfp4")
     levers = PathLevers(nvfp4_dense_dequant_min_rows=9)

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from glm_ep.nvfp4 import Nvfp4Weight, dequantize, pack_nibbles, quantize, unpack_nibbles
+from glm_ep.checkpoint.nvfp4 import Nvfp4Weight, dequantize, pack_nibbles, quantize, unpack_nibbles
 
 from helpers import e4m3_to_f64, nvfp4_to_f64
 

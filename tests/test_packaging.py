@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from glm_ep.errors import ConfigError
-from glm_ep.topologies import shipped_names, topology_path
-from glm_ep.topology import Topology
+from glm_ep.config.shipped import shipped_names, topology_path
+from glm_ep.config.topology import Topology
 
 from cli_jobs import mpi_env, mpiexec
 from helpers import REPO
@@ -69,7 +69,7 @@ def test_wheel_metadata_names_the_extras_and_the_command(wheel) -> None:
         assert line in meta.splitlines(), line
     assert "Requires-Dist: mpich\n" not in meta  # MPI is an extra, not forced over a system MPI
     entry = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
-    assert "glm-ep = glm_ep.cli:main" in entry
+    assert "glm-ep = glm_ep.app.cli:main" in entry
 
 
 def test_run_from_the_wheel_outside_the_tree(wheel, tmp_path) -> None:
@@ -79,7 +79,7 @@ def test_run_from_the_wheel_outside_the_tree(wheel, tmp_path) -> None:
     zipfile.ZipFile(wheel[0]).extractall(site)
     work.mkdir()
     env = {**mpi_env(), "PYTHONPATH": str(site)}
-    where = subprocess.run([sys.executable, "-c", "import glm_ep.topologies as t; print(t.shipped_dir())"],
+    where = subprocess.run([sys.executable, "-c", "import glm_ep.config.shipped as t; print(t.shipped_dir())"],
                            cwd=work, env=env, capture_output=True, text=True, timeout=60)
     assert where.stdout.strip() == str(site / "glm_ep" / "configs"), where.stderr[-2000:]
     r = mpiexec(2, "-m", "glm_ep", "run", "--topology", "cpu-2", "--prefill", "8", "--decode", "2",

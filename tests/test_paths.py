@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from glm_ep.config import RankLayout
-from glm_ep.topology import PathLevers
+from glm_ep.config.model import RankLayout
+from glm_ep.config.topology import PathLevers
 
 from helpers import (CapturingNumpy, RefParams, assert_ulps, build_stack, random_weights, random_x, ref64_layers,
                      rel_l2, route_margins64, site64, step64, tiny_model)

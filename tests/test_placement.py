@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 
 from glm_ep.backend import make_comm
-from glm_ep.comm import MpiComm
+from glm_ep.dist.comm import MpiComm
 from glm_ep.errors import ConfigError
-from glm_ep.placement import NodeGpu, Placement, choose_comm, device_index, discover, shared_gpus
-from glm_ep.topology import Topology
+from glm_ep.dist.placement import NodeGpu, Placement, choose_comm, device_index, discover, shared_gpus
+from glm_ep.config.topology import Topology
 
 from helpers import agreed
 
@@ -99,7 +99,7 @@ class _FakeCudaBackend:
 
 
 def test_make_comm_takes_nccl_for_gb10_2_and_mpi_for_two_ranks_on_one_gpu(monkeypatch) -> None:
-    import glm_ep.backend.cuda.nccl as nccl
+    import glm_ep.dist.nccl as nccl
 
     made = []
     monkeypatch.setattr(nccl, "NcclComm", lambda mpi_comm, backend, deadline=None: made.append(mpi_comm) or "nccl-comm")

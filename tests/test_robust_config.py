@@ -101,8 +101,8 @@ def test_ranks_that_opened_checkpoints_of_other_weights_refuse_to_run(tiny_check
     """Each node its own copy, of the same shapes but other weights (another seed of the synthetic checkpoint: the
     config, index and shard headers are all the same): refused once the weights are read, from the router weights
     every rank reads whole, before any output is written."""
-    from glm_ep.presets import preset
-    from glm_ep.synth import write_synthetic
+    from glm_ep.config.presets import preset
+    from glm_ep.checkpoint.synth import write_synthetic
 
     other = write_synthetic(tmp_path / "seed7", preset("tiny"), seed=7, shard_bytes=256 * 1024)
     r = glm_ep_per_rank(_forward_args(tiny_checkpoint, tmp_path), _forward_args(other, tmp_path))

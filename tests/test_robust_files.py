@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from glm_ep.errors import InputError
-from glm_ep.files import check_output_path, read_hidden_states
+from glm_ep.app.files import check_output_path, read_hidden_states
 
 from ckpt_writer import read_safetensors, write_safetensors
 from cli_jobs import copy_checkpoint, fails, glm_ep, load_outputs, loaded_weights, save_hidden, shard_of
@@ -98,7 +98,7 @@ def test_an_existing_regular_output_is_replaced(tiny_checkpoint, x_file, tmp_pat
 def test_save_readable_gives_the_umask_modes_and_leaves_the_umask(tmp_path, monkeypatch, umask: int) -> None:
     """The mode comes from the process's umask, read without changing it; a file system that refuses chmod
     leaves the file written (safetensors' 0600), not an error."""
-    from glm_ep import files
+    from glm_ep.app import files
 
     old = os.umask(umask)
     try:
@@ -221,7 +221,7 @@ def test_a_file_the_system_refuses_is_a_user_error(error: OSError, message: str,
     from mpi4py import MPI
 
     from glm_ep.errors import EXIT_USER, file_access_error
-    from glm_ep.parallel import AgreedError, Ranks, run_guarded
+    from glm_ep.dist.ranks import AgreedError, Ranks, run_guarded
 
     def refused():
         raise error
@@ -238,7 +238,7 @@ def test_a_file_the_system_refuses_is_a_user_error(error: OSError, message: str,
     assert file_access_error(OSError(5, "Input/output error", "/tmp/x")) is None
     import glm_ep
 
-    own = Path(glm_ep.__file__).parent / "kernels" / "missing.cu"
+    own = Path(glm_ep.__file__).parent / "backend" / "cuda" / "kernels" / "missing.cu"
     assert file_access_error(FileNotFoundError(2, "No such file or directory", str(own))) is None
 
 
@@ -265,8 +265,8 @@ def test_synth_on_a_full_disk_is_a_user_error(tmp_path, monkeypatch, capsys) -> 
     """safetensors reports a failed write (no space left) as its own SafetensorError, not an OSError."""
     from safetensors import SafetensorError
 
-    from glm_ep import synth
-    from glm_ep.cli import main
+    from glm_ep.checkpoint import synth
+    from glm_ep.app.cli import main
 
     def full(*args, **kwargs):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")

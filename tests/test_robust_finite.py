@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from glm_ep.finite import nonfinite_mask
+from glm_ep.checkpoint.finite import nonfinite_mask
 
 from cli_jobs import copy_checkpoint, fails, glm_ep, load_outputs, loaded_weights, save_hidden, set_bits, write_topology
 from helpers import random_x

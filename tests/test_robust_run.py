@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from glm_ep.check import Verdict, max_propagating_nan
+from glm_ep.check.verdict import Verdict, max_propagating_nan
 from glm_ep.errors import EXIT_FAIL, EXIT_USER
 
 from cli_jobs import copy_checkpoint, glm_ep, set_bits, write_topology

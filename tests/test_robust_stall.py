@@ -136,7 +136,7 @@ def test_stopped_rank_at_an_agreement_point_ends_the_job(tmp_path) -> None:
     script = textwrap.dedent(f"""
         import os, signal, sys
         from mpi4py import MPI
-        from glm_ep.parallel import Ranks, run_guarded
+        from glm_ep.dist.ranks import Ranks, run_guarded
 
         ranks = Ranks(MPI.COMM_WORLD, timeout_s={DEADLINE_S})
 
@@ -175,7 +175,7 @@ def test_ctrl_c_while_a_rank_waits_on_a_stopped_one_ends_the_job_at_once(tmp_pat
     script = textwrap.dedent("""
         import os, signal, sys
         from mpi4py import MPI
-        from glm_ep.parallel import Ranks, run_guarded
+        from glm_ep.dist.ranks import Ranks, run_guarded
 
         ranks = Ranks(MPI.COMM_WORLD, timeout_s=3600)
         ranks.deadline.watch_signals()

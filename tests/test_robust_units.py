@@ -13,12 +13,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from glm_ep import finite, workspace
-from glm_ep.checkpoint import Checkpoint
-from glm_ep.config import RankLayout, SiteConfig
-from glm_ep.deadline import Deadline
+from glm_ep.checkpoint import finite
+from glm_ep.mlp import workspace
+from glm_ep.checkpoint.reader import Checkpoint
+from glm_ep.config.model import RankLayout, SiteConfig
+from glm_ep.dist.deadline import Deadline
 from glm_ep.errors import EXIT_STALL, ConfigError
-from glm_ep.workspace import allocate_workspaces, ws_total_bytes
+from glm_ep.mlp.workspace import allocate_workspaces, ws_total_bytes
 
 from cli_jobs import copy_checkpoint
 from helpers import tiny_model
@@ -180,7 +181,7 @@ class _TwoRanks:
 def test_check_same_names_each_rank_value_whole_and_digests_short() -> None:
     """Values that differ only past their 12th character (a devices list, a lever tuple, a command line's rows)
     are shown whole, so the ranks' lines differ; hex digests by their first 12 digits."""
-    from glm_ep.parallel import AgreedError, Ranks
+    from glm_ep.dist.ranks import AgreedError, Ranks
 
     mine = {"topology devices": "(0, 1, 2, 3, 4, 5, 6, 7)", "config": "ab" * 32, "same": "x"}
     theirs = {"topology devices": "(0, 1, 2, 3, 4, 5, 7, 6)", "config": "cd" * 32, "same": "x"}
@@ -234,7 +235,7 @@ def test_a_signal_during_a_guarded_wait_ends_the_job(capsys, signum: int, code: 
     the grace, the watchdog ends the job with the interrupt's code; if it left the wait, the signal is its own."""
     import os
 
-    from glm_ep.deadline import SIGNAL_GRACE_S
+    from glm_ep.dist.deadline import SIGNAL_GRACE_S
 
     d, codes = _deadline()
     r, w = os.pipe()

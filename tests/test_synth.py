@@ -10,12 +10,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import glm_ep.synth as synth
-from glm_ep.checkpoint import Checkpoint, load_layer
-from glm_ep.config import RankLayout, SiteConfig
+import glm_ep.checkpoint.synth as synth
+from glm_ep.checkpoint.reader import Checkpoint, load_layer
+from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
-from glm_ep.nvfp4 import Nvfp4Weight, dequantize
-from glm_ep.presets import preset
+from glm_ep.checkpoint.nvfp4 import Nvfp4Weight, dequantize
+from glm_ep.config.presets import preset
 
 P = "model.layers.1.mlp"
 
@@ -150,12 +150,12 @@ def test_synth_layers_keeps_one_schedule(tmp_path: Path, monkeypatch: pytest.Mon
                                         types, first_k) -> None:
     """``--layers N`` cuts the preset's own schedule: mlp_layer_types where it has one (and no first_k_dense_replace
     beside it, which a reader of that key alone would take as another schedule), else first_k_dense_replace."""
-    from glm_ep.cli import _synth, build_parser
-    from glm_ep.config import ModelConfig
+    from glm_ep.app.cli import _synth, build_parser
+    from glm_ep.config.model import ModelConfig
 
     args = build_parser().parse_args(["synth", "--preset", name, "--layers", str(layers), "--out", str(tmp_path)])
     written = {}
-    import glm_ep.synth as synth
+    import glm_ep.checkpoint.synth as synth
 
     monkeypatch.setattr(synth, "write_synthetic", lambda out, cfg, **kw: written.update(cfg) or Path(out))
     assert _synth(args) == 0

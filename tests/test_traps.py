@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.config import RankLayout, SiteConfig
-from glm_ep.experts import ExpertDispatch
-from glm_ep.nvfp4 import quantize
-from glm_ep.routing import RENORM_EPS, RouteParams, router_topk, sort_by_expert, union_table
-from glm_ep.topology import PathLevers
-from glm_ep.weights import ExpertWeights, MoeWeights
-from glm_ep.workspace import Workspace
+from glm_ep.config.model import RankLayout, SiteConfig
+from glm_ep.mlp.dispatch import ExpertDispatch
+from glm_ep.checkpoint.nvfp4 import quantize
+from glm_ep.mlp.routing import RENORM_EPS, RouteParams, router_topk, sort_by_expert, union_table
+from glm_ep.config.topology import PathLevers
+from glm_ep.checkpoint.weights import ExpertWeights, MoeWeights
+from glm_ep.mlp.workspace import Workspace
 
 from helpers import (BF16, RefParams, bf16_ulps, build_stack, mlp64, random_weights, random_x, ref64_layers, rel_l2,
                      route64, shard_layer, site64, tiny_model)

@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from glm_ep.config import ModelConfig, RankLayout, SiteConfig
-from glm_ep.presets import preset
-from glm_ep.routing import row_groups
-from glm_ep.workspace import BUFFERS, Workspace, fmt_bytes, footprint_lines, ws_bytes, ws_total_bytes
+from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
+from glm_ep.config.presets import preset
+from glm_ep.mlp.routing import row_groups
+from glm_ep.mlp.workspace import BUFFERS, Workspace, fmt_bytes, footprint_lines, ws_bytes, ws_total_bytes
 
 from cli_jobs import mpi_env
 from helpers import REPO, tiny_model
@@ -211,9 +211,9 @@ def test_footprint_cli_prints_the_glm_numbers() -> None:
 def test_footprint_weight_bytes_are_what_a_rank_loads(tiny_checkpoint, tiny_checkpoint_dense_nvfp4, layout) -> None:
     """The config-only weight count (``glm-ep footprint``) equals the bytes ``load_layer`` hands a rank, with
     the dense FFNs stored bf16 or NVFP4; ``footprint --model`` reads which from the checkpoint."""
-    from glm_ep.checkpoint import Checkpoint, load_layer
-    from glm_ep.config import RankLayout, SiteConfig
-    from glm_ep.footprint import rank_weight_bytes
+    from glm_ep.checkpoint.reader import Checkpoint, load_layer
+    from glm_ep.config.model import RankLayout, SiteConfig
+    from glm_ep.app.footprint import rank_weight_bytes
 
     for ckpt, nvfp4 in ((tiny_checkpoint, False), (tiny_checkpoint_dense_nvfp4, True)):
         with Checkpoint(ckpt) as ck:
@@ -231,10 +231,10 @@ def test_footprint_weight_bytes_are_what_a_rank_loads(tiny_checkpoint, tiny_chec
 def test_footprint_counts_an_f32_router_as_stored(tmp_path, layout) -> None:
     """A checkpoint whose routers are stored F32 (the runtime holds them so): ``footprint --model`` reads the dtype
     from a header (it counted 2 bytes an element: 99 MB a rank short at the GLM shape)."""
-    from glm_ep.checkpoint import Checkpoint, load_layer
-    from glm_ep.config import RankLayout, SiteConfig
-    from glm_ep.presets import preset
-    from glm_ep.synth import write_synthetic
+    from glm_ep.checkpoint.reader import Checkpoint, load_layer
+    from glm_ep.config.model import RankLayout, SiteConfig
+    from glm_ep.config.presets import preset
+    from glm_ep.checkpoint.synth import write_synthetic
 
     ckpt = write_synthetic(tmp_path / "f32", preset("tiny"), router_dtype="f32")
     with Checkpoint(ckpt) as ck:
@@ -273,9 +273,9 @@ def test_numpy_grouped_gemm_without_routing() -> None:
     or a row count that is not the output's is refused by name, not broadcast."""
     import ml_dtypes
 
-    from glm_ep import nvfp4
+    from glm_ep.checkpoint import nvfp4
     from glm_ep.backend.numpy_backend import NumpyBackend
-    from glm_ep.weights import ExpertWeights
+    from glm_ep.checkpoint.weights import ExpertWeights
 
     rng = np.random.default_rng(5)
     w = ExpertWeights(*(nvfp4.quantize(rng.standard_normal((32, 32)).astype(np.float32)) for _ in range(3)))

@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 
-from glm_ep.checkpoint import Checkpoint, load_layer
-from glm_ep.config import RankLayout, SiteConfig
-from glm_ep.finite import can_be_nonfinite, first_nonfinite
-from glm_ep.weights import DenseWeights, MoeWeights
+from glm_ep.checkpoint.reader import Checkpoint, load_layer
+from glm_ep.config.model import RankLayout, SiteConfig
+from glm_ep.checkpoint.finite import can_be_nonfinite, first_nonfinite
+from glm_ep.checkpoint.weights import DenseWeights, MoeWeights
 
 
 def _arrays(w: DenseWeights | MoeWeights | None) -> list[np.ndarray]:

@@ -20,11 +20,11 @@ def main() -> int:
     from glm_ep.backend.cuda import CudaBackend
     from glm_ep.backend.cuda import grouped as NV
     from glm_ep.bench.common import glm_model, gpu_bf16, gpu_moe, time_median, world1_cfg
-    from glm_ep.comm import SelfComm
-    from glm_ep.experts import ExpertDispatch
-    from glm_ep.site import MoeSite
-    from glm_ep.topology import PathLevers
-    from glm_ep.workspace import Workspace
+    from glm_ep.dist.comm import SelfComm
+    from glm_ep.mlp.dispatch import ExpertDispatch
+    from glm_ep.mlp.site import MoeSite
+    from glm_ep.config.topology import PathLevers
+    from glm_ep.mlp.workspace import Workspace
 
     ap = argparse.ArgumentParser()
     ap.add_argument("variant", help="a GEMM_VARIANTS tuple, e.g. 128,1,4,64,4,wgmma")

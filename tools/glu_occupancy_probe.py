@@ -28,7 +28,7 @@ M, E_LOCAL, LIMIT = 2048, 32, 10.0
 
 
 def main() -> int:
-    from glm_ep.backend.cuda import loader
+    from glm_ep.backend.cuda import kernel_loader as loader
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -46,9 +46,9 @@ def run(args) -> int:
     import cupy as cp
 
     from glm_ep.backend.cuda import CudaBackend, RingConfig
-    from glm_ep.backend.cuda.loader import RING_KERNELS
+    from glm_ep.backend.cuda.kernel_loader import RING_KERNELS
     from glm_ep.bench.common import gpu_nvfp4, graph_median_us
-    from glm_ep.weights import ExpertWeights, MoeWeights
+    from glm_ep.checkpoint.weights import ExpertWeights, MoeWeights
 
     base = CudaBackend(0)
     s = base.stream

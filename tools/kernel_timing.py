@@ -35,8 +35,8 @@ def main() -> int:
 
     from glm_ep.backend.cuda import CudaBackend, RingConfig
     from glm_ep.bench.common import gpu_nvfp4, graph_median_us
-    from glm_ep.routing import RouteParams
-    from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+    from glm_ep.mlp.routing import RouteParams
+    from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -264,7 +264,7 @@ def main() -> int:
 def ring_ablation(time_ring) -> int:
     """The one-row routed glu and down of the unscaled bf16 form (``RingConfig(placed=False)``) built with
     ``-DRING_ABLATE=`` 1 (no dequantization) and 2 (no math) between two runs as built; each a module of its own."""
-    from glm_ep.backend.cuda import RingConfig, loader
+    from glm_ep.backend.cuda import RingConfig, kernel_loader as loader
 
     for ablate, what in ((0, "as built"), (1, "no dequantization"), (2, "no math: streaming alone"),
                          (0, "as built, again")):
@@ -279,7 +279,7 @@ def union_variants(cp, be, args, copy_gbs: float) -> int:
     union's experts."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
     from glm_ep.bench.common import gpu_nvfp4, graph_median_us
-    from glm_ep.weights import ExpertWeights
+    from glm_ep.checkpoint.weights import ExpertWeights
 
     s, L = be.stream, args.layers
     with s:

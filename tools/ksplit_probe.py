@@ -30,11 +30,11 @@ def main() -> int:
     from glm_ep.backend.cuda import grouped as G
     from glm_ep.bench.common import (BF16, copy_bandwidth, eager_host_us, glm_model, gpu_bf16, gpu_nvfp4_site,
                                      time_median, world1_cfg)
-    from glm_ep.comm import SelfComm
-    from glm_ep.experts import ExpertDispatch
-    from glm_ep.footprint import nvfp4_bytes
-    from glm_ep.topology import PathLevers
-    from glm_ep.workspace import Workspace
+    from glm_ep.dist.comm import SelfComm
+    from glm_ep.mlp.dispatch import ExpertDispatch
+    from glm_ep.app.footprint import nvfp4_bytes
+    from glm_ep.config.topology import PathLevers
+    from glm_ep.mlp.workspace import Workspace
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[9, 16, 24, 64])
@@ -84,7 +84,7 @@ def main() -> int:
         return time_median(cp, s, replay, iters=3, warmup=2, repeats=5) / calls
 
     if args.one_row:
-        from glm_ep.backend.cuda import nvfp4 as NV
+        from glm_ep.backend.cuda import routed as NV
 
         x1, ids = gpu_bf16(cp, (1, h), 1.0), cp.zeros(1, dtype=cp.int32)
         g, u, a1 = (cp.empty((1, width), dtype=BF16) for _ in range(3))

@@ -65,7 +65,7 @@ def find_tool(name: str) -> str:
 
 
 def build_sass(kernel_file: str, function: str, arch: str) -> str:
-    from glm_ep.backend.cuda import loader
+    from glm_ep.backend.cuda import kernel_loader as loader
 
     nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:

@@ -30,11 +30,11 @@ import ml_dtypes  # noqa: F401  (bf16 for safetensors' NumPy reader)
 import numpy as np
 from safetensors.numpy import load_file
 
-from glm_ep.comm import bf16_sum_in_rank_order
-from glm_ep.files import read_hidden_states
-from glm_ep.jobs import agreed_topology
-from glm_ep.loader import load_runtime, open_checkpoint
-from glm_ep.parallel import Ranks, mpi_world
+from glm_ep.dist.comm import bf16_sum_in_rank_order
+from glm_ep.app.files import read_hidden_states
+from glm_ep.app.jobs import agreed_topology
+from glm_ep.mlp.runtime import load_runtime, open_checkpoint
+from glm_ep.dist.ranks import Ranks, mpi_world
 
 OPS = ("linear", "router_logits", "router_topk", "swiglu", "combine", "add", "zero", "gate_up_act", "moe_gemv",
        "moe_gate_up_act", "union_table", "moe_gemv_union", "moe_gate_up_act_union", "sort_by_expert",

@@ -26,11 +26,11 @@ def main() -> int:
     from glm_ep.backend.cuda import dense as D
     from glm_ep.bench.common import (BF16, eager_host_us, glm_model, gpu_bf16, gpu_dense, gpu_moe, time_median,
                                      world1_cfg)
-    from glm_ep.comm import SelfComm
-    from glm_ep.experts import ExpertDispatch
-    from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
-    from glm_ep.topology import PathLevers
-    from glm_ep.workspace import Workspace
+    from glm_ep.dist.comm import SelfComm
+    from glm_ep.mlp.dispatch import ExpertDispatch
+    from glm_ep.mlp.site import DenseSite, MoeSite, clamped_swiglu_mlp
+    from glm_ep.config.topology import PathLevers
+    from glm_ep.mlp.workspace import Workspace
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])

@@ -6,18 +6,18 @@ import logging
 from typing import Any
 
 from glm_ep.backend.base import Backend
-from glm_ep.comm import Communicator, MpiComm
-from glm_ep.config import SiteConfig
-from glm_ep.deadline import Deadline, guarded
+from glm_ep.dist.comm import Communicator, MpiComm
+from glm_ep.config.model import SiteConfig
+from glm_ep.dist.deadline import Deadline, guarded
 from glm_ep.errors import ConfigError
-from glm_ep.placement import NodeGpu, Placement, choose_comm, device_index
+from glm_ep.dist.placement import NodeGpu, Placement, choose_comm, device_index
 
 log = logging.getLogger(__name__)
 
 
 def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backend:
     """The topology's backend for this rank: NumPy, or CUDA on the rank's device (its node-local
-    rank unless the topology lists devices; ``glm_ep.placement.device_index``). Refused with a
+    rank unless the topology lists devices; ``glm_ep.dist.placement.device_index``). Refused with a
     ConfigError, before any device is touched, where a lever or the model's top-k is past the
     backend's ``Capabilities``, or (CUDA) where the ring levers ask for a kernel that is not built
     or an fp16 form the site's ``swiglu_limit`` does not bound; and (CUDA, once the device is chosen)
@@ -29,7 +29,7 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
         NumpyBackend.capabilities.check("cpu", topology.levers, cfg.top_k)
         return NumpyBackend()
     from glm_ep.backend.cuda import CudaBackend, RingConfig
-    from glm_ep.backend.cuda.loader import block_smem_limit
+    from glm_ep.backend.cuda.kernel_loader import block_smem_limit
 
     CudaBackend.capabilities.check("cuda", topology.levers, cfg.top_k)
     ring = RingConfig.from_levers(topology.levers)
@@ -47,8 +47,8 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
     lv = topology.levers
     if lv.prefill_gemm and not lv.host_dispatch and topology.workspace_rows >= lv.prefill_gemm_min_rows:
         # the routed experts' sorted path can run (a dense FFN stored NVFP4 sorts one expert: it always fits)
-        from glm_ep.backend.cuda import route
-        from glm_ep.backend.cuda.loader import compute_capability, current_device
+        from glm_ep.backend.cuda import route_kernels as route
+        from glm_ep.backend.cuda.kernel_loader import compute_capability, current_device
 
         route.check_sort_fits(cfg.num_experts, block_smem_limit(), "sm_%d%d" % compute_capability(current_device()))
     return be
@@ -60,7 +60,7 @@ def make_comm(mpi_comm: Any, backend: Backend, topology: Any, placement: Placeme
 
     CPU ranks sum over MPI. CUDA ranks use NCCL when every rank has a GPU of its own, told apart
     by (node, PCI bus id), and the topology does not ask for ``comm = "mpi"``; otherwise MPI with
-    the buffers staged through the host (``glm_ep.placement.choose_comm``). Waits on the other
+    the buffers staged through the host (``glm_ep.dist.placement.choose_comm``). Waits on the other
     ranks are bounded by ``deadline``.
     """
     if backend.name == "cpu":
@@ -74,7 +74,7 @@ def make_comm(mpi_comm: Any, backend: Backend, topology: Any, placement: Placeme
         log.info("all-reduce: %s over %d rank(s) on %d node(s)", kind.upper(), len(gpus),
                  len({g.node for g in gpus}))
     if kind == "nccl":
-        from glm_ep.backend.cuda.nccl import NcclComm
+        from glm_ep.dist.nccl import NcclComm
 
         return NcclComm(mpi_comm, backend, deadline)
     return MpiComm(mpi_comm, to_host=backend.to_host, from_host=backend.from_host, deadline=deadline,

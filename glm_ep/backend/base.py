@@ -26,9 +26,9 @@ from typing import Any, Generic, Sequence, TypeVar
 import numpy as np
 
 from glm_ep.errors import ConfigError
-from glm_ep.routing import RouteParams
-from glm_ep.topology import PathLevers
-from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.mlp.routing import RouteParams
+from glm_ep.config.topology import PathLevers
+from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
 A = TypeVar("A")  # the backend's array type
 P = TypeVar("P")  # the backend's form of one projection of every local expert
@@ -183,7 +183,7 @@ class Backend(ABC, Generic[A, P]):
 
     @abstractmethod
     def router_topk(self, logits_TE: Any, bias_E: Any, p: RouteParams, ids_TK: Any, wts_TK: Any) -> None:
-        """``glm_ep.routing.router_topk`` into ``ids``/``wts``; ids must match it exactly."""
+        """``glm_ep.mlp.routing.router_topk`` into ``ids``/``wts``; ids must match it exactly."""
 
     def route(self, x_TH: Any, router_EH: Any, bias_E: Any, p: RouteParams, logits_TE: Any, ids_TK: Any,
               wts_TK: Any) -> None:
@@ -250,7 +250,7 @@ class Backend(ABC, Generic[A, P]):
 
     @abstractmethod
     def union_table(self, ids_RK: Any, u_eid_U: Any, u_slot_UR: Any) -> None:
-        """``glm_ep.routing.union_table`` into the two buffers; must match it exactly."""
+        """``glm_ep.mlp.routing.union_table`` into the two buffers; must match it exactly."""
 
     @abstractmethod
     def moe_gemv_union(self, a: Any, table: ExpertTable[P], u_eid_U: Any, u_slot_UR: Any, out_RKN: Any,
@@ -261,7 +261,7 @@ class Backend(ABC, Generic[A, P]):
     @abstractmethod
     def sort_by_expert(self, ids_TK: Any, num_experts: int, sorted_token_ids_S: Any,
                        sorted_expert_ids_S: Any, expert_offsets: Any, token_to_perm_TK: Any) -> None:
-        """``glm_ep.routing.sort_by_expert`` into the four buffers; must match it exactly."""
+        """``glm_ep.mlp.routing.sort_by_expert`` into the four buffers; must match it exactly."""
 
     @abstractmethod
     def moe_gemm_sorted(self, a: Any, table: ExpertTable[P], sorted_token_ids_S: Any, expert_offsets: Any,

@@ -13,11 +13,12 @@ from typing import Sequence
 import ml_dtypes
 import numpy as np
 
-from glm_ep import nvfp4, routing
+from glm_ep.checkpoint import nvfp4
+from glm_ep.mlp import routing
 from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
-from glm_ep.backend.cuda.loader import CAPABILITIES as CUDA_CAPABILITIES
-from glm_ep.nvfp4 import Nvfp4Weight
-from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.backend.cuda.kernel_loader import CAPABILITIES as CUDA_CAPABILITIES
+from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
+from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
 BF16 = ml_dtypes.bfloat16
 #: one projection of every local expert, as read: local expert i is ``[i]``

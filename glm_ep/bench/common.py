@@ -15,14 +15,14 @@ from typing import Any, Callable
 
 import ml_dtypes
 
-from glm_ep.config import ModelConfig, RankLayout, SiteConfig
-from glm_ep.experts import ExpertDispatch
-from glm_ep.footprint import nvfp4_bytes
-from glm_ep.nvfp4 import Nvfp4Weight
-from glm_ep.presets import preset
-from glm_ep.site import DenseSite
-from glm_ep.topology import PathLevers
-from glm_ep.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
+from glm_ep.mlp.dispatch import ExpertDispatch
+from glm_ep.app.footprint import nvfp4_bytes
+from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
+from glm_ep.config.presets import preset
+from glm_ep.mlp.site import DenseSite
+from glm_ep.config.topology import PathLevers
+from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
 log = logging.getLogger(__name__)
 BF16 = ml_dtypes.bfloat16

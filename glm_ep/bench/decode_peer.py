@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glm_ep.config import ModelConfig
+from glm_ep.config.model import ModelConfig
 
 
 def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, lim: float) -> torch.Tensor:

@@ -29,11 +29,11 @@ from glm_ep.backend.cuda import grouped as NV
 from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, dense_nvfp4_bytes, glm_model,
                                  gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header, time_median,
                                  torch_time_us, world1_cfg)
-from glm_ep.comm import SelfComm
-from glm_ep.experts import ExpertDispatch
-from glm_ep.site import DenseSite, MoeSite, clamped_swiglu_mlp
-from glm_ep.topology import PathLevers
-from glm_ep.workspace import Workspace
+from glm_ep.dist.comm import SelfComm
+from glm_ep.mlp.dispatch import ExpertDispatch
+from glm_ep.mlp.site import DenseSite, MoeSite, clamped_swiglu_mlp
+from glm_ep.config.topology import PathLevers
+from glm_ep.mlp.workspace import Workspace
 
 log = logging.getLogger(__name__)
 WIDTHS = (16, 64, 128, 256, 1024, 4096)

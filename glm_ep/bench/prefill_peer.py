@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from glm_ep.bench.common import torch_time_us
-from glm_ep.config import ModelConfig
+from glm_ep.config.model import ModelConfig
 
 #: transformers' experts implementations, with the widest rows each is tried at (batched_mm
 #: gathers every slot's weights: [S, 2M, H] bf16 runs out of memory past a few dozen rows; the

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.backend.cuda.loader import (BF16, F32, GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, MMA_GEMM_TIERS,
+from glm_ep.backend.cuda.kernel_loader import (BF16, F32, GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, MMA_GEMM_TIERS,
                                         MMA_GEMM_WARPS, U32, WSTREAM_DEPTH, WSTREAM_STAGE_K, WSTREAM_TIERS,
                                         WSTREAM_WARPS, cdiv, check, check_shape, i32, i64, launch, sm_count,
                                         smem_per_sm, split_k)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.backend.cuda.loader import (BF16, COMBINE_THREADS, COMBINE_VEC, ELEM_THREADS, F32, I32, cdiv, check,
+from glm_ep.backend.cuda.kernel_loader import (BF16, COMBINE_THREADS, COMBINE_VEC, ELEM_THREADS, F32, I32, cdiv, check,
                                         check_shape, i32, i64, launch)
 
 ELEM_MAX_BLOCKS = 8192  # grid-stride beyond this

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.loader import (ARCH_SPECIFIC, BF16, F32, GEMM_VARIANTS, I32, arch_build, block_smem_limit,
+from glm_ep.backend.cuda.kernel_loader import (ARCH_SPECIFIC, BF16, F32, GEMM_VARIANTS, I32, arch_build, block_smem_limit,
                                         cdiv, check, check_shape, compute_capability, current_device,
                                         gemm_smem_bytes, gemm_suffix, i32, i64, launch, sm_count)
-from glm_ep.backend.cuda.nvfp4 import Nvfp4Pointers
+from glm_ep.backend.cuda.routed import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
 # the variants (loader.GEMM_VARIANTS) gemm_nvfp4.cu instantiates; the default of each BM, the fastest

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm_ep.backend.cuda.loader import (BF16, MMA_ROWS, RING_KERNELS, RING_WARPS, UNION_RING_KERNELS, UNION_RING_ROWS,
+from glm_ep.backend.cuda.kernel_loader import (BF16, MMA_ROWS, RING_KERNELS, RING_WARPS, UNION_RING_KERNELS, UNION_RING_ROWS,
                                         cdiv, ring_stage_bytes, sm_count, smem_per_sm)
 from glm_ep.errors import ConfigError
-from glm_ep.topology import PathLevers
+from glm_ep.config.topology import PathLevers
 
 RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T steps (K a multiple)
 RING_MAX_SLOTS = 32  # slots of one launch: lane j of a warp holds slot j's ids and pointers

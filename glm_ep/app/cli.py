@@ -1,0 +1,295 @@
+"""``glm-ep``: synth, footprint, forward, run and bench.
+
+    mpiexec -n 2 python -m glm_ep run                       # the main job on the tiny checkpoint
+    mpiexec -n 2 python -m glm_ep forward --model DIR --input IN.safetensors --output OUT.safetensors
+    python -m glm_ep synth --preset tiny --out DIR
+    python -m glm_ep footprint --preset glm-5.3-flash --tp 2 --ep 2 --rows 256
+
+Exit codes: 0 done (run: PASS), 1 internal error, 2 user error (config, topology, checkpoint,
+input, output), 3 run's check FAILed, 4 a rank waited past collective_timeout_s, 130 interrupted,
+141 stdout closed by its reader (| head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+from glm_ep import bench
+from glm_ep.errors import EXIT_USER, InputError
+from glm_ep.dist.mpi_lib import MpiUnavailable
+from glm_ep.dist.ranks import Ranks, mpi_world, run_guarded, setup_logging
+from glm_ep.config.shipped import shipped_names
+
+
+#: where a launcher puts a process's (rank, rank count) before MPI is initialised: Open MPI, MPICH/Hydra and Intel
+#: MPI, PMIx, MVAPICH2; PMIx launchers (srun --mpi=pmix) give a rank but no count
+_LAUNCH_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", None),
+                ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+
+
+def _launch_value(which: int, default: int) -> int:
+    """The first of the launchers' variables ``which`` (0: rank, 1: rank count) that is set, as an integer;
+    ``default`` outside mpiexec or where the value is not one."""
+    for names in _LAUNCH_VARS:
+        value = os.environ.get(names[which], "").strip() if names[which] else ""
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                return default
+    return default
+
+
+def _launch_size() -> int | None:
+    """The ranks the launcher started (its environment, before MPI is initialised); 1 outside mpiexec; None where
+    a launcher gives a rank but no count (PMIx): then only MPI can tell."""
+    if any(size_var and os.environ.get(size_var, "").strip() for _, size_var in _LAUNCH_VARS):
+        return _launch_value(1, 1)
+    return None if any(os.environ.get(rank_var, "").strip() for rank_var, _ in _LAUNCH_VARS) else 1
+
+
+def launch_rank() -> int:
+    """This process's rank as the launcher's environment says it, before MPI is initialised; 0 outside mpiexec
+    (or where the value is not an integer)."""
+    return _launch_value(0, 0)
+
+
+_ALONE = ("synth", "footprint", "bench")  # the commands whose ranks never meet (bench: one rank)
+
+
+class _ArgumentsRefused(Exception):
+    """An argument error under a launch of several ranks (or of a count the launcher does not give), of a command
+    whose ranks meet in collectives, or of no command known: ``main`` has the ranks agree on it, since a rank whose
+    arguments parsed would otherwise wait for this one in MPI's start-up or its first collective."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str):
+        super().__init__(message)
+        self.parser, self.message = parser, message
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument error is printed once under mpiexec (by rank 0, whose rank the environment gives before MPI
+    is up): argparse's usage and one line ``glm-ep: error: <what argparse found>``; every rank exits 2. For
+    ``run`` and ``forward`` under several ranks the ranks agree first (``main``): one rank's bad argument then
+    ends every rank, named, instead of leaving the others waiting at their first collective."""
+
+    argv: tuple[str, ...] = ()  # main's argv, on the top-level parser: the command of an error it reports
+
+    def error(self, message: str) -> typing.NoReturn:
+        cmd = self.prog.split()[1:2] or [a for a in self.argv if not a.startswith("-")][:1]
+        size = _launch_size()
+        if (size is None or size > 1) and not (cmd and cmd[0] in _ALONE):
+            raise _ArgumentsRefused(self, message)
+        if launch_rank() == 0:
+            self.print_usage(sys.stderr)
+            print(f"glm-ep: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER)
+
+
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``least`` (argparse names the flag and exits 2 otherwise)."""
+    def integer(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < least:
+            raise argparse.ArgumentTypeError(f"{v}, expected an integer >= {least}")
+        return v
+    return integer
+
+
+def _layout_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topology", help=f"a topology TOML file or a shipped name ({', '.join(shipped_names())}); "
+                   "default: world = tp = ep = MPI size, backend cpu")
+    p.add_argument("--tp", type=int, help="tensor-parallel degree (overrides the topology)")
+    p.add_argument("--ep", type=int, help="expert-parallel degree (overrides the topology)")
+    p.add_argument("--backend", choices=("cpu", "cuda"), help="overrides the topology's backend")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="glm-ep", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[-1])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("synth", help="write a synthetic checkpoint in the real GLM-5.3 NVFP4 format")
+    p.add_argument("--preset", default="tiny", help="tiny | glm-5.3-flash")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=_count(0), default=0)
+    p.add_argument("--layers", type=_count(1), help="override num_hidden_layers (the real shape is ~170 GB)")
+    p.add_argument("--router-dtype", choices=("bf16", "f32"), default="bf16")
+    p.add_argument("--composite", action="store_true", help="text_config + model.language_model prefix")
+    p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
+                   help="how the dense FFNs are stored (nvfp4: quantized like the experts)")
+    p.add_argument("--shard-mb", type=_count(1), default=256)
+    p.add_argument("--force", action="store_true", help="write over a checkpoint already in the folder")
+
+    p = sub.add_parser("footprint", help="print weight and workspace footprints from a config alone")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset")
+    src.add_argument("--model", help="a checkpoint folder (reads its config.json)")
+    p.add_argument("--tp", type=_count(1), default=1)
+    p.add_argument("--ep", type=_count(1), default=1)
+    p.add_argument("--rows", type=_count(1), default=256)
+    p.add_argument("--per-layer", action="store_true", help="one workspace per layer instead of one shared")
+    p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
+                   help="with --preset: how the dense FFNs are stored (a --model checkpoint says so itself)")
+
+    p = sub.add_parser("forward", help="apply every MLP site to one input (mpiexec -n W)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--input", required=True, help="safetensors with hidden_states bf16 [rows, hidden]")
+    p.add_argument("--output", required=True, help="rank 0 writes layers.{i} [rows, hidden] here")
+    _layout_flags(p)
+
+    p = sub.add_parser("run", help="the main job: load, prefill/decode/verify through the stack, check")
+    p.add_argument("--model", help="checkpoint folder; default: the tiny checkpoint in --cache-dir")
+    p.add_argument("--cache-dir", default=".cache")
+    p.add_argument("--prefill", type=_count(1), default=64, help="rows of the prefill call")
+    p.add_argument("--decode", type=_count(0), default=16, help="number of 1-row decode steps")
+    p.add_argument("--verify", type=_count(1), default=4, help="rows of the verify call")
+    p.add_argument("--seed", type=_count(0), default=0)
+    p.add_argument("--warmup", type=_count(0), default=1, help="untimed steps per row count before timing")
+    p.add_argument("--check", choices=("auto", "full", "sampled", "none"), default="auto",
+                   help="the float64 check: full (every site of every call), sampled (chosen layers and rows, "
+                   "only the experts they route to), auto (full where its memory estimate fits, else sampled), "
+                   "none")
+    p.add_argument("--no-check", dest="check", action="store_const", const="none", help="the same as --check none")
+    _layout_flags(p)
+
+    bench.add_arguments(sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)"))
+    return ap
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from glm_ep.config.presets import preset
+    from glm_ep.checkpoint.synth import write_synthetic
+
+    if (_launch_size() or launch_rank() + 1) > 1:  # every rank would write the same files at once (PMIx: rank 0
+        # cannot tell, the others refuse)
+        raise InputError("synth writes one checkpoint from one process; expected it run without mpiexec (or with "
+                         "-n 1)")
+    from glm_ep.checkpoint.reader import INDEX_FILE, SINGLE_FILE
+
+    held = [n for n in ("config.json", INDEX_FILE, SINGLE_FILE) if (Path(args.out) / n).exists()]
+    if held and not args.force:
+        raise InputError(f"{args.out}: already holds a checkpoint ({', '.join(held)}); expected an empty or new "
+                         "folder (--force writes over its files)")
+    cfg = preset(args.preset)
+    if args.layers is not None:
+        cfg["num_hidden_layers"] = args.layers
+        if "mlp_layer_types" in cfg:  # the schedule itself (a first_k_dense_replace beside it could contradict it)
+            cfg["mlp_layer_types"] = (cfg["mlp_layer_types"] * args.layers)[: args.layers]
+        if "first_k_dense_replace" in cfg:
+            cfg["first_k_dense_replace"] = min(cfg["first_k_dense_replace"], args.layers)
+    path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
+                           router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense)
+    print(f"wrote {path}")
+    return 0
+
+
+def _footprint(args: argparse.Namespace) -> int:
+    from glm_ep.config.model import ModelConfig
+    from glm_ep.mlp.runtime import report_lines, site_config
+    from glm_ep.config.presets import preset
+    from glm_ep.config.topology import Topology
+
+    model = (ModelConfig.from_dict(preset(args.preset), source=f"preset {args.preset}") if args.preset
+             else ModelConfig.from_file(f"{args.model}/config.json"))
+    world = math.lcm(args.tp, args.ep)  # the smallest world both divide
+    topo = Topology(name="footprint", world=world, tp=args.tp, ep=args.ep, workspace_rows=args.rows,
+                    shared_workspace=not args.per_layer)
+    cfg = site_config(model, topo, 0)
+    from glm_ep.app.footprint import weight_bytes_per_rank
+
+    dense_nvfp4, router_itemsize = args.dense == "nvfp4", 2
+    if args.model:  # how the checkpoint stores its dense FFNs and its routers, from the headers
+        from glm_ep.checkpoint.reader import Checkpoint, dense_is_nvfp4
+
+        with Checkpoint(args.model, check_finite=False) as ck:
+            if "dense" in model.mlp_layer_types:
+                dense_nvfp4 = dense_is_nvfp4(ck, model.mlp_layer_types.index("dense"))
+            if "sparse" in model.mlp_layer_types:
+                router = f"{ck.layer_prefix(model.mlp_layer_types.index('sparse'))}.mlp.gate.weight"
+                router_itemsize = 4 if ck.info(router).dtype == "F32" else 2
+    from glm_ep.mlp.dispatch import dequant_scratch_bytes
+
+    # the dequant scratch the load makes on rank 0 (which holds a dense FFN's shard and a sparse layer's experts)
+    scratch = sum(dequant_scratch_bytes(c, topo.levers, topo.workspace_rows)
+                  for c, held in ((cfg.dense_as_expert(), dense_nvfp4 and bool(model.dense_layers)),
+                                  (cfg, bool(model.sparse_layers))) if held)
+    for line in report_lines(model, cfg, topo, weight_bytes_per_rank(model, topo, dense_nvfp4, router_itemsize),
+                             scratch):
+        print(line)
+    return 0
+
+
+def _refused_with_the_others(refused: _ArgumentsRefused) -> int:
+    """Every rank meets the others at the argument check ``agreed_job`` opens with, this one holding its argument
+    error: every rank exits 2, and rank 0 prints the error once, naming the ranks it was on where not all."""
+    try:
+        comm: Any = mpi_world()
+    except MpiUnavailable as e:
+        print(f"glm-ep: error: {refused.message}\nglm-ep: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER
+    setup_logging(comm.Get_rank())
+    if comm.Get_rank() == 0:
+        refused.parser.print_usage(sys.stderr)
+
+    def check() -> None:
+        raise InputError(refused.message)
+
+    return run_guarded(lambda: Ranks(comm).agree("argument check", check), comm)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    parser.argv = tuple(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(argv)
+    except _ArgumentsRefused as refused:
+        return _refused_with_the_others(refused)
+    if args.cmd in ("synth", "footprint"):
+        setup_logging(0)
+        return run_guarded(lambda: {"synth": _synth, "footprint": _footprint}[args.cmd](args), None)
+    try:
+        comm: Any = mpi_world()
+    except MpiUnavailable as e:  # no MPI library: one clear line, not an import traceback
+        print(f"glm-ep: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER
+    setup_logging(comm.Get_rank(), getattr(args, "verbose", False))
+    if args.cmd == "bench":
+        return run_guarded(lambda: bench.bench_job(args, comm), comm)
+    from glm_ep.app.jobs import forward_job, run_job
+
+    job = forward_job if args.cmd == "forward" else run_job
+
+    def agreed_job() -> int:
+        ranks = Ranks(comm)
+        ranks.deadline.watch_signals()  # Ctrl-C / SIGTERM while this rank waits on the others: still ends the job
+        ranks.agree("argument check", lambda: None)  # where a rank's arguments did not parse, it meets us here
+        _same_command(args, ranks)
+        return job(args, ranks)
+
+    return run_guarded(agreed_job, comm)
+
+
+#: arguments that may differ by rank: paths (each node may hold its own copy: what they name is compared where it
+#: is read) and -v
+_PER_RANK_ARGS = frozenset({"model", "cache_dir", "input", "output", "topology", "verbose"})
+
+
+def _same_command(args: argparse.Namespace, ranks: Ranks) -> None:
+    """Every rank runs the same command with the same settings (a rank with another --prefill, --check or
+    subcommand would pair its collectives with the wrong ones: a crash, a hang or a false FAIL)."""
+    ranks.check_same("command line", "command lines",
+                     {k: repr(v) for k, v in sorted(vars(args).items()) if k not in _PER_RANK_ARGS})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

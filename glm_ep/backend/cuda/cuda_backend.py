@@ -1,0 +1,435 @@
+"""The CUDA backend: every op of ``Backend`` as a kernel of ``glm_ep/kernels`` on ONE stream.
+
+| rows  | dense / shared MLP                         | router              | routed experts (NVFP4)                     |
+|-------|--------------------------------------------|---------------------|--------------------------------------------|
+| 1     | GEMV; gate + up + SwiGLU fused             | GEMV (fp32) + top-k, ONE launch, with the shared expert's gate + up | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
+| 2..8  | batch-M GEMV, one weight read for all rows; weights past 2048 x 4096 (dense FFN) from 5 rows: the warp-streaming tensor-core GEMM (each warp its own rows and ring), gate + up + SwiGLU fused | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns): on the decode ring's pipeline up to `ring_union_max_rows` rows, block kernels above |
+| 9..64 | weights up to 2048 x 4096 (shared expert): gate + up + SwiGLU fused on the tensor-core GEMM (mma_bf16.cu) to 16 rows, then gate + up in one batched cuBLAS call; larger (dense FFN): gate + up + SwiGLU on the warp-streaming GEMM to 16 rows, cuBLAS otherwise; one projection (down): cuBLAS | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
+| > 64  | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | the grouped GEMM                           |
+
+Everything a step runs is queued on ``self.stream`` (non-blocking, current only inside each op:
+CuPy's current stream is the caller's before and after), writes into the caller's buffers,
+allocates nothing and never waits on the host for rows 1..8, so ``capture`` can record a whole
+decode or verify step as one CUDA graph.
+The wide prefill path (``sort_by_expert`` + ``moe_gemm_sorted``) sizes its grid from the slot
+count on the host and never reads device data back, like every other op; a grid with fewer blocks
+than SMs (one expert: a dense FFN stored NVFP4) splits K into the scratch the caller lends. How the one-row routed
+kernels run is the frozen ``RingConfig`` the backend is built with (the topology's ring levers);
+the operand form of each projection is fixed when its experts are uploaded. On sm_90 and later
+every kernel is launched as a programmatic dependent of the one before it (``pdl``; the ``pdl``
+lever), so a launch overlaps its predecessor's tail.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+
+from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
+from glm_ep.backend.cuda import dense, elementwise, grouped, pdl, route_kernels as route
+from glm_ep.backend.cuda import routed as NV
+from glm_ep.backend.cuda.kernel_loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, compute_capability, sm_count
+from glm_ep.backend.cuda.routed import Nvfp4Pointers
+from glm_ep.backend.cuda.ring import RingConfig, act_shift
+from glm_ep.errors import ConfigError
+from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
+from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
+
+log = logging.getLogger(__name__)
+
+FUSED_TOPK_MAX_SMEM = 48 * 1024  # the fused router's top-k scratch within every device's default per block
+
+
+def _on_stream(op):
+    """Run the op with the backend's stream current (CuPy launches on the current stream) and its
+    kernels launched as programmatic dependents where the backend uses them."""
+
+    @functools.wraps(op)
+    def run(self, *args, **kwargs):
+        with self.stream, pdl.dependent_launches(self.pdl):
+            return op(self, *args, **kwargs)
+
+    return run
+
+
+def _experts(expert_offsets: Any) -> int:
+    """The experts a routing's offsets delimit (none: the one expert that takes every row)."""
+    return 1 if expert_offsets is None else expert_offsets.size - 1
+
+
+class CudaBackend(Backend[Any, Nvfp4Pointers]):
+    name = "cuda"
+    capabilities = CAPABILITIES
+
+    def __init__(self, device: int = 0, ring: RingConfig = RingConfig(), stream: Any = None,
+                 dependent_launch: bool = True):
+        """``ring``: the one-row routed kernels' levers. ``stream``: the stream to queue on (default: a
+        new non-blocking one; another backend's, to share its order). ``dependent_launch``: launch
+        every kernel as a programmatic dependent of the one before it (``pdl``) where the device
+        has it (sm_90 and later); elsewhere plain launches, said once in the log."""
+        import cupy
+
+        self.xp = cupy
+        self.ring = ring
+        self.device = cupy.cuda.Device(device)
+        self.device.use()
+        why_not = pdl.unsupported_reason(compute_capability(device)) if dependent_launch else None
+        if why_not:
+            log.info("programmatic dependent launch off: %s", why_not)
+        self.pdl = dependent_launch and why_not is None
+        # Every device op of the backend names this stream (``_on_stream``): it is never made CuPy's
+        # current stream for good, since a ``with stream`` block (every op) ends by restoring the
+        # stream below it on CuPy's stack, the default stream, whatever ``use()`` had set. A plain
+        # CuPy op of the caller therefore runs on the caller's stream; ``interop.runtime_stream``
+        # orders the two, and ``copy`` moves data on this one.
+        self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+        # the fused router's block counter: zero between launches (a launch on this stream touches memory only
+        # once the one before it has finished, with or without programmatic dependent launch)
+        self._route_done = self.zero(cupy.empty(1, dtype=np.uint32))  # zeroed on this stream, in order
+        # the warp-streaming GEMM's split-K scratch (dense FFN, 5..16 rows): fixed size, counters zero between launches
+        n_partials, n_arrived = dense.wstream_scratch_sizes()
+        self._ws_partials = cupy.empty(n_partials, dtype=np.float32)
+        self._ws_arrived = self.zero(cupy.empty(n_arrived, dtype=np.uint32))
+        # the one-row down ring's combine scratch (nvfp4_moe_down_combine): sized at upload_moe, before any capture
+        self._dc_partials, self._dc_arrived = None, None
+        # scratch buffers a later upload outgrew (this one's and the sort's below): kept for the backend's life, since
+        # a graph captured earlier, or a launch still queued, may use them; they grow only with a larger model
+        self._retired = []
+        # the multi-block sort's per-(block, expert) counts (wide calls, never captured): sized at upload_moe
+        self._sort_counts = None
+
+    @property
+    def pci_bus_id(self) -> str:
+        return self.xp.cuda.runtime.deviceGetPCIBusId(self.device.id)
+
+    # ---- placement -------------------------------------------------------------------------
+    @_on_stream
+    def asarray(self, host: Any) -> Any:
+        """A contiguous resident array: a copy of a host array (an array already on the device is
+        only made contiguous)."""
+        if isinstance(host, self.xp.ndarray):
+            return self.xp.ascontiguousarray(host)
+        src = np.ascontiguousarray(host)
+        return self._upload(self.xp.empty(src.shape, dtype=src.dtype), src)
+
+    def _upload(self, buf: Any, src: np.ndarray) -> Any:
+        """``buf`` <- ``src`` (host, same shape and dtype), complete on return. A copy from pageable
+        memory may still be reading ``src`` after the call that queued it returns (drivers that give
+        the GPU access to pageable memory skip the pinned staging), and ``src`` is often a
+        temporary: waiting for the stream here keeps it alive until the copy has read it."""
+        buf.set(src, stream=self.stream)
+        self.stream.synchronize()
+        return buf
+
+    def _bytes(self, a: Any) -> Any:
+        """The raw bytes of a one-byte dtype (E4M3 scales) as a resident uint8 array."""
+        if isinstance(a, self.xp.ndarray):
+            return self.xp.ascontiguousarray(a).view(self.xp.uint8)
+        return self.asarray(np.ascontiguousarray(a).view(np.uint8))
+
+    def to_host(self, a: Any, out: np.ndarray | None = None) -> np.ndarray:
+        return a.get(stream=self.stream, blocking=True, out=out)
+
+    def pinned(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A page-locked host array (the host staging of the MPI all-reduce)."""
+        import cupyx
+
+        return cupyx.empty_pinned(shape, dtype=dtype)
+
+    def from_host(self, buf: Any, host: np.ndarray) -> Any:
+        """Copy ``host`` into the resident ``buf`` (same shape and dtype), complete on return."""
+        return self._upload(buf, np.ascontiguousarray(host, dtype=buf.dtype))
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def capturing(self) -> bool:
+        return self.stream.is_capturing()
+
+    def capture(self, fn):
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                fn()
+            except BaseException:
+                self.stream.end_capture()
+                raise
+            graph = self.stream.end_capture()
+        stream = self.stream
+        return lambda: graph.launch(stream)
+
+    @_on_stream
+    def upload_dense(self, w: DenseWeights) -> DenseResident[Any]:
+        """gate and up are the two halves of one allocation (up right after gate), so the wide path multiplies
+        both in one batched GEMM (``dense.gemm_bf16_pair``)."""
+        if w.gate.shape != w.up.shape or w.gate.dtype != w.up.dtype:
+            raise ConfigError(f"dense mlp: gate {w.gate.dtype} {tuple(w.gate.shape)} and up {w.up.dtype} "
+                              f"{tuple(w.up.shape)} differ")
+        gate_up = self.xp.empty((2, *w.gate.shape), dtype=w.gate.dtype)
+        for half, src in zip(gate_up, (w.gate, w.up)):
+            if isinstance(src, self.xp.ndarray):
+                half[...] = src
+            else:
+                self._upload(half, np.ascontiguousarray(src))
+        return DenseResident(gate_up[0], gate_up[1], self.asarray(w.down))
+
+    def _upload_proj(self, ws: list[Nvfp4Weight], what: str, form: str, xshift: int = 0) -> Nvfp4Pointers:
+        shapes = {w.shape for w in ws}
+        if len(shapes) > 1:
+            raise ConfigError(f"{what}: experts disagree on the projection shape: {sorted(shapes)}")
+        n, k = shapes.pop() if shapes else (0, 0)
+        if ws:
+            try:
+                NV.check_nvfp4_k(k, what)
+            except ValueError as e:  # a checkpoint's shape, or a TP split of it, the kernels cannot take
+                raise ConfigError(f"{e}: the CUDA kernels read NVFP4 in 16-byte chunks (for a dense FFN stored "
+                                  "NVFP4, intermediate_size / tp must be a multiple of 32)") from None
+        packed = tuple(self.asarray(w.packed) for w in ws)
+        scale = tuple(self._bytes(w.scale) for w in ws)
+        s2 = tuple(float(w.scale_2) for w in ws)
+        return Nvfp4Pointers(
+            packed_ptrs=self.asarray(np.array([a.data.ptr for a in packed], dtype=np.uint64)),
+            scale_ptrs=self.asarray(np.array([a.data.ptr for a in scale], dtype=np.uint64)),
+            scale2=self.asarray(np.array(s2, dtype=np.float32)),
+            n=n, k=k, packed=packed, scale=scale, scale2_host=s2, form=form, xshift=xshift)
+
+    @_on_stream
+    def upload_experts(self, experts: Sequence[ExpertWeights], start: int, swiglu_limit: float,
+                       what: str = "experts") -> RoutedExperts[Nvfp4Pointers]:
+        """The ring's operand form of each projection is fixed here, from ``swiglu_limit``
+        (``RingConfig.forms``: a ConfigError where the levers ask for an fp16 form it does not bound)."""
+        hidden_form, act_form = self.ring.forms(swiglu_limit)
+        return RoutedExperts.of(self._upload_proj([e.gate for e in experts], f"{what}.gate_proj", hidden_form),
+                                self._upload_proj([e.up for e in experts], f"{what}.up_proj", hidden_form),
+                                self._upload_proj([e.down for e in experts], f"{what}.down_proj", act_form,
+                                                  act_shift(swiglu_limit) if act_form == "placed" else 0),
+                                start, len(experts))
+
+    @_on_stream
+    def upload_moe(self, w: MoeWeights, swiglu_limit: float) -> MoeResident[Any, Nvfp4Pointers]:
+        if w.router.dtype not in (BF16, F32):
+            raise ConfigError(f"router weight dtype {w.router.dtype}, expected bfloat16 or float32")
+        experts = self.upload_experts(w.experts, w.expert_start, swiglu_limit)
+        if w.shared is not None and experts.count:
+            self._down_combine_scratch(experts.down.weights.n, experts.down.weights.k, w.shared.down.shape[1])
+        self._sort_scratch(w.router.shape[0])
+        bias = self.asarray(w.bias).astype(np.float32, copy=False)
+        return MoeResident(self.asarray(w.router), bias, experts,
+                           self.upload_dense(w.shared) if w.shared is not None else None)
+
+    # ---- dense ops -------------------------------------------------------------------------
+    @_on_stream
+    def linear(self, x_TK, w_NK, out_TN):
+        if dense.wstream_takes(x_TK, w_NK, glu=False):
+            dense.wstream_gemm_bf16(x_TK, w_NK, out_TN, self._ws_partials, self._ws_arrived)
+        elif x_TK.shape[0] <= GEMV_MAX_ROWS:
+            dense.gemv_bf16(x_TK, w_NK, out_TN)
+        else:  # cuBLAS, bf16 operands, fp32 accumulation (faster than the tensor-core GEMM here: mma_gemm_takes)
+            dense.gemm_bf16(x_TK, w_NK, out_TN)
+        return out_TN
+
+    @_on_stream
+    def router_logits(self, x_TH, router_EH, out_TE):
+        if x_TH.shape[0] <= GEMV_MAX_ROWS:
+            dense.router_gemv(x_TH, router_EH, out_TE)
+        elif router_EH.dtype == BF16 and dense.mma_gemm_takes(x_TH, router_EH):
+            dense.mma_gemm_bf16(x_TH, router_EH, out_TE)  # bf16 products are exact in fp32: fp32 sums and out
+        elif router_EH.dtype == BF16:  # cuBLAS, likewise
+            dense.gemm_bf16(x_TH, router_EH, out_TE)
+        else:  # an fp32 router: x upcast (a temporary: the wide path is never captured), fp32 GEMM
+            x32 = self.xp.empty(x_TH.shape, dtype=np.float32)
+            elementwise.bf16_to_f32(x_TH, x32)
+            self.xp.matmul(x32, router_EH.T, out=out_TE)
+        return out_TE
+
+    @_on_stream
+    def router_topk(self, logits_TE, bias_E, p, ids_TK, wts_TK):
+        route.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
+
+    @staticmethod
+    def _fused_route(logits_TE) -> bool:
+        """Whether the router's GEMV and top-k run in one launch: 1..8 rows whose top-k scratch fits."""
+        t, e = logits_TE.shape
+        return t <= GEMV_MAX_ROWS and route.fused_topk_smem(t, e) <= FUSED_TOPK_MAX_SMEM
+
+    @_on_stream
+    def route(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK):
+        """1..8 rows: the router GEMV and its top-k in one launch (``route.router_topk_fused``)."""
+        if self._fused_route(logits_TE):
+            route.router_topk_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done)
+        else:
+            super().route(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK)
+
+    @_on_stream
+    def route_and_gate_up_act(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, w, limit, gate_TI, up_TI,
+                              act_TI):
+        """1..8 rows: the fused router and the GLU GEMV in one launch (``route.router_topk_glu_fused``)."""
+        if self._fused_route(logits_TE):
+            route.router_topk_glu_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done,
+                                        w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+            return act_TI
+        return super().route_and_gate_up_act(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, w, limit,
+                                             gate_TI, up_TI, act_TI)
+
+    @_on_stream
+    def swiglu(self, gate, up, limit, out):
+        elementwise.swiglu(gate, up, limit, out)
+        return out
+
+    @_on_stream
+    def combine(self, routed_SH, wts_TK, shared_TH, out_TH, perm_TK=None):
+        elementwise.combine(routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+        return out_TH
+
+    @_on_stream
+    def shared_down_combine(self, act_TI, down_HI, routed_SH, wts_TK, shared_TH, out_TH, perm_TK=None):
+        """1..8 rows in (row, slot) order: one launch (``dense.gemv_combine_bf16``)."""
+        if act_TI.shape[0] <= GEMV_MAX_ROWS and perm_TK is None:
+            dense.gemv_combine_bf16(act_TI, down_HI, routed_SH, wts_TK, out_TH)
+            return out_TH
+        return super().shared_down_combine(act_TI, down_HI, routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+
+    def _down_combine_scratch(self, n: int, k: int, shared_k: int) -> bool:
+        """Grow the down ring's combine scratch to hold an [n, k] down projection's site with a shared
+        expert of width ``shared_k``; False where the ring cannot run that site in one launch, or the
+        scratch would have to grow while the stream is being captured (then the site takes two
+        launches). Upload sizes it for the model's sites, so a step never grows it. Buffers it
+        outgrows are kept: a graph captured earlier may still point at them."""
+        parts = self.ring.down_combine_parts(n, k, shared_k)
+        if not parts:
+            return False
+        small_p = self._dc_partials is None or self._dc_partials.size < parts * n
+        small_a = self._dc_arrived is None or self._dc_arrived.size < n // MMA_ROWS
+        if not (small_p or small_a):
+            return True
+        if self.stream.is_capturing():
+            return False
+        cupy = self.xp
+        self._retired += [b for b, small in ((self._dc_partials, small_p), (self._dc_arrived, small_a))
+                          if small and b is not None]
+        if small_p:
+            self._dc_partials = cupy.empty(parts * n, dtype=np.float32)
+        if small_a:
+            self._dc_arrived = self.zero(cupy.empty(n // MMA_ROWS, dtype=np.uint32))
+        return True
+
+    @_on_stream
+    def moe_down_shared_combine(self, act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
+                                shared_1H, out_1H):
+        """One launch on the down ring (``nvfp4.nvfp4_moe_down_combine``) where the ring takes the shapes;
+        otherwise the routed down launch and ``shared_down_combine``."""
+        proj = table.weights
+        if (self._down_combine_scratch(proj.n, proj.k, shared_down_HI.shape[1])
+                and NV.nvfp4_moe_down_combine(act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
+                                              out_1H, self._dc_partials, self._dc_arrived, self.ring)):
+            return out_1H
+        return super().moe_down_shared_combine(act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
+                                               shared_1H, out_1H)
+
+    @_on_stream
+    def add(self, a, b, out):
+        elementwise.add(a, b, out)
+        return out
+
+    def zero(self, a):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"zero: expected a contiguous buffer, got strides {a.strides}")
+        if a.nbytes:
+            self.xp.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, self.stream.ptr)
+        return a
+
+    @_on_stream
+    def copy(self, src, dst):
+        """``dst[...] = src`` on the backend's stream, whatever stream CuPy has current."""
+        if src.shape != dst.shape or src.dtype != dst.dtype:
+            raise ValueError(f"copy: {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
+        dst[...] = src
+        return dst
+
+    @_on_stream
+    def gate_up_act(self, x_TK, w, limit, gate_TI, up_TI, act_TI):
+        if dense.wstream_takes(x_TK, w.gate, glu=True):
+            dense.wstream_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI, self._ws_partials,
+                                   self._ws_arrived)
+        elif x_TK.shape[0] <= GEMV_MAX_ROWS:
+            dense.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+        elif dense.mma_gemm_takes(x_TK, w.gate, dense.MMA_GLU_MAX_ROWS):
+            dense.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
+        elif w.gate.size <= dense.MMA_GEMM_MAX_WEIGHT:  # the shared expert's shape (or a dense FFN's tp >= 6 shard):
+            # gate and up in one batched cuBLAS call
+            dense.gemm_bf16_pair(x_TK, w.gate, w.up, gate_TI, up_TI)
+            elementwise.swiglu(gate_TI, up_TI, limit, act_TI)
+        else:  # the dense FFN's: two calls (measured level or faster than the pair, docs/perf/NOTES.md)
+            return super().gate_up_act(x_TK, w, limit, gate_TI, up_TI, act_TI)
+        return act_TI
+
+    # ---- routed experts --------------------------------------------------------------------
+    @_on_stream
+    def moe_gemv(self, a, table: ExpertTable[Nvfp4Pointers], ids_K, out_KN, per_slot_input):
+        NV.nvfp4_moe_gemv(a, per_slot_input, table, ids_K, out_KN, self.ring)
+
+    @_on_stream
+    def moe_gate_up_act(self, a_1K, experts: RoutedExperts[Nvfp4Pointers], ids_K, limit, gate_KM, up_KM, act_KM):
+        NV.nvfp4_moe_glu(a_1K, experts, ids_K, limit, gate_KM, up_KM, act_KM, self.ring)
+
+    @_on_stream
+    def union_table(self, ids_RK, u_eid_U, u_slot_UR):
+        route.union_table(ids_RK, u_eid_U, u_slot_UR)
+
+    @_on_stream
+    def moe_gemv_union(self, a, table: ExpertTable[Nvfp4Pointers], u_eid_U, u_slot_UR, out_RKN, per_slot_input):
+        NV.nvfp4_moe_gemv_union(a, per_slot_input, table, u_eid_U, u_slot_UR, out_RKN, self.ring)
+
+    @_on_stream
+    def moe_gate_up_act_union(self, a_RK, experts: RoutedExperts[Nvfp4Pointers], u_eid_U, u_slot_UR, limit, gate_RKM,
+                              up_RKM, act_RKM):
+        NV.nvfp4_moe_glu_union(a_RK, experts, u_eid_U, u_slot_UR, limit, gate_RKM, up_RKM, act_RKM, self.ring)
+
+    @_on_stream
+    def sort_by_expert(self, ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
+                       token_to_perm_TK):
+        """Over several blocks where the slots fill them (``route.sort_blocks``), through the per-(block, expert)
+        count scratch ``upload_moe`` sized for its router's experts (a call never allocates); one block where
+        the scratch does not hold them (experts of another count than any uploaded site's)."""
+        need = route.sort_blocks(ids_TK.size, sm_count()) * num_experts
+        counts = self._sort_counts if self._sort_counts is not None and self._sort_counts.size >= need else None
+        route.sort_by_expert(ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
+                             token_to_perm_TK, counts)
+
+    def _sort_scratch(self, num_experts: int) -> None:
+        """Grow the multi-block sort's count scratch to hold ``num_experts`` experts in the most blocks it runs (one
+        an SM): at most SMs x experts int32, 152 KB for 288 experts on 132 SMs. Made at upload, so a call (and a
+        capture) never allocates; a buffer it outgrows is kept, as the down ring's (a captured graph never holds
+        the sort, but an earlier launch may still be queued)."""
+        need = sm_count() * num_experts
+        if self._sort_counts is None or self._sort_counts.size < need:
+            if self._sort_counts is not None:
+                self._retired.append(self._sort_counts)
+            self._sort_counts = self.xp.empty(need, dtype=np.int32)
+
+    @_on_stream
+    def moe_gemm_sorted(self, a, table: ExpertTable[Nvfp4Pointers], sorted_token_ids_S, expert_offsets, out_SN,
+                        gather_rows, scratch=None):
+        grouped.nvfp4_gemm_sorted(a, gather_rows, sorted_token_ids_S, expert_offsets, _experts(expert_offsets),
+                                  table, out_SN, scratch=scratch)
+
+    @_on_stream
+    def moe_gate_up_act_sorted(self, x_TK, experts: RoutedExperts[Nvfp4Pointers], sorted_token_ids_S, expert_offsets,
+                               limit, gate_SM, up_SM, act_SM, scratch=None):
+        grouped.nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, _experts(expert_offsets), experts,
+                                      limit, act_SM, scratch=scratch)
+
+    @_on_stream
+    def expert_linear(self, a_1K, table: ExpertTable[Nvfp4Pointers], local, out_1N):
+        w = table.weights
+        NV.nvfp4_gemv(a_1K, w.packed[local], w.scale[local], w.scale2_host[local], out_1N)
+
+    @_on_stream
+    def dequant_linear(self, a_TK, table: ExpertTable[Nvfp4Pointers], local, w_NK, out_TN):
+        """The weights dequantized by one launch (``grouped.nvfp4_dequant_bf16``), then ONE cuBLAS GemmEx with
+        ``scale_2`` as its alpha (never captured: a wide path)."""
+        grouped.nvfp4_dequant_bf16(table.weights, local, w_NK)
+        dense.gemm_bf16(a_TK, w_NK, out_TN, alpha=table.weights.scale2_host[local])

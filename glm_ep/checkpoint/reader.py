@@ -1,0 +1,463 @@
+"""Lazy, per-rank reading of a GLM-5.3-Flash NVFP4 checkpoint.
+
+``Checkpoint`` opens a model folder (``config.json`` plus ``model.safetensors.index.json`` and its
+shards, or one ``model.safetensors``), parses every shard's header up front — so a truncated or
+corrupt file fails on every rank at open time, before any rank starts reading — and then reads
+tensors, or row/column slices of them, only when asked. ``load_layer`` reads exactly what one
+rank owns at one MLP site: its TP slices of the dense FFN / shared expert, its EP range of routed
+experts, and the (never sharded) router.
+
+With ``check_finite`` (the default) every bf16/fp32 tensor read must be finite, every E4M3 block
+scale not NaN, and every ``weight_scale_2`` finite and > 0: a scan of the bit patterns of the
+bytes just read (``glm_ep.checkpoint.finite``), in cache-sized chunks. ``fingerprint`` digests what the
+folder says (the parsed config, the index, every shard header), so ranks can check they opened
+the same checkpoint.
+
+Shapes are ``[out, in]`` as stored. Suffixes: H hidden, I dense/shared width (``Il`` this rank's
+slice), E routed experts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Callable
+
+import ml_dtypes  # noqa: F401  (registers 'bfloat16' with NumPy: safetensors looks it up by name)
+import numpy as np
+from safetensors import safe_open
+
+from glm_ep.config.model import NVFP4_GROUP, ModelConfig, SiteConfig, parse_json
+from glm_ep.errors import CheckpointError, ConfigError
+from glm_ep.checkpoint.finite import can_be_nonfinite, describe_nonfinite, first_nonfinite
+from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
+from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+LAYER_PREFIXES = ("model.language_model.layers", "model.layers")
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8,
+             "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what its header says."""
+
+    file: Path
+    dtype: str  # safetensors dtype string: "BF16", "F32", "U8", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in ``file``
+    nbytes: int
+
+
+def _header_int(v: object) -> int:
+    """A shape or offset of a safetensors header: a JSON integer (not a float such as 2.5 or 1e999, nor a bool)."""
+    if type(v) is not int:
+        raise ValueError(f"{v!r} is not an integer")
+    return v
+
+
+def _parse_header(path: Path) -> tuple[dict[str, TensorInfo], bytes]:
+    """Read one shard's header; check it is well formed and the file holds all the data it names.
+    Returns its tensors and the raw header bytes."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: corrupt header: file has {size} bytes, too short for a "
+                                  "safetensors header")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > _MAX_HEADER or 8 + hlen > size:
+            raise CheckpointError(f"{path}: corrupt header: header length {hlen} does not fit a file "
+                                  f"of {size} bytes")
+        raw = f.read(hlen)
+    header = parse_json(raw, f"{path}: corrupt header", CheckpointError)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt header: expected a JSON object")
+    infos: dict[str, TensorInfo] = {}
+    data_end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape = str(entry["dtype"]), tuple(_header_int(d) for d in entry["shape"])
+            start, end = (_header_int(v) for v in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{path}: corrupt header: entry for tensor '{name}' is malformed "
+                                  f"({entry!r}: {e!r})") from None
+        # dtypes this runtime never reads (other parts of a full model) are only bounds-checked
+        expected = math.prod(shape) * _ITEMSIZE[dtype] if dtype in _ITEMSIZE else end - start
+        if not 0 <= start <= end or end - start != expected:
+            raise CheckpointError(f"{path}: corrupt header: tensor '{name}' ({dtype} {list(shape)}) "
+                                  f"has data_offsets [{start}, {end}], expected {expected} bytes")
+        infos[name] = TensorInfo(path, dtype, shape, 8 + hlen + start, end - start)
+        data_end = max(data_end, end)
+    if 8 + hlen + data_end > size:
+        raise CheckpointError(f"{path}: truncated: header says {data_end} bytes of data, file has "
+                              f"{size - 8 - hlen}")
+    return infos, raw
+
+
+class Checkpoint:
+    """A model folder opened for lazy reads. Use as a context manager, or call ``close()``."""
+
+    def __init__(self, model_dir: str | Path, check_finite: bool = True):
+        self.dir = Path(model_dir)
+        self.check_finite = check_finite
+        if not self.dir.is_dir():
+            raise CheckpointError(f"{self.dir}: model folder not found (expected a folder with config.json "
+                                  f"and {INDEX_FILE} or {SINGLE_FILE})")
+        self.config = ModelConfig.from_file(self.dir / "config.json")
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            self.source = index
+            self._file_of = self._read_index(index)
+        elif (self.dir / SINGLE_FILE).is_file():
+            self.source = self.dir / SINGLE_FILE
+            self._file_of = None
+        else:
+            raise CheckpointError(f"{self.dir}: no weights: expected {INDEX_FILE} (with its shards) or "
+                                  f"{SINGLE_FILE}")
+        files = sorted(set(self._file_of.values())) if self._file_of is not None else [SINGLE_FILE]
+        self._headers: dict[str, dict[str, TensorInfo]] = {}
+        digest = hashlib.sha256(repr(sorted(self._file_of.items())).encode() if self._file_of else b"")
+        for name in files:
+            self._headers[name], raw_header = _parse_header(self.dir / name)
+            digest.update(name.encode() + b"\0" + raw_header)
+        #: digests of the parsed config and of the index with every shard header: equal on ranks
+        #: that opened the same files
+        self.fingerprint = {"config": hashlib.sha256(repr(self.config).encode()).hexdigest(),
+                            "index": digest.hexdigest()}
+        if self._file_of is None:
+            self._file_of = {key: SINGLE_FILE for key in self._headers[SINGLE_FILE]}
+        self._prefix = self._find_prefix()
+        self._handles: dict[str, Any] = {}
+        #: called with the byte count of every tensor (or slice) read: a progress bar's ``update``
+        self.on_read: Callable[[int], Any] | None = None
+
+    def _read_index(self, index: Path) -> dict[str, str]:
+        raw = parse_json(index.read_bytes(), str(index), CheckpointError)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: not a safetensors index: expected a JSON object whose 'weight_map' "
+                                  "maps tensor names to shard file names")
+        for key, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard:
+                raise CheckpointError(f"{index}: weight_map['{key}'] = {shard!r}, expected the file name of a "
+                                      "shard (a string)")
+        for shard in sorted(set(weight_map.values())):
+            if not (self.dir / shard).is_file():
+                raise CheckpointError(f"{self.dir / shard}: shard file not found (named in {index})")
+        return weight_map
+
+    def _find_prefix(self) -> str:
+        for prefix in LAYER_PREFIXES:
+            if any(key.startswith(prefix + ".") for key in self._file_of):
+                return prefix
+        raise CheckpointError(f"{self.source}: no layer tensors (expected keys starting with "
+                              f"{' or '.join(repr(p + '.') for p in LAYER_PREFIXES)})")
+
+    def check_extent(self) -> None:
+        """The layers and routed experts config.json declares are the ones the keys hold: a config that declares
+        more (a typo of num_hidden_layers or n_routed_experts) is refused here, from the keys alone, where the
+        per-tensor lookups of every declared layer took minutes to name the first missing tensor."""
+        model, lead = self.config, self._prefix + "."
+        mlp_layers, experts, routed_layers, dense_layers = set(), set(), set(), set()
+        first_sparse = model.sparse_layers[0] if model.sparse_layers else None
+        expert_lead = f"{lead}{first_sparse}.mlp.experts."
+        for key in self._file_of:
+            if not key.startswith(lead):
+                continue
+            layer, _, rest = key[len(lead):].partition(".")
+            if layer.isdigit() and rest.startswith("mlp."):
+                mlp_layers.add(int(layer))
+                if rest.startswith("mlp.experts."):
+                    routed_layers.add(int(layer))
+                elif rest.startswith("mlp.gate_proj."):
+                    dense_layers.add(int(layer))
+            if key.startswith(expert_lead):
+                e = key[len(expert_lead):].partition(".")[0]
+                if e.isdigit():
+                    experts.add(int(e))
+        missing = [i for i in range(model.num_hidden_layers) if i not in mlp_layers]
+        if missing:
+            held = f"layers {min(mlp_layers)}..{max(mlp_layers)}" if mlp_layers else "no MLP layers"
+            raise CheckpointError(f"{self.dir / 'config.json'}: num_hidden_layers = {model.num_hidden_layers}, but "
+                                  f"{self.source} holds MLP tensors for {held} ({len(mlp_layers)} layers); no "
+                                  f"'{lead}{{i}}.mlp.*' for layer {_few(missing)}")
+        types = model.mlp_layer_types
+        wrong = [(i, kind) for i, kind in enumerate(types) if i in (dense_layers if kind == "sparse" else routed_layers)
+                 and i not in (routed_layers if kind == "sparse" else dense_layers)]
+        if wrong:
+            i, kind = wrong[0]
+            held = "a dense FFN" if kind == "sparse" else "routed experts"
+            raise CheckpointError(f"{self.dir / 'config.json'}: the schedule (mlp_layer_types or first_k_dense_replace) "
+                                  f"makes layer {i} {kind}, but {self.source} holds {held} there (disagreeing layers: "
+                                  f"{_few([j for j, _ in wrong])}); expected a schedule that matches the tensors")
+        missing = [e for e in range(model.n_routed_experts) if e not in experts] if first_sparse is not None else []
+        if missing:
+            raise CheckpointError(f"{self.dir / 'config.json'}: n_routed_experts = {model.n_routed_experts}, but "
+                                  f"layer {first_sparse} of {self.source} holds {len(experts)} routed experts; no "
+                                  f"'{expert_lead}{{e}}.*' for expert {_few(missing)}")
+
+    def layer_prefix(self, i: int) -> str:
+        """Key prefix of layer ``i``: ``model.layers.{i}`` or ``model.language_model.layers.{i}``."""
+        return f"{self._prefix}.{i}"
+
+    def has(self, name: str) -> bool:
+        """Whether tensor ``name`` (full key) is stored."""
+        file = self._file_of.get(name)
+        return file is not None and name in self._headers[file]
+
+    def info(self, name: str) -> TensorInfo:
+        """The header entry of tensor ``name`` (full key); CheckpointError if it is not stored."""
+        file = self._file_of.get(name)
+        if file is None:
+            raise CheckpointError(f"tensor '{name}' not found in {self.source}")
+        info = self._headers[file].get(name)
+        if info is None:
+            raise CheckpointError(f"tensor '{name}' not found in {self.dir / file} ({self.source} maps it there)")
+        return info
+
+    def read(self, name: str, shape: tuple[int, ...], dtypes: tuple[str, ...],
+             rows: slice | None = None, cols: slice | None = None) -> np.ndarray:
+        """Tensor ``name``, or its ``[rows, cols]`` slice, after checking its stored dtype and full shape.
+
+        Only the requested slice is read. BF16 comes back as ``ml_dtypes.bfloat16``, F8_E4M3 as
+        ``ml_dtypes.float8_e4m3fn``; the result is C-contiguous and owns its memory.
+        """
+        info = self.info(name)
+        if info.dtype not in dtypes:
+            raise CheckpointError(f"{info.file}: tensor '{name}' has dtype {info.dtype}, expected "
+                                  f"{' or '.join(dtypes)}")
+        if info.shape != tuple(shape):
+            raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, expected "
+                                  f"{list(shape)}")
+        everything = slice(None)
+        index = (everything if rows is None else rows, everything if cols is None else cols)[: len(shape)]
+        if info.dtype == "F8_E4M3":
+            # safetensors' NumPy framework has no float8: read the bytes the header points at.
+            span = rows.indices(shape[0]) if rows is not None and shape else None
+            row_bytes = info.nbytes // shape[0] if shape and shape[0] else 0
+            if span is not None and span[2] == 1:  # contiguous rows: read only those
+                first, stop = span[0], max(span[0], span[1])
+                raw = np.fromfile(info.file, dtype=np.uint8, count=(stop - first) * row_bytes,
+                                  offset=info.offset + first * row_bytes)
+                out = raw.view(ml_dtypes.float8_e4m3fn).reshape((stop - first,) + shape[1:])
+                out = out[(slice(None),) + index[1:]]
+            else:
+                raw = np.fromfile(info.file, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+                out = raw.view(ml_dtypes.float8_e4m3fn).reshape(shape)[index]
+        elif not shape:
+            out = self._handle(info.file).get_tensor(name)
+        else:
+            out = self._handle(info.file).get_slice(name)[index]
+        out = np.ascontiguousarray(out)
+        if self.on_read is not None:
+            self.on_read(out.nbytes)
+        if self.check_finite and can_be_nonfinite(out.dtype):
+            at = first_nonfinite(out)
+            if at is not None:
+                where = [s.indices(n)[0] + i * s.indices(n)[2] for s, n, i in zip(index, shape, at)]
+                kind = "a NaN block scale" if info.dtype == "F8_E4M3" else "a NaN or Inf"
+                raise CheckpointError(f"{info.file}: tensor '{name}' holds {kind}: "
+                                      f"{describe_nonfinite(out, at, where)}; expected finite {info.dtype} values "
+                                      "(check_weights = false in the topology skips this check)")
+        return out
+
+    def read_scalar(self, name: str, dtypes: tuple[str, ...] = ("F32",)) -> float:
+        """A scalar tensor stored with shape ``()`` or ``(1,)``."""
+        info = self.info(name)
+        if info.shape not in ((), (1,)):
+            raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, expected "
+                                  "a scalar ([] or [1])")
+        return float(self.read(name, info.shape, dtypes).reshape(()))
+
+    def _handle(self, file: Path) -> Any:
+        key = str(file)  # the path: an index may name shards in subfolders
+        if key not in self._handles:
+            try:
+                self._handles[key] = safe_open(str(file), framework="numpy")
+            except Exception as e:  # safetensors raises its own SafetensorError
+                raise CheckpointError(f"{file}: cannot open as safetensors: {e}") from None
+        return self._handles[key]
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def dense_is_nvfp4(ckpt: Checkpoint, layer: int) -> bool:
+    """Whether dense layer ``layer``'s FFN is stored NVFP4 (ModelOpt exports that quantize the dense MLPs
+    too, e.g. the ``nvfp4_experts_dense_mlp`` recipe) rather than bf16: its gate projection's stored
+    dtype says (U8 nibbles); a missing tensor is left to the read to name."""
+    try:
+        return ckpt.info(f"{ckpt.layer_prefix(layer)}.mlp.gate_proj.weight").dtype == "U8"
+    except CheckpointError:
+        return False
+
+
+def _nvfp4_mlp(ckpt: Checkpoint, prefix: str, width: int, hidden: int, tp_rank: int, local: int) -> ExpertWeights:
+    """TP slice of an NVFP4 SwiGLU MLP (a dense FFN stored NVFP4), as ``_bf16_mlp`` cuts it: gate/up rows
+    ``[tp_rank*Il, (tp_rank+1)*Il)``, down those columns (each projection keeps its own scale_2)."""
+    if local % NVFP4_GROUP:
+        raise ConfigError(f"{prefix}: a TP slice of {local} of the NVFP4 dense FFN's width {width}, expected a "
+                          f"multiple of {NVFP4_GROUP} (its block scales cover {NVFP4_GROUP} columns each)")
+    part = slice(tp_rank * local, (tp_rank + 1) * local)
+    return ExpertWeights(gate=read_nvfp4(ckpt, f"{prefix}.gate_proj", width, hidden, rows=part),
+                         up=read_nvfp4(ckpt, f"{prefix}.up_proj", width, hidden, rows=part),
+                         down=read_nvfp4(ckpt, f"{prefix}.down_proj", hidden, width, cols=part))
+
+
+def _bf16_mlp(ckpt: Checkpoint, prefix: str, width: int, hidden: int, tp_rank: int,
+              local: int) -> DenseWeights:
+    """TP slice of a bf16 SwiGLU MLP: gate/up rows ``[tp_rank*Il, (tp_rank+1)*Il)``, down those columns."""
+    part = slice(tp_rank * local, (tp_rank + 1) * local)
+    return DenseWeights(
+        gate=ckpt.read(f"{prefix}.gate_proj.weight", (width, hidden), ("BF16",), rows=part),  # [Il, H]
+        up=ckpt.read(f"{prefix}.up_proj.weight", (width, hidden), ("BF16",), rows=part),  # [Il, H]
+        down=ckpt.read(f"{prefix}.down_proj.weight", (hidden, width), ("BF16",), cols=part),  # [H, Il]
+    )
+
+
+def read_nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int, rows: slice | None = None,
+               cols: slice | None = None) -> Nvfp4Weight:
+    """The ModelOpt NVFP4 projection ``prefix`` (e.g. ``{p}.mlp.experts.{e}.gate_proj``) of shape
+    ``[n, k]``, or its ``rows`` / ``cols`` (element columns: multiples of the 16-k scale block, a TP
+    slice of a row-parallel projection); ``input_scale`` is not read (activations stay bf16)."""
+    packed_cols = scale_cols = None
+    if cols is not None:
+        lo, hi, step = cols.indices(k)
+        if step != 1 or lo % NVFP4_GROUP or hi % NVFP4_GROUP:
+            raise ConfigError(f"{prefix}: columns {lo}..{hi} of an NVFP4 projection, expected a contiguous slice "
+                              f"on {NVFP4_GROUP}-column block boundaries (the TP split of its in width {k})")
+        packed_cols, scale_cols = slice(lo // 2, hi // 2), slice(lo // NVFP4_GROUP, hi // NVFP4_GROUP)
+    weight = ckpt.info(f"{prefix}.weight")
+    if weight.dtype in ("BF16", "F16", "F32"):
+        raise CheckpointError(f"{weight.file}: tensor '{prefix}.weight' is stored unquantized ({weight.dtype}: the "
+                              "export left this projection out of its NVFP4 quantization); expected a ModelOpt NVFP4 "
+                              "projection (U8 weight, weight_scale, weight_scale_2): glm_ep runs routed experts in "
+                              "NVFP4 only")
+    if ckpt.has(f"{prefix}.pre_quant_scale"):
+        raise CheckpointError(f"{ckpt.info(prefix + '.pre_quant_scale').file}: tensor '{prefix}.pre_quant_scale' is "
+                              "stored: an activation smoothing (NVFP4_AWQ) that glm_ep does not apply; expected a plain "
+                              "ModelOpt NVFP4 projection (weight, weight_scale, weight_scale_2)")
+    scale_2 = ckpt.read_scalar(f"{prefix}.weight_scale_2")
+    if ckpt.check_finite and not scale_2 > 0:  # NaN and Inf are refused by the read
+        raise CheckpointError(f"{ckpt.info(prefix + '.weight_scale_2').file}: tensor '{prefix}.weight_scale_2' = "
+                              f"{scale_2}, expected a finite value > 0 (the projection's NVFP4 scale; "
+                              "check_weights = false in the topology skips this check)")
+    return Nvfp4Weight(
+        packed=ckpt.read(f"{prefix}.weight", (n, k // 2), ("U8",), rows=rows, cols=packed_cols),
+        scale=ckpt.read(f"{prefix}.weight_scale", (n, k // NVFP4_GROUP), ("F8_E4M3",), rows=rows, cols=scale_cols),
+        scale_2=scale_2,
+    )
+
+
+def _check_site(model: ModelConfig, cfg: SiteConfig) -> None:
+    for what, ours, theirs in (("hidden", cfg.hidden, model.hidden_size),
+                               ("moe_intermediate", cfg.moe_intermediate, model.moe_intermediate_size),
+                               ("num_experts", cfg.num_experts, model.n_routed_experts)):
+        if ours != theirs:
+            raise ConfigError(f"site config {what} = {ours} does not match the checkpoint's {theirs}")
+
+
+def _few(ids: list[int]) -> str:
+    """The first few of ``ids`` for a message."""
+    return ", ".join(map(str, ids[:4])) + (f" (and {len(ids) - 4} more)" if len(ids) > 4 else "")
+
+
+def expert_prefix(ckpt: Checkpoint, layer: int, e: int) -> str:
+    """Key prefix of routed expert ``e`` of layer ``layer``."""
+    return f"{ckpt.layer_prefix(layer)}.mlp.experts.{e}"
+
+
+def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> int:
+    """The bytes ``load_layer(ckpt, cfg, layer)`` reads, from the headers alone (a tensor missing
+    from them counts 0: the load names it)."""
+    def stored(name: str, part: int = 1, whole: int = 1) -> int:
+        try:
+            return ckpt.info(name).nbytes * part // whole
+        except CheckpointError:
+            return 0
+
+    model, p = ckpt.config, ckpt.layer_prefix(layer)
+    projections = ("gate_proj", "up_proj", "down_proj")
+    if model.mlp_layer_types[layer] == "dense":
+        if not cfg.tp_active(False):
+            return 0
+        part, whole = cfg.local_dense_intermediate, model.intermediate_size
+        if dense_is_nvfp4(ckpt, layer):
+            return sum(stored(f"{p}.mlp.{w}.weight", part, whole) + stored(f"{p}.mlp.{w}.weight_scale", part, whole)
+                       + stored(f"{p}.mlp.{w}.weight_scale_2") for w in projections)
+        return sum(stored(f"{p}.mlp.{w}.weight", part, whole) for w in projections)
+    total = stored(f"{p}.mlp.gate.weight") + stored(f"{p}.mlp.gate.e_score_correction_bias")
+    if cfg.ep_active():
+        total += sum(stored(f"{expert_prefix(ckpt, layer, e)}.{w}.{t}")
+                     for e in range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
+                     for w in projections for t in ("weight", "weight_scale", "weight_scale_2"))
+    if cfg.tp_active(True) and model.n_shared_experts > 0:
+        total += sum(stored(f"{p}.mlp.shared_experts.{w}.weight", cfg.local_shared_intermediate,
+                            model.shared_intermediate) for w in projections)
+    return total
+
+
+def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> DenseWeights | ExpertWeights | MoeWeights | None:
+    """What this rank holds at MLP site ``layer``.
+
+    Dense site: this rank's TP slice (``DenseWeights``, or ``ExpertWeights`` for a dense FFN stored
+    NVFP4), or None on a replica that does not contribute it. Sparse
+    site: the router and its fp32 bias (always), experts ``expert_start ..`` (empty on a
+    non-contributing EP replica), the shared expert's TP slice (None on a non-contributing TP
+    replica or when the model has no shared expert).
+    """
+    model = ckpt.config
+    _check_site(model, cfg)
+    if not 0 <= layer < model.num_hidden_layers:
+        raise ConfigError(f"layer {layer} is outside 0..{model.num_hidden_layers - 1}")
+    p = ckpt.layer_prefix(layer)
+    h = model.hidden_size
+    if model.mlp_layer_types[layer] == "dense":
+        if not cfg.tp_active(False):
+            return None
+        read = _nvfp4_mlp if dense_is_nvfp4(ckpt, layer) else _bf16_mlp
+        return read(ckpt, f"{p}.mlp", model.intermediate_size, h, cfg.tp_rank, cfg.local_dense_intermediate)
+
+    e_all, inter = model.n_routed_experts, model.moe_intermediate_size
+    router_EH = ckpt.read(f"{p}.mlp.gate.weight", (e_all, h), ("BF16", "F32"))
+    bias_name = f"{p}.mlp.gate.e_score_correction_bias"
+    info = ckpt.info(bias_name)
+    if info.dtype != "F32":
+        raise CheckpointError(f"{info.file}: tensor '{bias_name}' has dtype {info.dtype}, expected F32 "
+                              "(the routing bias must stay fp32: GLM biases sit close together near 7 and "
+                              "rounding them changes which experts are chosen)")
+    bias_E = ckpt.read(bias_name, (e_all,), ("F32",))
+
+    experts: list[ExpertWeights] = []
+    if cfg.ep_active():
+        ids = range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
+        for e in ids:
+            q = expert_prefix(ckpt, layer, e)
+            experts.append(ExpertWeights(gate=read_nvfp4(ckpt, f"{q}.gate_proj", inter, h),
+                                         up=read_nvfp4(ckpt, f"{q}.up_proj", inter, h),
+                                         down=read_nvfp4(ckpt, f"{q}.down_proj", h, inter)))
+    shared = None
+    if cfg.tp_active(True) and model.n_shared_experts > 0:
+        shared = _bf16_mlp(ckpt, f"{p}.mlp.shared_experts", model.shared_intermediate, h, cfg.tp_rank,
+                           cfg.local_shared_intermediate)
+    return MoeWeights(router=router_EH, bias=bias_E, expert_start=cfg.expert_start,
+                      experts=tuple(experts), shared=shared)

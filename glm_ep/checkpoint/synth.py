@@ -1,0 +1,265 @@
+"""Synthetic checkpoints in exactly the format of a real GLM-5.3-Flash NVFP4 checkpoint.
+
+``write_synthetic`` writes ``config.json``, shards ``model-0000i-of-0000N.safetensors`` and
+``model.safetensors.index.json`` from an HF-style config dict (``glm_ep.config.presets.preset``). The
+tensors are seeded and deterministic: each group of tensors that belong together (a dense MLP, a
+router, a shared expert, one routed expert) draws from its own generator keyed by
+``(seed, layer, group)``, so the values do not depend on how the groups are cut into shards.
+Shards are generated and written one at a time; the whole model is never in memory.
+
+Values: bf16 / fp32 weights ~ N(0, 1) / sqrt(in_features); one gate/up output row in
+``1 / HEAVY_ROW_ODDS`` is ``HEAVY_ROW_GAIN`` times larger, so on unit-variance inputs the
+SwiGLU clamp (``swiglu_limit`` = 10) fires on the tails. Routed experts are quantized with
+``glm_ep.checkpoint.nvfp4.quantize``. The routing bias is fp32 ``7 + 0.02 * N(0, 1)``: GLM biases sit close
+together near 7.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from glm_ep.checkpoint.reader import INDEX_FILE
+from glm_ep.config.model import ModelConfig
+from glm_ep.errors import InputError
+from glm_ep.app.files import save_readable
+from glm_ep.checkpoint.nvfp4 import quantize
+from glm_ep.config.presets import preset
+
+HEAVY_ROW_ODDS = 16
+HEAVY_ROW_GAIN = 6.0
+BIAS_CENTER = 7.0
+BIAS_SPREAD = 0.02
+_ITEMSIZE = {"BF16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Tensors generated together: their names, shapes and dtypes, and the function making them."""
+
+    specs: tuple[tuple[str, tuple[int, ...], str], ...]
+    make: Callable[[np.random.Generator], dict[str, np.ndarray]]
+    key: tuple[int, int]  # (layer, group index within the layer): the generator's key
+
+    @property
+    def nbytes(self) -> int:
+        return sum(math.prod(shape) * _ITEMSIZE[dtype] for _, shape, dtype in self.specs)
+
+
+def _normal(rng: np.random.Generator, n: int, k: int, heavy_rows: bool) -> np.ndarray:
+    """fp32 ``[n, k]`` ~ N(0, 1) / sqrt(k), with occasional heavy output rows when asked."""
+    w_NK = rng.standard_normal((n, k), dtype=np.float32) * np.float32(1.0 / math.sqrt(k))
+    if heavy_rows:
+        heavy_N = rng.random(n) < 1.0 / HEAVY_ROW_ODDS
+        w_NK[heavy_N] *= np.float32(HEAVY_ROW_GAIN)
+    return w_NK
+
+
+def _bf16_mlp_group(p: str, width: int, hidden: int, key: tuple[int, int]) -> _Group:
+    names = [f"{p}.gate_proj.weight", f"{p}.up_proj.weight", f"{p}.down_proj.weight"]
+
+    def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        gate_IH = _normal(rng, width, hidden, heavy_rows=True)
+        up_IH = _normal(rng, width, hidden, heavy_rows=True)
+        down_HI = _normal(rng, hidden, width, heavy_rows=False)
+        return {n: w.astype(ml_dtypes.bfloat16) for n, w in zip(names, (gate_IH, up_IH, down_HI))}
+
+    shapes = [(width, hidden), (width, hidden), (hidden, width)]
+    return _Group(tuple((n, s, "BF16") for n, s in zip(names, shapes)), make, key)
+
+
+def _nvfp4_specs(p: str, n: int, k: int) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(f"{p}.weight", (n, k // 2), "U8"), (f"{p}.weight_scale", (n, k // 16), "F8_E4M3"),
+            (f"{p}.weight_scale_2", (), "F32"), (f"{p}.input_scale", (), "F32")]
+
+
+def _expert_group(p: str, inter: int, hidden: int, key: tuple[int, int]) -> _Group:
+    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+
+    def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for proj, (n, k) in shapes.items():
+            q = quantize(_normal(rng, n, k, heavy_rows=proj != "down_proj"))
+            out[f"{p}.{proj}.weight"] = q.packed
+            out[f"{p}.{proj}.weight_scale"] = q.scale
+            out[f"{p}.{proj}.weight_scale_2"] = np.array(q.scale_2, dtype=np.float32)
+            out[f"{p}.{proj}.input_scale"] = np.array(1.0, dtype=np.float32)
+        return out
+
+    specs = [s for proj, (n, k) in shapes.items() for s in _nvfp4_specs(f"{p}.{proj}", n, k)]
+    return _Group(tuple(specs), make, key)
+
+
+def _router_group(p: str, experts: int, hidden: int, router_dtype: str, key: tuple[int, int]) -> _Group:
+    stored = {"bf16": ("BF16", ml_dtypes.bfloat16), "f32": ("F32", np.float32)}[router_dtype]
+
+    def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        router_EH = _normal(rng, experts, hidden, heavy_rows=False).astype(stored[1])
+        bias_E = (BIAS_CENTER + BIAS_SPREAD * rng.standard_normal(experts)).astype(np.float32)
+        return {f"{p}.weight": router_EH, f"{p}.e_score_correction_bias": bias_E}
+
+    specs = ((f"{p}.weight", (experts, hidden), stored[0]), (f"{p}.e_score_correction_bias", (experts,), "F32"))
+    return _Group(specs, make, key)
+
+
+def _plan(model: ModelConfig, prefix: str, router_dtype: str, dense: str) -> list[_Group]:
+    """Every tensor group of the model, in layer order."""
+    h, groups = model.hidden_size, []
+    for i, kind in enumerate(model.mlp_layer_types):
+        p = f"{prefix}.{i}.mlp"
+        if kind == "dense":
+            mlp = _expert_group if dense == "nvfp4" else _bf16_mlp_group
+            groups.append(mlp(p, model.intermediate_size, h, (i, 0)))
+            continue
+        groups.append(_router_group(f"{p}.gate", model.n_routed_experts, h, router_dtype, (i, 0)))
+        if model.n_shared_experts > 0:
+            groups.append(_bf16_mlp_group(f"{p}.shared_experts", model.shared_intermediate, h, (i, 1)))
+        groups += [_expert_group(f"{p}.experts.{e}", model.moe_intermediate_size, h, (i, 2 + e))
+                   for e in range(model.n_routed_experts)]
+    return groups
+
+
+def _shards(groups: list[_Group], shard_bytes: int) -> list[list[_Group]]:
+    """Consecutive groups packed into shards of at most ``shard_bytes`` (a larger group stands alone)."""
+    shards: list[list[_Group]] = [[]]
+    size = 0
+    for g in groups:
+        if shards[-1] and size + g.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(g)
+        size += g.nbytes
+    return shards
+
+
+def _config_json(config: dict[str, Any], composite: bool) -> dict[str, Any]:
+    if not composite:
+        return dict(config)
+    text = {k: v for k, v in config.items() if k != "quantization_config"}
+    out: dict[str, Any] = {"model_type": config.get("model_type", "glm5_next"), "text_config": text}
+    if "quantization_config" in config:
+        out["quantization_config"] = config["quantization_config"]
+    return out
+
+
+def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, shard_bytes: int = 256 * 2**20,
+                    router_dtype: str = "bf16", composite: bool = False, progress: bool = False,
+                    dense: str = "bf16") -> Path:
+    """Write a seeded checkpoint of the shape ``config`` (flat HF text config) into ``out_dir``.
+
+    ``router_dtype`` is ``"bf16"`` or ``"f32"`` (how ``gate.weight`` is stored). ``composite``
+    nests the text fields under ``text_config`` and uses the ``model.language_model.layers.{i}``
+    prefix. ``dense`` is ``"bf16"`` or ``"nvfp4"`` (the dense FFNs quantized like the experts, as
+    ModelOpt's ``nvfp4_experts_dense_mlp`` recipe exports them). Returns ``out_dir``.
+    """
+    if router_dtype not in ("bf16", "f32"):
+        raise ValueError(f"router_dtype = {router_dtype!r}, expected 'bf16' or 'f32'")
+    if dense not in ("bf16", "nvfp4"):
+        raise ValueError(f"dense = {dense!r}, expected 'bf16' or 'nvfp4'")
+    if "text_config" in config:
+        raise ValueError("config must be flat (text fields at the top level); pass composite=True to nest them")
+    written = _config_json(config, composite)
+    model = ModelConfig.from_dict(written, source="synthetic config")
+    out = _folder(out_dir, "the synthetic checkpoint's folder")
+    prefix = "model.language_model.layers" if composite else "model.layers"
+    shards = _shards(_plan(model, prefix, router_dtype, dense), shard_bytes)
+    weight_map: dict[str, str] = {}
+    total = 0
+    bar = tqdm(total=sum(len(s) for s in shards), desc="synthetic checkpoint", unit="group", disable=not progress)
+    for n, shard in enumerate(shards, 1):
+        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        tensors: dict[str, np.ndarray] = {}
+        for g in shard:
+            tensors.update(g.make(np.random.default_rng((seed, *g.key))))
+            weight_map.update({spec[0]: name for spec in g.specs})
+            total += g.nbytes
+            bar.update()
+        with _writing(out / name):
+            save_readable(tensors, out / name, metadata={"format": "pt"})
+        del tensors
+    bar.close()
+    with _writing(out / INDEX_FILE):
+        (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                                  "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    with _writing(out / "config.json"):
+        (out / "config.json").write_text(json.dumps(written, indent=2))
+    return out
+
+
+def _folder(path: str | Path, what: str) -> Path:
+    """``path`` as a folder that exists (made with its parents where missing); an InputError naming ``what``
+    where it cannot be (a file is there, a parent is not writable, ...)."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"{p}: cannot make {what} there ({e.strerror or e}); expected a folder that exists or "
+                         "can be made") from None
+    return p
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """An OSError while writing ``path`` as an InputError naming it (a full disk, a folder made read-only); and
+    safetensors' own error for the same (its writer reports an I/O failure as a SafetensorError)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except OSError as e:
+        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
+    except SafetensorError as e:
+        if "I/O error" not in str(e):  # a tensor it could not serialise: ours, a crash
+            raise
+        raise InputError(f"{path}: cannot write it ({e})") from None
+
+
+def _complete(path: Path) -> bool:
+    index = path / INDEX_FILE
+    if not (path / "config.json").is_file() or not index.is_file():
+        return False
+    try:
+        files = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError):
+        return False
+    return all((path / f).is_file() for f in files)
+
+
+def ensure_default_checkpoint(cache_dir: str | Path) -> Path:
+    """``cache_dir/tiny``: the ``tiny`` preset, seed 0, written once (atomically) and then reused.
+
+    Safe to call from several processes at once: each writes a private temporary folder and
+    renames it into place; a loser of the race removes its copy and uses the winner's.
+    """
+    cache = Path(cache_dir)
+    target = cache / "tiny"
+    if _complete(target):
+        return target
+    _folder(cache, "the checkpoint cache (--cache-dir)")
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache))
+    except OSError as e:
+        raise InputError(f"{cache}: cannot write the checkpoint cache (--cache-dir) there ({e.strerror or e})") from None
+    try:
+        write_synthetic(tmp, preset("tiny"), seed=0)
+        if target.exists() and not _complete(target):
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _complete(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,4 @@
+"""Ranks and their collectives: MPI loading (``mpi_lib``), error agreement, logging and abort (``ranks``),
+the collective deadline (``deadline``), device placement and the NCCL-or-MPI choice (``placement``),
+and the all-reduce communicators (``comm``: MPI, one rank; ``nccl``: NCCL).
+"""
