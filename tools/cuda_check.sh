@@ -26,10 +26,10 @@ MPIRUN=(mpirun -n 2)
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 || echo "pip install failed (see pip.log); using PYTHONPATH"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
-run tests "$PY" -m pytest -q -rs -m cuda tests/test_cuda_*.py
+run tests "$PY" -m pytest -q -rs -m cuda tests/cuda/test_cuda_*.py
 WITH_MPI=()
 "$PY" -c "import pytest_mpi" 2>/dev/null && WITH_MPI=(--with-mpi)  # pytest-mpi skips mpi tests without it
 run mpi2 "${MPIRUN[@]}" "$PY" -m pytest -q -rs -m "cuda and mpi" -p no:cacheprovider "${WITH_MPI[@]}" \
-    -o timeout_method=thread tests/test_cuda_paths.py
+    -o timeout_method=thread tests/cuda/test_cuda_paths.py
 [ "${CUDA_CHECK_TIMING:-1}" = 0 ] || run timing "$PY" tools/kernel_timing.py
 exit $status

@@ -54,11 +54,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$O/gpu.txt
 case "${1:-a}" in
 a)
     stage "tests not yet passed on a GPU"
-    timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_*.py -k "$NEW" 2>&1 \
+    timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/cuda/test_cuda_*.py -k "$NEW" 2>&1 \
         | tee "$O/new_tests.log" | tail -15
     stage "2 ranks"
     timeout 90 mpirun --allow-run-as-root -n 2 python3 -m pytest -q -p no:cacheprovider -m "cuda and mpi" \
-        tests/test_cuda_paths.py 2>&1 | tail -3 | tee "$O/mpi2.log"  # the device has no pytest-mpi
+        tests/cuda/test_cuda_paths.py 2>&1 | tail -3 | tee "$O/mpi2.log"  # the device has no pytest-mpi
     stage "ring variants"
     timeout 100 python3 tools/kernel_timing.py --ring-variants 2>&1 | tee "$O/ring_variants.log" | tail -22
     stage "bench"
@@ -66,7 +66,7 @@ a)
     tail -3 "$O/bench.err" ;;
 b)
     stage "suite"
-    timeout 560 python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m cuda tests/test_cuda_*.py -k "not ($NEW)" 2>&1 \
+    timeout 560 python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m cuda tests/cuda/test_cuda_*.py -k "not ($NEW)" 2>&1 \
         | tee "$O/suite.log" | tail -25 ;;
 c)
     stage "dense tiers"
@@ -78,8 +78,8 @@ c)
     timeout 400 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -40 ;;
 split)
     stage "K split tests"
-    timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
-        tests/test_cuda_paths.py -k "k_split or nvfp4_dense or glm_shape" 2>&1 | tee "$O/split_tests.log" | tail -15
+    timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/cuda/test_cuda_gemm.py \
+        tests/cuda/test_cuda_paths.py -k "k_split or nvfp4_dense or glm_shape" 2>&1 | tee "$O/split_tests.log" | tail -15
     stage "K split probe"
     timeout 150 python3 tools/ksplit_probe.py --splits 1 2 4 8 16 2>&1 | grep -v "^\[rank" | tee "$O/ksplit_probe.log"
     stage "bench --prefill 16 64"
@@ -87,31 +87,31 @@ split)
     tail -3 "$O/prefill.err" ;;
 items)
     stage "ring min items tests"
-    timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_ring.py \
-        tests/test_cuda_paths.py -k "few_items or nvfp4_dense or default" 2>&1 | tee "$O/items_tests.log" | tail -8
+    timeout 200 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/cuda/test_cuda_ring.py \
+        tests/cuda/test_cuda_paths.py -k "few_items or nvfp4_dense or default" 2>&1 | tee "$O/items_tests.log" | tail -8
     one_row_and_bench ;;
 next)
-    cuda_tests next 240 "sort_by_expert or sort_scratch or prefill_paths or make_backend" tests/test_cuda_kernels.py \
-        tests/test_cuda_paths.py || exit 1
+    cuda_tests next 240 "sort_by_expert or sort_scratch or prefill_paths or make_backend" tests/cuda/test_cuda_kernels.py \
+        tests/cuda/test_cuda_paths.py || exit 1
     one_row_and_bench ;;
 dequant)
-    cuda_tests dequant 220 "dequant or nvfp4_dense or partial_tiles or k_split" tests/test_cuda_gemm.py \
-        tests/test_cuda_paths.py || exit 1
+    cuda_tests dequant 220 "dequant or nvfp4_dense or partial_tiles or k_split" tests/cuda/test_cuda_gemm.py \
+        tests/cuda/test_cuda_paths.py || exit 1
     stage "bench --prefill"
     timeout 360 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -45
     tail -3 "$O/prefill.err" ;;
 wide)
     stage "CUDA tests not yet run on a GPU"
-    timeout 230 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_gemm.py \
-        tests/test_cuda_kernels.py tests/test_cuda_paths.py \
+    timeout 230 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/cuda/test_cuda_gemm.py \
+        tests/cuda/test_cuda_kernels.py tests/cuda/test_cuda_paths.py \
         -k "ragged_and_grid_stride or gemm_bf16_pair or upload_dense or dequant or nvfp4_dense or k_split" 2>&1 \
         | tee "$O/wide_tests.log" | tail -8
     stage "bench --prefill"
     timeout 330 python3 -m glm_ep bench --prefill --out "$O/prefill" 2>"$O/prefill.err" | tail -45
     tail -3 "$O/prefill.err" ;;
 sort)
-    cuda_tests sort 240 "sort or prefill_paths or sorted" tests/test_cuda_kernels.py tests/test_cuda_paths.py \
-        tests/test_cuda_gemm.py || exit 1
+    cuda_tests sort 240 "sort or prefill_paths or sorted" tests/cuda/test_cuda_kernels.py tests/cuda/test_cuda_paths.py \
+        tests/cuda/test_cuda_gemm.py || exit 1
     stage "dense tiers: the shared expert's shapes"
     timeout 90 python3 tools/dense_tiers.py --shapes shared_glu shared_down --rows 16 24 32 48 64 96 128 2>&1 \
         | tee "$O/dense_tiers.log" | tail -40
@@ -120,13 +120,13 @@ sort)
         2>"$O/prefill.err" | sed -n '/Routed-expert GEMMs alone/,/Grouped-GEMM variants/p' ;;
 shared)
     cuda_tests shared 200 "linear or gate_up_act or mma_gemm or sort or prefill_paths or site" \
-        tests/test_cuda_kernels.py tests/test_cuda_paths.py || exit 1
+        tests/cuda/test_cuda_kernels.py tests/cuda/test_cuda_paths.py || exit 1
     stage "bench --prefill 16 64 128"
     timeout 240 python3 -m glm_ep bench --prefill --rows 16 64 128 --out "$O/prefill" 2>"$O/prefill.err" \
         | sed -n '/^## Sparse site/,/^## Routed/p;/^## Dense site, shared/,/^## Crossover sweep: row/p' ;;
 pair)
-    cuda_tests pair 240 "pair or upload_dense or gate_up_act or linear or 300 or site" tests/test_cuda_kernels.py \
-        tests/test_cuda_paths.py || exit 1
+    cuda_tests pair 240 "pair or upload_dense or gate_up_act or linear or 300 or site" tests/cuda/test_cuda_kernels.py \
+        tests/cuda/test_cuda_paths.py || exit 1
     stage "cuBLAS probe"
     timeout 100 python3 tools/cublas_probe.py 2>&1 | grep -v "^\[rank" | tee "$O/cublas_probe.log"
     stage "bench --prefill"
@@ -141,11 +141,11 @@ ablate)
     done ;;
 one)
     stage "tests not yet passed on a GPU"
-    timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/test_cuda_*.py -k "$NEW" 2>&1 \
+    timeout 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m cuda tests/cuda/test_cuda_*.py -k "$NEW" 2>&1 \
         | tee "$O/new_tests.log" | tail -15
     stage "2 ranks"
     timeout 60 mpirun --allow-run-as-root -n 2 python3 -m pytest -q -p no:cacheprovider -m "cuda and mpi" \
-        tests/test_cuda_paths.py 2>&1 | tail -3 | tee "$O/mpi2.log"
+        tests/cuda/test_cuda_paths.py 2>&1 | tail -3 | tee "$O/mpi2.log"
     stage "ring variants"
     timeout 100 python3 tools/kernel_timing.py --ring-variants 2>&1 | tee "$O/ring_variants.log" | tail -22
     stage "ring ablation"

@@ -17,7 +17,7 @@ if ! "$PY" -c "import transformers.models.glm5_next" 2>/dev/null && ls .whl/tran
 fi
 "$PY" -c "import transformers; print('transformers', transformers.__version__)"
 status=0
-"$PY" -m pytest -q -rs -m cuda -p no:cacheprovider tests/test_cuda_*.py 2>&1 \
+"$PY" -m pytest -q -rs -m cuda -p no:cacheprovider tests/cuda/test_cuda_*.py 2>&1 \
     | tee "$OUT_DIR/tests.log" | tail -25
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 "$PY" -m glm_ep bench --prefill --out "$OUT_DIR" "$@" 2>"$OUT_DIR/bench.log" || { status=1; tail -30 "$OUT_DIR/bench.log"; }

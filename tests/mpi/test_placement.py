@@ -3,7 +3,7 @@
 The decision is tested on fake hosts (two identical GB10 nodes report the same PCI bus id); the
 discovery runs under ``mpiexec -n 2`` on this one host, and on two fake nodes made by splitting it:
 
-    mpiexec -n 2 python -m pytest --with-mpi -m mpi tests/test_placement.py
+    mpiexec -n 2 python -m pytest --with-mpi -m mpi tests/mpi/test_placement.py
 """
 
 from __future__ import annotations

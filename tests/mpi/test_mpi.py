@@ -1,6 +1,6 @@
 """Multi-rank NumPy stacks against the one-rank result, in one MPI job.
 
-    mpiexec -n 2 python -m pytest --with-mpi -m mpi -o timeout=120 -o timeout_method=thread tests/test_mpi.py
+    mpiexec -n 2 python -m pytest --with-mpi -m mpi -o timeout=120 -o timeout_method=thread tests/mpi/test_mpi.py
 
 Every rank computes its checks, the ranks exchange their failure messages, and every rank
 asserts on all of them: a failure on one rank never leaves the other waiting in a collective.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from glm_ep.bench.prefill import WIDTHS, crossover, render, result_stem
 
-RECORDED = Path(__file__).resolve().parent.parent / "docs" / "perf" / "prefill.json"
+RECORDED = Path(__file__).resolve().parents[2] / "docs" / "perf" / "prefill.json"
 
 
 def sweep(*pairs):

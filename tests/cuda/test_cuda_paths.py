@@ -3,7 +3,7 @@
 decode (1 row), each verify width 2..8 (union), prefill at 20 (row groups of <= 8), 300 and 2000
 rows (the grouped GEMM at or above the crossover lever, row groups below it), host dispatch, graph
 replay of a 1-row and a 4-row stack step, two ranks on one GPU through the host-staged MPI communicator
-(``mpiexec -n 2 python -m pytest -m "cuda and mpi" tests/test_cuda_paths.py``) and a 1-rank NCCL
+(``mpiexec -n 2 python -m pytest -m "cuda and mpi" tests/cuda/test_cuda_paths.py``) and a 1-rank NCCL
 all-reduce.
 
 Routing must pick the same experts on both backends, so the site inputs and the router are

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location("sass_loop", Path(__file__).parent.parent / "tools" / "sass_loop.py")
+_SPEC = importlib.util.spec_from_file_location("sass_loop", Path(__file__).resolve().parents[2] / "tools" / "sass_loop.py")
 sass_loop = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(sass_loop)
 
