@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from glm_ep.checkpoint.reader import Checkpoint, load_layer
+from glm_ep.checkpoint.reader import Checkpoint
+from glm_ep.checkpoint.layers import load_layer
 from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.checkpoint.finite import can_be_nonfinite, first_nonfinite
 from glm_ep.checkpoint.weights import DenseWeights, MoeWeights

@@ -209,7 +209,8 @@ def _footprint(args: argparse.Namespace) -> int:
 
     dense_nvfp4, router_itemsize = args.dense == "nvfp4", 2
     if args.model:  # how the checkpoint stores its dense FFNs and its routers, from the headers
-        from glm_ep.checkpoint.reader import Checkpoint, dense_is_nvfp4
+        from glm_ep.checkpoint.reader import Checkpoint
+        from glm_ep.checkpoint.layers import dense_is_nvfp4
 
         with Checkpoint(args.model, check_finite=False) as ck:
             if "dense" in model.mlp_layer_types:

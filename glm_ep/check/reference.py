@@ -24,7 +24,8 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-from glm_ep.checkpoint.reader import Checkpoint, dense_is_nvfp4, expert_prefix, read_nvfp4
+from glm_ep.checkpoint.reader import Checkpoint
+from glm_ep.checkpoint.layers import dense_is_nvfp4, expert_prefix, read_nvfp4
 from glm_ep.config.model import ModelConfig
 from glm_ep.checkpoint.nvfp4 import NIBBLE_TO_F32, NVFP4_GROUP, Nvfp4Weight, unpack_nibbles
 

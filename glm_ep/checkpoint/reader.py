@@ -3,9 +3,8 @@
 ``Checkpoint`` opens a model folder (``config.json`` plus ``model.safetensors.index.json`` and its
 shards, or one ``model.safetensors``), parses every shard's header up front — so a truncated or
 corrupt file fails on every rank at open time, before any rank starts reading — and then reads
-tensors, or row/column slices of them, only when asked. ``load_layer`` reads exactly what one
-rank owns at one MLP site: its TP slices of the dense FFN / shared expert, its EP range of routed
-experts, and the (never sharded) router.
+tensors, or row/column slices of them, only when asked (``glm_ep.checkpoint.layers`` asks for what
+one rank owns at one MLP site).
 
 With ``check_finite`` (the default) every bf16/fp32 tensor read must be finite, every E4M3 block
 scale not NaN, and every ``weight_scale_2`` finite and > 0: a scan of the bit patterns of the
@@ -31,11 +30,9 @@ import ml_dtypes  # noqa: F401  (registers 'bfloat16' with NumPy: safetensors lo
 import numpy as np
 from safetensors import safe_open
 
-from glm_ep.config.model import NVFP4_GROUP, ModelConfig, SiteConfig, parse_json
-from glm_ep.errors import CheckpointError, ConfigError
 from glm_ep.checkpoint.finite import can_be_nonfinite, describe_nonfinite, first_nonfinite
-from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
-from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.config.model import ModelConfig, parse_json
+from glm_ep.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -301,163 +298,6 @@ class Checkpoint:
         self.close()
 
 
-def dense_is_nvfp4(ckpt: Checkpoint, layer: int) -> bool:
-    """Whether dense layer ``layer``'s FFN is stored NVFP4 (ModelOpt exports that quantize the dense MLPs
-    too, e.g. the ``nvfp4_experts_dense_mlp`` recipe) rather than bf16: its gate projection's stored
-    dtype says (U8 nibbles); a missing tensor is left to the read to name."""
-    try:
-        return ckpt.info(f"{ckpt.layer_prefix(layer)}.mlp.gate_proj.weight").dtype == "U8"
-    except CheckpointError:
-        return False
-
-
-def _nvfp4_mlp(ckpt: Checkpoint, prefix: str, width: int, hidden: int, tp_rank: int, local: int) -> ExpertWeights:
-    """TP slice of an NVFP4 SwiGLU MLP (a dense FFN stored NVFP4), as ``_bf16_mlp`` cuts it: gate/up rows
-    ``[tp_rank*Il, (tp_rank+1)*Il)``, down those columns (each projection keeps its own scale_2)."""
-    if local % NVFP4_GROUP:
-        raise ConfigError(f"{prefix}: a TP slice of {local} of the NVFP4 dense FFN's width {width}, expected a "
-                          f"multiple of {NVFP4_GROUP} (its block scales cover {NVFP4_GROUP} columns each)")
-    part = slice(tp_rank * local, (tp_rank + 1) * local)
-    return ExpertWeights(gate=read_nvfp4(ckpt, f"{prefix}.gate_proj", width, hidden, rows=part),
-                         up=read_nvfp4(ckpt, f"{prefix}.up_proj", width, hidden, rows=part),
-                         down=read_nvfp4(ckpt, f"{prefix}.down_proj", hidden, width, cols=part))
-
-
-def _bf16_mlp(ckpt: Checkpoint, prefix: str, width: int, hidden: int, tp_rank: int,
-              local: int) -> DenseWeights:
-    """TP slice of a bf16 SwiGLU MLP: gate/up rows ``[tp_rank*Il, (tp_rank+1)*Il)``, down those columns."""
-    part = slice(tp_rank * local, (tp_rank + 1) * local)
-    return DenseWeights(
-        gate=ckpt.read(f"{prefix}.gate_proj.weight", (width, hidden), ("BF16",), rows=part),  # [Il, H]
-        up=ckpt.read(f"{prefix}.up_proj.weight", (width, hidden), ("BF16",), rows=part),  # [Il, H]
-        down=ckpt.read(f"{prefix}.down_proj.weight", (hidden, width), ("BF16",), cols=part),  # [H, Il]
-    )
-
-
-def read_nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int, rows: slice | None = None,
-               cols: slice | None = None) -> Nvfp4Weight:
-    """The ModelOpt NVFP4 projection ``prefix`` (e.g. ``{p}.mlp.experts.{e}.gate_proj``) of shape
-    ``[n, k]``, or its ``rows`` / ``cols`` (element columns: multiples of the 16-k scale block, a TP
-    slice of a row-parallel projection); ``input_scale`` is not read (activations stay bf16)."""
-    packed_cols = scale_cols = None
-    if cols is not None:
-        lo, hi, step = cols.indices(k)
-        if step != 1 or lo % NVFP4_GROUP or hi % NVFP4_GROUP:
-            raise ConfigError(f"{prefix}: columns {lo}..{hi} of an NVFP4 projection, expected a contiguous slice "
-                              f"on {NVFP4_GROUP}-column block boundaries (the TP split of its in width {k})")
-        packed_cols, scale_cols = slice(lo // 2, hi // 2), slice(lo // NVFP4_GROUP, hi // NVFP4_GROUP)
-    weight = ckpt.info(f"{prefix}.weight")
-    if weight.dtype in ("BF16", "F16", "F32"):
-        raise CheckpointError(f"{weight.file}: tensor '{prefix}.weight' is stored unquantized ({weight.dtype}: the "
-                              "export left this projection out of its NVFP4 quantization); expected a ModelOpt NVFP4 "
-                              "projection (U8 weight, weight_scale, weight_scale_2): glm_ep runs routed experts in "
-                              "NVFP4 only")
-    if ckpt.has(f"{prefix}.pre_quant_scale"):
-        raise CheckpointError(f"{ckpt.info(prefix + '.pre_quant_scale').file}: tensor '{prefix}.pre_quant_scale' is "
-                              "stored: an activation smoothing (NVFP4_AWQ) that glm_ep does not apply; expected a plain "
-                              "ModelOpt NVFP4 projection (weight, weight_scale, weight_scale_2)")
-    scale_2 = ckpt.read_scalar(f"{prefix}.weight_scale_2")
-    if ckpt.check_finite and not scale_2 > 0:  # NaN and Inf are refused by the read
-        raise CheckpointError(f"{ckpt.info(prefix + '.weight_scale_2').file}: tensor '{prefix}.weight_scale_2' = "
-                              f"{scale_2}, expected a finite value > 0 (the projection's NVFP4 scale; "
-                              "check_weights = false in the topology skips this check)")
-    return Nvfp4Weight(
-        packed=ckpt.read(f"{prefix}.weight", (n, k // 2), ("U8",), rows=rows, cols=packed_cols),
-        scale=ckpt.read(f"{prefix}.weight_scale", (n, k // NVFP4_GROUP), ("F8_E4M3",), rows=rows, cols=scale_cols),
-        scale_2=scale_2,
-    )
-
-
-def _check_site(model: ModelConfig, cfg: SiteConfig) -> None:
-    for what, ours, theirs in (("hidden", cfg.hidden, model.hidden_size),
-                               ("moe_intermediate", cfg.moe_intermediate, model.moe_intermediate_size),
-                               ("num_experts", cfg.num_experts, model.n_routed_experts)):
-        if ours != theirs:
-            raise ConfigError(f"site config {what} = {ours} does not match the checkpoint's {theirs}")
-
-
 def _few(ids: list[int]) -> str:
     """The first few of ``ids`` for a message."""
     return ", ".join(map(str, ids[:4])) + (f" (and {len(ids) - 4} more)" if len(ids) > 4 else "")
-
-
-def expert_prefix(ckpt: Checkpoint, layer: int, e: int) -> str:
-    """Key prefix of routed expert ``e`` of layer ``layer``."""
-    return f"{ckpt.layer_prefix(layer)}.mlp.experts.{e}"
-
-
-def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> int:
-    """The bytes ``load_layer(ckpt, cfg, layer)`` reads, from the headers alone (a tensor missing
-    from them counts 0: the load names it)."""
-    def stored(name: str, part: int = 1, whole: int = 1) -> int:
-        try:
-            return ckpt.info(name).nbytes * part // whole
-        except CheckpointError:
-            return 0
-
-    model, p = ckpt.config, ckpt.layer_prefix(layer)
-    projections = ("gate_proj", "up_proj", "down_proj")
-    if model.mlp_layer_types[layer] == "dense":
-        if not cfg.tp_active(False):
-            return 0
-        part, whole = cfg.local_dense_intermediate, model.intermediate_size
-        if dense_is_nvfp4(ckpt, layer):
-            return sum(stored(f"{p}.mlp.{w}.weight", part, whole) + stored(f"{p}.mlp.{w}.weight_scale", part, whole)
-                       + stored(f"{p}.mlp.{w}.weight_scale_2") for w in projections)
-        return sum(stored(f"{p}.mlp.{w}.weight", part, whole) for w in projections)
-    total = stored(f"{p}.mlp.gate.weight") + stored(f"{p}.mlp.gate.e_score_correction_bias")
-    if cfg.ep_active():
-        total += sum(stored(f"{expert_prefix(ckpt, layer, e)}.{w}.{t}")
-                     for e in range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
-                     for w in projections for t in ("weight", "weight_scale", "weight_scale_2"))
-    if cfg.tp_active(True) and model.n_shared_experts > 0:
-        total += sum(stored(f"{p}.mlp.shared_experts.{w}.weight", cfg.local_shared_intermediate,
-                            model.shared_intermediate) for w in projections)
-    return total
-
-
-def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> DenseWeights | ExpertWeights | MoeWeights | None:
-    """What this rank holds at MLP site ``layer``.
-
-    Dense site: this rank's TP slice (``DenseWeights``, or ``ExpertWeights`` for a dense FFN stored
-    NVFP4), or None on a replica that does not contribute it. Sparse
-    site: the router and its fp32 bias (always), experts ``expert_start ..`` (empty on a
-    non-contributing EP replica), the shared expert's TP slice (None on a non-contributing TP
-    replica or when the model has no shared expert).
-    """
-    model = ckpt.config
-    _check_site(model, cfg)
-    if not 0 <= layer < model.num_hidden_layers:
-        raise ConfigError(f"layer {layer} is outside 0..{model.num_hidden_layers - 1}")
-    p = ckpt.layer_prefix(layer)
-    h = model.hidden_size
-    if model.mlp_layer_types[layer] == "dense":
-        if not cfg.tp_active(False):
-            return None
-        read = _nvfp4_mlp if dense_is_nvfp4(ckpt, layer) else _bf16_mlp
-        return read(ckpt, f"{p}.mlp", model.intermediate_size, h, cfg.tp_rank, cfg.local_dense_intermediate)
-
-    e_all, inter = model.n_routed_experts, model.moe_intermediate_size
-    router_EH = ckpt.read(f"{p}.mlp.gate.weight", (e_all, h), ("BF16", "F32"))
-    bias_name = f"{p}.mlp.gate.e_score_correction_bias"
-    info = ckpt.info(bias_name)
-    if info.dtype != "F32":
-        raise CheckpointError(f"{info.file}: tensor '{bias_name}' has dtype {info.dtype}, expected F32 "
-                              "(the routing bias must stay fp32: GLM biases sit close together near 7 and "
-                              "rounding them changes which experts are chosen)")
-    bias_E = ckpt.read(bias_name, (e_all,), ("F32",))
-
-    experts: list[ExpertWeights] = []
-    if cfg.ep_active():
-        ids = range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
-        for e in ids:
-            q = expert_prefix(ckpt, layer, e)
-            experts.append(ExpertWeights(gate=read_nvfp4(ckpt, f"{q}.gate_proj", inter, h),
-                                         up=read_nvfp4(ckpt, f"{q}.up_proj", inter, h),
-                                         down=read_nvfp4(ckpt, f"{q}.down_proj", h, inter)))
-    shared = None
-    if cfg.tp_active(True) and model.n_shared_experts > 0:
-        shared = _bf16_mlp(ckpt, f"{p}.mlp.shared_experts", model.shared_intermediate, h, cfg.tp_rank,
-                           cfg.local_shared_intermediate)
-    return MoeWeights(router=router_EH, bias=bias_E, expert_start=cfg.expert_start,
-                      experts=tuple(experts), shared=shared)

@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from glm_ep.backend import make_backend, make_comm
 from glm_ep.backend.base import Backend
-from glm_ep.checkpoint.reader import Checkpoint, expert_prefix, layer_read_bytes, load_layer
+from glm_ep.checkpoint.reader import Checkpoint
+from glm_ep.checkpoint.layers import expert_prefix, layer_read_bytes, load_layer
 from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.errors import ConfigError

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from glm_ep.checkpoint.reader import Checkpoint, layer_read_bytes, load_layer
+from glm_ep.checkpoint.reader import Checkpoint
+from glm_ep.checkpoint.layers import layer_read_bytes, load_layer
 from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.errors import EXIT_USER
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from glm_ep.checkpoint.reader import Checkpoint, load_layer, read_nvfp4
+from glm_ep.checkpoint.reader import Checkpoint
+from glm_ep.checkpoint.layers import load_layer, read_nvfp4
 from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.errors import CheckpointError, ConfigError
 from glm_ep.config.presets import preset

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import glm_ep.checkpoint.synth as synth
-from glm_ep.checkpoint.reader import Checkpoint, load_layer
+from glm_ep.checkpoint.reader import Checkpoint
+from glm_ep.checkpoint.layers import load_layer
 from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight, dequantize

@@ -211,7 +211,8 @@ def test_footprint_cli_prints_the_glm_numbers() -> None:
 def test_footprint_weight_bytes_are_what_a_rank_loads(tiny_checkpoint, tiny_checkpoint_dense_nvfp4, layout) -> None:
     """The config-only weight count (``glm-ep footprint``) equals the bytes ``load_layer`` hands a rank, with
     the dense FFNs stored bf16 or NVFP4; ``footprint --model`` reads which from the checkpoint."""
-    from glm_ep.checkpoint.reader import Checkpoint, load_layer
+    from glm_ep.checkpoint.reader import Checkpoint
+    from glm_ep.checkpoint.layers import load_layer
     from glm_ep.config.model import RankLayout, SiteConfig
     from glm_ep.app.footprint import rank_weight_bytes
 
@@ -231,7 +232,8 @@ def test_footprint_weight_bytes_are_what_a_rank_loads(tiny_checkpoint, tiny_chec
 def test_footprint_counts_an_f32_router_as_stored(tmp_path, layout) -> None:
     """A checkpoint whose routers are stored F32 (the runtime holds them so): ``footprint --model`` reads the dtype
     from a header (it counted 2 bytes an element: 99 MB a rank short at the GLM shape)."""
-    from glm_ep.checkpoint.reader import Checkpoint, load_layer
+    from glm_ep.checkpoint.reader import Checkpoint
+    from glm_ep.checkpoint.layers import load_layer
     from glm_ep.config.model import RankLayout, SiteConfig
     from glm_ep.config.presets import preset
     from glm_ep.checkpoint.synth import write_synthetic
