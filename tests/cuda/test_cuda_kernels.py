@@ -105,7 +105,7 @@ def test_linear(rng, t, n, k):
 @pytest.mark.parametrize("t", [9, 16, 33, 64])
 @pytest.mark.parametrize("out_dtype", [BF16, np.float32], ids=["bf16", "f32"])
 def test_mma_gemm(rng, t, out_dtype):
-    """The 9..64-row tensor-core GEMM itself (the router's fp32 logits; bf16 out for tools/dense_tiers.py, which
+    """The 9..64-row tensor-core GEMM itself (the router's fp32 logits; bf16 out for `glm-ep bench --sweep dense`, which
     times it against cuBLAS), each tier, against NumPy; every output written."""
     from glm_ep.backend.cuda import dense
 
