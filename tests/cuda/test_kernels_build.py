@@ -45,6 +45,19 @@ def test_every_define_a_kernel_needs_is_passed():
         assert needed <= passed, f"{path.name} needs {sorted(needed - passed)}, which the loader does not pass"
 
 
+@pytest.mark.parametrize("path", sorted(loader.KERNEL_DIR.glob("*.cu*")), ids=lambda p: p.name)
+def test_every_kernel_file_names_its_numpy_twin_and_its_test(path: Path):
+    """A kernel file's opening comment says which NumPy code it must agree with and which tests hold the two
+    together; every test file it names exists."""
+    comment = re.match(r"(?:[ \t]*//[^\n]*\n)*", path.read_text()).group(0)
+    head = " ".join(line.strip().lstrip("/").strip() for line in comment.splitlines())  # the text, unwrapped
+    assert "NumPy twin:" in head and "held together by" in head, f"{path.name}: its header names no twin or test"
+    named = set(re.findall(r"(test_\w+\.py)", head))
+    assert named, f"{path.name}: its header names no test file"
+    tests = {p.name for p in (Path(__file__).resolve().parents[1]).rglob("test_*.py")}
+    assert named <= tests, f"{path.name} names {sorted(named - tests)}, which do not exist"
+
+
 @needs_nvcc
 @pytest.mark.parametrize("name,file", [("COMBINE_VEC", "elementwise.cu"), ("MMA_ROWS", "gemv_nvfp4.cu"),
                                        ("RING_STAGE_BYTES_P2_T4", "gemv_nvfp4_ring.cu"),

@@ -19,6 +19,9 @@
 //   bf16_mma_glu_t{T}          gate and up fused, writing gate, up and the clamped SwiGLU
 //   bf16_wstream_{gemm,glu}_t{8,16}  the warp-streaming engine at the end of this file (dense-FFN-sized
 //                              weights, 5..16 rows)
+//
+// NumPy twin: NumpyBackend.linear, gate_up_act and router_logits (glm_ep/backend/numpy_backend.py); held together
+// by tests/cuda/test_cuda_dense.py (every tier of both engines, K splits, graphs) and test_cuda_router.py.
 #include "common.cuh"
 #include "async_copy.cuh"
 #include "nvfp4_mma.cuh"

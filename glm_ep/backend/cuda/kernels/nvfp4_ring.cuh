@@ -2,6 +2,9 @@
 // and gemv_nvfp4_union.cu (verify, a union of rows): the stage layout, the weight copies, the bf16
 // form's mma over a landed slab and the cp.async pipeline both run. Include after common.cuh,
 // nvfp4_mma.cuh and async_copy.cuh.
+//
+// NumPy twin: NumpyBackend.moe_gemv, moe_gate_up_act and their union forms (glm_ep/backend/numpy_backend.py); held
+// together by tests/cuda/test_cuda_ring.py and test_cuda_union.py.
 #pragma once
 
 #ifndef RING_WARPS
