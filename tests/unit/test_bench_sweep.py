@@ -12,8 +12,8 @@ from glm_ep.errors import EXIT_USER
 
 from helpers import REPO
 
-META = {"device": "NVIDIA H200", "copy_gbs": 4000.0, "command": "glm-ep bench --sweep x", "date": "2026-12-06 10:00 UTC",
-        "python": "3.12"}
+META = {"device": "NVIDIA H200", "copy_gbs": 4000.0, "command": "glm-ep bench --sweep x",
+        "date": "2026-12-06 10:00 UTC", "python": "3.12"}
 BLOCKS, RING, RING4 = (name for name, _ in UNION_VARIANTS[:3])
 
 

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.kernel_loader import (BF16, F32, I32, MMA_ROWS, NVFP4_WARPS, RING_WARPS, U8, U32, UNION_MAX_IDS,
-                                        UNION_MAX_ROWS, cdiv, check, check_shape, i32, i64, launch, sm_count, split_k)
+from glm_ep.backend.cuda.kernel_loader import (BF16, F32, I32, MMA_ROWS, NVFP4_WARPS, RING_WARPS, U8, U32,
+                                               UNION_MAX_IDS, UNION_MAX_ROWS, cdiv, check, check_shape, i32, i64,
+                                               launch, sm_count, split_k)
 from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.config.model import NVFP4_GROUP
 
