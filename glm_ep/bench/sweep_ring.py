@@ -161,7 +161,7 @@ def run_sweep_union(args: argparse.Namespace) -> int:
             row[name] = graph_median_us(cp, s, rb.capture, union, iters, L)
         rows.append(row)
     meta = bench_meta(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), copy_gbs)
-    meta.update(layers=L, expert_bytes=expert_bytes(model), variants=[n for n, _ in UNION_VARIANTS],
+    meta.update(layers=L, experts=e, top_k=k, expert_bytes=expert_bytes(model), variants=[n for n, _ in UNION_VARIANTS],
                 ring_up_to=ring_up_to(rows, UNION_VARIANTS[0][0], UNION_VARIANTS[1][0]))
     return _write(Path(args.out), "union", {"meta": meta, "rows": rows}, render_union)
 
@@ -223,7 +223,8 @@ def render_union(data: dict[str, Any]) -> str:
     meta = data["meta"]
     names = meta["variants"]
     lines = results_header("glm-ep bench --sweep union", meta) + [
-        "", f"The union of R rows (8 experts a row, drawn from all 288) over {meta['layers']} layers; gate + up + "
+        "", f"The union of R rows ({meta['top_k']} experts a row, drawn from all {meta['experts']}) over "
+        f"{meta['layers']} layers; gate + up + "
         "SwiGLU and down of the union's experts, µs a layer, % of the copy bandwidth over the union's bytes. The "
         f"shipped union ring is never slower than the block kernels up to **{meta['ring_up_to']} rows** "
         "(`ring_union_max_rows`).", "",

@@ -33,13 +33,15 @@ def test_the_union_ring_serves_up_to_the_last_width_it_never_loses():
 
 def test_render_union():
     rows = union_rows((2, 110.0, 104.0), (8, 391.0, 446.5))
-    meta = {**META, "layers": 4, "expert_bytes": 14_155_776, "variants": [n for n, _ in UNION_VARIANTS],
+    meta = {**META, "layers": 4, "experts": 288, "top_k": 8, "expert_bytes": 14_155_776,
+            "variants": [n for n, _ in UNION_VARIANTS],
             "ring_up_to": ring_up_to(rows, BLOCKS, RING)}
     text = render_union({"meta": meta, "rows": rows})
     assert "never slower than the block kernels up to **2 rows** (`ring_union_max_rows`)" in text
     # 16 experts x 14.16 MB in 104 us at 4000 GB/s: 54%
     assert "| 2 | 16 | 110.0 (51%) | 104.0 (54%) | 105.0 (54%) | 110.0 (51%) | 104.0 (54%) |" in text
     assert text.startswith("# glm-ep bench --sweep union: NVIDIA H200")
+    assert "The union of R rows (8 experts a row, drawn from all 288) over 4 layers" in text
 
 
 def test_render_ring():
