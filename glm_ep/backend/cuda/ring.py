@@ -110,9 +110,10 @@ class RingConfig:
                    tuple(lv.ring_union_depth), lv.ring_min_items_per_sm)
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
-        """(gate and up, down): the operand form (``FORM_PREFIX``'s keys) in which the ring reads each
-        projection, decided once for a site's experts. A ConfigError where ``f16`` asks for the down
-        projection's fp16 form and ``swiglu_limit`` does not keep the activation inside fp16."""
+        """(gate and up, down): the operand form (``FORM_PREFIX``'s keys; ``bf16`` for the block kernels, the
+        ring off) in which each projection is read, decided once for a site's experts. A ConfigError where
+        ``f16`` asks for the down projection's fp16 form and ``swiglu_limit`` does not keep the activation
+        inside fp16."""
         if not self.enabled:
             return "bf16", "bf16"
         if self.f16 and not act_fits_f16(swiglu_limit):

@@ -48,9 +48,8 @@
 // streams its share of K and writes fp32 partial sums (scale_2 applied) instead of bf16; the reduce adds them
 // in split order and rounds once, as the unsplit epilogue does (for the glu: gate and up to bf16, then the SwiGLU).
 //
-// NumPy twin: NumpyBackend.moe_gate_up_act_sorted, moe_gemm_sorted and dequant_linear
-// (glm_ep/backend/numpy_backend.py); held together by tests/cuda/test_cuda_gemm.py (every variant and engine, the K
-// split, the dequantization bit for bit) and tests/cuda/test_cuda_paths.py (the prefill paths).
+// NumPy twin: NumpyBackend.moe_gate_up_act_sorted, moe_gemm_sorted, dequant_linear; held together by
+// tests/cuda/test_cuda_gemm.py (every variant, engine and K split) and tests/cuda/test_cuda_paths.py (prefill paths).
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
 #include "async_copy.cuh"
