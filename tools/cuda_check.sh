@@ -2,8 +2,7 @@
 # One-shot check of the CUDA backend on a GPU machine (from the repository root):
 #   bash tools/cuda_check.sh [OUT_DIR]
 # installs the package (no dependencies: the machine's CuPy, mpi4py and NumPy serve), runs the
-# CUDA kernel and path tests, the 2-rank test under mpirun, and the decode/verify timings
-# (CUDA_CHECK_TIMING=0 skips those).
+# CUDA kernel and path tests and the 2-rank test under mpirun (timings: glm-ep bench, tools/device_check.sh).
 # Logs go to OUT_DIR (default: ./cuda_check_out). Exit status: that of the first failing stage.
 set -uo pipefail
 OUT_DIR="${1:-${OUT:-./cuda_check_out}}"
@@ -26,10 +25,9 @@ MPIRUN=(mpirun -n 2)
 "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/pip.log" 2>&1 || echo "pip install failed (see pip.log); using PYTHONPATH"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
-run tests "$PY" -m pytest -q -rs -m cuda tests/cuda/test_cuda_*.py
+run tests "$PY" -m pytest -q -rs -m cuda -p no:cacheprovider tests/cuda/test_cuda_*.py
 WITH_MPI=()
 "$PY" -c "import pytest_mpi" 2>/dev/null && WITH_MPI=(--with-mpi)  # pytest-mpi skips mpi tests without it
 run mpi2 "${MPIRUN[@]}" "$PY" -m pytest -q -rs -m "cuda and mpi" -p no:cacheprovider "${WITH_MPI[@]}" \
     -o timeout_method=thread tests/cuda/test_cuda_paths.py
-[ "${CUDA_CHECK_TIMING:-1}" = 0 ] || run timing "$PY" tools/kernel_timing.py
 exit $status

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Everything the GPU issues ask for, in one call on the device machine (repository root):
+# The CUDA backend checked end to end on a GPU machine, in one go (repository root):
 #   bash tools/device_check.sh [OUT_DIR] [--no-bench]
 # 1. the CUDA kernel/path tests and the 2-rank test (tools/cuda_check.sh);
 # 2. glm-ep forward --backend cuda against --backend cpu at 1, 5, 300 and 2000 rows, on one rank and on
 #    two ranks sharing the GPU (MPI all-reduce), on a synthetic checkpoint;
 # 3. glm-ep run --backend cuda (PASS/FAIL against float64);
-# 4. glm-ep bench (decode, verify) and glm-ep bench --prefill -> docs/perf (copied to OUT_DIR).
+# 4. glm-ep bench (decode, verify) and glm-ep bench --prefill -> OUT_DIR/perf (docs/perf keeps one set a card:
+#    BENCH.md and PREFILL.md the H200's, BENCH_H100.md and PREFILL_H100.md the H100's; copy them there by hand).
 set -uo pipefail
 OUT_DIR="${1:-./device_out}"; shift || true
 mkdir -p "$OUT_DIR"
@@ -35,16 +36,14 @@ note "run --backend cuda (1 rank)"
 $PY -m glm_ep run --backend cuda --cache-dir "$W" --model "$W/tiny" 2>"$OUT_DIR/run.log" | tail -9 || status=1
 if [ "${1:-}" != "--no-bench" ]; then
     note "bench"
-    $PY -m glm_ep bench --out docs/perf 2>"$OUT_DIR/bench.log" || status=1
+    $PY -m glm_ep bench --out "$OUT_DIR/perf" 2>"$OUT_DIR/bench.log" || status=1
     tail -5 "$OUT_DIR/bench.log"
     note "bench --prefill"
-    $PY -m glm_ep bench --prefill --out docs/perf 2>"$OUT_DIR/prefill.log" || status=1
+    $PY -m glm_ep bench --prefill --out "$OUT_DIR/perf" 2>"$OUT_DIR/prefill.log" || status=1
     tail -5 "$OUT_DIR/prefill.log"
-    cp docs/perf/* "$OUT_DIR/" 2>/dev/null
 fi
 note "exit $status"
-if [ -n "${OUT:-}" ]; then  # the device tool returns at most 8 files: pack the logs
-    tar czf "$OUT/logs.tgz" -C "$OUT_DIR" . && cp docs/perf/BENCH.md docs/perf/bench.json docs/perf/bench.png \
-        docs/perf/PREFILL.md docs/perf/prefill.json docs/perf/prefill.png "$OUT/" 2>/dev/null
+if [ -n "${OUT:-}" ]; then  # a batch job's results folder: the logs in one archive, the tables beside it
+    tar czf "$OUT/logs.tgz" -C "$OUT_DIR" . && cp "$OUT_DIR"/perf/* "$OUT/" 2>/dev/null
 fi
 exit $status

@@ -33,7 +33,7 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
 
     CudaBackend.capabilities.check("cuda", topology.levers, cfg.top_k)
     ring = RingConfig.from_levers(topology.levers)
-    forms = ring.forms(cfg.swiglu_limit)  # the check the upload repeats, here on every rank before any weight is read
+    ring.forms(cfg.swiglu_limit)  # the check the upload repeats, here on every rank before any weight is read
     try:
         import cupy
 
@@ -43,7 +43,7 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
                           f"{placement.host} ({type(e).__name__}: {e}); install the cuda13 or cuda12 extra (pip "
                           "install '.[cuda13]' from the checkout) or use backend = 'cpu'") from None
     be = CudaBackend(device_index(topology.devices, placement, visible), ring, dependent_launch=topology.levers.pdl)
-    ring.check_fits(block_smem_limit(), forms, cfg.hidden)  # the device's own limit
+    ring.check_fits(block_smem_limit())  # the device's own limit
     lv = topology.levers
     if lv.prefill_gemm and not lv.host_dispatch and topology.workspace_rows >= lv.prefill_gemm_min_rows:
         # the routed experts' sorted path can run (a dense FFN stored NVFP4 sorts one expert: it always fits)

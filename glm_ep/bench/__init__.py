@@ -7,8 +7,10 @@ Bytes are the fewest the site must read: the chosen (union of) experts' NVFP4 by
 bf16 shared expert, the router; a dense site its three bf16 matrices.
 
 This module is the command: its flags and the job. The measuring modules need CuPy and are
-imported only once the job runs: ``decode`` (decode and verify; PyTorch peer in ``decode_peer``)
-and ``prefill`` (``--prefill``; HF transformers' peers in ``prefill_peer``), both on ``common``.
+imported only once the job runs: ``decode`` (decode and verify; PyTorch peer in ``decode_peer``),
+``prefill`` (``--prefill``; HF transformers' peers in ``prefill_peer``) and the sweeps the kernel
+defaults are set from (``--sweep ring|union`` in ``sweep_ring``, ``--sweep dense`` in ``sweep_dense``),
+all on ``common``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 from glm_ep.errors import ConfigError
 
+SWEEPS = ("ring", "union", "dense")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's flags (it takes no topology or layout flags: world 1, CUDA)."""
@@ -25,8 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=0, help="stack layers to time (0: as many as fit)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
-    p.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
-    p.add_argument("--rows", type=int, nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096)")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
+    what.add_argument("--sweep", choices=SWEEPS, help="instead, the lever sets a default was chosen from, side by "
+                      "side: the one-row routed ring (ring), the verify union kernels (union), the bf16 row tiers "
+                      "(dense); writes SWEEP_<NAME>.md and sweep_<name>.json")
+    p.add_argument("--rows", type=int, nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096); "
+                   "--sweep dense widths (default 1 2 4 5 8 9 16 24 32 48 64)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -49,7 +58,19 @@ def require_gpu() -> None:
 def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
     if mpi_comm.Get_size() != 1:
         raise ConfigError(f"glm-ep bench runs on one rank (world 1), got {mpi_comm.Get_size()}")
+    if args.rows and args.sweep in ("ring", "union"):
+        raise ConfigError(f"glm-ep bench --sweep {args.sweep} --rows {' '.join(map(str, args.rows))}: --rows sets "
+                          "the widths of --prefill and --sweep dense; the ring sweep times one row, the union sweep "
+                          "2..8 rows")
     require_gpu()
+    if args.sweep in ("ring", "union"):
+        from glm_ep.bench import sweep_ring  # needs CuPy
+
+        return sweep_ring.run_sweep_ring(args) if args.sweep == "ring" else sweep_ring.run_sweep_union(args)
+    if args.sweep == "dense":
+        from glm_ep.bench.sweep_dense import run_sweep_dense  # needs CuPy
+
+        return run_sweep_dense(args)
     if args.prefill:
         from glm_ep.bench.prefill import run_prefill_bench  # needs CuPy
 

@@ -75,7 +75,9 @@ class Peers:
 
     def hf_ratio(self, rows: int, us: float) -> str:
         r = self.hf_sparse.get(rows)
-        return f"HF Glm5NextTextMoE ({r['hf_moe_best']}) {r['hf_moe_us']:.0f} us: {r['hf_moe_us'] / us:.1f}x" if r else ""
+        if not r:
+            return ""
+        return f"HF Glm5NextTextMoE ({r['hf_moe_best']}) {r['hf_moe_us']:.0f} us: {r['hf_moe_us'] / us:.1f}x"
 
 
 def _peers(model: ModelConfig, iters: int) -> Peers | None:

@@ -274,9 +274,9 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
         lines += ["", f"## Dense FFN stored NVFP4: row groups vs grouped GEMM — crossover at "
                       f"**{meta['nvfp4_crossover']} rows** (byte floor {floor:.1f} µs)"
                       + (f"; grouped GEMM vs bf16 weights (cuBLAS) — crossover at **{dq} rows**" if dq else ""), "",
-                  *([f"One projection dequantized to bf16 ({meta['dequant_us']:.1f} µs, {meta['dequant_gbs']:.0f} GB/s "
-                     f"read + written, {100 * meta['dequant_gbs'] / meta['copy_gbs']:.0f}% of copy) is the bf16 path's "
-                     "pass; it runs three a call.", ""] if meta.get("dequant_us") else []),
+                  *([f"One projection dequantized to bf16 ({meta['dequant_us']:.1f} µs, {meta['dequant_gbs']:.0f} "
+                     f"GB/s read + written, {100 * meta['dequant_gbs'] / meta['copy_gbs']:.0f}% of copy) is the bf16 "
+                     "path's pass; it runs three a call.", ""] if meta.get("dequant_us") else []),
                   "| rows | row groups | grouped GEMM, no K split | grouped GEMM, K split | dequantized to bf16, cuBLAS "
                   "| floor / best |",
                   "|---:|---:|---:|---:|---:|---:|"]

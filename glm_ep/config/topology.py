@@ -76,6 +76,17 @@ def _unknown_keys(unknown: list[str], known: set[str], lever_names: set[str]) ->
     return f"unknown keys {unknown}{hint}; expected {sorted(known)} and [levers] {sorted(lever_names)}"
 
 
+#: levers that selected a form or geometry of the decode ring that measured slower than the default, removed with
+#: their kernels (docs/perf/DESIGN-NOTES.md): a topology that names one is refused, saying so
+REMOVED_LEVERS = {
+    "ring_slab": "the decode ring has one slab (4 steps of 128 k) and depth (2 stages), the fastest measured",
+    "ring_depth": "the decode ring has one slab (4 steps of 128 k) and depth (2 stages), the fastest measured",
+    "ring_unscaled": "the decode ring reads every projection outside the fp16 form unscaled (bf16u or placed); the "
+                     "scaled bf16 form measured slower",
+    "ring_placed_hidden": "gate and up read the unscaled bf16 form; the placed form measured no faster there",
+}
+
+
 @dataclass(frozen=True)
 class PathLevers:
     """Every gate of the dispatch, as a value with its default (never an environment read). The
@@ -87,7 +98,7 @@ class PathLevers:
     row_batch_max: int = 8  # widest row group of the union path (<= the backend's max_row_group)
     union_max_ids: int = 64  # rows * top_k a union table may hold (<= the backend's max_union_ids)
     prefill_gemm: bool = True  # wide prefill: sort by expert + grouped GEMM
-    prefill_gemm_min_rows: int = 24  # measured crossover (the sweeps in docs/perf/NOTES.md): below it, row groups
+    prefill_gemm_min_rows: int = 24  # measured crossover (glm-ep bench --prefill's sweep): below it, row groups
     # a dense FFN stored NVFP4 (one expert every row chooses: each row group re-reads all of it): its crossover
     nvfp4_dense_gemm_min_rows: int = 9
     # ... and from this many rows each of its projections dequantized to bf16 (exact) into a scratch of one
@@ -100,16 +111,12 @@ class PathLevers:
     pdl: bool = True  # CUDA, sm_90+: launch each kernel as a programmatic dependent of the one before it
     # the one-row routed kernels of the CUDA backend (glm_ep/backend/cuda/ring.py)
     ring: bool = True  # the persistent ring kernels (false: gemv_nvfp4.cu's block-per-tile kernels)
-    ring_slab: tuple[int, ...] = (4, 4)  # 128-k steps per ring stage: (one projection, gate + up)
-    ring_depth: tuple[int, ...] = (2, 2)  # ring stages per warp, likewise
     ring_warps_per_sm: int = 16  # warps per SM the ring grid aims at (fewer where its rings do not fit)
     ring_max_warps: int = 0  # cap on the ring grid's warps (0: none)
     ring_min_items_per_sm: int = 4  # fewer items an SM (one expert's down projection): the block kernels (0: off)
     ring_f16: bool = False  # the down projection in the fp16-operand form: refused unless swiglu_limit bounds it
     ring_f16_hidden: bool = False  # gate and up too: the hidden state is unbounded (past 65504: inf); opt-in
-    ring_unscaled: bool = True  # projections outside the fp16 form: unscaled bf16 operands (false: scaled)
     ring_placed: bool = True  # the down projection's unscaled form decoded by bit placement (x scaled by 2^k)
-    ring_placed_hidden: bool = False  # gate and up too (measured no faster there: docs/perf/NOTES.md)
     ring_down_combine: bool = True  # one row: the shared expert's down projection + combine in the routed down launch
     ring_union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (0: block kernels)
     ring_union_slab: tuple[int, ...] = (2, 2)  # the union ring's slab and depth: (one projection, gate + up)
@@ -121,7 +128,7 @@ class PathLevers:
                     "ring_warps_per_sm"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"levers.{key} = {getattr(self, key)}, expected >= 1")
-        for key in ("ring_slab", "ring_depth", "ring_union_slab", "ring_union_depth"):
+        for key in ("ring_union_slab", "ring_union_depth"):
             v = getattr(self, key)
             if len(v) != 2 or min(v) < 1:
                 raise ConfigError(f"levers.{key} = {list(v)}, expected two positive integers (one projection, "
@@ -204,6 +211,10 @@ class Topology:
         levers_raw = raw.pop("levers", {})
         if not isinstance(levers_raw, dict):
             raise ConfigError(f"{source}: levers = {levers_raw!r}, expected a [levers] table")
+        removed = sorted(set(levers_raw) & set(REMOVED_LEVERS))
+        if removed:
+            raise ConfigError(f"{source}: " + "; ".join(f"levers.{k} was removed: {REMOVED_LEVERS[k]}" for k in removed)
+                              + "; delete " + ("it" if len(removed) == 1 else "them") + " from the topology")
         known = {f.name for f in dataclasses.fields(cls)} - {"levers"}
         lever_names = {f.name for f in dataclasses.fields(PathLevers)}
         unknown = sorted(set(raw) - known) + sorted(f"levers.{k}" for k in set(levers_raw) - lever_names)

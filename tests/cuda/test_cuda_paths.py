@@ -372,7 +372,8 @@ def test_two_ranks_one_gpu():
 
 def test_make_backend_refuses_ring_levers_past_the_device_shared_memory(monkeypatch) -> None:
     """make_backend asks the device for its shared memory a block and refuses a ring lever set that passes it, by
-    name (a GB10's 101376 bytes stood in, where slab 8 / depth 3 for gate + up needs 122880); the defaults build."""
+    name (65536 bytes stood in, where the union ring's gate + up at slab 4, depth 2 and 8 rows needs 69632); the
+    defaults build."""
     from glm_ep.backend import make_backend
     from glm_ep.backend.cuda import CudaBackend, kernel_loader as loader
     from glm_ep.errors import ConfigError
@@ -380,11 +381,14 @@ def test_make_backend_refuses_ring_levers_past_the_device_shared_memory(monkeypa
 
     here = Placement(rank=0, world=1, node=0, local_rank=0, local_size=1, host="here")
     cfg = SiteConfig.for_rank(model(), RankLayout(1, 0, 1, 1))
-    monkeypatch.setattr(loader, "block_smem_limit", lambda: 101376)
-    topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_slab": [4, 8], "ring_depth": [2, 3]}})
-    with pytest.raises(ConfigError, match=r"levers.ring_slab = \[4, 8\], ring_depth = \[2, 3\]: .* allows 101376"):
+    monkeypatch.setattr(loader, "block_smem_limit", lambda: 65536)
+    topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_union_max_rows": 8, "ring_union_slab": [4, 4],
+                                                             "ring_union_depth": [2, 2]}})
+    with pytest.raises(ConfigError, match=r"levers.ring_union_slab = \[4, 4\], ring_union_depth = \[2, 2\]: .* "
+                                          r"needs 69632 bytes .* allows 65536"):
         make_backend(topo, here, cfg)
     assert isinstance(make_backend(Topology.from_dict({"backend": "cuda"}), here, cfg), CudaBackend)
+    monkeypatch.setattr(loader, "block_smem_limit", lambda: 101376)  # a GB10's
     # 1000 experts: the sort by expert of wide calls needs 132128 bytes a block, past the GB10's; refused unless wide
     # calls stay off the sort (or the workspace never reaches the grouped GEMM's rows)
     many = dataclasses.replace(cfg, num_experts=1000)

@@ -1,6 +1,7 @@
-"""The persistent decode ring (gemv_nvfp4_ring.cu) in each operand form and geometry, its fused down +
-shared + combine launch and the placed form's scaling, against gemv_nvfp4.cu's path and NumPy: outputs
-poisoned before each run, values within bf16 rounding."""
+"""The persistent decode ring (gemv_nvfp4_ring.cu) in each operand form and grid, its fused down + shared +
+combine launch and the placed form's scaling, against gemv_nvfp4.cu's path and NumPy (the kernels' twins:
+NumpyBackend.moe_gemv, moe_gate_up_act, moe_down_shared_combine): outputs poisoned before each run, values
+within bf16 rounding."""
 
 from __future__ import annotations
 
@@ -20,35 +21,21 @@ ANY_ITEMS = dict(min_items_per_sm=0)  # the ring at the tests' small shapes, wha
 
 
 # ---- the persistent decode ring (gemv_nvfp4_ring.cu) against gemv_nvfp4.cu's path and NumPy ----------
-UNSCALED, SCALED, FP16, PLACED = ("bf16u", "bf16u"), ("bf16", "bf16"), ("f16", "f16"), ("placed", "placed")
+UNSCALED, SCALED, FP16 = ("bf16u", "bf16u"), ("bf16", "bf16"), ("f16", "f16")
 DEFAULT = ("bf16u", "placed")  # (gate and up, down)
 
 
 @pytest.mark.parametrize("ring,forms", [
     pytest.param(dict(enabled=False), SCALED, id="blocks"),  # gemv_nvfp4.cu's block-per-tile kernels
     pytest.param(dict(), DEFAULT, id="default"),  # gate and up unscaled bf16 (F = 2), down placed (F = 3)
-    pytest.param(dict(depth=(4, 3), warps_per_sm=8), DEFAULT, id="t4d4-3-w8"),
-    pytest.param(dict(depth=(2, 2), max_warps=3), DEFAULT, id="t4d2-w3"),  # several items per warp
-    pytest.param(dict(depth=(4, 4), max_warps=5), DEFAULT, id="t4d4-w5"),  # a ring deeper than an item's slabs
-    pytest.param(dict(slab=(8, 8), depth=(3, 2), max_warps=7), DEFAULT, id="t8d3-w7"),
-    pytest.param(dict(slab=(8, 8), depth=(2, 2), warps_per_sm=16), DEFAULT, id="t8d2-w16"),
-    pytest.param(dict(unscaled=False), SCALED, id="bf16"),  # the scaled bf16 form (consume_slab)
-    pytest.param(dict(unscaled=False, depth=(2, 2), max_warps=3), SCALED, id="bf16-t4d2-w3"),
-    pytest.param(dict(unscaled=False, depth=(4, 3), warps_per_sm=8), SCALED, id="bf16-t4d4-3-w8"),
-    pytest.param(dict(unscaled=False, depth=(4, 4), max_warps=5), SCALED, id="bf16-t4d4-w5"),
-    pytest.param(dict(unscaled=False, slab=(8, 8), depth=(3, 2), max_warps=7), SCALED, id="bf16-t8d3-w7"),
+    pytest.param(dict(warps_per_sm=8), DEFAULT, id="w8"),
+    pytest.param(dict(max_warps=3), DEFAULT, id="w3"),  # several items per warp: the ring crosses items
+    pytest.param(dict(max_warps=5), DEFAULT, id="w5"),  # items shared out unevenly over the warps
     pytest.param(dict(f16=True), ("bf16u", "f16"), id="f16-down"),  # the fp16 form on the down projection
-    pytest.param(dict(f16=True, unscaled=False), ("bf16", "f16"), id="f16-down-bf16"),
     pytest.param(dict(f16=True, f16_hidden=True), FP16, id="f16"),  # consume_slab_unscaled, F = 1, everywhere
-    pytest.param(dict(f16=True, f16_hidden=True, depth=(2, 2), max_warps=3), FP16, id="f16-t4d2-w3"),
-    pytest.param(dict(f16=True, f16_hidden=True, depth=(4, 3), warps_per_sm=8), FP16, id="f16-t4d4-3-w8"),
-    pytest.param(dict(f16=True, f16_hidden=True, slab=(8, 8), depth=(3, 2), max_warps=7), FP16, id="f16-t8d3-w7"),
+    pytest.param(dict(f16=True, f16_hidden=True, max_warps=3), FP16, id="f16-w3"),
     pytest.param(dict(placed=False), UNSCALED, id="bf16u"),  # the unscaled bf16 form everywhere (F = 2)
-    pytest.param(dict(placed=False, depth=(2, 2), max_warps=3), UNSCALED, id="bf16u-t4d2-w3"),
-    pytest.param(dict(placed_hidden=True), PLACED, id="placed"),  # consume_slab_unscaled, F = 3, everywhere
-    pytest.param(dict(placed_hidden=True, depth=(2, 2), max_warps=3), PLACED, id="placed-t4d2-w3"),
-    pytest.param(dict(placed_hidden=True, slab=(8, 8), depth=(3, 2), max_warps=7), PLACED, id="placed-t8d3-w7"),
-    pytest.param(dict(placed_hidden=True, f16=True), ("placed", "f16"), id="placed-f16-down"),
+    pytest.param(dict(placed=False, max_warps=3), UNSCALED, id="bf16u-w3"),
 ])
 def test_moe_decode_ring(rng, ring, forms):
     """A backend built with each ring config, on the shared backend's stream (the helpers' buffers)."""
@@ -61,7 +48,7 @@ def test_moe_decode_ring(rng, ring, forms):
     ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
     local = (ids >= start) & (ids < start + count)
     check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "ring glu", be)
-    for proj, per_slot in (("gate", False), ("down", True)):
+    for proj, per_slot in (("gate", False), ("down", True), ("down", False)):
         check_moe_gemv(rng, cu, nu, proj, per_slot, ids, local, f"ring {proj}", be)
 
 
@@ -70,9 +57,7 @@ def test_moe_decode_ring(rng, ring, forms):
     pytest.param(dict(), 512, id="default-2parts"),  # h 2048, m 1024, T = 4: 2 slabs, 256 k per shared item
     pytest.param(dict(), 256, id="default-1part"),
     pytest.param(dict(max_warps=3), 768, id="w3-3parts"),  # several items per warp, shared and routed mixed
-    pytest.param(dict(depth=(4, 2), max_warps=5), 1024, id="t4d4-w5"),  # a ring deeper than an item's slabs
-    pytest.param(dict(slab=(8, 4), depth=(3, 2), max_warps=7), 512, id="t8d3-w7"),
-    pytest.param(dict(unscaled=False, max_warps=3), 512, id="bf16-w3"),
+    pytest.param(dict(max_warps=5), 1024, id="w5-4parts"),
     pytest.param(dict(f16=True), 512, id="f16"),
     pytest.param(dict(placed=False), 512, id="bf16u"),
     pytest.param(dict(placed=False, max_warps=3), 768, id="bf16u-w3-3parts"),
@@ -86,13 +71,14 @@ def test_moe_down_combine_ring(rng, ring, shared_k):
     import cupy
 
     from glm_ep.backend.cuda import CudaBackend, RingConfig
+    from glm_ep.backend.cuda.ring import RING_SLAB
 
     be = CudaBackend(0, RingConfig(**{**ANY_ITEMS, **ring}), stream=backend().stream)
     h, m, start, count = 2048, 1024, 4, 6
     cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
     ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
     local = (ids >= start) & (ids < start + count)
-    t = be.ring.slab[0]
+    t = RING_SLAB
     assert be.ring.down_combine_parts(h, m, shared_k) == shared_k // (32 * t * (m // (128 * t)))
     act, sh_act = rand_bf16(rng, (TOP_K, m)), rand_bf16(rng, (1, shared_k))
     sh_down = rand_bf16(rng, (h, shared_k), shared_k ** -0.5)
@@ -164,57 +150,51 @@ def test_moe_down_combine_falls_back_where_the_ring_cannot():
 
 # ---- the placed form: x's power-of-two scale -------------------------------------------------------------
 def test_placed_ring_scales_with_x(rng):
-    """The placed form scales x by a power of two it picks from the row (gate and up) or the activation
-    bound (down), and takes it back out of the outputs exactly: x * 2^k gives gate and up * 2^k bit for
-    bit for k far beyond bf16's comfortable range (every product stays a normal fp32), matches the
-    unscaled bf16 form within an ulp or two (the same products, paired in another order) and NumPy; a
-    zero row gives zeros; the down projection and the single-row gemv (which finds its own scale) match
-    the unscaled form likewise."""
+    """The placed down projection scales x by the power of two its activation bound gives (xshift, fixed at
+    upload) and takes it back out of the outputs exactly: within an ulp or two of the unscaled bf16 form (the
+    same products, paired in another order) and close to NumPy. Given no bound (xshift 0), one x row gets its
+    scale from the kernel, which reads the row: x * 2^k gives the outputs * 2^k bit for bit for k far beyond
+    bf16's comfortable range (every product stays a normal fp32), and a zero row gives zeros."""
+    from dataclasses import replace
+
+    from glm_ep.backend.base import ExpertTable
     from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    placed = CudaBackend(0, RingConfig(placed_hidden=True, **ANY_ITEMS), stream=backend().stream)
+    placed = CudaBackend(0, RingConfig(**ANY_ITEMS), stream=backend().stream)
     plain = CudaBackend(0, RingConfig(placed=False, **ANY_ITEMS), stream=backend().stream)
     h, m, start, count = 2048, 1024, 0, 8
     w = moe_weights(rng, h=h, m=m, start=start, count=count, num_experts=8)
     cu_p, nu = both(w, placed)
     cu_u, _ = both(w, plain)
-    assert (cu_p.gate.weights.form, cu_p.down.weights.form) == ("placed", "placed")
+    assert (cu_p.gate.weights.form, cu_p.down.weights.form, cu_u.down.weights.form) == ("bf16u", "placed", "bf16u")
     assert cu_p.down.weights.xshift == 113  # act <= 100 at limit 10: below 2^7, scaled to below 2^120
     ids = np.array([0, 3, 5, 7, 1, 2, 4, 6], dtype=np.int32)
-    x = rand_bf16(rng, (1, h), 3.0)
-    ref = [np.zeros((TOP_K, m), BF16) for _ in range(3)]
-    NP.moe_gate_up_act(x, nu, ids, 1e30, *ref)
 
-    def glu(be, cu, xx):
-        outs = [poisoned((TOP_K, m), BF16) for _ in range(3)]
-        be.moe_gate_up_act(dev(xx), cu, dev(ids), 1e30, *outs)  # no clamp: gate and up scale with x
-        return [host(o) for o in outs[:2]]
+    def down(be, table, a, per_slot):
+        out = poisoned((TOP_K, h), BF16)
+        be.moe_gemv(dev(a), table, dev(ids), out, per_slot)
+        return host(out)
 
-    base = glu(placed, cu_p, x)
-    for o, u, r, name in zip(base, glu(plain, cu_u, x), ref, ("gate", "up")):
-        assert_written(o, name)
-        assert_ulps(o, u, f"placed {name} against bf16u", 2)
-        assert_close(o, r, f"placed {name} against NumPy")
+    act = rand_bf16(rng, (TOP_K, m), 2.0)
+    ref = np.zeros((TOP_K, h), BF16)
+    NP.moe_gemv(act, nu.down, ids, ref, True)
+    got = down(placed, cu_p.down, act, True)
+    assert_written(got, "placed down")
+    assert_ulps(got, down(plain, cu_u.down, act, True), "placed down against bf16u", 2)
+    assert_close(got, ref, "placed down against NumPy")
+
+    unbound = ExpertTable(replace(cu_p.down.weights, xshift=0), start, count)  # one row: the kernel finds the scale
+    x = rand_bf16(rng, (1, m), 3.0)
+    base = down(placed, unbound, x, False)
+    assert_written(base, "placed down, its own scale")
+    assert_ulps(base, down(plain, cu_u.down, x, False), "placed down (own scale) against bf16u", 2)
     for k in (-100, -60, -20, 17, 60, 100):
         xs = (x.astype(np.float32) * np.float32(2.0 ** k)).astype(BF16)
         assert np.array_equal(xs.astype(np.float32), x.astype(np.float32) * 2.0 ** k)  # exact in bf16
-        for o, b, name in zip(glu(placed, cu_p, xs), base, ("gate", "up")):
-            want = (b.astype(np.float64) * 2.0 ** k).astype(np.float32).astype(BF16)
-            np.testing.assert_array_equal(o.view(np.uint16), want.view(np.uint16), err_msg=f"{name}, x * 2^{k}")
-    for o in glu(placed, cu_p, np.zeros_like(x)):
-        np.testing.assert_array_equal(o.astype(np.float32), 0.0)
-
-    act = rand_bf16(rng, (TOP_K, m), 2.0)
-    downs = []
-    for be, cu in ((placed, cu_p), (plain, cu_u)):
-        out = poisoned((TOP_K, h), BF16)
-        be.moe_gemv(dev(act), cu.down, dev(ids), out, True)
-        downs.append(host(out))
-    assert_written(downs[0], "placed down")
-    assert_ulps(downs[0], downs[1], "placed down against bf16u", 2)
-    one = poisoned((TOP_K, m), BF16)
-    placed.moe_gemv(dev(x), cu_p.gate, dev(ids), one, False)  # one x row, no bound: the kernel finds it
-    assert_ulps(host(one), base[0], "placed gemv (own scale) against the glu's gate", 2)
+        want = (base.astype(np.float64) * 2.0 ** k).astype(np.float32).astype(BF16)
+        np.testing.assert_array_equal(down(placed, unbound, xs, False).view(np.uint16), want.view(np.uint16),
+                                      err_msg=f"x * 2^{k}")
+    np.testing.assert_array_equal(down(placed, unbound, np.zeros_like(x), False).astype(np.float32), 0.0)
 
 
 def test_few_items_an_sm_take_the_block_kernels(rng, monkeypatch):

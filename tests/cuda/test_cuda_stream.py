@@ -1,7 +1,7 @@
 """The CUDA backend's stream discipline: every op queues on the backend's own stream, whatever stream
 CuPy has current, and leaves the caller's current stream as it found it. (Two ranks sharing one GPU
 once summed stale chunks because a buffer copy ran on CuPy's default stream, unordered against the
-backend's non-blocking one: docs/perf/NOTES.md, "Two ranks on one GPU".)
+backend's non-blocking one; git log -- tools/two_rank_race_probe.py has the investigation.)
 """
 
 from __future__ import annotations

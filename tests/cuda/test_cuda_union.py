@@ -1,5 +1,6 @@
 """The union (verify, 2..8 rows) kernels against NumPy: the union table, the block kernels and the
-union ring (gemv_nvfp4_ring.cu), whose rows are independent of which rows share their batch.
+union ring (gemv_nvfp4_union.cu), whose rows are independent of which rows share their batch. The twins:
+NumpyBackend.union_table, moe_gate_up_act_union and moe_gemv_union.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def check_moe_union(rng, cu, nu, ids, local, h, m, label, be=None):
         assert_close(got[local], ref[local], f"{label} {proj} r={r}")
 
 
-# ---- the union (verify) kernels on the ring (gemv_nvfp4_ring.cu) against NumPy -------------------------
+# ---- the union (verify) kernels on the ring (gemv_nvfp4_union.cu) against NumPy -------------------------
 @pytest.mark.parametrize("ring", [
     dict(union_max_rows=0),  # gemv_nvfp4.cu's block-per-tile union kernels
     dict(union_max_rows=8),  # the union ring's default slabs at every width
@@ -92,33 +93,33 @@ def test_moe_union_ring(rng, ring, r):
 
 
 def test_union_ring_rows_independent(rng):
-    """The union ring runs each row through the same mma chain as the one-row ring in the scaled
-    bf16 form (``unscaled = false``; the default unscaled form sums per 16-k group, another
-    chain): every row's outputs are bit-identical whichever rows share its batch, and equal to its
-    decode. Rows share experts (a pool of 12), so union entries hold several rows."""
+    """The union ring runs each row through its own mma column (the rows are the mma's B columns): every row's
+    outputs are bit-identical whichever rows share its batch, and equal to the same row run twice as a batch
+    of two. Rows share experts (a pool of 12), so union entries hold several rows."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    be = CudaBackend(0, RingConfig(f16=False, unscaled=False, union_max_rows=8, min_items_per_sm=0),
-                     stream=backend().stream)
+    be = CudaBackend(0, RingConfig(union_max_rows=8, min_items_per_sm=0), stream=backend().stream)
     h, m = 2048, 1024
     cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=E), be)
     ids8 = np.stack([rng.choice(12, TOP_K, replace=False) * 2 for _ in range(8)]).astype(np.int32)
     x8 = rand_bf16(rng, (8, h), 2.0)
     act8 = rand_bf16(rng, (8, TOP_K, m))
-    decode = []
-    for i in range(8):  # each row alone on the decode ring
-        glu = [poisoned((TOP_K, m), BF16) for _ in range(3)]
-        down = poisoned((TOP_K, h), BF16)
-        be.moe_gate_up_act(dev(x8[i:i + 1]), cu, dev(ids8[i]), 1.0, *glu)
-        be.moe_gemv(dev(act8[i]), cu.down, dev(ids8[i]), down, True)
-        decode.append([host(o).view(np.uint16) for o in (*glu, down)])
-    for r in (2, 5, 8):
+
+    def union(rows):  # gate, up, act and down of the rows ``rows`` of the pool, as one union batch
+        r = len(rows)
         glu = [poisoned((r, TOP_K, m), BF16) for _ in range(3)]
         down = poisoned((r, TOP_K, h), BF16)
-        u_eid, u_slot = (dev(a) for a in routing.union_table(ids8[:r]))
-        be.moe_gate_up_act_union(dev(x8[:r]), cu, u_eid, u_slot, 1.0, *glu)
-        be.moe_gemv_union(dev(act8[:r]), cu.down, u_eid, u_slot, down, True)
-        got = [host(o).view(np.uint16) for o in (*glu, down)]
+        u_eid, u_slot = (dev(a) for a in routing.union_table(ids8[rows]))
+        be.moe_gate_up_act_union(dev(x8[rows]), cu, u_eid, u_slot, 1.0, *glu)
+        be.moe_gemv_union(dev(act8[rows]), cu.down, u_eid, u_slot, down, True)
+        return [host(o).view(np.uint16) for o in (*glu, down)]
+
+    alone = [union([i, i]) for i in range(8)]  # each row twice: the smallest batch the union ring takes
+    for i, outs in enumerate(alone):
+        for name, o in zip(("gate", "up", "act", "down"), outs):
+            np.testing.assert_array_equal(o[0], o[1], err_msg=f"row {i} {name}: the same row in two columns")
+    for r in (2, 5, 8):
+        got = union(list(range(r)))
         for i in range(r):
-            for name, g, want in zip(("gate", "up", "act", "down"), got, decode[i]):
-                np.testing.assert_array_equal(g[i], want, err_msg=f"row {i} {name}: {r}-row union vs decode")
+            for name, g, want in zip(("gate", "up", "act", "down"), got, alone[i]):
+                np.testing.assert_array_equal(g[i], want[0], err_msg=f"row {i} {name}: {r}-row union vs alone")

@@ -45,9 +45,22 @@ def test_every_define_a_kernel_needs_is_passed():
         assert needed <= passed, f"{path.name} needs {sorted(needed - passed)}, which the loader does not pass"
 
 
+@pytest.mark.parametrize("path", sorted(loader.KERNEL_DIR.glob("*.cu*")), ids=lambda p: p.name)
+def test_every_kernel_file_names_its_numpy_twin_and_its_test(path: Path):
+    """A kernel file's opening comment says which NumPy code it must agree with and which tests hold the two
+    together; every test file it names exists."""
+    comment = re.match(r"(?:[ \t]*//[^\n]*\n)*", path.read_text()).group(0)
+    head = " ".join(line.strip().lstrip("/").strip() for line in comment.splitlines())  # the text, unwrapped
+    assert "NumPy twin:" in head and "held together by" in head, f"{path.name}: its header names no twin or test"
+    named = set(re.findall(r"(test_\w+\.py)", head))
+    assert named, f"{path.name}: its header names no test file"
+    tests = {p.name for p in (Path(__file__).resolve().parents[1]).rglob("test_*.py")}
+    assert named <= tests, f"{path.name} names {sorted(named - tests)}, which do not exist"
+
+
 @needs_nvcc
 @pytest.mark.parametrize("name,file", [("COMBINE_VEC", "elementwise.cu"), ("MMA_ROWS", "gemv_nvfp4.cu"),
-                                       ("RING_STAGE_BYTES_P2_T8", "gemv_nvfp4_ring.cu"),
+                                       ("RING_STAGE_BYTES_P2_T4", "gemv_nvfp4_ring.cu"),
                                        ("GEMM_SMEM_M64W8K128", "gemm_nvfp4.cu"),
                                        ("GEMM_SMEM_M128W2X4K64", "gemm_nvfp4.cu"),
                                        ("GEMM_SMEM_M128WGK64", "gemm_nvfp4.cu"),
@@ -79,9 +92,16 @@ def test_instantiated_variants():
     found |= {(128, 1, 4, int(bk), int(st), "wgmma") for bk, st in wgmma}
     assert found == set(loader.GEMM_VARIANTS)
     ring = (loader.KERNEL_DIR / "gemv_nvfp4_ring.cu").read_text()
-    for form in ("0, ", "1, f16_", "2, bf16u_", "3, pl_"):  # scaled bf16, fp16, unscaled bf16, placed
-        found = re.findall(rf"^RING_ENTRIES\((\d+), (\d+), {form}\)", ring, re.M)
-        assert {(int(t), int(d)) for t, d in found} == set(loader.RING_KERNELS), (form, found)
+    for macro, forms in (("RING_ONE_ENTRIES", ("1, f16_", "2, bf16u_", "3, pl_")),  # gemv, down + combine
+                         ("RING_GLU_ENTRY", ("1, f16_", "2, bf16u_"))):  # gate + up: never placed
+        for form in forms:
+            found = re.findall(rf"^{macro}\((\d+), (\d+), {form}\)", ring, re.M)
+            assert {(int(t), int(d)) for t, d in found} == set(loader.RING_KERNELS), (macro, form, found)
+    assert len(re.findall(r"^RING_(ONE_ENTRIES|GLU_ENTRY)\(", ring, re.M)) == 5 * len(loader.RING_KERNELS)
+    union = (loader.KERNEL_DIR / "gemv_nvfp4_union.cu").read_text()
+    found = re.findall(r"^RING_UNION_ENTRIES\((\d+), (\d+), (\d+)\)", union, re.M)
+    assert {(int(t), int(d)) for _, t, d in found} == set(loader.UNION_RING_KERNELS), found
+    assert {int(r) for r, _, _ in found} == set(loader.UNION_RING_ROWS), found
     mma = (loader.KERNEL_DIR / "mma_bf16.cu").read_text()
     assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == loader.MMA_GEMM_TIERS
 
@@ -266,31 +286,16 @@ def test_compiles(path: Path, arch: str, tmp_path: Path):
     assert r.returncode == 0, f"nvcc -arch={arch} failed on {path.name}:\n{r.stdout}{r.stderr}"
 
 
-def test_extra_defines_hold_only_inside():
-    """A diagnostic build's ``-D`` options (``loader.extra_defines``) are passed inside the block alone, also when it
-    ends in an error; a product build never carries ``RING_ABLATE``."""
-    assert not any(o.startswith("-DRING_ABLATE") for o in loader.define_options())
-    with loader.extra_defines(RING_ABLATE=2):
-        assert "-DRING_ABLATE=2" in loader.define_options()
-    with pytest.raises(RuntimeError), loader.extra_defines(RING_ABLATE=1):
-        raise RuntimeError("a failed run")
-    assert not any(o.startswith("-DRING_ABLATE") for o in loader.define_options())
-
-
-@needs_nvcc
-@pytest.mark.parametrize("ablate", [1, 2])
-def test_ring_ablation_builds(ablate: int, tmp_path: Path):
-    """The decode ring's diagnostic builds (``RING_ABLATE``, which ``tools/kernel_timing.py --ring-ablation`` and
-    ``tools/glu_occupancy_probe.py --ring-ablate`` pass through ``loader.extra_defines``) still compile, so the tools
-    do not rot."""
-    src = tmp_path / "gemv_nvfp4_ring.cu"
-    src.write_text(loader.kernel_source("gemv_nvfp4_ring.cu"))
-    with loader.extra_defines(RING_ABLATE=ablate):
-        opts = loader.define_options()
-    assert f"-DRING_ABLATE={ablate}" in opts
-    r = subprocess.run([NVCC, "--cubin", "-arch=sm_90", "-std=c++17", *opts, "-o", str(tmp_path / "out.cubin"),
-                        str(src)], capture_output=True, text=True)
-    assert r.returncode == 0, f"RING_ABLATE={ablate}:\n{r.stdout}{r.stderr}"
+def test_no_diagnostic_switches_in_the_kernels():
+    """The kernels carry no ablation or diagnostic switches: every ``#if`` / ``#ifdef`` / ``#ifndef`` of a kernel
+    file tests a constant the loader passes or one the compiler defines (``__CUDA_ARCH__``), never a switch that
+    only a build the product does not make would set."""
+    passed = {opt[2:].split("=")[0] for opt in loader.define_options()}
+    for path in loader.KERNEL_DIR.glob("*.cu*"):
+        conditions = re.findall(r"^\s*#\s*(?:if|ifdef|ifndef|elif)\b(.*)$", path.read_text(), re.M)
+        names = {n for c in conditions for n in re.findall(r"[A-Za-z_]\w*", c)} - {"defined"}
+        own = {n for n in names if not n.startswith("__")}
+        assert own <= passed, f"{path.name} tests {sorted(own - passed)}, which no product build defines"
 
 
 @needs_nvcc

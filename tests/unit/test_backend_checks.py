@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -57,10 +58,11 @@ def test_the_defaults_fit_both_backends() -> None:
 
 def test_ring_levers_default_to_the_measured_ring_and_parse_from_toml() -> None:
     assert RingConfig.from_levers(PathLevers()) == RingConfig()  # the numbers of the ring as measured
-    lv = Topology.from_dict({"levers": {"ring_slab": [8, 8], "ring_depth": [3, 2], "ring_max_warps": 7}}).levers
-    assert RingConfig.from_levers(lv) == RingConfig(slab=(8, 8), depth=(3, 2), max_warps=7)
-    lv = Topology.from_dict({"levers": {"ring_unscaled": False, "ring_f16": True}}).levers
-    assert RingConfig.from_levers(lv).forms(7.0) == ("bf16", "f16")
+    lv = Topology.from_dict({"levers": {"ring_union_slab": [4, 4], "ring_union_depth": [2, 2],
+                                        "ring_max_warps": 7}}).levers
+    assert RingConfig.from_levers(lv) == RingConfig(union_slab=(4, 4), union_depth=(2, 2), max_warps=7)
+    lv = Topology.from_dict({"levers": {"ring_placed": False, "ring_f16": True}}).levers
+    assert RingConfig.from_levers(lv).forms(7.0) == ("bf16u", "f16")
     lv = Topology.from_dict({"levers": {"ring_down_combine": False}}).levers
     assert RingConfig.from_levers(lv) == RingConfig(down_combine=False)
     lv = Topology.from_dict({"levers": {"ring_min_items_per_sm": 0}}).levers
@@ -140,7 +142,6 @@ def test_down_combine_parts_cover_the_shared_width_in_routed_item_spans() -> Non
     ring = RingConfig()
     assert ring.down_combine_parts(4096, 2048, 2048) == 4
     assert ring.down_combine_parts(4096, 2048, 1024) == 2
-    assert RingConfig(slab=(8, 4)).down_combine_parts(4096, 2048, 2048) == 4  # 2 slabs of 256 k
     assert ring.down_combine_parts(4096, 2048, 768) == 0  # not a whole number of spans
     assert ring.down_combine_parts(4104, 2048, 2048) == 0  # rows not in groups of 16
     assert ring.down_combine_parts(4096, 2000, 2048) == 0  # the routed K is not whole slabs
@@ -149,9 +150,9 @@ def test_down_combine_parts_cover_the_shared_width_in_routed_item_spans() -> Non
 
 
 @pytest.mark.parametrize("levers,named", [
-    ({"ring_slab": [4]}, "levers.ring_slab = [4], expected two positive integers"),
-    ({"ring_depth": [2, 0]}, "levers.ring_depth = [2, 0], expected two positive integers"),
-    ({"ring_slab": "4,4"}, "levers.ring_slab = '4,4' has type str, expected a list of integers"),
+    ({"ring_union_slab": [4]}, "levers.ring_union_slab = [4], expected two positive integers"),
+    ({"ring_union_depth": [2, 0]}, "levers.ring_union_depth = [2, 0], expected two positive integers"),
+    ({"ring_union_slab": "4,4"}, "levers.ring_union_slab = '4,4' has type str, expected a list of integers"),
     ({"ring_max_warps": -1}, "levers.ring_max_warps = -1, expected >= 0"),
     ({"ring_min_items_per_sm": -2}, "levers.ring_min_items_per_sm = -2, expected >= 0 (0: off)"),
     ({"ring_f16": False, "ring_f16_hidden": True}, "levers.ring_f16_hidden = true needs ring_f16 = true"),
@@ -162,10 +163,30 @@ def test_ring_levers_are_checked_when_parsed(levers: dict, named: str) -> None:
 
 
 def test_a_ring_kernel_that_is_not_built_is_refused() -> None:
-    topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_slab": [8, 4], "ring_depth": [4, 2]}})
-    with pytest.raises(ConfigError, match=re.escape("levers.ring_slab = [8, 4], ring_depth = [4, 2]: expected")):
+    topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_union_slab": [8, 4], "ring_union_depth": [4, 2]}})
+    with pytest.raises(ConfigError, match=re.escape("levers.ring_union_slab = [8, 4], ring_union_depth = [4, 2]: "
+                                                    "expected")):
         make_backend(topo, HERE, _cfg())
-    RingConfig(enabled=False, slab=(8, 4), depth=(4, 2))  # the block kernels do not care
+    RingConfig(enabled=False, union_slab=(8, 4), union_depth=(4, 2))  # the block kernels do not care
+
+
+@pytest.mark.parametrize("lever,value,why", [
+    ("ring_slab", [8, 8], "one slab (4 steps of 128 k) and depth (2 stages)"),
+    ("ring_depth", [4, 3], "one slab (4 steps of 128 k) and depth (2 stages)"),
+    ("ring_unscaled", False, "the scaled bf16 form measured slower"),
+    ("ring_placed_hidden", True, "the placed form measured no faster there"),
+])
+def test_a_removed_ring_lever_is_refused_naming_it(tmp_path: Path, lever: str, value, why: str) -> None:
+    """The levers that chose a ring form or geometry which measured slower went with their kernels: a topology
+    naming one (whatever its value, the old default too) is refused, saying it was removed and why, never ignored."""
+    topo = tmp_path / "old.toml"
+    topo.write_text(f"world = 1\n[levers]\nring = true\n{lever} = {str(value).lower()}\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{topo}: levers.{lever} was removed: ") + ".*" + re.escape(why)
+                       + r".*; delete it from the topology"):
+        Topology.load(topo)
+    with pytest.raises(ConfigError, match=r"levers.ring_slab was removed: .*levers.ring_unscaled was removed: .*"
+                                          r"delete them from the topology"):
+        Topology.from_dict({"levers": {"ring_unscaled": True, "ring_slab": [4, 4]}})
 
 
 def test_the_fp16_form_only_where_the_limit_bounds_the_activation() -> None:
@@ -176,16 +197,11 @@ def test_the_fp16_form_only_where_the_limit_bounds_the_activation() -> None:
     assert RingConfig().forms(1e6) == ("bf16u", "placed")  # the down projection placed: act below 1e12
     assert RingConfig(f16=True).forms(7.0) == ("bf16u", "f16")  # down only: the hidden state is unbounded
     assert RingConfig(f16=True, f16_hidden=True).forms(7.0) == ("f16", "f16")
-    assert RingConfig(unscaled=False).forms(1e6) == ("bf16", "bf16")
-    assert RingConfig(f16=True, unscaled=False).forms(7.0) == ("bf16", "f16")
-    # the placed form: gate and up whenever asked (the kernel scales x from the row), down where the limit
-    # bounds the activation
-    assert RingConfig(placed_hidden=True).forms(10.0) == ("placed", "placed")
+    # the placed form: the down projection, where the limit bounds the activation (else the unscaled bf16 form)
+    assert RingConfig().forms(10.0) == ("bf16u", "placed")
     assert act_shift(10.0) == 113 and act_shift(0.5) == 120 - math.frexp(act_bound(0.5))[1]
-    assert act_shift(2.0 ** 60) == 0 and RingConfig(placed_hidden=True).forms(2.0 ** 60) == ("placed", "bf16u")
-    assert RingConfig(placed_hidden=True, unscaled=False).forms(10.0) == ("bf16", "bf16")
-    assert RingConfig(placed_hidden=True, f16=True).forms(7.0) == ("placed", "f16")
-    assert RingConfig(enabled=False, f16=True).forms(1e6) == ("bf16", "bf16")
+    assert act_shift(2.0 ** 60) == 0 and RingConfig().forms(2.0 ** 60) == ("bf16u", "bf16u")
+    assert RingConfig(enabled=False, f16=True).forms(1e6) == ("bf16", "bf16")  # the block kernels' one form
     with pytest.raises(ConfigError, match=r"levers.ring_f16 = true: .* swiglu_limit = 300 .* set ring_f16 = false"):
         RingConfig(f16=True).forms(300.0)
     topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_f16": True}})
@@ -259,34 +275,24 @@ GB10_BLOCK_SMEM, H200_BLOCK_SMEM = 101376, 232448  # shared memory one block may
 
 
 def test_ring_levers_past_the_block_shared_memory_are_refused() -> None:
-    """A ring lever set whose blocks need more shared memory than the device gives one block is a ConfigError
-    naming the levers and the sizes (make_backend raises it on every rank, before any weight is read), where the
-    launch would have been refused at the first one-row step: gate + up at slab 8, depth 3 (120 KB) on a GB10
-    (99 KB). What the defaults build fits both devices, the placed gate + up's x row included."""
-    forms = RingConfig().forms(10.0)
+    """A ring whose blocks need more shared memory than the device gives one block is a ConfigError naming the
+    levers and the sizes (make_backend raises it on every rank, before any weight is read), where the launch would
+    have been refused at the first one-row step. What the defaults build fits both devices."""
     for limit in (GB10_BLOCK_SMEM, H200_BLOCK_SMEM):
-        RingConfig().check_fits(limit, forms, 4096)
-        RingConfig(placed_hidden=True).check_fits(limit, RingConfig(placed_hidden=True).forms(10.0), 4096)
-        RingConfig(union_max_rows=8).check_fits(limit, forms, 4096)
-    # the placed gate + up's blocks also hold the prepared x row (2 bytes a k)
-    assert RingConfig().smem(2, "placed", 4096) == RingConfig().smem(2, "bf16u", 4096) + 8192 == 49152
-    with pytest.raises(ConfigError, match=r"gate \+ up .* needs 49152 bytes"):
-        RingConfig(placed_hidden=True).check_fits(45000, RingConfig(placed_hidden=True).forms(10.0), 4096)
-    RingConfig().check_fits(45000, forms, 4096)  # the same levers in the bf16u form fit (40960)
-    deep = RingConfig(slab=(4, 8), depth=(2, 3))
-    assert deep.smem(2, "bf16u") == 122880
-    deep.check_fits(H200_BLOCK_SMEM, deep.forms(10.0), 4096)
-    with pytest.raises(ConfigError, match=r"levers.ring_slab = \[4, 8\], ring_depth = \[2, 3\]: .*gate \+ up "
-                                          r"\(slab 8, depth 3\) needs 122880 bytes .* allows 101376"):
-        deep.check_fits(GB10_BLOCK_SMEM, deep.forms(10.0), 4096)
+        RingConfig().check_fits(limit)
+        RingConfig(union_max_rows=8).check_fits(limit)
+    assert RingConfig.smem(2) == 40960 and RingConfig.smem(1) == 22528  # 2 stages of 2 warps' slabs
+    with pytest.raises(ConfigError, match=r"levers.ring = true: .*gate \+ up needs 40960 bytes .* allows 32768 .*"
+                                          r"set ring = false"):
+        RingConfig().check_fits(32768)
     # the union ring's levers are named for its own blocks (8 rows at slab 4, depth 2: 68 KB), and only where it runs
     union = RingConfig(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2))
-    assert union.union_smem(2, 8) == 69632 > 65536 > union.smem(2, "bf16u")
+    assert union.union_smem(2, 8) == 69632 > 65536 > union.smem(2)
     with pytest.raises(ConfigError, match=r"levers.ring_union_slab = \[4, 4\], ring_union_depth = \[2, 2\]: .*"
                                           r"69632 bytes .* allows 65536"):
-        union.check_fits(65536, union.forms(10.0), 4096)
-    RingConfig(union_max_rows=1, union_slab=(4, 4), union_depth=(2, 2)).check_fits(65536, forms, 4096)
-    RingConfig(enabled=False, slab=(8, 8), depth=(3, 3)).check_fits(1024, ("bf16", "bf16"), 4096)
+        union.check_fits(65536)
+    RingConfig(union_max_rows=1, union_slab=(4, 4), union_depth=(2, 2)).check_fits(65536)
+    RingConfig(enabled=False).check_fits(1024)
 
 
 @pytest.mark.parametrize("limit,most", [(232448, 1760), (101376, 767)], ids=["H200", "GB10"])

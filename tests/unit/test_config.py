@@ -268,7 +268,8 @@ def test_every_topology_file_loads(path: Path) -> None:
     if t.backend == "cuda":
         ring = RingConfig.from_levers(t.levers)
         limit = 101376 if path.stem.startswith("gb10") else 232448  # opt-in smem a block: GB10 (sm_121), H200
-        ring.check_fits(limit, ring.forms(glm.swiglu_limit), glm.hidden_size)
+        ring.forms(glm.swiglu_limit)
+        ring.check_fits(limit)
 
 
 def test_topology_values_and_levers() -> None:
@@ -369,9 +370,9 @@ def test_topology_values_are_type_checked_by_name(raw: dict, named: str) -> None
 def test_lists_are_taken_where_a_tuple_of_integers_is_expected() -> None:
     """Python callers write lists (as TOML does): a Topology and its levers take them as tuples, and stay frozen
     and hashable."""
-    t = Topology(world=2, tp=2, ep=2, devices=[0, 1], levers=PathLevers(ring_slab=[4, 4], ring_depth=[3, 2]))
-    assert t.devices == (0, 1) and (t.levers.ring_slab, t.levers.ring_depth) == ((4, 4), (3, 2))
-    assert t == Topology(world=2, tp=2, ep=2, devices=(0, 1), levers=PathLevers(ring_slab=(4, 4), ring_depth=(3, 2)))
+    t = Topology(world=2, tp=2, ep=2, devices=[0, 1], levers=PathLevers(ring_union_slab=[4, 4]))
+    assert t.devices == (0, 1) and t.levers.ring_union_slab == (4, 4)
+    assert t == Topology(world=2, tp=2, ep=2, devices=(0, 1), levers=PathLevers(ring_union_slab=(4, 4)))
     assert hash(t) == hash(dataclasses.replace(t))
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.devices = [1, 0]  # type: ignore[misc]
@@ -384,9 +385,9 @@ def test_lists_are_taken_where_a_tuple_of_integers_is_expected() -> None:
     (lambda: Topology(world=2, devices=[0, 1.0]), "devices = [0, 1.0] holds a non-integer, expected a list"),
     (lambda: Topology(world=2, devices=[True, 0]), "devices = [True, 0] holds a non-integer, expected a list"),
     (lambda: Topology(devices="0"), "devices = '0' has type str, expected a list of integers"),
-    (lambda: PathLevers(ring_slab=[4, None]), "levers.ring_slab = [4, None] holds a non-integer, expected a list "
-                                              "of integers"),
-    (lambda: PathLevers(ring_slab=[4]), "levers.ring_slab = [4], expected two positive integers"),
+    (lambda: PathLevers(ring_union_slab=[4, None]), "levers.ring_union_slab = [4, None] holds a non-integer, "
+                                                    "expected a list of integers"),
+    (lambda: PathLevers(ring_union_slab=[4]), "levers.ring_union_slab = [4], expected two positive integers"),
     (lambda: Topology.from_dict({"levers": {"ring": [True]}}), "levers.ring = [True] has type list, expected a "
                                                                "boolean"),
 ], ids=["str", "float", "bool", "not-a-list", "lever-none", "lever-one", "list-for-a-boolean"])

@@ -362,7 +362,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             # gate and up in one batched cuBLAS call
             dense.gemm_bf16_pair(x_TK, w.gate, w.up, gate_TI, up_TI)
             elementwise.swiglu(gate_TI, up_TI, limit, act_TI)
-        else:  # the dense FFN's: two calls (measured level or faster than the pair, docs/perf/NOTES.md)
+        else:  # the dense FFN's: two calls (measured level or faster than the pair, docs/perf/DESIGN-NOTES.md)
             return super().gate_up_act(x_TK, w, limit, gate_TI, up_TI, act_TI)
         return act_TI
 

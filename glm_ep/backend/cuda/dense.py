@@ -124,12 +124,11 @@ MMA_GLU_MAX_ROWS = 16  # gate + up + SwiGLU of the shared expert's shape: the fu
 def mma_gemm_takes(x_RK: Any, w_NK: Any, max_rows: int = MMA_GEMM_MAX_ROWS) -> bool:
     """Whether the tensor-core GEMM serves this call: at most ``max_rows`` rows, K in whole steps, and a
     weight of at most MMA_GEMM_MAX_WEIGHT elements (on the dense FFN's [12288, 4096] / [4096, 12288] cuBLAS
-    streams at ~3.2 TB/s and the GEMM, whose x operand every warp re-reads, does not). The backend takes it
-    for the router's fp32 logits at 9..64 rows and for the shared expert's fused gate + up + SwiGLU at 9..16
-    (MMA_GLU_MAX_ROWS); one projection of 9+ rows goes to cuBLAS, and so does gate + up past 16 rows, in one
-    batched call: on an H100 (docs/perf/NOTES.md, "The shared expert at 9..64 rows") the shared expert's down
-    projection took 9.5-9.7 us on cuBLAS against 14.4-40.5 here, its gate + up 27.3-27.7 us as the pair
-    against 28.8-34.4 from 24 rows (17.4 against 28.3 at 16)."""
+    streams near the copy bandwidth and the GEMM, whose x operand every warp re-reads, does not). The backend
+    takes it for the router's fp32 logits at 9..64 rows and for the shared expert's fused gate + up + SwiGLU at
+    9..16 (MMA_GLU_MAX_ROWS); one projection of 9+ rows goes to cuBLAS, and so does gate + up past 16 rows, in
+    one batched call: the fastest engine of each as measured (``glm-ep bench --sweep dense``;
+    docs/perf/DESIGN-NOTES.md)."""
     return (x_RK.shape[0] <= max_rows and x_RK.shape[1] % MMA_GEMM_K_STEP == 0
             and w_NK.size <= MMA_GEMM_MAX_WEIGHT)
 
@@ -191,10 +190,10 @@ WSTREAM_SMEM = WSTREAM_WARPS * WSTREAM_DEPTH * 16 * WSTREAM_STAGE_K * 2  # a blo
 def wstream_takes(x_RK: Any, w_NK: Any, glu: bool) -> bool:
     """Whether the warp-streaming GEMM serves this call: a weight past MMA_GEMM_MAX_WEIGHT elements (the dense
     FFN's), K in whole 32-k steps, WSTREAM_MIN_ROWS..WSTREAM_MAX_ROWS rows for gate + up + SwiGLU and
-    ..WSTREAM_PLAIN_MAX_ROWS for a plain projection. Measured on H200 (docs/perf/NOTES.md, "The warp-streaming
-    GEMM"): on the [12288, 4096] gate + up it is the fastest engine at 5..16 rows (59-63 us; the GEMV 72-89,
-    the 9..64-row GEMM 89-95, cuBLAS 61-70 with its SwiGLU pass); on the [4096, 12288] down it beats the GEMV
-    at 5..8 rows (36 against 39-52 us) but not cuBLAS (31), which the captured 1..8-row steps cannot call."""
+    ..WSTREAM_PLAIN_MAX_ROWS for a plain projection. Measured (``glm-ep bench --sweep dense``;
+    docs/perf/DESIGN-NOTES.md): on the [12288, 4096] gate + up it is the fastest engine at 5..16 rows; on the
+    [4096, 12288] down it beats the GEMV at 5..8 rows but not cuBLAS, which the captured 1..8-row steps cannot
+    call."""
     r, k = x_RK.shape
     return (WSTREAM_MIN_ROWS <= r <= (WSTREAM_MAX_ROWS if glu else WSTREAM_PLAIN_MAX_ROWS)
             and w_NK.size > MMA_GEMM_MAX_WEIGHT and k % MMA_GEMM_K_STEP == 0)

@@ -18,14 +18,15 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.kernel_loader import (ARCH_SPECIFIC, BF16, F32, GEMM_VARIANTS, I32, arch_build, block_smem_limit,
-                                        cdiv, check, check_shape, compute_capability, current_device,
-                                        gemm_smem_bytes, gemm_suffix, i32, i64, launch, sm_count)
+from glm_ep.backend.cuda.kernel_loader import (ARCH_SPECIFIC, BF16, F32, GEMM_VARIANTS, I32, arch_build,
+                                               block_smem_limit, cdiv, check, check_shape, compute_capability,
+                                               current_device, gemm_smem_bytes, gemm_suffix, i32, i64, launch,
+                                               sm_count)
 from glm_ep.backend.cuda.routed import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
 # the variants (loader.GEMM_VARIANTS) gemm_nvfp4.cu instantiates; the default of each BM, the fastest
-# measured on H200 (PREFILL.md's variant table): the 64-row tile takes 128-k stages where K allows,
+# measured (glm-ep bench --prefill's variant table): the 64-row tile takes 128-k stages where K allows,
 # its 64-k twin otherwise (GEMM_FALLBACK); past 64 rows per expert the tiled engine's 128 x 128 tile;
 # on sm_90a the wgmma engine's 128 x 128 tile from 17 rows per expert on (GEMM_WGMMA_FROM)
 GEMM_DEFAULT = {16: (16, 1, 4, 64, 4, "sync"), 32: (32, 1, 4, 64, 4, "sync"), 64: (64, 1, 4, 128, 3, "sync"),
@@ -34,7 +35,7 @@ GEMM_FALLBACK = {(64, 1, 4, 128, 3, "sync"): (64, 1, 4, 64, 4, "sync")}
 GEMM_WGMMA = (128, 1, 4, 64, 4, "wgmma")
 GEMM_WGMMA_FROM = 16  # rows per expert past which the wgmma engine is the default where it runs
 # ONE expert (a dense FFN stored NVFP4: 192 blocks for gate + up, two thirds of a wave): the register engine up to
-# 32 rows (H200, 12288 x 4096 at 24 / 32 rows: gate + up 68.7 / 70.0 us on m32w4k64 against 75.8 / 76.3 on wgmma)
+# 32 rows, where its 32-row tile measured faster than wgmma's (docs/perf/DESIGN-NOTES.md)
 GEMM_WGMMA_FROM_ONE = 32
 Variant = tuple[int, int, int, int, int, str]
 SPLIT_MAX = 8  # K splits of one launch at most
@@ -101,9 +102,9 @@ def k_splits(blocks: int, kblocks: int, partial_floats: int, scratch_floats: int
     of k, each split writing ``partial_floats`` fp32 partial sums into a scratch of ``scratch_floats``:
     where the launch has fewer blocks than SMs, enough for two an SM, within ``SPLIT_MAX``,
     ``SPLIT_MIN_KBLOCKS`` stages a split, the scratch and ``SPLIT_PARTIAL_BYTES``; 1 (no split) where
-    fewer than 2 would do. Measured on an H200 (one expert of 12288 x 4096, docs/perf/NOTES.md): the
-    down projection's 32 blocks take 110 us unsplit, 24 us in 8 splits; gate + up's 192 blocks gain
-    54 -> 42 us from 2 splits, less than the reduce launch costs an eager call on the host."""
+    fewer than 2 would do. Measured (one expert of 12288 x 4096, docs/perf/DESIGN-NOTES.md): the down
+    projection's 32 blocks run several times faster in 8 splits; gate + up's 192 blocks gain from 2 splits
+    less than the reduce launch costs an eager call on the host."""
     if blocks >= sms or partial_floats <= 0:
         return 1
     splits = min(SPLIT_MAX, cdiv(2 * sms, max(blocks, 1)), kblocks // SPLIT_MIN_KBLOCKS,

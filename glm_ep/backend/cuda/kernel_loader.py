@@ -1,6 +1,6 @@
 """ONE cached loader for every kernel of glm_ep, the ``-D`` constants it compiles them with, and
-the launch and argument checks every wrapper module (``dense``, ``elementwise``, ``route``,
-``nvfp4``) shares.
+the launch and argument checks every wrapper module (``dense``, ``elementwise``, ``route_kernels``,
+``routed``, ``grouped``) shares.
 
 Every kernel lives in ``glm_ep/backend/cuda/kernels/*.cu`` and is compiled by NVRTC (``cupy.RawModule``) for
 the device's own arch, once per (file, device); a ``#line`` marker in front of every inlined piece
@@ -16,7 +16,6 @@ current CuPy stream (the backend makes its own stream current around every op).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
@@ -87,8 +86,9 @@ GEMM_VARIANTS = ((16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4
                  (64, 1, 8, 64, 4, "sync"), (64, 1, 4, 128, 3, "sync"), (64, 1, 8, 128, 3, "sync"),
                  (128, 1, 4, 64, 3, "sync"), (128, 1, 8, 64, 3, "sync"),
                  (64, 2, 4, 64, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))
-#: gemv_nvfp4_ring.cu's RING_ENTRIES lines: (steps of 128 k per slab T, ring depth D)
-RING_KERNELS = ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3))
+#: gemv_nvfp4_ring.cu's RING_ONE_ENTRIES / RING_GLU_ENTRY lines: (steps of 128 k per slab T, ring depth D); one
+#: geometry, the fastest measured (docs/perf/DESIGN-NOTES.md)
+RING_KERNELS = ((4, 2),)
 #: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x rows a union stage holds (a group's
 #: rows rounded up)
 UNION_RING_KERNELS = ((2, 3), (4, 2))
@@ -141,27 +141,9 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, I32, U8, U32 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint8), np.dtype(np.uint32)
 
 
-_EXTRA_DEFINES: dict[str, int] = {}  # diagnostic builds only (extra_defines); empty in every product build
-
-
 def define_options() -> tuple[str, ...]:
     """The ``-D`` options every kernel file is compiled with (NVRTC here, nvcc in the build check)."""
-    return tuple(f"-D{k}={v}" for k, v in {**DEFINES, **layout_defines(), **_EXTRA_DEFINES}.items())
-
-
-@contextlib.contextmanager
-def extra_defines(**defines: int):
-    """Kernels loaded inside are built with these ``-D`` options too: a diagnostic build such as the decode ring's
-    ``RING_ABLATE`` (``tools/kernel_timing.py --ring-ablation``). The module caches are emptied on entry and on
-    exit, so no kernel built one way is launched the other."""
-    _EXTRA_DEFINES.update(defines)
-    _clear_modules()
-    try:
-        yield
-    finally:
-        for name in defines:
-            _EXTRA_DEFINES.pop(name, None)
-        _clear_modules()
+    return tuple(f"-D{k}={v}" for k, v in {**DEFINES, **layout_defines()}.items())
 
 
 def kernel_files() -> list[Path]:
@@ -248,11 +230,6 @@ def _arch_cubin(name: str, target: str) -> Path:
     return path
 
 
-def _clear_modules() -> None:
-    for cached in (_module, arch_build, _function, _static_smem):
-        cached.cache_clear()
-
-
 @functools.cache
 def compute_capability(device: int) -> tuple[int, int]:
     import cupy
@@ -310,8 +287,8 @@ def launch(file: str, entry: str, grid: tuple[int, ...], block: tuple[int, ...],
     ``pdl.dependent_launches(True)`` the launch may overlap the previous kernel's tail (``pdl``),
     unless ``persistent``: a grid sized to sit evenly on every SM at once with its work split
     statically (the decode rings) starts on an idle device, since blocks placed while the previous
-    kernel drains crowd the SMs that free first (measured: the one-row routed glu + down 58.9 us
-    against 48.8 as dependents, docs/perf/NOTES.md)."""
+    kernel drains crowd the SMs that free first (measured slower as dependents:
+    docs/perf/DESIGN-NOTES.md)."""
     dev = current_device()
     fn = _function(file, entry, dev)
     total = smem + _static_smem(file, entry, dev)  # static shared memory counts against the same limit

@@ -13,7 +13,7 @@ CuPy would: a device array as its pointer, a NumPy scalar as its bytes.
 The backend turns it on around its own ops (``dependent_launches``, from the ``pdl`` lever); other
 code that launches through ``loader.launch`` gets plain launches, and so do the persistent decode
 rings (``launch(..., persistent=True)``: placed while their predecessor drains, their blocks would
-crowd the SMs that free first; docs/perf/NOTES.md, "Programmatic dependent launch").
+crowd the SMs that free first; docs/perf/DESIGN-NOTES.md).
 """
 
 from __future__ import annotations

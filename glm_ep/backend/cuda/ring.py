@@ -1,20 +1,21 @@
 """How the one-row routed kernels run: the frozen lever set of the persistent decode ring
 (``gemv_nvfp4_ring.cu``), held by the CUDA backend from its construction, and its launch geometry.
 
-The ring reads each projection in one of three operand forms, chosen once at weight upload
-(``RingConfig.forms``):
+The ring reads each projection in one of these operand forms, chosen once at weight upload
+(``RingConfig.forms``); the block kernels (``gemv_nvfp4.cu``, the ring off) read ``bf16``:
 - ``bf16``: the dequantized weight (e2m1 times its block scale) as bf16, one mma chain over K;
 - ``bf16u``: the unscaled e2m1 as bf16, the block scale applied to each 16-k group's fp32 partial;
-  the input as it is, so exact for any bf16 input;
-- ``placed``: the unscaled bf16 form with the weights decoded by bit placement (e2m1 x 2^-126, no
-  table) and x paired to match and scaled by a power of two that keeps every product a normal fp32:
-  for gate and up the kernel takes it from the row's largest |x|, for the down projection it is fixed
-  at upload from the activation's bound (``act_shift``; refused, for the unscaled bf16 form, where the
-  limit does not bound it below 2^113). The same products as ``bf16u``, paired in another order;
-- ``f16``: the same with fp16 operands, the input rounded to fp16: exact only while the input fits
-  fp16 (|v| <= 65504). The down projection reads the clamped SwiGLU, bounded by the site's
+  the input as it is, so exact for any bf16 input (gate and up, and the down projection where the
+  limit does not bound the activation);
+- ``placed`` (the down projection): the unscaled bf16 form with the weights decoded by bit placement
+  (e2m1 x 2^-126, no table) and x paired to match and scaled by a power of two fixed at upload from
+  the activation's bound (``act_shift``; the form is not taken where the limit does not bound it below
+  2^113), so every product is a normal fp32. The same products as ``bf16u``, paired in another order;
+- ``f16``: the same as ``bf16u`` with fp16 operands, the input rounded to fp16: exact only while the
+  input fits fp16 (|v| <= 65504). The down projection reads the clamped SwiGLU, bounded by the site's
   ``swiglu_limit``; the form is refused where the limit does not bound it. Gate and up read the
   hidden state, which nothing bounds: the fp16 form there is an explicit opt-in (``f16_hidden``).
+Why each default is what it is, and the command that re-measures it: docs/perf/DESIGN-NOTES.md.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm_ep.backend.cuda.kernel_loader import (BF16, MMA_ROWS, RING_KERNELS, RING_WARPS, UNION_RING_KERNELS, UNION_RING_ROWS,
-                                        cdiv, ring_stage_bytes, sm_count, smem_per_sm)
+from glm_ep.backend.cuda.kernel_loader import (BF16, MMA_ROWS, RING_KERNELS, RING_WARPS, UNION_RING_KERNELS,
+                                               UNION_RING_ROWS, cdiv, ring_stage_bytes, sm_count, smem_per_sm)
 from glm_ep.errors import ConfigError
 from glm_ep.config.topology import PathLevers
 
@@ -33,7 +34,8 @@ RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T
 RING_MAX_SLOTS = 32  # slots of one launch: lane j of a warp holds slot j's ids and pointers
 F16_MAX = 65504.0
 # operand form -> the ring entry's name prefix
-FORM_PREFIX = {"bf16": "", "bf16u": "bf16u_", "placed": "pl_", "f16": "f16_"}
+FORM_PREFIX = {"bf16u": "bf16u_", "placed": "pl_", "f16": "f16_"}
+RING_SLAB, RING_DEPTH = RING_KERNELS[0]  # the one geometry built: 128-k steps per stage, stages per warp
 SILU_MIN = -0.2785  # the least value of silu(g) = g / (1 + exp(-g))
 
 
@@ -70,89 +72,76 @@ def act_shift(swiglu_limit: float) -> int:
 @dataclass(frozen=True)
 class RingConfig:
     """The ring levers (``[levers] ring*`` of the topology): the persistent ring (``enabled``) or
-    gemv_nvfp4.cu's block-per-tile kernels. By P, the matrices a warp sweeps (index 0: one
-    projection, 1: gate + up): the slab (T steps of 128 k per ring stage) and the ring depth D
-    (stages per warp); the warps per SM the grid aims at (fewer where the rings' shared memory does
-    not fit); ``max_warps`` caps the grid (tests: several items per warp); ``f16``: the down
-    projection in the fp16 form; ``f16_hidden``: gate and up too; ``unscaled``: a projection not in
-    the fp16 form in the unscaled bf16 form (else the scaled one); ``placed``: the down projection's
-    unscaled form decoded by bit placement (the ``placed`` form, where the limit bounds the
-    activation); ``placed_hidden``: gate and up too; ``down_combine``: at
-    one row, the shared expert's down projection and the site's combine run inside the routed down
-    launch; ``min_items_per_sm``: a launch with fewer items goes to the block kernels (0: never)."""
+    gemv_nvfp4.cu's block-per-tile kernels. The decode ring's slab and depth are RING_SLAB and
+    RING_DEPTH (one geometry is built); the warps per SM its grid aims at (fewer where the rings'
+    shared memory does not fit); ``max_warps`` caps the grid (tests: several items per warp);
+    ``f16``: the down projection in the fp16 form; ``f16_hidden``: gate and up too; ``placed``: the
+    down projection decoded by bit placement (the ``placed`` form, where the limit bounds the
+    activation; else ``bf16u``); ``down_combine``: at one row, the shared expert's down projection and
+    the site's combine run inside the routed down launch; ``union_*``: the verify (union) ring, by P,
+    the matrices a warp sweeps (index 0: one projection, 1: gate + up), its slab (T steps of 128 k per
+    stage) and depth; ``min_items_per_sm``: a launch with fewer (slot x 16-row group) items an SM goes
+    to the block kernels, which split K (0: never). Each default's measurement:
+    docs/perf/DESIGN-NOTES.md."""
 
     enabled: bool = True
-    slab: tuple[int, int] = (4, 4)
-    depth: tuple[int, int] = (2, 2)  # fastest on H200 (docs/perf/NOTES.md)
     warps_per_sm: int = 16
     max_warps: int = 0
-    f16: bool = False  # consume_slab_unscaled's fp16 form (F = 1): no faster than bf16u on H200 (NOTES.md)
+    f16: bool = False  # consume_slab_unscaled's fp16 form (F = 1) on the down projection
     f16_hidden: bool = False
-    unscaled: bool = True
-    placed: bool = True  # the down projection in the placed form, where the limit bounds it (NOTES.md)
-    placed_hidden: bool = False  # gate and up too: no faster on H200 (NOTES.md)
+    placed: bool = True  # the down projection in the placed form, where the limit bounds it
     down_combine: bool = True  # one-row sites: the shared expert's down projection and the combine in the down ring
     union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (bf16 form)
     union_slab: tuple[int, int] = (2, 2)
     union_depth: tuple[int, int] = (3, 3)
-    # fewer (slot x 16-row group) items than this per SM go to the block kernels, which split K: ONE expert's
-    # down projection (a dense FFN stored NVFP4, 256 items of K = 12288) took 25.4 us on the ring against 14.6
-    # on them on an H100, while its gate + up (768 items) ran faster on the ring, 30.6 against 33.9 (NOTES.md)
-    min_items_per_sm: int = 4
+    min_items_per_sm: int = 4  # ONE expert's down projection at one row (a dense FFN stored NVFP4) falls below
 
     def __post_init__(self) -> None:
-        for name, (slab, depth, built) in (("ring", (self.slab, self.depth, RING_KERNELS)),
-                                           ("ring_union", (self.union_slab, self.union_depth, UNION_RING_KERNELS))):
-            off = [(t, d) for t, d in zip(slab, depth) if (t, d) not in built]
-            if self.enabled and (len(slab) != 2 or len(depth) != 2 or off):
-                raise ConfigError(f"levers.{name}_slab = {list(slab)}, {name}_depth = {list(depth)}: expected "
-                                  f"(one projection, gate + up) pairs of (slab, depth) in {list(built)}, the "
-                                  "kernels gemv_nvfp4_ring.cu instantiates")
+        off = [(t, d) for t, d in zip(self.union_slab, self.union_depth) if (t, d) not in UNION_RING_KERNELS]
+        if self.enabled and (len(self.union_slab) != 2 or len(self.union_depth) != 2 or off):
+            raise ConfigError(f"levers.ring_union_slab = {list(self.union_slab)}, ring_union_depth = "
+                              f"{list(self.union_depth)}: expected (one projection, gate + up) pairs of (slab, depth) "
+                              f"in {list(UNION_RING_KERNELS)}, the kernels gemv_nvfp4_union.cu instantiates")
 
     @classmethod
     def from_levers(cls, lv: PathLevers) -> "RingConfig":
-        return cls(lv.ring, tuple(lv.ring_slab), tuple(lv.ring_depth), lv.ring_warps_per_sm, lv.ring_max_warps,
-                   lv.ring_f16, lv.ring_f16_hidden, lv.ring_unscaled, lv.ring_placed, lv.ring_placed_hidden,
-                   lv.ring_down_combine, lv.ring_union_max_rows,
-                   tuple(lv.ring_union_slab), tuple(lv.ring_union_depth), lv.ring_min_items_per_sm)
+        return cls(lv.ring, lv.ring_warps_per_sm, lv.ring_max_warps, lv.ring_f16, lv.ring_f16_hidden, lv.ring_placed,
+                   lv.ring_down_combine, lv.ring_union_max_rows, tuple(lv.ring_union_slab),
+                   tuple(lv.ring_union_depth), lv.ring_min_items_per_sm)
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
-        """(gate and up, down): the operand form (``FORM_PREFIX``'s keys) in which the ring reads each
-        projection, decided once for a site's experts. A ConfigError where ``f16`` asks for the down
-        projection's fp16 form and ``swiglu_limit`` does not keep the activation inside fp16."""
+        """(gate and up, down): the operand form (``FORM_PREFIX``'s keys; ``bf16`` for the block kernels, the
+        ring off) in which each projection is read, decided once for a site's experts. A ConfigError where
+        ``f16`` asks for the down projection's fp16 form and ``swiglu_limit`` does not keep the activation
+        inside fp16."""
         if not self.enabled:
             return "bf16", "bf16"
         if self.f16 and not act_fits_f16(swiglu_limit):
             raise ConfigError(f"levers.ring_f16 = true: the routed down projection's fp16 form is exact only while "
                               f"every activation fits fp16 (|act| <= swiglu_limit^2 <= {F16_MAX:g}), and "
                               f"swiglu_limit = {swiglu_limit:g} does not bound it there; set ring_f16 = false")
-        bf16 = "bf16u" if self.unscaled else "bf16"
-        hidden = "placed" if self.placed_hidden and self.unscaled else bf16
-        act = "placed" if self.placed and self.unscaled and act_shift(swiglu_limit) else bf16
-        return "f16" if self.f16 and self.f16_hidden else hidden, "f16" if self.f16 else act
+        act = "placed" if self.placed and act_shift(swiglu_limit) else "bf16u"
+        return "f16" if self.f16 and self.f16_hidden else "bf16u", "f16" if self.f16 else act
 
     def takes(self, n: int, k: int, slots: int, p: int) -> bool:
         """Whether the ring serves a launch of ``slots`` slots of ``p`` [n, k] matrices: the shapes it is
         built for, with at least ``min_items_per_sm`` items an SM (a warp takes whole items, K unsplit)."""
-        return (self.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.slab[p - 1]) == 0
+        return (self.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * RING_SLAB) == 0
                 and slots <= RING_MAX_SLOTS
                 and (not self.min_items_per_sm or slots * (n // MMA_ROWS) >= self.min_items_per_sm * sm_count()))
 
-    def geometry(self, n: int, slots: int, p: int, form: str, extra_items: int = 0, k: int = 0
-                 ) -> tuple[int, int, str]:
+    def geometry(self, n: int, slots: int, p: int, form: str, extra_items: int = 0) -> tuple[int, int, str]:
         """(blocks, dynamic smem bytes, entry suffix): as even a share of the slots x row-group items
         (and ``extra_items``) per warp as the cap allows (warps_per_sm per SM, or fewer where the
-        rings do not fit in the device's shared memory), RING_WARPS per block. Placed gate + up
-        (``k``: their in width) keep the block's prepared x row after the rings."""
-        t, depth = self.slab[p - 1], self.depth[p - 1]
-        smem = self.smem(p, form, k)
-        return self._blocks(slots * (n // MMA_ROWS) + extra_items, smem), smem, f"{FORM_PREFIX[form]}t{t}_d{depth}"
+        rings do not fit in the device's shared memory), RING_WARPS per block."""
+        smem = self.smem(p)
+        return (self._blocks(slots * (n // MMA_ROWS) + extra_items, smem), smem,
+                f"{FORM_PREFIX[form]}t{RING_SLAB}_d{RING_DEPTH}")
 
-    def smem(self, p: int, form: str, k: int = 0) -> int:
-        """Dynamic shared memory of one block of the ring over ``p`` matrices: RING_WARPS rings of depth stages,
-        and for the placed gate + up the block's prepared x row (in width ``k``)."""
-        return (RING_WARPS * self.depth[p - 1] * ring_stage_bytes(p, self.slab[p - 1])
-                + (2 * k if form == "placed" and p == 2 else 0))
+    @staticmethod
+    def smem(p: int) -> int:
+        """Dynamic shared memory of one block of the ring over ``p`` matrices: RING_WARPS rings of depth stages."""
+        return RING_WARPS * RING_DEPTH * ring_stage_bytes(p, RING_SLAB)
 
     def union_smem(self, p: int, rows: int) -> int:
         """Dynamic shared memory of one block of the union ring over ``p`` matrices for ``rows`` rows (the stage
@@ -160,32 +149,35 @@ class RingConfig:
         r = next(r for r in UNION_RING_ROWS if rows <= r)
         return RING_WARPS * self.union_depth[p - 1] * ring_stage_bytes(p, self.union_slab[p - 1], r)
 
-    def check_fits(self, limit: int, forms: tuple[str, str], hidden: int) -> None:
-        """A ConfigError naming the levers where a ring block (``forms``: ``forms(swiglu_limit)``; ``hidden``: gate
-        and up's in width) needs more shared memory than ``limit``, what one block of the device may have: such a
-        launch would be refused at the first step (a slab of 8 at depth 3 needs 120 KB; a GB10 gives 99 KB)."""
+    def check_fits(self, limit: int) -> None:
+        """A ConfigError naming the levers where a ring block needs more shared memory than ``limit``, what one
+        block of the device may have: such a launch would be refused at the first step (a gate + up block takes
+        40960 bytes on the decode ring, 69632 on the union ring at slab 4 and 8 rows; a GB10 gives 101376)."""
         if not self.enabled:
             return
+        for p in (1, 2):
+            if self.smem(p) > limit:
+                raise ConfigError(f"levers.ring = true: a block of the decode ring over "
+                                  f"{'gate + up' if p == 2 else 'one projection'} needs {self.smem(p)} bytes of "
+                                  f"shared memory, this device allows {limit} a block; set ring = false (the block "
+                                  "kernels)")
         union_rows = min(self.union_max_rows, UNION_RING_ROWS[-1])
-        needs = [("ring", p, self.smem(p, forms[0] if p == 2 else forms[1], hidden), self.slab, self.depth)
-                 for p in (1, 2)]
-        if union_rows >= 2:
-            needs += [("ring_union", p, self.union_smem(p, union_rows), self.union_slab, self.union_depth)
-                      for p in (1, 2)]
-        for name, p, need, slab, depth in needs:
+        for p in (1, 2) if union_rows >= 2 else ():
+            need = self.union_smem(p, union_rows)
             if need > limit:
-                what = "gate + up" if p == 2 else "one projection"
-                raise ConfigError(f"levers.{name}_slab = {list(slab)}, {name}_depth = {list(depth)}: a block of the "
-                                  f"{name.replace('_', ' ')} over {what} (slab {slab[p - 1]}, depth {depth[p - 1]}) "
-                                  f"needs {need} bytes of shared memory, this device allows {limit} a block; choose "
-                                  "a smaller slab or depth")
+                slab, depth = self.union_slab, self.union_depth
+                raise ConfigError(f"levers.ring_union_slab = {list(slab)}, ring_union_depth = {list(depth)}: a block "
+                                  f"of the union ring over {'gate + up' if p == 2 else 'one projection'} (slab "
+                                  f"{slab[p - 1]}, depth {depth[p - 1]}, {union_rows} rows) needs {need} bytes of "
+                                  f"shared memory, this device allows {limit} a block; choose a smaller slab or "
+                                  "depth, or fewer ring_union_max_rows")
 
     def down_combine_parts(self, n: int, k: int, shared_k: int) -> int:
         """K slices of the shared expert's down projection [n, shared_k] when it runs as extra items
         of the routed down ring ([n, k] per expert; ``nvfp4_ring_moe_down_combine``), 0 where it
         cannot: a shared item sweeps as many slabs as a routed one, 32 T k each (a bf16 slab fills a
         stage row's 64 T bytes), so shared_k must be a multiple of that span."""
-        t = self.slab[0]
+        t = RING_SLAB
         if not self.down_combine or n % MMA_ROWS or k % (RING_STEP_K * t) or shared_k <= 0:
             return 0
         span = 32 * t * (k // (RING_STEP_K * t))

@@ -85,8 +85,8 @@ def union_table(ids_RK: Any, u_eid_U: Any, u_slot_UR: Any) -> None:
 
 
 SORT_CHUNK = 1024  # slots a block of the multi-block sort takes at least
-# fewer slots take the one-block kernel: its device time there (~5 us at 2048 slots, 25 at 8192 on an H100) is
-# about what the second launch costs an eager call (docs/perf/NOTES.md)
+# fewer slots take the one-block kernel: its device time there is about what the second launch costs an eager
+# call (docs/perf/DESIGN-NOTES.md)
 SORT_MULTI_MIN_SLOTS = 8192
 
 

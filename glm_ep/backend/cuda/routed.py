@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.kernel_loader import (BF16, F32, I32, MMA_ROWS, NVFP4_WARPS, RING_WARPS, U8, U32, UNION_MAX_IDS,
-                                        UNION_MAX_ROWS, cdiv, check, check_shape, i32, i64, launch, sm_count, split_k)
+from glm_ep.backend.cuda.kernel_loader import (BF16, F32, I32, MMA_ROWS, NVFP4_WARPS, RING_WARPS, U8, U32,
+                                               UNION_MAX_IDS, UNION_MAX_ROWS, cdiv, check, check_shape, i32, i64,
+                                               launch, sm_count, split_k)
 from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.config.model import NVFP4_GROUP
 
@@ -31,7 +32,7 @@ class Nvfp4Pointers:
     pointers (uint64) and their fp32 ``scale_2``, by local id. The arrays the pointers point at are
     kept alive in ``packed`` / ``scale``. ``form``: the operand form in which the ring reads this
     projection (``RingConfig.forms``, decided at upload); ``xshift``: the placed form's x scale
-    2^xshift (the down projection's, ``ring.act_shift``)."""
+    2^xshift (the down projection's, ``ring.act_shift``; 0: none given)."""
 
     packed_ptrs: Any  # uint64 [count]
     scale_ptrs: Any  # uint64 [count]
@@ -89,8 +90,8 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointer
     check_shape("out", out_SN, (s, proj.n))
     x_stride = i64(proj.k if per_slot_input else 0)
     if ring.takes(proj.n, proj.k, s, 1):
-        # the placed form needs x's scale: the projection's bound, or (one x row) the kernel finds it (-1);
-        # per-slot rows without a bound take the unscaled bf16 form, the same weights
+        # the placed form needs x's scale: the projection's bound (act_shift, set at upload), or for a projection
+        # given none, one x row's own (-1: the kernel finds it), while per-slot rows take the unscaled bf16 form
         form, xshift = proj.form, proj.xshift
         if form == "placed" and not xshift:
             form, xshift = ("bf16u", 0) if per_slot_input else (form, -1)
@@ -149,7 +150,7 @@ def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, 
     for name, a in (("gate", gate_SN), ("up", up_SN), ("act", act_SN)):
         check(name, a, BF16, 2), check_shape(name, a, (s, n))
     if ring.takes(n, k, s, 2):
-        blocks, smem, suffix = ring.geometry(n, s, 2, gate.form, k=k)
+        blocks, smem, suffix = ring.geometry(n, s, 2, gate.form)
         launch(_RING, f"nvfp4_ring_moe_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
                 ids_S, i32(s), i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k),

@@ -1,5 +1,9 @@
 // cp.async helpers (sm_80+) shared by the kernels that stage global memory in shared memory
 // (gemv_nvfp4_ring.cu, gemm_nvfp4.cu). Include after common.cuh.
+//
+// NumPy twin: none (copies only); what it stages is checked through the kernels that use it; held together by
+// tests/cuda/test_cuda_ring.py, test_cuda_union.py, test_cuda_gemm.py and test_cuda_dense.py (the warp-streaming
+// GEMM).
 #pragma once
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) {

@@ -3,6 +3,11 @@
 //
 // Numerics: bf16 <-> f32 by bit manipulation (widen = bits << 16; narrow = round to nearest
 // even, NaN kept quiet).
+//
+// NumPy twin: ml_dtypes' bf16 rounding (what the NumPy side rounds with) and NumpyBackend.swiglu for swiglu_one
+// (glm_ep/backend/numpy_backend.py); held together by tests/cuda/test_cuda_elementwise.py; pdl_enter's place in
+// every kernel by
+// tests/cuda/test_kernels_build.py::test_every_kernel_waits_for_its_predecessor_before_touching_memory.
 #pragma once
 
 typedef unsigned short bf16_t;  // raw bf16 bits

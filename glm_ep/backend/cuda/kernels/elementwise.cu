@@ -4,6 +4,9 @@
 // Numerics follow glm_ep/backend/numpy_backend.py operation by operation: the combine adds its
 // slots in order k = 0 .. K-1 into an fp32 zero, each product rounded before its add (no fused
 // multiply-add), then the shared row, and rounds to bf16 once.
+//
+// NumPy twin: NumpyBackend.swiglu, add and combine (glm_ep/backend/numpy_backend.py); held together by
+// tests/cuda/test_cuda_elementwise.py.
 #include "common.cuh"
 
 #ifndef ELEM_THREADS

@@ -47,6 +47,9 @@
 // K split (gridDim.y = splits > 1, for grids with fewer blocks than SMs; gemm_nvfp4_split.cuh): block y
 // streams its share of K and writes fp32 partial sums (scale_2 applied) instead of bf16; the reduce adds them
 // in split order and rounds once, as the unsplit epilogue does (for the glu: gate and up to bf16, then the SwiGLU).
+//
+// NumPy twin: NumpyBackend.moe_gate_up_act_sorted, moe_gemm_sorted, dequant_linear; held together by
+// tests/cuda/test_cuda_gemm.py (every variant, engine and K split) and tests/cuda/test_cuda_paths.py (prefill paths).
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
 #include "async_copy.cuh"

@@ -1,5 +1,10 @@
 // nvfp4_dequant_bf16: one expert's NVFP4 projection as exact bf16, for the dequant path. Part of gemm_nvfp4.cu,
 // included at its end: it uses dequant_word and scale_pair from there (glm_ep/backend/cuda/kernel_loader.py inlines it).
+//
+// NumPy twin: NumpyBackend.dequant_linear (glm_ep/backend/numpy_backend.py; glm_ep/checkpoint/nvfp4.py's
+// dequantize_unscaled); held together by
+// tests/cuda/test_cuda_gemm.py::test_dequant_bf16_bit_exact_and_dequant_linear and
+// test_dequant_bf16_ragged_and_grid_stride.
 #pragma once
 
 // One expert's projection [N, K] as bf16 w[n, k] = e2m1[n, k] * e4m3[n, k / 16], exact (dequant_word with the

@@ -1,6 +1,10 @@
 // The grouped GEMM's K split (gridDim.y > 1, for grids with fewer blocks than SMs): which share of K a block
 // streams, where its fp32 partial sums go, and the second pass that adds them. Part of gemm_nvfp4.cu, included
 // before its epilogues: it uses common.cuh's rounding and SwiGLU (glm_ep/backend/cuda/kernel_loader.py inlines them).
+//
+// NumPy twin: NumpyBackend.moe_gate_up_act_sorted and moe_gemm_sorted (glm_ep/backend/numpy_backend.py; a split
+// moves no rounding point); held together by tests/cuda/test_cuda_gemm.py::test_gemm_k_split and
+// tests/cuda/test_cuda_paths.py::test_nvfp4_dense_site_k_split.
 #pragma once
 
 // The block's share of K. Without a K split (gridDim.y == 1) all of it; split, block y of gridDim.y takes

@@ -2,6 +2,9 @@
 // (mma.sync, a WM x WN warp grid) and the wgmma engine (sm_90a). Part of gemm_nvfp4.cu, included after
 // its register engine: it uses GemmStage, RowTile, GEMM_NT, DequantLut, dequant_word and scale_pairs from there, and
 // common.cuh, nvfp4_mma.cuh and async_copy.cuh (glm_ep/backend/cuda/kernel_loader.py inlines them all).
+//
+// NumPy twin: NumpyBackend.moe_gate_up_act_sorted and moe_gemm_sorted (glm_ep/backend/numpy_backend.py); held
+// together by tests/cuda/test_cuda_gemm.py::test_gemm_variants and test_gemm_variants_partial_tiles.
 #pragma once
 
 // ---- The tiled engine: a WM x WN warp grid over a BM x BN tile (WM > 1) ----------------------------

@@ -21,6 +21,10 @@
 //       launch) runs router_topk.cuh on all R rows, one warp per row (dynamic shared memory 8 E R bytes)
 //   router_topk_glu_{bf16w,f32w}_r{R}  router_topk_* and bf16_glu_r{R} on the same x in ONE launch (the
 //       shared expert's gate + up beside the router): the router's blocks first, then the GLU's
+//
+// NumPy twin: NumpyBackend.linear, gate_up_act, router_logits, route, route_and_gate_up_act and shared_down_combine
+// (glm_ep/backend/numpy_backend.py); held together by tests/cuda/test_cuda_dense.py, test_cuda_router.py and
+// test_cuda_elementwise.py::test_shared_down_combine.
 #include "common.cuh"
 #include "router_topk.cuh"
 

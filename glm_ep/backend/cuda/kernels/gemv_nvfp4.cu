@@ -23,6 +23,10 @@
 //   nvfp4_mma_moe_gemv_union    R = 2..8 rows, one sweep per union expert grid (groups, R*top_k)
 //   nvfp4_mma_moe_glu_union     same, gate + up + SwiGLU fused            grid (groups, R*top_k)
 // A slot or union entry whose expert id is outside [start, start + count) leaves its output untouched.
+//
+// NumPy twin: NumpyBackend.moe_gemv, moe_gate_up_act, moe_gemv_union, moe_gate_up_act_union and expert_linear
+// (glm_ep/backend/numpy_backend.py); held together by tests/cuda/test_cuda_routed.py, test_cuda_union.py (the block
+// kernels) and test_cuda_ring.py (the ring off, and launches of few items).
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
 

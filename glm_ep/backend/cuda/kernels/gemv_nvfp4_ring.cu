@@ -8,27 +8,28 @@
 // boundaries: the next item's loads are issued while the current one is still being multiplied.
 // The ids and the pointer tables are read once per warp, up front: lane j holds local slot j's.
 //
-// Numerics of the bf16 form are gemv_nvfp4.cu's (the unscaled forms': consume_slab_unscaled): within a
-// slab the lanes take the same chunks (lane (g, t): chunk 4 s + t of rows n0 + g and n0 + g + 8 at
-// step s), so every output sees the same mma chain over K in the same order and the same final
-// roundings. Requires K % (128 T) == 0 and N % 16 == 0 (cuda/ring.py sends other shapes to
+// NumPy twin: NumpyBackend.moe_gemv, moe_gate_up_act and moe_down_shared_combine
+// (glm_ep/backend/numpy_backend.py); held together by tests/cuda/test_cuda_ring.py (every form, the fused
+// down + shared + combine launch, the placed form's scaling) and tests/cuda/test_cuda_paths.py (the sites).
+//
+// Numerics (consume_slab_unscaled): each 16-k group's fp32 partial is scaled by its E4M3 block scale and the
+// groups summed in k order within a lane, the quad's four partials at the end of an item, then one bf16
+// rounding per output. Requires K % (128 T) == 0 and N % 16 == 0 (cuda/ring.py sends other shapes to
 // gemv_nvfp4.cu). Work item i of warp w: i = w, w + W, w + 2W, ... (W warps in the grid), local
 // slot i / groups, rows 16 (i % groups) ..; a slot whose expert id is outside [start, start + count)
 // is not an item and its output is left untouched.
 //
 // Entry points, T = steps per slab, D = ring depth (grid (blocks), RING_WARPS warps per block, D
-// stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in cuda/ring.py):
-//   nvfp4_ring_moe_gemv_t{T}_d{D}   one projection, x[0] or x[slot]            P = 1
-//   nvfp4_ring_moe_glu_t{T}_d{D}    gate + up + clamped SwiGLU fused            P = 2
-//   nvfp4_ring_moe_{gemv,glu}_f16_t{T}_d{D}   the same in the fp16 form (consume_slab_unscaled, F = 1: fp16
-//       operands, x rounded to fp16, the block scale applied to each 16-k group's fp32 partial)
-//   nvfp4_ring_moe_{gemv,glu}_bf16u_t{T}_d{D} the unscaled bf16 form (F = 2: the same with bf16 operands,
-//       x as it is: exact for any bf16 input)
-//   nvfp4_ring_moe_{gemv,glu}_pl_t{T}_d{D} the placed form (F = 3: the unscaled bf16 form with the weights
-//       decoded by bit placement, e2m1 x 2^-126, and x paired to match and scaled by 2^xshift: for gate
-//       and up xshift follows the row's largest |x|, for the down projection the caller's bound)
-//   nvfp4_ring_moe_down_combine_{,f16_,bf16u_,pl_}t{T}_d{D}  the down projection (x[slot]) with the shared
-//       expert's down projection and the site's combine in the same launch (DownCombine, ring_down_combine.cuh)
+// stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in cuda/ring.py), each in
+// the operand forms of RingConfig.forms (FORM: bf16u_, f16_, pl_):
+//   nvfp4_ring_moe_gemv_{FORM}t{T}_d{D}   one projection, x[0] or x[slot]            P = 1
+//   nvfp4_ring_moe_glu_{bf16u_,f16_}t{T}_d{D}   gate + up + clamped SwiGLU fused     P = 2
+//   nvfp4_ring_moe_down_combine_{FORM}t{T}_d{D}  the down projection (x[slot]) with the shared expert's down
+//       projection and the site's combine in the same launch (DownCombine, ring_down_combine.cuh)
+// The forms: bf16u_ (F = 2) the unscaled e2m1 as bf16 operands, x as it is: exact for any bf16 input;
+// f16_ (F = 1) the same with fp16 operands, x rounded to fp16 (exact while |x| <= 65504); pl_ (F = 3, the
+// down projection) the bf16u form with the weights decoded by bit placement (e2m1 x 2^-126) and x paired to
+// match and scaled by 2^xshift, the caller's bound on the activation (ring.act_shift).
 // The verify (union) kernels on the same ring are gemv_nvfp4_union.cu's; what both share is in
 // nvfp4_ring.cuh.
 #include "common.cuh"
@@ -36,14 +37,6 @@
 #include "async_copy.cuh"
 #include "nvfp4_ring.cuh"
 #include "ring_down_combine.cuh"
-
-// A diagnostic, never defined by the loader (tools/kernel_timing.py --ring-ablation builds the file with it):
-// what the unscaled bf16 form's (F = 2) entries cost without parts of their work, the results meaningless.
-//   1: no dequantization: the weight words go to the mma as they are
-//   2: no math: a slab's consume reads one word a lane and nothing else (the ring's streaming alone)
-#ifndef RING_ABLATE
-#define RING_ABLATE 0
-#endif
 
 // Lane j: the j-th local slot (slot index, matrix base pointers, scale_2); returns the count.
 template <int P>
@@ -100,27 +93,19 @@ __device__ __forceinline__ void issue_slab(RingStage<P, T>& st, const ItemSrc<P>
 // j = 0, b1 for j = 1), so lane (g, t) gets back the partials of ITS chunk per row and group (d0: row g
 // group 0, d1: row g group 1, d2 / d3: row g + 8), scales them by the chunk's own E4M3 scales and adds
 // them to acc[p][0] (row g) and acc[p][1] (row g + 8). The four lanes of a quad are summed at the end of
-// an item (finish_item).
-// XB (F = 3): x comes from the block's prepared copy (xb: the slab's 128 T k, paired and scaled), not the stage.
-template <int P, int T, int F, bool XB = false>
-__device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st, float (&acc)[P][4], unsigned xs2,
-                                                      const uint4* xb = nullptr) {
+// an item (finish_item). F = 3: x paired and scaled by xs2 = 2^xshift as the placed weights need it.
+template <int P, int T, int F>
+__device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st, float (&acc)[P][4], unsigned xs2) {
     static_assert(F >= 1 && F <= 3, "the unscaled forms are fp16 (1), bf16 (2) and placed bf16 (3)");
-    static_assert(!XB || F == 3, "a prepared x is the placed form's");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, j = g & 1;
     const unsigned keep = (g >> 1) == t ? 0xffffffffu : 0u, keep0 = j ? 0u : keep, keep1 = j ? keep : 0u;
-    if constexpr (RING_ABLATE == 2 && F == 2) {
-#pragma unroll
-        for (int p = 0; p < P; ++p) acc[p][0] += __uint_as_float(st.w[p][g][swz(g, t)].x & 0x00ff00ffu);
-        return;
-    }
 #pragma unroll
     for (int s = 0; s < T; ++s) {
         const int c = 4 * s + t;
-        const uint4 x0 = XB ? xb[4 * c + 2 * j] : st.x[0][4 * c + 2 * j];  // k 16 j .. 16 j + 15 of the chunk
-        const uint4 x1 = XB ? xb[4 * c + 2 * j + 1] : st.x[0][4 * c + 2 * j + 1];
+        const uint4 x0 = st.x[0][4 * c + 2 * j];  // k 16 j .. 16 j + 15 of the chunk
+        const uint4 x1 = st.x[0][4 * c + 2 * j + 1];
         unsigned xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-        if constexpr (F == 3 && !XB) {  // x as the placed pairs, times 2^xshift (exact)
+        if constexpr (F == 3) {  // x as the placed pairs, times 2^xshift (exact)
             const unsigned nat[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
             placed_x8(nat, xs2, xw);
             placed_x8(nat + 4, xs2, xw + 4);
@@ -138,14 +123,6 @@ __device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st,
             if constexpr (F == 1) {
                 decode_chunk_f16(st.w[p][g][swz(g, c)], lo);
                 decode_chunk_f16(st.w[p][g + 8][swz(g + 8, c)], hi);
-            } else if constexpr (F == 2 && RING_ABLATE == 1) {
-                const uint4 wl = st.w[p][g][swz(g, c)], wh = st.w[p][g + 8][swz(g + 8, c)];
-                const unsigned ls[4] = {wl.x, wl.y, wl.z, wl.w}, hs[4] = {wh.x, wh.y, wh.z, wh.w};
-#pragma unroll
-                for (int i = 0; i < 16; ++i) {
-                    lo[i] = ls[i >> 2];
-                    hi[i] = hs[i >> 2];
-                }
             } else if constexpr (F == 2) {
                 decode_chunk_bf16u(st.w[p][g][swz(g, c)], lo);
                 decode_chunk_bf16u(st.w[p][g + 8][swz(g + 8, c)], hi);
@@ -170,52 +147,26 @@ __device__ __forceinline__ void consume_slab_unscaled(const RingStage<P, T>& st,
     }
 }
 
-// F = 1, 2: sum the quad's per-chunk partials into the bf16 form's layout (acc[p][0]: row g,
-// acc[p][2]: row g + 8, on lanes t = 0).
-template <int P, int F>
+// Sum the quad's per-chunk partials (acc[p][0]: row g, acc[p][2]: row g + 8, on lanes t = 0).
+template <int P>
 __device__ __forceinline__ void finish_item(float (&acc)[P][4]) {
-    if constexpr (F != 0) {
 #pragma unroll
-        for (int p = 0; p < P; ++p) {
-            float r0 = acc[p][0], r1 = acc[p][1];
-            r0 += __shfl_xor_sync(0xffffffffu, r0, 1);
-            r1 += __shfl_xor_sync(0xffffffffu, r1, 1);
-            r0 += __shfl_xor_sync(0xffffffffu, r0, 2);
-            r1 += __shfl_xor_sync(0xffffffffu, r1, 2);
-            acc[p][0] = r0;
-            acc[p][2] = r1;
-        }
+    for (int p = 0; p < P; ++p) {
+        float r0 = acc[p][0], r1 = acc[p][1];
+        r0 += __shfl_xor_sync(0xffffffffu, r0, 1);
+        r1 += __shfl_xor_sync(0xffffffffu, r1, 1);
+        r0 += __shfl_xor_sync(0xffffffffu, r0, 2);
+        r1 += __shfl_xor_sync(0xffffffffu, r1, 2);
+        acc[p][0] = r0;
+        acc[p][2] = r1;
     }
 }
 
-// The placed form's shift for x row `x` (placed_shift): every lane of the warp reads the whole row
-// (K % 8 == 0) and gets the same shift.
+// The placed form's shift for x row `x` (placed_shift), where the caller gives no bound (xshift < 0): every
+// lane of the warp reads the whole row (K % 8 == 0) and gets the same shift.
 __device__ __forceinline__ int row_shift(const bf16_t* x, int K) {
     const unsigned m = abs_max_bits(reinterpret_cast<const uint4*>(x), threadIdx.x & 31, 32, K / 8);
     return placed_shift(__reduce_max_sync(0xffffffffu, m));
-}
-
-// The placed gate + up's x, once per block (every thread of it): row_shift's shift over the block, then x
-// as placed_x8 makes it into xb[K / 8], read by every warp's consume. Returns the shift.
-__device__ __forceinline__ int prepare_x_block(const bf16_t* x, int K, uint4* xb) {
-    __shared__ unsigned warp_max[RING_WARPS];
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    unsigned m = __reduce_max_sync(0xffffffffu, abs_max_bits(xv, threadIdx.x, RING_THREADS, K / 8));
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < RING_WARPS; ++w) m = max(m, warp_max[w]);
-    const int shift = placed_shift(m);
-    const unsigned s2 = exp2i_bf16x2(shift);
-    for (int i = threadIdx.x; i < K / 8; i += RING_THREADS) {
-        const uint4 v = __ldg(xv + i);
-        const unsigned nat[4] = {v.x, v.y, v.z, v.w};
-        unsigned p[4];
-        placed_x8(nat, s2, p);
-        xb[i] = make_uint4(p[0], p[1], p[2], p[3]);
-    }
-    __syncthreads();
-    return shift;
 }
 
 template <int P>
@@ -235,8 +186,8 @@ __device__ __forceinline__ void store_item(const RingOut& o, int slot, int n0, i
 
 // DC: the routed items of down projection (P = 1) follow groups * dc.parts shared items, and every item
 // ends in arrive_and_combine.
-// xshift (F = 3, one projection): the power of two the caller bounds x by, or -1: x is one row (x_slot_stride
-// 0) and the kernel finds it, as gate + up always do.
+// xshift (F = 3, the down projection): the power of two the caller bounds x by (ring.act_shift), or -1 where
+// it has none: x is one row (x_slot_stride 0) and the kernel takes the shift from it.
 // The placed form's sums are the unscaled bf16 form's times 2^(xshift - 127): a finished item's sums are
 // multiplied back by 2^(127 - xshift) (exact; in two factors past 2^127) before the same output scale
 // (scale_2 x 128), so they overflow exactly where the unscaled form's do. The down projection's bound
@@ -247,8 +198,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
                                          int S, int start, int count, const RingOut& o, int N, int K,
                                          const DownCombine& dc = DownCombine{}, int xshift = 0) {
     static_assert(!DC || P == 1, "the combine ends the down projection");
-    constexpr bool XB = F == 3 && P == 2;  // placed gate + up: x prepared once per block, after the rings
-    uint4* xblk = reinterpret_cast<uint4*>(dyn_smem + RING_WARPS * D * sizeof(RingStage<P, T>));
+    static_assert(F >= 1 && F <= 3 && (F != 3 || P == 1), "the forms: f16 (1), bf16u (2), placed down (3)");
     float pre = 1.0f, pre2 = 1.0f;  // F = 3: set by the pipeline's start, once the first copies are in flight
     unsigned xs2 = 0u;
     int my_slot;
@@ -263,7 +213,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     bool src_shared = false;  // the producer's item is a shared one
     float acc[P][4];
     zero_acc<P>(acc);
-    ring_pipeline<D, XB>(
+    ring_pipeline<D>(
         ring, w0, W, shared_items + nlocal * groups, slabs,
         [&](int item) {
             src_shared = DC && item < shared_items;
@@ -284,19 +234,16 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
                     return;
                 }
             }
-            if constexpr (XB) issue_weights<P, T, 1>(st, src, b);
-            else issue_slab<P, T>(st, src, b);
+            issue_slab<P, T>(st, src, b);
         },
-        [&](const RingStage<P, T>& st, int item, int slab) {
+        [&](const RingStage<P, T>& st, int item, int) {
             if constexpr (DC) {
                 if (item < shared_items) {
                     consume_bf16_slab<T>(st, acc);
                     return;
                 }
             }
-            if constexpr (XB) consume_slab_unscaled<P, T, F, true>(st, acc, xs2, xblk + slab * 16 * T);
-            else if constexpr (F != 0) consume_slab_unscaled<P, T, F>(st, acc, xs2);
-            else consume_slab<P, T>(st, acc);
+            consume_slab_unscaled<P, T, F>(st, acc, xs2);
         },
         [&](int item) {
             if (DC && item < shared_items) {
@@ -314,7 +261,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
             float f2[P];
 #pragma unroll
             for (int p = 0; p < P; ++p) f2[p] = __shfl_sync(0xffffffffu, fb[p], j);
-            finish_item<P, F>(acc);
+            finish_item<P>(acc);
             if constexpr (F == 3) {
 #pragma unroll
                 for (int p = 0; p < P; ++p) acc[p][0] = acc[p][0] * pre * pre2, acc[p][2] = acc[p][2] * pre * pre2;
@@ -325,8 +272,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         },
         [&]() {
             if constexpr (F == 3) {
-                if (XB) xshift = prepare_x_block(x, K, xblk);
-                else if (xshift < 0) xshift = row_shift(x, K);
+                if (xshift < 0) xshift = row_shift(x, K);
                 const int t = 127 - xshift;  // 0 .. 135
                 pre = exp2i(t > 127 ? 127 : t);
                 pre2 = exp2i(t > 127 ? t - 127 : 0);
@@ -336,10 +282,10 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
 }
 
 // Each slab's stage is the size the loader gives it (RING_STAGE_BYTES_P{P}_T{T}, from ring_stage_bytes).
-#define RING_ENTRIES(T, D, F, TAG)                                                                                    \
+#define RING_ONE_ENTRIES(T, D, F, TAG)                                                                                \
     static_assert(sizeof(RingStage<1, T>) == RING_STAGE_BYTES_P1_T##T &&                                              \
                       sizeof(RingStage<2, T>) == RING_STAGE_BYTES_P2_T##T,                                            \
-                  "a ring stage differs from ring_stage_bytes in glm_ep/backend/cuda/kernel_loader.py");                     \
+                  "a ring stage differs from ring_stage_bytes in glm_ep/backend/cuda/kernel_loader.py");              \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_gemv_##TAG##t##T##_d##D(                \
         const bf16_t* __restrict__ x, long long x_slot_stride, const u64_t* __restrict__ packed_ptrs,                 \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, const int* __restrict__ ids, int S,   \
@@ -355,15 +301,17 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         const bf16_t* __restrict__ x, const u64_t* __restrict__ packed_ptrs, const u64_t* __restrict__ scale_ptrs,    \
         const float* __restrict__ scale2, const int* __restrict__ ids, int S, int start, int count, bf16_t* routed,   \
         int N, int K, const bf16_t* __restrict__ sh_w, const bf16_t* __restrict__ sh_x, int sh_k, int parts,          \
-        float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out, int xshift) {   \
+        float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out, int xshift) {    \
         pdl_enter();                                                                                                  \
         const u64_t* const wp[1] = {packed_ptrs};                                                                     \
         const u64_t* const sp[1] = {scale_ptrs};                                                                      \
         const float* const s2[1] = {scale2};                                                                          \
         const RingOut o = {routed, nullptr, nullptr, nullptr, 0.0f};                                                  \
-        const DownCombine dc = {sh_w, sh_x, sh_k, parts, partials, arrived, wts, out};                               \
+        const DownCombine dc = {sh_w, sh_x, sh_k, parts, partials, arrived, wts, out};                                \
         ring_moe<1, T, D, F, true>(x, K, wp, sp, s2, ids, S, start, count, o, N, K, dc, xshift);                      \
-    }                                                                                                                 \
+    }
+
+#define RING_GLU_ENTRY(T, D, F, TAG)                                                                                  \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_##TAG##t##T##_d##D(                 \
         const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale,    \
         const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,                                   \
@@ -378,23 +326,10 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         ring_moe<2, T, D, F>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K);                                        \
     }
 
-RING_ENTRIES(4, 2, 0, )
-RING_ENTRIES(4, 2, 1, f16_)
-RING_ENTRIES(4, 2, 2, bf16u_)
-RING_ENTRIES(4, 2, 3, pl_)
-RING_ENTRIES(4, 3, 0, )
-RING_ENTRIES(4, 3, 1, f16_)
-RING_ENTRIES(4, 3, 2, bf16u_)
-RING_ENTRIES(4, 3, 3, pl_)
-RING_ENTRIES(4, 4, 0, )
-RING_ENTRIES(4, 4, 1, f16_)
-RING_ENTRIES(4, 4, 2, bf16u_)
-RING_ENTRIES(4, 4, 3, pl_)
-RING_ENTRIES(8, 2, 0, )
-RING_ENTRIES(8, 2, 1, f16_)
-RING_ENTRIES(8, 2, 2, bf16u_)
-RING_ENTRIES(8, 2, 3, pl_)
-RING_ENTRIES(8, 3, 0, )
-RING_ENTRIES(8, 3, 1, f16_)
-RING_ENTRIES(8, 3, 2, bf16u_)
-RING_ENTRIES(8, 3, 3, pl_)
+// The forms RingConfig.forms picks (cuda/ring.py): gate + up in bf16u or f16, the down projection in those or
+// placed; one geometry (RING_KERNELS).
+RING_ONE_ENTRIES(4, 2, 1, f16_)
+RING_ONE_ENTRIES(4, 2, 2, bf16u_)
+RING_ONE_ENTRIES(4, 2, 3, pl_)
+RING_GLU_ENTRY(4, 2, 1, f16_)
+RING_GLU_ENTRY(4, 2, 2, bf16u_)

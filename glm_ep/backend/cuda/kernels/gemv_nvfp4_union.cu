@@ -1,7 +1,11 @@
 // NVFP4 verify GEMV, 2..8 rows: each union expert swept ONCE for every row that chose it, on the
 // decode ring's pipeline (nvfp4_ring.cuh) in the bf16 form, the rows being the mma's B columns.
-// Numerics, requirements and launch geometry are gemv_nvfp4_ring.cu's; a row's outputs equal its
-// one-row decode bit for bit, whichever rows share the batch.
+// Numerics are the bf16 form's (consume_slab: the dequantized weight as bf16, one mma chain over K, as
+// gemv_nvfp4.cu's block kernels); requirements and launch geometry are gemv_nvfp4_ring.cu's. A row's
+// outputs are bit for bit the same whichever rows share the batch.
+//
+// NumPy twin: NumpyBackend.moe_gemv_union and moe_gate_up_act_union (glm_ep/backend/numpy_backend.py); held
+// together by tests/cuda/test_cuda_union.py (every geometry and width; each row independent of the others).
 #include "common.cuh"
 #include "nvfp4_mma.cuh"
 #include "async_copy.cuh"

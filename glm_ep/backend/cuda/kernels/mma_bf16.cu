@@ -19,6 +19,9 @@
 //   bf16_mma_glu_t{T}          gate and up fused, writing gate, up and the clamped SwiGLU
 //   bf16_wstream_{gemm,glu}_t{8,16}  the warp-streaming engine at the end of this file (dense-FFN-sized
 //                              weights, 5..16 rows)
+//
+// NumPy twin: NumpyBackend.linear, gate_up_act and router_logits (glm_ep/backend/numpy_backend.py); held together
+// by tests/cuda/test_cuda_dense.py (every tier of both engines, K splits, graphs) and test_cuda_router.py.
 #include "common.cuh"
 #include "async_copy.cuh"
 #include "nvfp4_mma.cuh"
@@ -197,9 +200,9 @@ MMA_GEMM_ENTRIES(32)
 MMA_GEMM_ENTRIES(64)
 
 // ---- the warp-streaming engine: dense-FFN-sized weights at 5..16 rows ----------------------------------
-// Measured (docs/perf/NOTES.md, "A streaming tensor-core GEMM for the dense FFN"): a launch streams a
-// weight at ~4 TB/s only as many independent pipelines an SM (12 warps, each its own band and ring), and at
-// 2-3 TB/s when a block steps a wide band in lock step. So here every WARP streams its own 16 weight rows
+// Measured (docs/perf/DESIGN-NOTES.md): a launch streams a weight near the copy bandwidth only with many
+// independent pipelines an SM (12 warps, each its own band and ring), and far below it when a block steps a
+// wide band in lock step. So here every WARP streams its own 16 weight rows
 // through its own ring of WSTREAM_DEPTH stages in shared memory: a stage is the rows' next 512 bytes
 // (256 k), one cp.async of 16 bytes a lane a row (each instruction one row's contiguous 512 bytes); the
 // warp waits only on its own copies (no block barrier in the loop). x rows come through L1 (the block's

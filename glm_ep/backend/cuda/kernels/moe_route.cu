@@ -4,6 +4,10 @@
 //   moe_sort_by_expert   a stable counting sort of the flat (row, slot) ids by expert, in one block
 //   moe_sort_count       the same sort over several blocks: each block's per-expert counts of its chunk,
 //   moe_sort_place       then each block places its chunk after the counts of the chunks before it
+//
+// NumPy twin: glm_ep/mlp/routing.py's union_table and sort_by_expert (NumpyBackend.union_table, sort_by_expert);
+// held together by tests/cuda/test_cuda_union.py::test_union_table and
+// tests/cuda/test_cuda_routed.py::test_sort_by_expert, exact.
 #include "common.cuh"
 
 #if !defined(UNION_MAX_IDS) || !defined(SORT_THREADS)

@@ -2,6 +2,9 @@
 // gemv_nvfp4_ring.cu): exact dequantization of a 16-byte chunk of 32 e2m1 nibbles to bf16 pairs and
 // the mma.sync m16n8k16 (bf16 operands, fp32 accumulators) that consumes them. Include after
 // common.cuh (glm_ep/backend/cuda/kernel_loader.py inlines both; neither includes the other).
+//
+// NumPy twin: glm_ep/checkpoint/nvfp4.py's dequantize, through NumpyBackend.moe_gemv and its kin; held together by
+// tests/cuda/test_cuda_routed.py, test_cuda_ring.py and test_cuda_union.py.
 #pragma once
 
 __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {

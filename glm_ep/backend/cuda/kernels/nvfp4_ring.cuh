@@ -2,6 +2,9 @@
 // and gemv_nvfp4_union.cu (verify, a union of rows): the stage layout, the weight copies, the bf16
 // form's mma over a landed slab and the cp.async pipeline both run. Include after common.cuh,
 // nvfp4_mma.cuh and async_copy.cuh.
+//
+// NumPy twin: NumpyBackend.moe_gemv, moe_gate_up_act and their union forms (glm_ep/backend/numpy_backend.py); held
+// together by tests/cuda/test_cuda_ring.py and test_cuda_union.py.
 #pragma once
 
 #ifndef RING_WARPS
@@ -97,26 +100,23 @@ struct RingOut {
 // src(item) points the producer at an item, issue(stage, slab) copies a slab of the producer's item,
 // consume(stage, item, slab) multiplies a landed slab of the item into the caller's accumulators, finish(item)
 // stores a finished item and clears them; start() runs once on every warp (a warp without items too), once the
-// first copies are in flight, before the first consume. BARRIER: start() holds a block barrier, so every warp
-// reaches it at the same point of the code (a warp without items runs the empty prologue to it).
+// first copies are in flight, before the first consume.
 struct NoStart {
     __device__ __forceinline__ void operator()() const {}
 };
 
-template <int D, bool BARRIER = false, typename Stage, typename Src, typename Issue, typename Consume,
+template <int D, typename Stage, typename Src, typename Issue, typename Consume,
           typename Finish, typename Start = NoStart>
 __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int items, int slabs, Src&& src,
                                               Issue&& issue, Consume&& consume, Finish&& finish,
                                               Start&& start = Start{}) {
     const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * slabs;  // this warp's slabs (maybe none)
-    if constexpr (!BARRIER) {
-        if (total == 0) {
-            start();
-            return;
-        }
+    if (total == 0) {
+        start();
+        return;
     }
     int p_item = w0, p_s = 0;  // producer: (item, slab) of the next load
-    if (total) src(p_item);
+    src(p_item);
     auto advance = [&]() {
         if (++p_s < slabs) return;
         p_s = 0;

@@ -1,6 +1,9 @@
 // The down ring's fused tail (gemv_nvfp4_ring.cu, DC = true): the shared expert's down projection as
 // extra ring items and the site's combine by the warp that finishes a row group. Include after
 // common.cuh, nvfp4_mma.cuh, async_copy.cuh and nvfp4_ring.cuh.
+//
+// NumPy twin: NumpyBackend.moe_down_shared_combine (glm_ep/backend/numpy_backend.py); held together by
+// tests/cuda/test_cuda_ring.py::test_moe_down_combine_ring and its fallback test.
 #pragma once
 
 // The shared expert's bf16 down weights [N, Ksh] run as extra items of the down ring: item (part, group)

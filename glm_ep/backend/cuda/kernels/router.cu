@@ -1,5 +1,8 @@
 // The router's top-k, one warp-sized block per row (router_topk.cuh holds the math and its
 // contract with glm_ep/mlp/routing.py::router_topk).
+//
+// NumPy twin: glm_ep/mlp/routing.py's router_topk (NumpyBackend.router_topk); held together by
+// tests/cuda/test_cuda_router.py, bit for bit.
 #include "common.cuh"
 #include "router_topk.cuh"
 

@@ -7,6 +7,9 @@
 //            then * routed_scale       (bf16 ladder: each stage rounded to bf16)
 // The sum runs in numpy's order (sequential below 8 terms, eight pairwise lanes from 8 up) so the
 // weights match the NumPy twin bit for bit. Include after common.cuh.
+//
+// NumPy twin: glm_ep/mlp/routing.py's router_topk (NumpyBackend.router_topk); held together by
+// tests/cuda/test_cuda_router.py, bit for bit, ties and NaN included.
 #pragma once
 
 #ifndef ROUTER_MAX_TOP_K

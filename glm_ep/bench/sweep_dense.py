@@ -1,0 +1,110 @@
+"""``glm-ep bench --sweep dense``: the bf16 projections of 1..64 rows on every engine that can take them, per
+GLM-5.3-Flash shape, in ONE run on one GPU: what the dense dispatch's row tiers are set from (``dense.py``:
+the batch-M GEMV to 8 rows, the warp-streaming GEMM ``wstream_takes``, the 9..64-row tensor-core GEMM
+``mma_gemm_takes`` / ``MMA_GLU_MAX_ROWS``, cuBLAS).
+
+Shapes: the dense FFN's gate + up + SwiGLU ([12288, 4096] each) and down ([4096, 12288]), the shared expert's
+([2048, 4096], [4096, 2048]). Engines: ``gemv`` (1..8 rows), ``wstream`` (the warp-streaming GEMM, 1..16),
+``mma`` (the tensor-core GEMM, 9..64), ``cublas`` (gate, up, then the SwiGLU pass for gate + up),
+``cublas_pair`` (gate and up in one batched call), and ``shipped``: the backend's own op (``gate_up_act``,
+``linear``), i.e. the engine the dispatch picks. Each the median of back-to-back launches (cuBLAS cannot be
+captured, so no graphs); the dense FFN's weights stream from HBM, the shared expert's (33 MB) stay in L2
+between calls. Writes SWEEP_DENSE.md / sweep_dense.json to ``--out``. Shape suffixes: R rows, N out, K in.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable
+
+from glm_ep.bench.common import BF16, bench_meta, copy_bandwidth, glm_model, gpu_bf16, results_header, time_median
+from glm_ep.bench.sweep_ring import _write
+
+ROWS = (1, 2, 4, 5, 8, 9, 16, 24, 32, 48, 64)
+ENGINES = ("gemv", "wstream", "mma", "cublas", "cublas_pair", "shipped")
+
+
+def shapes(model: Any) -> dict[str, tuple[int, int, bool]]:
+    """name -> (out width N, in width K, gate + up + SwiGLU)."""
+    h, i, s = model.hidden_size, model.intermediate_size, model.shared_intermediate
+    return {"dense gate + up": (i, h, True), "dense down": (h, i, False),
+            "shared gate + up": (s, h, True), "shared down": (h, s, False)}
+
+
+def run_sweep_dense(args: argparse.Namespace) -> int:
+    import cupy as cp
+
+    from glm_ep.backend.base import DenseResident
+    from glm_ep.backend.cuda import CudaBackend
+    from glm_ep.backend.cuda import dense as D
+    from glm_ep.backend.cuda.elementwise import swiglu
+
+    model = glm_model()
+    rows = sorted(set(args.rows or ROWS))
+    if rows[0] < 1 or rows[-1] > D.MMA_GEMM_MAX_ROWS:
+        from glm_ep.errors import ConfigError
+
+        raise ConfigError(f"--sweep dense --rows {' '.join(map(str, rows))}: expected widths of 1.."
+                          f"{D.MMA_GEMM_MAX_ROWS} (the tiers it sweeps)")
+    be = CudaBackend(0)
+    s, limit = be.stream, model.swiglu_limit
+    copy_gbs = copy_bandwidth(cp, s)
+    n_partials, n_arrived = D.wstream_scratch_sizes()
+    partials, arrived = cp.empty(n_partials, cp.float32), cp.zeros(n_arrived, cp.uint32)
+    results = []
+    for name, (n, k, glu) in shapes(model).items():
+        w2 = gpu_bf16(cp, (2, n, k), k ** -0.5)  # gate and up stacked, as upload_dense keeps them
+        wg, wu = w2[0], w2[1]
+        resident = DenseResident(wg, wu, gpu_bf16(cp, (k, n), n ** -0.5))
+        for r in rows:
+            x = gpu_bf16(cp, (r, k), 1.0)
+            g, u, a = (cp.empty((r, n), BF16) for _ in range(3))
+            gu = cp.empty((2, r, n), BF16)
+            runs: dict[str, Callable[[], None]] = {}
+            if glu:
+                if r <= D.GEMV_MAX_ROWS:
+                    runs["gemv"] = lambda: D.glu_bf16(x, wg, wu, limit, g, u, a)
+                if r <= D.WSTREAM_MAX_ROWS:
+                    runs["wstream"] = lambda: D.wstream_glu_bf16(x, wg, wu, limit, g, u, a, partials, arrived)
+                if r > D.GEMV_MAX_ROWS:
+                    runs["mma"] = lambda: D.mma_glu_bf16(x, wg, wu, limit, g, u, a)
+                runs["cublas"] = lambda: (D.gemm_bf16(x, wg, g), D.gemm_bf16(x, wu, u), swiglu(g, u, limit, a))
+                runs["cublas_pair"] = lambda: (D.gemm_bf16_pair(x, wg, wu, gu[0], gu[1]),
+                                               swiglu(gu[0], gu[1], limit, a))
+                runs["shipped"] = lambda: be.gate_up_act(x, resident, limit, g, u, a)
+            else:
+                if r <= D.GEMV_MAX_ROWS:
+                    runs["gemv"] = lambda: D.gemv_bf16(x, wg, g)
+                if r <= D.WSTREAM_MAX_ROWS:
+                    runs["wstream"] = lambda: D.wstream_gemm_bf16(x, wg, g, partials, arrived)
+                if r > D.GEMV_MAX_ROWS:
+                    runs["mma"] = lambda: D.mma_gemm_bf16(x, wg, g)
+                runs["cublas"] = lambda: D.gemm_bf16(x, wg, g)
+                runs["shipped"] = lambda: be.linear(x, wg, g)
+            with s:
+                times = {engine: time_median(cp, s, fn, 20) for engine, fn in runs.items()}
+            results.append({"shape": name, "rows": r, "bytes": (2 if glu else 1) * n * k * 2, **times})
+    meta = bench_meta(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), copy_gbs)
+    return _write(Path(args.out), "dense", {"meta": meta, "results": results}, render_dense)
+
+
+def fastest(r: dict[str, Any]) -> str:
+    """The engine with the least time in a result row (``shipped`` is the dispatch, not an engine)."""
+    return min((e for e in ENGINES[:-1] if r.get(e) is not None), key=lambda e: r[e])
+
+
+def render_dense(data: dict[str, Any]) -> str:
+    meta = data["meta"]
+    lines = results_header("glm-ep bench --sweep dense", meta) + [
+        "", "µs a call (median of back-to-back calls), ★ the fastest engine; `shipped` is the backend's own op, the "
+        "engine the dispatch picks (a captured 1..8-row step cannot call cuBLAS). TB/s: the weight bytes over the "
+        "shipped time."]
+    for shape in dict.fromkeys(r["shape"] for r in data["results"]):
+        lines += ["", f"## {shape}", "", "| rows | " + " | ".join(ENGINES) + " | TB/s |",
+                  "|---:|" + "---:|" * (len(ENGINES) + 1)]
+        for r in (r for r in data["results"] if r["shape"] == shape):
+            best = fastest(r)
+            cells = ["—" if r.get(e) is None else f"{r[e]:.1f}" + (" ★" if e == best else "") for e in ENGINES]
+            lines.append(f"| {r['rows']} | " + " | ".join(cells) + f" | {r['bytes'] / (r['shipped'] * 1e6):.2f} |")
+    return "\n".join(lines) + "\n"
