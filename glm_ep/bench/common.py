@@ -11,9 +11,11 @@ import logging
 import platform
 import statistics
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import ml_dtypes
+import numpy as np
 
 from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.mlp.dispatch import ExpertDispatch
@@ -112,6 +114,58 @@ def sparse_bytes(model: ModelConfig, n_experts: int) -> int:
     h, e = model.hidden_size, model.n_routed_experts
     shared = 3 * model.shared_intermediate * h * 2
     return n_experts * expert_bytes(model) + shared + e * h * 2 + e * 4
+
+
+def sparse_flops(model: ModelConfig, rows: int) -> int:
+    """Multiply-add FLOPs (2 a product) of one sparse site over ``rows`` rows: the router, top_k routed experts a
+    row (gate, up, down) and the shared expert."""
+    h, m, k, e = model.hidden_size, model.moe_intermediate_size, model.num_experts_per_tok, model.n_routed_experts
+    return 2 * rows * h * (e + 3 * k * m + 3 * model.shared_intermediate)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The floor of one call: the larger of its bytes over the copy bandwidth and its FLOPs over the bf16 GEMM rate
+    (None where no rate was measured: the byte floor alone)."""
+
+    experts: int  # the routed experts whose weights the call reads (the union of its choices)
+    bytes_read: int
+    flops: int
+    byte_floor_us: float
+    flop_floor_us: float | None
+
+    @property
+    def floor_us(self) -> float:
+        return max(self.byte_floor_us, self.flop_floor_us or 0.0)
+
+    @property
+    def bound(self) -> str:
+        return "FLOPs" if (self.flop_floor_us or 0.0) > self.byte_floor_us else "bytes"
+
+    def pct(self, us: float | None) -> float | None:
+        """% of the roofline a call of ``us`` reaches (100: at its floor)."""
+        return None if not us else 100.0 * self.floor_us / us
+
+
+def sparse_roofline(model: ModelConfig, ids_TK: np.ndarray, copy_gbs: float, bf16_tflops: float | None) -> Roofline:
+    """The sparse site's roofline on one call's routing ``ids_TK`` (host int array ``[T, K]``): the weights of the
+    UNION of experts the call chose (each read once), the shared expert and the router, plus the activations read and
+    written (``x`` in, the output out, bf16)."""
+    rows, union = ids_TK.shape[0], len(np.unique(ids_TK))
+    nbytes = sparse_bytes(model, union) + 2 * rows * model.hidden_size * 2
+    flops = sparse_flops(model, rows)
+    return Roofline(union, nbytes, flops, nbytes / (copy_gbs * 1e9) * 1e6,
+                    flops / (bf16_tflops * 1e12) * 1e6 if bf16_tflops else None)
+
+
+def cupy_gemm_tflops(cp: Any, stream: Any, n: int = 8192) -> float:
+    """The bf16 GEMM rate of this device through CuPy (cuBLAS, fp32 accumulation), an ``n``-cube product."""
+    with stream:
+        a = cp.ones((n, n), dtype=BF16)
+        b = cp.ones((n, n), dtype=BF16)
+        c = cp.empty((n, n), dtype=BF16)
+    us = time_median(cp, stream, lambda: cp.matmul(a, b, out=c), iters=5, warmup=2, repeats=5)
+    return 2 * n ** 3 / (us * 1e-6) / 1e12
 
 
 def dense_bytes(model: ModelConfig) -> int:

@@ -252,7 +252,9 @@ def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> None:
     data = {"meta": meta, "rows": [dict(r.__dict__, gbs=r.gbs, pct=r.pct, floor_us=r.floor_us) for r in rows]}
     (out_dir / "bench.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = results_header("glm-ep bench", meta) + [
-        "", "| what | median µs | bytes read (MB) | byte floor µs | GB/s | % of copy bw | note |",
+        "", "At 1..8 rows a site's byte floor is its roofline: its FLOPs at the bf16 GEMM rate take about 2% of it or less, so "
+        "% of copy bandwidth is % of roofline. Bytes: the union of the experts the rows chose, each read once.",
+        "", "| what | median µs | bytes read (MB) | byte floor µs | GB/s | % of copy bw (of roofline) | note |",
         "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r.name} | {r.median_us:.1f} | {r.bytes_read / 1e6:.1f} | {r.floor_us:.1f} | "

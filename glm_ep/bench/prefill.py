@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from glm_ep.backend.cuda import grouped as NV
-from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, dense_nvfp4_bytes, glm_model,
-                                 gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header, time_median,
-                                 torch_time_us, world1_cfg)
+from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, cupy_gemm_tflops, dense_bytes, dense_nvfp4_bytes,
+                                 glm_model, gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header,
+                                 sparse_roofline, time_median, torch_time_us, world1_cfg)
 from glm_ep.dist.comm import SelfComm
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite, clamped_swiglu_mlp
@@ -130,8 +130,9 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["sparse_sorted_us"] = t(lambda: sorted_site(x, ws, o), rows)
         if rows <= UNION_MAX_TIMED:
             r["sparse_union_us"] = t(lambda: union_site(x, ws, o), rows)
-        # the routed-expert GEMMs alone, on this width's routing
+        # the routed-expert GEMMs alone, on this width's routing; its union of experts sets the roofline's bytes
         ids_TK, _ = site.route(x, ws)
+        r["ids"] = cp.asnumpy(ids_TK)
         s = rows * k
         tok, eid, offsets = ws.view("sorted_token_ids", s), ws.view("sorted_expert_ids", s), \
             ws.view("expert_offsets", model.n_routed_experts + 1)
@@ -164,7 +165,15 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     cp.get_default_memory_pool().free_all_blocks()
     peers = _peer_rows(model, widths, args) if args.peer else {"note": "peers skipped (--no-peer)"}
     meta = bench_meta(device, copy_gbs)
-    meta.update(gemm_tflops=peers.get("gemm_tflops"), dense_floor_us=dense_bytes(model) / (copy_gbs * 1e9) * 1e6,
+    gemm_tflops = peers.get("gemm_tflops")
+    if gemm_tflops is None:  # no PyTorch peer: the same rate through CuPy's cuBLAS
+        gemm_tflops = cupy_gemm_tflops(cp, stream)
+    for r in results["widths"]:
+        roof = sparse_roofline(model, r.pop("ids"), copy_gbs, gemm_tflops)
+        r.update(roof_experts=roof.experts, roof_bytes=roof.bytes_read, roof_flops=roof.flops,
+                 byte_floor_us=roof.byte_floor_us, flop_floor_us=roof.flop_floor_us, roof_floor_us=roof.floor_us,
+                 roof_bound=roof.bound)
+    meta.update(gemm_tflops=gemm_tflops, dense_floor_us=dense_bytes(model) / (copy_gbs * 1e9) * 1e6,
                 crossover=crossover(results["sweep"]), peer_note=peers.get("note", ""),
                 nvfp4_dense_floor_us=dense_nvfp4_bytes(model) / (copy_gbs * 1e9) * 1e6,
                 nvfp4_crossover=crossover(results["nvfp4_sweep"]),
@@ -220,12 +229,32 @@ def _f(v: Any, fmt: str = "{:.1f}") -> str:
     return "—" if v is None else fmt.format(v)
 
 
+def roofline_lines(meta: dict[str, Any], w: list[dict[str, Any]]) -> list[str]:
+    """The sparse site against its roofline at each width: the larger of (the union of chosen experts' weights +
+    shared expert + router + activations) / copy bandwidth and its FLOPs / the measured bf16 GEMM rate."""
+    if not w or "roof_floor_us" not in w[0]:  # a run recorded before the roofline was
+        return []
+    lines = [f"## Sparse site against its roofline (copy {meta['copy_gbs']:.0f} GB/s, bf16 GEMM "
+             f"{_f(meta.get('gemm_tflops'), '{:.0f}')} TFLOP/s)", "",
+             "| rows | experts read | MB read | GFLOP | byte floor | FLOP floor | bound | glm_ep | % of roofline "
+             "| HF `Glm5NextTextMoE` | HF % of roofline |",
+             "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+    for r in w:
+        floor, hf = r["roof_floor_us"], r.get("hf_moe_us")
+        lines.append(f"| {r['rows']} | {r['roof_experts']} | {r['roof_bytes'] / 1e6:.1f} | {r['roof_flops'] / 1e9:.1f} | "
+                     f"{r['byte_floor_us']:.1f} | {_f(r.get('flop_floor_us'))} | {r['roof_bound']} | "
+                     f"{r['sparse_us']:.1f} | {100 * floor / r['sparse_us']:.0f}% | {_f(hf)} | "
+                     f"{_f(100 * floor / hf if hf else None, '{:.0f}%')} |")
+    return lines + [""]
+
+
 def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
     w = res["widths"]
     gemm = f"; bf16 GEMM (torch.matmul 8192³): **{_f(meta['gemm_tflops'], '{:.0f}')} TFLOP/s**  "
     lines = results_header("glm-ep bench --prefill", meta, gemm) + [
         f"Shape: GLM-5.3-Flash (hidden 4096, 288 NVFP4 experts of width 2048, top-8, dense width 12288), "
         f"world 1. Times in µs, medians after warm-up. {meta['peer_note']}", "",
+        *roofline_lines(meta, w),
         "## Sparse site (router + routed experts + shared expert + combine)", "",
         "| rows | glm_ep | path | row groups | grouped GEMM | HF `Glm5NextTextMoE` (fastest impl) | HF / glm_ep |",
         "|---:|---:|---|---:|---:|---:|---:|"]
@@ -293,10 +322,23 @@ def plot(path: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
         return
     w = res["widths"]
     rows = [r["rows"] for r in w]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
     series = (("sparse site", [("glm_ep", "sparse_us"), ("HF Glm5NextTextMoE (fastest)", "hf_moe_us"),
                                ("glm_ep routed GEMMs", None), ("torch._grouped_mm bf16 experts", "grouped_mm_us")]),
               ("dense site", [("glm_ep", "dense_us"), ("HF Glm5NextTextMLP", "hf_mlp_us")]))
+    if w and "roof_floor_us" in w[0]:
+        ax = axes[2]
+        for label, key in (("glm_ep", "sparse_us"), ("HF Glm5NextTextMoE (fastest)", "hf_moe_us")):
+            pts = [(r["rows"], 100 * r["roof_floor_us"] / r[key]) for r in w if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 100)
+        ax.set_xlabel("rows")
+        ax.set_ylabel("% of roofline")
+        ax.set_title("sparse site: % of roofline")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
     for ax, (title, lines) in zip(axes, series):
         for label, key in lines:
             ys = [r["glu_us"] + r["down_us"] for r in w] if key is None else [r.get(key) for r in w]
