@@ -5,8 +5,8 @@
 # 2. glm-ep forward --backend cuda against --backend cpu at 1, 5, 300 and 2000 rows, on one rank and on
 #    two ranks sharing the GPU (MPI all-reduce), on a synthetic checkpoint;
 # 3. glm-ep run --backend cuda (PASS/FAIL against float64);
-# 4. glm-ep bench (decode, verify) and glm-ep bench --prefill -> OUT_DIR/perf (docs/perf keeps one set a card:
-#    BENCH.md and PREFILL.md the H200's, BENCH_H100.md and PREFILL_H100.md the H100's; copy them there by hand).
+# 4. glm-ep bench (decode, verify) and glm-ep bench --prefill -> OUT_DIR/perf (BENCH_<CARD>.md, PREFILL_<CARD>.md
+#    and their json and png, named after the card: copy them into docs/perf to record them).
 set -uo pipefail
 OUT_DIR="${1:-./device_out}"; shift || true
 mkdir -p "$OUT_DIR"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -176,6 +177,13 @@ def dense_nvfp4_bytes(model: ModelConfig) -> int:
     """The dense FFN stored NVFP4 (nvidia/GLM-5.3-Flash-NVFP4's layers 0-2)."""
     h, width = model.hidden_size, model.intermediate_size
     return 2 * nvfp4_bytes(width, h) + nvfp4_bytes(h, width)
+
+
+def card_tag(device: str) -> str:
+    """The card a device name stands for, as results files name it: ``NVIDIA H100 80GB HBM3`` -> ``h100``,
+    ``NVIDIA H200`` -> ``h200``, ``NVIDIA GB10`` -> ``gb10`` (the first word after the vendor's)."""
+    words = [w for w in re.split(r"[^A-Za-z0-9]+", device) if w and w.upper() != "NVIDIA"]
+    return words[0].lower() if words else "gpu"
 
 
 def bench_meta(device: str, copy_gbs: float) -> dict[str, Any]:

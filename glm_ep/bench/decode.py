@@ -1,5 +1,5 @@
 """``glm-ep bench``: decode and verify at the GLM-5.3-Flash shape on the GPU, timed sites against the
-measured copy bandwidth; writes BENCH.md, bench.json and bench.png.
+measured copy bandwidth; writes BENCH_<CARD>.md, bench_<card>.json and bench_<card>.png (``card_tag``).
 
 Shape suffixes: T rows, H hidden, E experts, M moe width, I dense width.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, dense_nvfp4_bytes, glm_model,
+from glm_ep.bench.common import (BF16, bench_meta, card_tag, copy_bandwidth, dense_bytes, dense_nvfp4_bytes, glm_model,
                                  gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header, sparse_bytes,
                                  time_median, torch_time_us, world1_cfg)
 from glm_ep.dist.comm import SelfComm
@@ -217,9 +217,9 @@ def run_bench(args: argparse.Namespace) -> int:
                         copy_gbs, f"the same step captured without programmatic dependent launch (levers.pdl = "
                         f"false): {us_plain / us:.3f}x the time"))
     out_dir = Path(args.out)
-    write_results(out_dir, rows, bench_meta(device, copy_gbs))
-    plot_results(out_dir)
-    print((out_dir / "BENCH.md").read_text())
+    stem = write_results(out_dir, rows, bench_meta(device, copy_gbs))
+    plot_results(out_dir / f"{stem}.json")
+    print((out_dir / f"{stem.upper()}.md").read_text())
     return 0
 
 
@@ -247,10 +247,12 @@ def _nvfp4_dense_rows(be: Any, cfg: Any, model: ModelConfig, levers: PathLevers,
     return out
 
 
-def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> None:
+def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> str:
+    """Writes ``bench_<card>.json`` and ``BENCH_<CARD>.md`` into ``out_dir``; returns the stem (``bench_<card>``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_{card_tag(meta['device'])}"
     data = {"meta": meta, "rows": [dict(r.__dict__, gbs=r.gbs, pct=r.pct, floor_us=r.floor_us) for r in rows]}
-    (out_dir / "bench.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = results_header("glm-ep bench", meta) + [
         "", "At 1..8 rows a site's byte floor is its roofline: its FLOPs at the bf16 GEMM rate take about 2% of it or less, so "
         "% of copy bandwidth is % of roofline. Bytes: the union of the experts the rows chose, each read once.",
@@ -259,15 +261,16 @@ def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> None:
     for r in rows:
         lines.append(f"| {r.name} | {r.median_us:.1f} | {r.bytes_read / 1e6:.1f} | {r.floor_us:.1f} | "
                      f"{r.gbs:.0f} | {r.pct:.1f} | {r.note} |")
-    (out_dir / "BENCH.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{stem.upper()}.md").write_text("\n".join(lines) + "\n")
+    return stem
 
 
-def plot_results(out_dir: Path) -> Path | None:
-    """PNG of % of copy bandwidth per path, from ``bench.json`` (matplotlib, if installed)."""
+def plot_results(results: Path) -> Path | None:
+    """PNG of % of copy bandwidth per path beside ``results`` (a ``bench_<card>.json``; matplotlib, if installed)."""
     plt = pyplot()
     if plt is None:
         return None
-    data = json.loads((out_dir / "bench.json").read_text())
+    data = json.loads(results.read_text())
     rows = [r for r in data["rows"] if r["bytes_read"] > 0]
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.5))
     ax.barh([r["name"] for r in rows][::-1], [r["pct"] for r in rows][::-1], color="#4477aa")
@@ -275,6 +278,6 @@ def plot_results(out_dir: Path) -> Path | None:
     ax.set_xlabel(f"% of measured copy bandwidth ({data['meta']['copy_gbs']:.0f} GB/s)")
     ax.set_title(f"glm-ep bench, {data['meta']['device']}")
     fig.tight_layout()
-    path = out_dir / "bench.png"
+    path = results.with_suffix(".png")
     fig.savefig(path, dpi=120)
     return path

@@ -9,10 +9,10 @@ HF transformers' ``Glm5NextTextMoE`` (fastest experts implementation), ``Glm5Nex
 crossover the ``prefill_gemm_min_rows`` lever is set from; one of a dense FFN stored NVFP4 (row groups,
 the grouped GEMM with and without its K split, its projections dequantized to bf16 for cuBLAS) the
 ``nvfp4_dense_gemm_min_rows`` and ``nvfp4_dense_dequant_min_rows`` levers'. Synthetic
-weights made on the GPU; every figure a median over repeats after warm-up. Writes PREFILL.md, prefill.json,
-prefill.png; a run of other ``--rows`` than the default widths writes PREFILL_<rows>.md, prefill_<rows>.json and
-prefill_<rows>.png instead
-(e.g. PREFILL_1024_4096.md), so a partial run never overwrites the full table.
+weights made on the GPU; every figure a median over repeats after warm-up. Writes PREFILL_<CARD>.md,
+prefill_<card>.json, prefill_<card>.png (``card_tag``); a run of other ``--rows`` than the default widths writes
+PREFILL_<CARD>_<rows>.md and the like instead (e.g. PREFILL_H100_1024_4096.md), so a partial run never overwrites
+the full table.
 Shape suffixes: T rows, H hidden, K top-k, M moe width, S = T*K.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from glm_ep.backend.cuda import grouped as NV
-from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, cupy_gemm_tflops, dense_bytes, dense_nvfp4_bytes,
+from glm_ep.bench.common import (BF16, bench_meta, card_tag, copy_bandwidth, cupy_gemm_tflops, dense_bytes, dense_nvfp4_bytes,
                                  glm_model, gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header,
                                  sparse_roofline, time_median, torch_time_us, world1_cfg)
 from glm_ep.dist.comm import SelfComm
@@ -183,7 +183,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r.update(peers.get(r["rows"], {}))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = result_stem(widths)
+    stem = result_stem(widths, card_tag(device))
     (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, **results}, indent=2) + "\n")
     (out_dir / f"{stem.upper()}.md").write_text(render(meta, results))
     plot(out_dir / f"{stem}.png", meta, results)
@@ -191,9 +191,10 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def result_stem(widths: list[int]) -> str:
-    """``prefill`` for the default widths, else ``prefill_<w1>_<w2>...`` (the table is the stem upper-cased)."""
-    return "prefill" if tuple(widths) == WIDTHS else "prefill_" + "_".join(str(w) for w in widths)
+def result_stem(widths: list[int], card: str) -> str:
+    """``prefill_<card>`` for the default widths, else ``prefill_<card>_<w1>_<w2>...`` (the table is the stem
+    upper-cased)."""
+    return f"prefill_{card}" + ("" if tuple(widths) == WIDTHS else "".join(f"_{w}" for w in widths))
 
 
 def _peer_rows(model: Any, widths: list[int], args: argparse.Namespace) -> dict[Any, Any]:

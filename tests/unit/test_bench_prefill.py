@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from glm_ep.bench.common import card_tag
 from glm_ep.bench.prefill import WIDTHS, crossover, render, result_stem
 
-RECORDED = Path(__file__).resolve().parents[2] / "docs" / "perf" / "prefill.json"
+RECORDED = Path(__file__).resolve().parents[2] / "docs" / "perf" / "prefill_h200.json"
 
 
 def sweep(*pairs):
@@ -32,11 +33,16 @@ def test_render_recorded_run():
 
 
 def test_a_partial_run_names_its_own_files():
-    """The default widths write PREFILL.md / prefill.json / prefill.png; other --rows their own stem, so a run of two
-    widths never overwrites the full table."""
-    assert result_stem(list(WIDTHS)) == "prefill"
-    assert result_stem([1024, 4096]) == "prefill_1024_4096"
-    assert result_stem([16]) == "prefill_16" and result_stem([16]).upper() == "PREFILL_16"
+    """The default widths write PREFILL_<CARD>.md / prefill_<card>.json / prefill_<card>.png; other --rows their own
+    stem, so a run of two widths never overwrites the full table, and one card's run never another card's."""
+    assert result_stem(list(WIDTHS), "h100") == "prefill_h100"
+    assert result_stem([1024, 4096], "h200") == "prefill_h200_1024_4096"
+    assert result_stem([16], "h100").upper() == "PREFILL_H100_16"
+
+
+def test_card_tags_name_results_files():
+    assert card_tag("NVIDIA H100 80GB HBM3") == "h100" and card_tag("NVIDIA H200") == "h200"
+    assert card_tag("NVIDIA GB10") == "gb10" and card_tag("") == "gpu"
 
 
 def test_render_nvfp4_dense_sweep():

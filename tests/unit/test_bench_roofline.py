@@ -11,7 +11,7 @@ import numpy as np
 from glm_ep.bench.common import expert_bytes, glm_model, sparse_bytes, sparse_flops, sparse_roofline
 from glm_ep.bench.prefill import render
 
-RECORDED = Path(__file__).resolve().parents[2] / "docs" / "perf" / "prefill.json"
+RECORDED = Path(__file__).resolve().parents[2] / "docs" / "perf" / "prefill_h200.json"
 
 
 def test_bytes_count_each_chosen_expert_once():
