@@ -127,6 +127,13 @@ class Capabilities:
                                   f"{on} (rows up to {self.max_row_group} are one row group)")
 
 
+#: What the path kernels can do, the one source both backends read: the CUDA kernels are compiled with these
+#: numbers (``kernel_loader``'s ``-D`` constants are set from them) and the NumPy backend, which walks the same
+#: paths, refuses what a GPU would. Neither records graphs here: a backend that captures says so in its own copy.
+KERNEL_LIMITS = Capabilities(max_row_group=8, max_union_ids=64, max_gemv_rows=8, max_top_k=16, grouped_gemm=True,
+                             capture=False)
+
+
 # ---- the interface ------------------------------------------------------------------------------
 class Backend(ABC, Generic[A, P]):
     name: str

@@ -5,6 +5,7 @@ a GPU: the CUDA backend's capabilities and ring levers are checked before CuPy i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -53,6 +54,27 @@ def test_the_defaults_fit_both_backends() -> None:
     CudaBackend.capabilities.check("cuda", PathLevers(), 16)
     assert NumpyBackend.capabilities.max_row_group == CudaBackend.capabilities.max_row_group == 8
     assert not NumpyBackend.capabilities.capture and CudaBackend.capabilities.capture
+
+
+def test_both_backends_read_the_kernel_limits_from_one_place() -> None:
+    """The NumPy backend's limits are ``KERNEL_LIMITS`` without importing the CUDA loader (a fresh interpreter: nothing
+    under ``glm_ep.backend.cuda`` is loaded), and the CUDA kernels are compiled with the same numbers."""
+    import subprocess
+    import sys
+
+    from glm_ep.backend.base import KERNEL_LIMITS
+    from glm_ep.backend.cuda import kernel_loader as K
+
+    code = ("import sys, glm_ep.backend.numpy_backend as nb\n"
+            "from glm_ep.backend.base import KERNEL_LIMITS\n"
+            "assert nb.NumpyBackend.capabilities == KERNEL_LIMITS\n"
+            "print(sorted(m for m in sys.modules if m.startswith('glm_ep.backend.cuda')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    assert (K.UNION_MAX_ROWS, K.UNION_MAX_IDS, K.GEMV_MAX_ROWS, K.ROUTER_MAX_TOP_K) == (
+        KERNEL_LIMITS.max_row_group, KERNEL_LIMITS.max_union_ids, KERNEL_LIMITS.max_gemv_rows, KERNEL_LIMITS.max_top_k)
+    assert K.DEFINES["UNION_MAX_IDS"] == 64 and K.DEFINES["ROUTER_MAX_TOP_K"] == 16
+    assert CudaBackend.capabilities == dataclasses.replace(KERNEL_LIMITS, capture=True)
 
 
 def test_ring_levers_default_to_the_measured_ring_and_parse_from_toml() -> None:
