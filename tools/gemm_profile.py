@@ -46,7 +46,7 @@ def main() -> int:
     site = MoeSite(be, SelfComm(), cfg, moe, ExpertDispatch(be, cfg, PathLevers()))
     x = gpu_bf16(cp, (rows, h), 1.0)
     stream.synchronize()
-    ids, _ = site.route(x, ws)
+    ids = site.route(x, ws).ids_TK
     s = rows * k
     tok, eid = ws.view("sorted_token_ids", s), ws.view("sorted_expert_ids", s)
     offsets = ws.view("expert_offsets", e + 1)

@@ -153,7 +153,7 @@ def run_bench(args: argparse.Namespace) -> int:
     def union_sizes(x_TH: Any) -> list[int]:
         sizes = []
         for s in sparse_sites:
-            ids_TK, _ = s.route(x_TH, ws)
+            ids_TK = s.route(x_TH, ws).ids_TK
             sizes.append(len(np.unique(be.to_host(ids_TK))))
         return sizes
 

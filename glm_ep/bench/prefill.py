@@ -93,6 +93,11 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     def t(fn: Callable[[], Any], rows: int) -> float:
         return time_median(cp, stream, fn, iters=_iters(rows), warmup=2, repeats=5)
 
+    def router(x: Any) -> None:  # the router alone (the site's route stage may run the shared gate/up beside it)
+        rows, e = x.shape[0], model.n_routed_experts
+        be.route(x, moe.router, moe.bias, site.route_params, ws.view("logits", rows, e), ws.view("ids", rows, k),
+                 ws.view("wts", rows, k))
+
     # the dense FFN stored NVFP4 on each path: row groups, the grouped GEMM without and with its K split, its
     # projections dequantized to bf16 for cuBLAS (each forced where the levers allow)
     nvfp4_paths = {key: replace(dense_nvfp4_site, nvfp4=ExpertDispatch(be, cfg.dense_as_expert(), lv)) for key, lv in (
@@ -131,7 +136,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         if rows <= UNION_MAX_TIMED:
             r["sparse_union_us"] = t(lambda: union_site(x, ws, o), rows)
         # the routed-expert GEMMs alone, on this width's routing
-        ids_TK, _ = site.route(x, ws)
+        ids_TK = site.route(x, ws).ids_TK
         s = rows * k
         tok, eid, offsets = ws.view("sorted_token_ids", s), ws.view("sorted_expert_ids", s), \
             ws.view("expert_offsets", model.n_routed_experts + 1)
@@ -157,7 +162,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["dense_nvfp4_us"] = t(lambda: dense_nvfp4_site(x, ws, o), rows)
         r["dense_nvfp4_gemm_us"] = t(lambda: nvfp4_paths["sorted_us"](x, ws, o), rows)  # the grouped GEMM only
         r["shared_us"] = t(lambda: clamped_swiglu_mlp(be, moe.shared, cfg.swiglu_limit, x, ws, o), rows)
-        r["router_us"] = t(lambda: site.route(x, ws), rows)
+        r["router_us"] = t(lambda: router(x), rows)
         results["widths"].append(r)
         log.info("glm_ep %s", r)
     ws = out = None  # drop the workspace before the peers allocate theirs

@@ -17,11 +17,12 @@ call, and the bf16 GEMM (cuBLAS on CUDA) outruns the grouped GEMM's W4A16 engine
 projection as bf16 costs. Its scratch (``dequant_bytes``) holds one projection, ``moe_intermediate * hidden``
 bf16.
 
-Every path writes ``[T*K, H]`` routed outputs, remote slots exactly zero (zeroed up front only where
-some experts are remote: otherwise every slot is written), and returns the
-permutation the combine must read them through (None when they are in ``(row, slot)`` order). Given a
-``SharedTail``, a one-row call also ends the site (``Backend.moe_down_shared_combine``: the shared
-expert's down projection and the combine, which a backend may run inside the routed down launch).
+Every path writes ``[T*K, H]`` routed rows, remote slots exactly zero (zeroed up front only where some
+experts are remote: otherwise every slot is written), and hands the combine a ``RoutedRows`` naming the
+permutation to read them through (None when they are in ``(row, slot)`` order). ONE row on the decode path
+whose shared expert ran beside the router (``Route.shared``) leaves its down projection to the combine
+(``RoutedRows.down``), which a backend may run with the shared expert's down projection as one launch
+(``Backend.combine_site``); nothing the call learns is kept on the dispatch but the paths it announced.
 Shape suffixes: T rows, H hidden, K top-k, M moe width, S = T*K slots.
 """
 
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
-from glm_ep.backend.base import Backend, RoutedExperts
+from glm_ep.backend.base import Backend, PendingDown, RoutedExperts, RoutedRows, SharedGlu
 from glm_ep.config.model import SiteConfig
 from glm_ep.errors import InputError
 from glm_ep.mlp.routing import row_groups
@@ -43,15 +44,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SharedTail:
-    """What a one-row sparse site does after its routed experts: the shared expert's down projection
-    (``down_HI``) on ``act_1I`` into ``shared_1H`` and the combine with ``wts_1K`` into ``out_1H``."""
+class Route:
+    """What the router decided for one call, which the later stages consume: ``ids`` / ``wts`` [T, K]; ``shared``:
+    the shared expert's gate / up / SwiGLU where they ran beside the router (their activations then sit past the
+    routed experts' in the workspace and outlive them), else None (the shared stage runs them after the experts,
+    or this rank holds no shared expert)."""
 
-    act_1I: Any
-    down_HI: Any
-    wts_1K: Any
-    shared_1H: Any
-    out_1H: Any
+    ids_TK: Any
+    wts_TK: Any
+    shared: SharedGlu | None = None
 
 
 def dequant_scratch_bytes(cfg: SiteConfig, levers: PathLevers, max_rows: int) -> int:
@@ -115,13 +116,28 @@ class ExpertDispatch:
             return "union"
         return "decode"  # one grouped GEMV per row
 
-    def __call__(self, x_TH: Any, ids_TK: Any, experts: RoutedExperts[Any], ws: Workspace,
-                 tail: SharedTail | None = None, out_SH: Any = None) -> tuple[Any, Any | None, bool]:
-        """(routed outputs, their permutation, whether ``tail`` ran: only on the one-row decode path
-        of a rank with routed experts; otherwise the caller combines). The routed outputs are written
-        into ``out_SH`` where given (``[T*K, H]``), else into the workspace."""
+    def __call__(self, x_TH: Any, route: Route, experts: RoutedExperts[Any], ws: Workspace) -> RoutedRows:
+        """The routed experts of ``route``'s slots, their ``[T*K, H]`` rows in the workspace."""
         t, k, h = x_TH.shape[0], self.cfg.top_k, self.cfg.hidden
-        routed_SH = ws.view("expert_out", t * k, h) if out_SH is None else out_SH
+        leave_down = t == 1 and route.shared is not None  # the combine may end the site in one launch
+        return self._run(x_TH, route.ids_TK, experts, ws, ws.view("expert_out", t * k, h), leave_down)
+
+    def every_row(self, x_TH: Any, mlp: RoutedExperts[Any], ws: Workspace, out_TH: Any) -> Any:
+        """``down(act(gate(x), up(x)))`` of an NVFP4 MLP that every row runs (a dense FFN stored NVFP4): ``mlp`` is
+        ONE expert (id 0), one slot a row, so the routed rows ARE the output rows, in row order on every path (the
+        sort by expert is stable): written straight into ``out``, rounded where a dense MLP's are."""
+        if (self.cfg.num_experts, self.cfg.top_k) != (1, 1):
+            raise ValueError(f"every_row: a dispatch of one expert chosen once a row, not {self.cfg.num_experts} "
+                             f"experts top-{self.cfg.top_k}")
+        ids_T1 = ws.view("ids", x_TH.shape[0], 1)
+        if self.path_for(x_TH.shape[0]) not in ("sorted", "dequant"):  # one expert's GEMMs read no ids
+            self.be.zero(ids_T1)
+        self._run(x_TH, ids_T1, mlp, ws, out_TH, leave_down=False)
+        return out_TH
+
+    def _run(self, x_TH: Any, ids_TK: Any, experts: RoutedExperts[Any], ws: Workspace, routed_SH: Any,
+             leave_down: bool) -> RoutedRows:
+        t, k, h = x_TH.shape[0], self.cfg.top_k, self.cfg.hidden
         if tuple(routed_SH.shape) != (t * k, h) or not routed_SH.flags.c_contiguous:
             raise ValueError(f"routed outputs of shape {tuple(routed_SH.shape)} (contiguous: "
                              f"{routed_SH.flags.c_contiguous}), expected a contiguous {(t * k, h)}")
@@ -132,24 +148,29 @@ class ExpertDispatch:
             self._announced.add((path, t))
             log.info("routed experts: %d rows -> %s path", t, path)
         if experts.count == 0:  # this rank contributes no routed experts
-            return routed_SH, None, False
-        if path == "decode" and t == 1 and tail is not None:
-            self._decode(x_TH, ids_TK, experts, ws, routed_SH, tail)
-            return routed_SH, None, True
-        return (*getattr(self, f"_{path}")(x_TH, ids_TK, experts, ws, routed_SH), False)
+            return RoutedRows(routed_SH)
+        if path == "decode" and leave_down:
+            return self._decode_glu(x_TH, ids_TK, experts, ws, routed_SH)
+        return getattr(self, f"_{path}")(x_TH, ids_TK, experts, ws, routed_SH)
 
-    def _decode(self, x_TH, ids_TK, experts, ws, routed_SH, tail: SharedTail | None = None):
-        be, k, m, lim = self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.swiglu_limit
-        gate_KM, up_KM, act_KM = (ws.view(b, k, m) for b in ("a_gate", "a_up", "a_act"))
+    def _decode_views(self, ws: Workspace) -> tuple[Any, Any, Any]:
+        k, m = self.cfg.top_k, self.cfg.moe_intermediate
+        return tuple(ws.view(b, k, m) for b in ("a_gate", "a_up", "a_act"))
+
+    def _decode_glu(self, x_TH, ids_TK, experts, ws, routed_SH) -> RoutedRows:
+        """ONE row's gate, up and SwiGLU; its down projection is the combine's (``RoutedRows.down``)."""
+        gate_KM, up_KM, act_KM = self._decode_views(ws)
+        self.be.moe_gate_up_act(x_TH, experts, ids_TK[0], self.cfg.swiglu_limit, gate_KM, up_KM, act_KM)
+        return RoutedRows(routed_SH, down=PendingDown(act_KM, experts.down, ids_TK[0]))
+
+    def _decode(self, x_TH, ids_TK, experts, ws, routed_SH) -> RoutedRows:
+        be, k, lim = self.be, self.cfg.top_k, self.cfg.swiglu_limit
+        gate_KM, up_KM, act_KM = self._decode_views(ws)
         for r in range(x_TH.shape[0]):
             x_1H, ids_K, routed_KH = x_TH[r:r + 1], ids_TK[r], routed_SH[r * k:(r + 1) * k]
             be.moe_gate_up_act(x_1H, experts, ids_K, lim, gate_KM, up_KM, act_KM)  # remote rows: unread
-            if tail is None:
-                be.moe_gemv(act_KM, experts.down, ids_K, routed_KH, per_slot_input=True)
-            else:  # one row
-                be.moe_down_shared_combine(act_KM, experts.down, ids_K, routed_KH, tail.act_1I, tail.down_HI,
-                                           tail.wts_1K, tail.shared_1H, tail.out_1H)
-        return routed_SH, None
+            be.moe_gemv(act_KM, experts.down, ids_K, routed_KH, per_slot_input=True)
+        return RoutedRows(routed_SH)
 
     def _union(self, x_TH, ids_TK, experts, ws, routed_SH):
         be, k, m, h, lim = (self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.hidden,
@@ -164,7 +185,7 @@ class ExpertDispatch:
             be.union_table(ids_TK[rs], u_eid, u_slot)
             be.moe_gate_up_act_union(x_TH[rs], experts, u_eid, u_slot, lim, gate_TKM[rs], up_TKM[rs], act_TKM[rs])
             be.moe_gemv_union(act_TKM[rs], experts.down, u_eid, u_slot, routed_TKH[rs], per_slot_input=True)
-        return routed_SH, None
+        return RoutedRows(routed_SH)
 
     def _sorted(self, x_TH, ids_TK, experts, ws, routed_SH):
         be, k, m, lim = self.be, self.cfg.top_k, self.cfg.moe_intermediate, self.cfg.swiglu_limit
@@ -183,7 +204,7 @@ class ExpertDispatch:
         scratch = ws.as_f32("a_gate") if self.levers.prefill_k_split else None
         be.moe_gate_up_act_sorted(x_TH, experts, tok_S, offsets, lim, gate_SM, up_SM, act_SM, scratch=scratch)
         be.moe_gemm_sorted(act_SM, experts.down, tok_S, offsets, routed_SH, gather_rows=False, scratch=scratch)
-        return routed_SH, perm_TK
+        return RoutedRows(routed_SH, perm_TK)
 
     def _dequant(self, x_TH, ids_TK, experts, ws, routed_SH):
         be, t, m, lim = self.be, x_TH.shape[0], self.cfg.moe_intermediate, self.cfg.swiglu_limit
@@ -198,7 +219,7 @@ class ExpertDispatch:
         proj(experts.up, x_TH, up_TM)
         be.swiglu(gate_TM, up_TM, lim, act_TM)
         proj(experts.down, act_TM, routed_SH)
-        return routed_SH, None
+        return RoutedRows(routed_SH)
 
     def _host(self, x_TH, ids_TK, experts, ws, routed_SH):
         be, cfg = self.be, self.cfg
@@ -217,4 +238,4 @@ class ExpertDispatch:
                 be.expert_linear(x_1H, experts.up, local, up_1M)
                 be.swiglu(gate_1M, up_1M, lim, act_1M)
                 be.expert_linear(act_1M, experts.down, local, routed_SH[r * k + slot:r * k + slot + 1])
-        return routed_SH, None
+        return RoutedRows(routed_SH)

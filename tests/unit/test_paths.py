@@ -121,9 +121,9 @@ def test_shared_expert_beside_the_router_or_after_the_experts(setup, rows: int) 
     x = random_x(500 + rows, rows, model.hidden_size)
     roomy, tight = build_stack(full, model, max_rows=MAX_ROWS), build_stack(full, model, max_rows=rows)
     for i in model.sparse_layers:
-        early = roomy.sites[i].route_and_shared_glu(x, roomy.workspaces[i])
+        early = roomy.sites[i].route(x, roomy.workspaces[i]).shared
         assert early is not None, f"site {i}: {MAX_ROWS} workspace rows hold {rows} rows' shared activations"
-        assert tight.sites[i].route_and_shared_glu(x, tight.workspaces[i]) is None, f"site {i}"
+        assert tight.sites[i].route(x, tight.workspaces[i]).shared is None, f"site {i}"
         assert_ulps(roomy.site_output(i, x), tight.site_output(i, x), f"site {i}, shared early vs late", ulps=0)
 
 
@@ -173,9 +173,11 @@ def test_chained_step_matches_float64_chain(contractive, rows: int, levers: Path
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_one_row_sites_end_inside_the_routed_down_step(setup, monkeypatch, rows: int) -> None:
-    """At one row (with the shared activations beside the router) the site hands its shared down
-    projection and combine to ``moe_down_shared_combine`` and does not combine again; at two rows the
-    site combines. The output is the same bytes as the tight workspace's separate steps."""
+    """At one row (with the shared activations beside the router) the routed experts leave their down
+    projection to the combine, which hands it, the shared down projection and the combine to
+    ``moe_down_shared_combine`` and does not combine again; at two rows the site combines, and so does a
+    workspace too tight for the shared activations beside the router (its experts end with their own down
+    projection). The output is the same bytes either way."""
     from glm_ep.backend.numpy_backend import NumpyBackend
 
     model, full, _, _ = setup
@@ -194,7 +196,9 @@ def test_one_row_sites_end_inside_the_routed_down_step(setup, monkeypatch, rows:
         want = ["moe_down_shared_combine", "shared_down_combine", "combine"] if rows == 1 else \
             ["shared_down_combine", "combine"]
         assert calls == want, f"site {i}, {rows} rows: {calls}"
+        calls.clear()
         assert_ulps(got, tight.site_output(i, x), f"site {i}, {rows} rows", ulps=0)
+        assert calls == ["shared_down_combine", "combine"], f"site {i}, {rows} rows, tight workspace: {calls}"
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 20])

@@ -256,12 +256,13 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         return t <= GEMV_MAX_ROWS and route.fused_topk_smem(t, e) <= FUSED_TOPK_MAX_SMEM
 
     @_on_stream
-    def route(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK):
-        """1..8 rows: the router GEMV and its top-k in one launch (``route.router_topk_fused``)."""
-        if self._fused_route(logits_TE):
+    def route(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, beside=None):
+        """1..8 rows: the router GEMV and its top-k in one launch (``route.router_topk_fused``); with ``beside``,
+        the shared expert's gate + up in that launch too (``route_and_gate_up_act``)."""
+        if beside is None and self._fused_route(logits_TE):
             route.router_topk_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done)
         else:
-            super().route(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK)
+            super().route(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, beside)
 
     @_on_stream
     def route_and_gate_up_act(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, w, limit, gate_TI, up_TI,
