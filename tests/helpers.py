@@ -22,8 +22,9 @@ from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight, quantize
 from glm_ep.config.presets import preset
-from glm_ep.mlp.site import DenseSite, MoeSite
+from glm_ep.mlp.site import DenseSite, MoeSite, site_buffers
 from glm_ep.mlp.stack import MlpStack
+from glm_ep.mlp.workspace import Workspace, workspace_pool
 from glm_ep.config.topology import PathLevers
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
@@ -159,6 +160,14 @@ def build_stack(full: Sequence[DenseWeights | ExpertWeights | MoeWeights], model
         else:
             sites.append(DenseSite(be, comm, cfg, be.upload_dense(mine) if mine is not None else None))
     return MlpStack(be, comm, cfg, sites, levers, max_rows, shared_workspace)
+
+
+def workspace(cfg: SiteConfig, rows: int, levers: PathLevers | None = None, nvfp4_dense: bool = False,
+              be: NumpyBackend | None = None) -> Workspace:
+    """One workspace of ``rows`` rows (on ``be``, a ``NumpyBackend`` by default) with the buffers the sites of ``cfg``
+    and the backend declare, as the loader makes it; ``nvfp4_dense``: a dense FFN stored NVFP4's too."""
+    be, levers = be or NumpyBackend(), levers or PathLevers()
+    return workspace_pool(be, (*site_buffers(cfg, levers, nvfp4_dense), *be.buffers(cfg, levers)), rows, 1, True)[0]
 
 
 class CapturingNumpy(NumpyBackend):

@@ -19,12 +19,11 @@ def main() -> int:
 
     from glm_ep.backend.cuda import CudaBackend
     from glm_ep.backend.cuda import grouped as NV
-    from glm_ep.bench.common import glm_model, gpu_bf16, gpu_moe, time_median, world1_cfg
+    from glm_ep.bench.common import bench_workspace, glm_model, gpu_bf16, gpu_moe, time_median, world1_cfg
     from glm_ep.dist.comm import SelfComm
     from glm_ep.mlp.dispatch import ExpertDispatch
     from glm_ep.mlp.site import MoeSite
     from glm_ep.config.topology import PathLevers
-    from glm_ep.mlp.workspace import Workspace
 
     ap = argparse.ArgumentParser()
     ap.add_argument("variant", help="a GEMM_VARIANTS tuple, e.g. 128,1,4,64,4,wgmma")
@@ -42,7 +41,7 @@ def main() -> int:
                         model.n_routed_experts)
     with stream:
         moe = be.upload_moe(gpu_moe(cp, model), model.swiglu_limit)
-    ws = Workspace(cp, cfg, rows)
+    ws = bench_workspace(be, cfg, rows)
     site = MoeSite(be, SelfComm(), cfg, moe, ExpertDispatch(be, cfg, PathLevers()))
     x = gpu_bf16(cp, (rows, h), 1.0)
     stream.synchronize()

@@ -28,13 +28,12 @@ def main() -> int:
 
     from glm_ep.backend.cuda import CudaBackend
     from glm_ep.backend.cuda import grouped as G
-    from glm_ep.bench.common import (BF16, copy_bandwidth, eager_host_us, glm_model, gpu_bf16, gpu_nvfp4_site,
-                                     time_median, world1_cfg)
+    from glm_ep.bench.common import (BF16, bench_workspace, copy_bandwidth, eager_host_us, glm_model, gpu_bf16,
+                                     gpu_nvfp4_site, time_median, world1_cfg)
     from glm_ep.dist.comm import SelfComm
     from glm_ep.mlp.dispatch import ExpertDispatch
     from glm_ep.app.footprint import nvfp4_bytes
     from glm_ep.config.topology import PathLevers
-    from glm_ep.mlp.workspace import Workspace
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[9, 16, 24, 64])
@@ -53,7 +52,7 @@ def main() -> int:
         site = gpu_nvfp4_site(be, SelfComm(), cfg, model, PathLevers())
     nosplit = replace(site, nvfp4=ExpertDispatch(be, cfg.dense_as_expert(), PathLevers(prefill_k_split=False)))
     mlp, max_rows = site.mlp, max(args.rows)
-    ws = Workspace(cp, cfg, max(max_rows, 256))  # the prefill bench's workspace
+    ws = bench_workspace(be, cfg, max(max_rows, 256))  # the prefill bench's workspace
     scratch = cp.empty(16 * 2 * max_rows * width, dtype=cp.float32)
     out = cp.empty((max_rows, h), dtype=BF16)
     act = cp.empty((max_rows, width), dtype=BF16)

@@ -24,13 +24,12 @@ def main() -> int:
 
     from glm_ep.backend.cuda import CudaBackend
     from glm_ep.backend.cuda import dense as D
-    from glm_ep.bench.common import (BF16, eager_host_us, glm_model, gpu_bf16, gpu_dense, gpu_moe, time_median,
-                                     world1_cfg)
+    from glm_ep.bench.common import (BF16, bench_workspace, eager_host_us, glm_model, gpu_bf16, gpu_dense, gpu_moe,
+                                     time_median, world1_cfg)
     from glm_ep.dist.comm import SelfComm
     from glm_ep.mlp.dispatch import ExpertDispatch
     from glm_ep.mlp.site import DenseSite, MoeSite, clamped_swiglu_mlp
     from glm_ep.config.topology import PathLevers
-    from glm_ep.mlp.workspace import Workspace
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
@@ -44,7 +43,7 @@ def main() -> int:
         moe = be.upload_moe(gpu_moe(cp, model), model.swiglu_limit)
         dense = be.upload_dense(gpu_dense(cp, model.intermediate_size, model.hidden_size))
     max_rows = max(args.rows)
-    ws = Workspace(cp, cfg, max_rows)
+    ws = bench_workspace(be, cfg, max_rows)
     out = cp.empty((max_rows, model.hidden_size), dtype=BF16)
     comm = SelfComm()
     sparse = MoeSite(be, comm, cfg, moe, ExpertDispatch(be, cfg, PathLevers()))

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Generic, Mapping, Sequence, TypeVar
 
 import numpy as np
 
+from glm_ep.config.model import SiteConfig
 from glm_ep.errors import ConfigError
 from glm_ep.mlp.routing import RouteParams
+from glm_ep.mlp.workspace import Buffer
 from glm_ep.config.topology import PathLevers
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
@@ -204,6 +206,16 @@ class Backend(ABC, Generic[A, P]):
         """Whether the backend's stream is being captured already (a caller's own graph around ours): then
         a call runs its ops into that capture rather than starting one of its own."""
         return False
+
+    def buffers(self, cfg: SiteConfig, levers: PathLevers) -> tuple[Buffer, ...]:
+        """The scratch this backend's ops need for sites of ``cfg``'s geometry under ``levers``, stack buffers all
+        (``glm_ep.mlp.workspace``): the workspace makes them at load and hands them over through ``bind``, so an op
+        never allocates. None by default."""
+        return ()
+
+    def bind(self, scratch: Mapping[str, Any]) -> None:  # noqa: B027 - a backend that declares buffers overrides it
+        """Take the buffers ``buffers`` declared, as the workspace made them (by name; one that needs no element at
+        the workspace's rows is absent)."""
 
     @abstractmethod
     def upload_dense(self, w: DenseWeights) -> DenseResident[A]:

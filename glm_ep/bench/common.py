@@ -20,7 +20,8 @@ from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.app.footprint import nvfp4_bytes
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
 from glm_ep.config.presets import preset
-from glm_ep.mlp.site import DenseSite
+from glm_ep.mlp.site import DenseSite, site_buffers
+from glm_ep.mlp.workspace import Workspace, workspace_pool
 from glm_ep.config.topology import PathLevers
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
@@ -181,6 +182,15 @@ def gpu_nvfp4(cp: Any, n: int, k: int) -> Nvfp4Weight:
 def gpu_dense(cp: Any, width: int, h: int) -> DenseWeights:
     return DenseWeights(gpu_bf16(cp, (width, h), h ** -0.5), gpu_bf16(cp, (width, h), h ** -0.5),
                         gpu_bf16(cp, (h, width), width ** -0.5))
+
+
+def bench_workspace(be: Any, cfg: SiteConfig, rows: int) -> Workspace:
+    """One workspace of ``rows`` rows for the benches' sites on ``be`` (its kernels' scratch bound to it), with
+    every buffer the benches' lever sets may use: a dense FFN stored NVFP4 included, its dequant path and the
+    grouped GEMM's sort from the first prefill width."""
+    levers = PathLevers(prefill_gemm_min_rows=9, nvfp4_dense_dequant_min_rows=9)
+    return workspace_pool(be, (*site_buffers(cfg, levers, nvfp4_dense=True), *be.buffers(cfg, levers)), rows, 1,
+                          True)[0]
 
 
 def gpu_nvfp4_site(be: Any, comm: Any, cfg: SiteConfig, model: ModelConfig, levers: PathLevers) -> DenseSite:

@@ -25,7 +25,6 @@ from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite
 from glm_ep.mlp.stack import MlpStack
 from glm_ep.config.topology import PathLevers
-from glm_ep.mlp.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ def run_bench(args: argparse.Namespace) -> int:
         sparse_sites = [MoeSite(be, comm, cfg, be.upload_moe(gpu_moe(cp, model), model.swiglu_limit), dispatch)
                         for _ in range(n_sparse)]
     stack = MlpStack(be, comm, cfg, dense_sites + sparse_sites, levers, max_rows=8)
-    ws = Workspace(cp, cfg, 8)
+    ws = stack.workspaces[0]  # the sites' graphs below use the stack's workspace (and its backend scratch)
     out = cp.empty((8, model.hidden_size), dtype=BF16)
     rows: list[Row] = []
 

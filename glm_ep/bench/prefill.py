@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from glm_ep.backend.cuda import grouped as NV
-from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, dense_bytes, dense_nvfp4_bytes, glm_model,
-                                 gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header, time_median,
-                                 torch_time_us, world1_cfg)
+from glm_ep.bench.common import (BF16, bench_meta, bench_workspace, copy_bandwidth, dense_bytes, dense_nvfp4_bytes,
+                                 glm_model, gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header,
+                                 time_median, torch_time_us, world1_cfg)
 from glm_ep.dist.comm import SelfComm
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite, clamped_swiglu_mlp
 from glm_ep.config.topology import PathLevers
-from glm_ep.mlp.workspace import Workspace
 
 log = logging.getLogger(__name__)
 WIDTHS = (16, 64, 128, 256, 1024, 4096)
@@ -77,7 +76,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     with stream:
         moe = be.upload_moe(gpu_moe(cp, model), model.swiglu_limit)
         dense = be.upload_dense(gpu_dense(cp, model.intermediate_size, h))
-    ws = Workspace(cp, cfg, max_rows)
+    ws = bench_workspace(be, cfg, max_rows)
     out = cp.empty((max_rows, h), dtype=BF16)
     comm = SelfComm()
 

@@ -14,8 +14,8 @@ by the levers (``group_cap``); min is the ``prefill_gemm_min_rows`` lever, or wi
 FFN stored NVFP4, which every row group of the union path sweeps whole) ``nvfp4_dense_gemm_min_rows``; D is
 ``nvfp4_dense_dequant_min_rows`` (one expert only; 0: never): from there the weights' bytes no longer bound the
 call, and the bf16 GEMM (cuBLAS on CUDA) outruns the grouped GEMM's W4A16 engines by more than one pass over a
-projection as bf16 costs. Its scratch (``dequant_bytes``) holds one projection, ``moe_intermediate * hidden``
-bf16.
+projection as bf16 costs. Its scratch (``w_bf16``, a stack buffer of the workspace: ``expert_buffers``) holds one
+projection, ``moe_intermediate * hidden`` bf16.
 
 Every path writes ``[T*K, H]`` routed rows, remote slots exactly zero (zeroed up front only where some
 experts are remote: otherwise every slot is written), and hands the combine a ``RoutedRows`` naming the
@@ -33,14 +33,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
+import numpy as np
+
 from glm_ep.backend.base import Backend, PendingDown, RoutedExperts, RoutedRows, SharedGlu
 from glm_ep.config.model import SiteConfig
 from glm_ep.errors import InputError
 from glm_ep.mlp.routing import row_groups
 from glm_ep.config.topology import PathLevers
-from glm_ep.mlp.workspace import Workspace
+from glm_ep.mlp.workspace import Buffer, Workspace
 
 log = logging.getLogger(__name__)
+BF16, I32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,30 @@ class Route:
     shared: SharedGlu | None = None
 
 
-def dequant_scratch_bytes(cfg: SiteConfig, levers: PathLevers, max_rows: int) -> int:
-    """Bytes of the dequant path's bf16 weight scratch (one projection of the one expert: a dense FFN stored NVFP4,
-    ``cfg`` its ``dense_as_expert``) where calls of up to ``max_rows`` rows may take it, else 0."""
+def expert_buffers(cfg: SiteConfig, levers: PathLevers) -> tuple[Buffer, ...]:
+    """The scratch of the routed-expert paths for experts of ``cfg``'s geometry, for calls of up to ``r`` rows:
+    every slot's gate / up / act ``[r * top_k, moe width]``, the ids of a call that routes itself (one expert), the
+    routed rows ``[r * top_k, hidden]``, the union table (``u_slot`` QUADRATIC in rows), the sort by expert; and,
+    one for the stack, the dequant path's weights: one projection as bf16 where calls of ``r`` rows may take that
+    path (one expert only)."""
+    k, m, h, e = cfg.top_k, cfg.moe_intermediate, cfg.hidden, cfg.num_experts
     d = levers.nvfp4_dense_dequant_min_rows
-    if cfg.num_experts != 1 or levers.host_dispatch or not d or max_rows < d:
-        return 0
-    return cfg.moe_intermediate * cfg.hidden * 2
+    dequant = e == 1 and not levers.host_dispatch and d > 0
+    return (
+        *(Buffer(b, BF16, lambda r: r * k * m) for b in ("a_gate", "a_up", "a_act")),
+        Buffer("ids", I32, lambda r: r * k),
+        Buffer("expert_out", BF16, lambda r: r * k * h),
+        Buffer("u_eid", I32, lambda r: r * k),
+        Buffer("u_slot", I32, lambda r: r * k * r),
+        Buffer("sorted_token_ids", I32, lambda r: r * k),
+        Buffer("sorted_expert_ids", I32, lambda r: r * k),
+        Buffer("expert_offsets", I32, lambda r: e + 1),
+        Buffer("token_to_perm", I32, lambda r: r * k),
+        Buffer("w_bf16", BF16, lambda r: m * h if dequant and r >= d else 0, stack="dequant scratch",
+               note=f"the dense FFN stored NVFP4 from {d} rows: one projection as bf16, shared by its layers",
+               hint="set levers.nvfp4_dense_dequant_min_rows = 0 or above workspace_rows to go without the dequant "
+                    "scratch"),
+    )
 
 
 @dataclass
@@ -72,7 +92,6 @@ class ExpertDispatch:
     cfg: SiteConfig
     levers: PathLevers
     _announced: set[tuple[str, int]] = field(default_factory=set)
-    _w_bf16: Any = field(default=None, repr=False)  # the dequant path's scratch, made by reserve() or its first call
 
     @property
     def group_cap(self) -> int:
@@ -85,18 +104,6 @@ class ExpertDispatch:
         every row group would sweep whole, ``nvfp4_dense_gemm_min_rows``)."""
         lv = self.levers
         return lv.nvfp4_dense_gemm_min_rows if self.cfg.num_experts == 1 else lv.prefill_gemm_min_rows
-
-    def dequant_bytes(self, max_rows: int) -> int:
-        """Bytes of the dequant path's bf16 weight scratch if calls of up to ``max_rows`` rows may take it, else 0."""
-        return dequant_scratch_bytes(self.cfg, self.levers, max_rows)
-
-    def reserve(self, max_rows: int) -> int:
-        """Allocate the dequant path's scratch now (at load: a call never allocates) if calls of up to ``max_rows``
-        rows may need it; returns its bytes (0: none needed)."""
-        nbytes = self.dequant_bytes(max_rows)
-        if nbytes and self._w_bf16 is None:
-            self._w_bf16 = self.be.xp.empty(nbytes // 2, dtype=ml_dtypes.bfloat16)
-        return nbytes
 
     def path_for(self, rows: int) -> str:
         lv, k = self.levers, self.cfg.top_k
@@ -208,12 +215,11 @@ class ExpertDispatch:
 
     def _dequant(self, x_TH, ids_TK, experts, ws, routed_SH):
         be, t, m, lim = self.be, x_TH.shape[0], self.cfg.moe_intermediate, self.cfg.swiglu_limit
-        self.reserve(t)  # (made at load where the loader saw this path coming)
         gate_TM, up_TM, act_TM = (ws.view(b, t, m) for b in ("a_gate", "a_up", "a_act"))
 
         def proj(table, a_TK, out_TN):  # one slot a row: the routed rows are the output rows
             n, k = out_TN.shape[1], a_TK.shape[1]
-            be.dequant_linear(a_TK, table, 0, self._w_bf16[:n * k].reshape(n, k), out_TN)
+            be.dequant_linear(a_TK, table, 0, ws.view("w_bf16", n, k), out_TN)
 
         proj(experts.gate, x_TH, gate_TM)
         proj(experts.up, x_TH, up_TM)

@@ -16,12 +16,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
+import numpy as np
+
 from glm_ep.backend.base import Backend, DenseResident, MoeResident, RoutedExperts, SharedGlu, SharedHalf
 from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import SiteConfig
-from glm_ep.mlp.dispatch import ExpertDispatch, Route
+from glm_ep.config.topology import PathLevers
+from glm_ep.mlp.dispatch import ExpertDispatch, Route, expert_buffers
 from glm_ep.mlp.routing import RouteParams
-from glm_ep.mlp.workspace import Workspace
+from glm_ep.mlp.workspace import Buffer, Workspace, merged
+
+BF16, F32, I32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.int32)
+
+
+def mlp_buffers(width: int) -> tuple[Buffer, ...]:
+    """gate, up and act of a bf16 MLP of ``width`` (a dense FFN's or a shared expert's TP shard): ``[rows, width]``."""
+    return tuple(Buffer(b, BF16, lambda r: r * width) for b in ("a_gate", "a_up", "a_act"))
+
+
+def site_buffers(cfg: SiteConfig, levers: PathLevers = PathLevers(), nvfp4_dense: bool = False) -> tuple[Buffer, ...]:
+    """The scratch the sites of ``cfg``'s geometry declare, of every kind (one workspace serves any layer): the dense
+    FFN's activations; the router's logits, ids and weights, the shared expert's activations and down output, the
+    routed experts' paths (``expert_buffers``); with ``nvfp4_dense`` (this rank holds a dense FFN stored NVFP4), that
+    FFN's paths too."""
+    t_k, e, h = cfg.top_k, cfg.num_experts, cfg.hidden
+    return merged((
+        *mlp_buffers(cfg.local_dense_intermediate),
+        Buffer("logits", F32, lambda r: r * e),
+        Buffer("ids", I32, lambda r: r * t_k),
+        Buffer("wts", F32, lambda r: r * t_k),
+        *mlp_buffers(cfg.local_shared_intermediate),
+        Buffer("shared_out", BF16, lambda r: r * h),
+        *expert_buffers(cfg, levers),
+        *(expert_buffers(cfg.dense_as_expert(), levers) if nvfp4_dense else ()),
+    ))
 
 
 def clamped_swiglu(be: Backend, w: DenseResident[Any], limit: float, x_TH: Any, ws: Workspace) -> Any:

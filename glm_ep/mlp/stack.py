@@ -20,7 +20,8 @@ from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import SiteConfig
 from glm_ep.errors import InputError
 from glm_ep.config.topology import PathLevers
-from glm_ep.mlp.workspace import Workspace, workspace_pool, ws_total_bytes
+from glm_ep.mlp.site import DenseSite, site_buffers
+from glm_ep.mlp.workspace import Workspace, workspace_pool
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,12 @@ class MlpStack:
                  workspaces: list[Workspace] | None = None):
         self.be, self.comm, self.cfg, self.sites, self.levers = be, comm, cfg, sites, levers
         self.max_rows = max(max_rows, 1)
-        n_ws = 1 if shared_workspace else len(sites)
-        # ``workspaces``: allocated beforehand (the loader does it before reading any weight)
-        self.workspaces = workspaces or workspace_pool(be.xp, cfg, self.max_rows, len(sites), shared_workspace)
-        self.workspace_bytes = ws_total_bytes(cfg, self.max_rows) * n_ws
+        # ``workspaces``: allocated beforehand (the loader does it before reading any weight), else here, for what
+        # the sites of ``cfg`` and the backend declare
+        nvfp4_dense = any(isinstance(s, DenseSite) and s.nvfp4 is not None for s in sites)
+        self.workspaces = workspaces or workspace_pool(
+            be, (*site_buffers(cfg, levers, nvfp4_dense), *be.buffers(cfg, levers)), self.max_rows, len(sites),
+            shared_workspace)
         # static buffers: the chained state and one site's output, so a graph can be replayed
         self.h_buf = be.xp.empty((self.max_rows, cfg.hidden), dtype=ml_dtypes.bfloat16)
         self.out_buf = be.xp.empty_like(self.h_buf)
