@@ -22,7 +22,7 @@ from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight, quantize
 from glm_ep.config.presets import preset
-from glm_ep.mlp.site import DenseSite, MoeSite, site_buffers
+from glm_ep.mlp.site import DenseSite, MoeSite, Nvfp4DenseSite, site_buffers
 from glm_ep.mlp.stack import MlpStack
 from glm_ep.mlp.workspace import Workspace, workspace_pool
 from glm_ep.config.topology import PathLevers
@@ -147,7 +147,7 @@ def build_stack(full: Sequence[DenseWeights | ExpertWeights | MoeWeights], model
     levers = levers or PathLevers()
     be, comm = be or NumpyBackend(), comm or SelfComm()
     cfg = SiteConfig.for_rank(model, layout)
-    dispatch = ExpertDispatch(be, cfg, levers)
+    dispatch = ExpertDispatch.routed(be, cfg, levers)
     sites: list[Any] = []
     for w in full:
         mine = shard_layer(w, layout)
@@ -155,8 +155,7 @@ def build_stack(full: Sequence[DenseWeights | ExpertWeights | MoeWeights], model
             sites.append(MoeSite(be, comm, cfg, be.upload_moe(mine, cfg.swiglu_limit), dispatch))
         elif isinstance(w, ExpertWeights):  # a dense FFN stored NVFP4
             mlp = be.upload_experts((mine,), 0, cfg.swiglu_limit) if mine is not None else None
-            sites.append(DenseSite(be, comm, cfg, mlp, ExpertDispatch(be, cfg.dense_as_expert(), levers)
-                                   if mine is not None else None))
+            sites.append(Nvfp4DenseSite(be, comm, cfg, mlp, ExpertDispatch.nvfp4_dense(be, cfg, levers)))
         else:
             sites.append(DenseSite(be, comm, cfg, be.upload_dense(mine) if mine is not None else None))
     return MlpStack(be, comm, cfg, sites, levers, max_rows, shared_workspace)

@@ -42,7 +42,7 @@ def main() -> int:
     with stream:
         moe = be.upload_moe(gpu_moe(cp, model), model.swiglu_limit)
     ws = bench_workspace(be, cfg, rows)
-    site = MoeSite(be, SelfComm(), cfg, moe, ExpertDispatch(be, cfg, PathLevers()))
+    site = MoeSite(be, SelfComm(), cfg, moe, ExpertDispatch.routed(be, cfg, PathLevers()))
     x = gpu_bf16(cp, (rows, h), 1.0)
     stream.synchronize()
     ids = site.route(x, ws).ids_TK

@@ -50,7 +50,7 @@ def main() -> int:
     gbs = copy_bandwidth(cp, s)
     with s:
         site = gpu_nvfp4_site(be, SelfComm(), cfg, model, PathLevers())
-    nosplit = replace(site, nvfp4=ExpertDispatch(be, cfg.dense_as_expert(), PathLevers(prefill_k_split=False)))
+    nosplit = replace(site, dispatch=ExpertDispatch.nvfp4_dense(be, cfg, PathLevers(prefill_k_split=False)))
     mlp, max_rows = site.mlp, max(args.rows)
     ws = bench_workspace(be, cfg, max(max_rows, 256))  # the prefill bench's workspace
     scratch = cp.empty(16 * 2 * max_rows * width, dtype=cp.float32)

@@ -46,7 +46,7 @@ def main() -> int:
     ws = bench_workspace(be, cfg, max_rows)
     out = cp.empty((max_rows, model.hidden_size), dtype=BF16)
     comm = SelfComm()
-    sparse = MoeSite(be, comm, cfg, moe, ExpertDispatch(be, cfg, PathLevers()))
+    sparse = MoeSite(be, comm, cfg, moe, ExpertDispatch.routed(be, cfg, PathLevers()))
     dense_site = DenseSite(be, comm, cfg, dense)
     def router(x):  # the router alone (the site's route stage may run the shared gate/up beside it)
         t, e, k = x.shape[0], model.n_routed_experts, model.num_experts_per_tok

@@ -20,7 +20,7 @@ from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.app.footprint import nvfp4_bytes
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
 from glm_ep.config.presets import preset
-from glm_ep.mlp.site import DenseSite, site_buffers
+from glm_ep.mlp.site import Nvfp4DenseSite, site_buffers
 from glm_ep.mlp.workspace import Workspace, workspace_pool
 from glm_ep.config.topology import PathLevers
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
@@ -193,15 +193,15 @@ def bench_workspace(be: Any, cfg: SiteConfig, rows: int) -> Workspace:
                           True)[0]
 
 
-def gpu_nvfp4_site(be: Any, comm: Any, cfg: SiteConfig, model: ModelConfig, levers: PathLevers) -> DenseSite:
+def gpu_nvfp4_site(be: Any, comm: Any, cfg: SiteConfig, model: ModelConfig, levers: PathLevers) -> Nvfp4DenseSite:
     """A dense site whose FFN is stored NVFP4 (nvidia/GLM-5.3-Flash-NVFP4's layers 0-2), random weights made on the
     GPU: one expert that every row chooses."""
     import cupy as cp
 
     h, width = model.hidden_size, model.intermediate_size
     w = ExpertWeights(gpu_nvfp4(cp, width, h), gpu_nvfp4(cp, width, h), gpu_nvfp4(cp, h, width))
-    return DenseSite(be, comm, cfg, be.upload_experts((w,), 0, model.swiglu_limit, what="dense mlp"),
-                     ExpertDispatch(be, cfg.dense_as_expert(), levers))
+    return Nvfp4DenseSite(be, comm, cfg, be.upload_experts((w,), 0, model.swiglu_limit, what="dense mlp"),
+                          ExpertDispatch.nvfp4_dense(be, cfg, levers))
 
 
 def gpu_moe(cp: Any, model: ModelConfig) -> MoeWeights:

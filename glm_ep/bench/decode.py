@@ -121,7 +121,7 @@ def run_bench(args: argparse.Namespace) -> int:
     log.info("copy bandwidth %.0f GB/s", copy_gbs)
     cfg = world1_cfg(model)
     comm, levers = SelfComm(), PathLevers()
-    dispatch = ExpertDispatch(be, cfg, levers)
+    dispatch = ExpertDispatch.routed(be, cfg, levers)
 
     per_sparse = sparse_bytes(model, model.n_routed_experts)
     free, _ = cp.cuda.runtime.memGetInfo()

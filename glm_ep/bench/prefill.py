@@ -81,7 +81,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     comm = SelfComm()
 
     def sparse(levers: PathLevers) -> MoeSite:
-        return MoeSite(be, comm, cfg, moe, ExpertDispatch(be, cfg, levers))
+        return MoeSite(be, comm, cfg, moe, ExpertDispatch.routed(be, cfg, levers))
 
     site, union_site, sorted_site = sparse(PathLevers()), sparse(PathLevers(prefill_gemm=False)), \
         sparse(PathLevers(prefill_gemm_min_rows=9))
@@ -99,7 +99,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
 
     # the dense FFN stored NVFP4 on each path: row groups, the grouped GEMM without and with its K split, its
     # projections dequantized to bf16 for cuBLAS (each forced where the levers allow)
-    nvfp4_paths = {key: replace(dense_nvfp4_site, nvfp4=ExpertDispatch(be, cfg.dense_as_expert(), lv)) for key, lv in (
+    nvfp4_paths = {key: replace(dense_nvfp4_site, dispatch=ExpertDispatch.nvfp4_dense(be, cfg, lv)) for key, lv in (
         ("union_us", PathLevers(prefill_gemm=False, nvfp4_dense_dequant_min_rows=0)),
         ("sorted_nosplit_us", PathLevers(prefill_k_split=False, nvfp4_dense_dequant_min_rows=0)),
         ("sorted_us", PathLevers(nvfp4_dense_dequant_min_rows=0)),

@@ -33,7 +33,7 @@ from glm_ep.errors import ConfigError
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.dist.ranks import Ranks
 from glm_ep.dist.placement import discover
-from glm_ep.mlp.site import DenseSite, MoeSite, site_buffers
+from glm_ep.mlp.site import DenseSite, MoeSite, Nvfp4DenseSite, site_buffers
 from glm_ep.mlp.stack import MlpStack
 from glm_ep.config.topology import Topology
 from glm_ep.checkpoint.weights import ExpertWeights, MoeWeights
@@ -156,8 +156,8 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     ranks.check_same("weight fingerprint", "checkpoints", router_digest(host_weights))
     load_s = time.perf_counter() - t0
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
-    dispatch = ExpertDispatch(be, cfg, topo.levers)
-    dense_nvfp4 = ExpertDispatch(be, cfg.dense_as_expert(), topo.levers)  # a dense FFN stored NVFP4: one expert
+    dispatch = ExpertDispatch.routed(be, cfg, topo.levers)
+    dense_nvfp4 = ExpertDispatch.nvfp4_dense(be, cfg, topo.levers)  # a dense FFN stored NVFP4: one expert
 
     def site(i: int, w: Any) -> Any:
         site_comm = comm.at(f"layer {i} all-reduce")
@@ -165,7 +165,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
             return MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch)
         if isinstance(w, ExpertWeights):
             mlp = be.upload_experts((w,), 0, cfg.swiglu_limit, what=f"layer {i} dense mlp")
-            return DenseSite(be, site_comm, cfg, mlp, dense_nvfp4)
+            return Nvfp4DenseSite(be, site_comm, cfg, mlp, dense_nvfp4)
         return DenseSite(be, site_comm, cfg, be.upload_dense(w) if w is not None else None)
 
     def upload() -> list[Any]:  # agreed: a rank that cannot place its weights stops every rank, not only itself

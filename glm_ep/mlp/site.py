@@ -6,8 +6,9 @@ backend's, decided inside its ops: the shared expert's gate/up beside the router
 holds both), and its down projection with the combine (at one row inside the routed down launch). The
 combine runs BEFORE the reduce, so one collective sums both the EP partial (routed experts) and the TP
 partial (shared expert).
-Dense: gate/up -> clamped SwiGLU -> down -> all_reduce (only when tp > 1); a dense FFN stored NVFP4 runs
-the same on the routed experts' paths, as one expert that every row chooses.
+Dense: gate/up -> clamped SwiGLU -> down -> all_reduce (only when tp > 1). A dense FFN stored NVFP4 is a
+site of its own (``Nvfp4DenseSite``): the same pipeline on the routed experts' paths, as one expert that
+every row chooses.
 Shape suffixes: T rows, H hidden, E experts, K top-k, I a projection width, S = T*K.
 """
 
@@ -23,7 +24,7 @@ from glm_ep.backend.base import Backend, DenseResident, MoeResident, RoutedExper
 from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import SiteConfig
 from glm_ep.config.topology import PathLevers
-from glm_ep.mlp.dispatch import ExpertDispatch, Route, expert_buffers
+from glm_ep.mlp.dispatch import ExpertDispatch, ExpertShape, Route, expert_buffers
 from glm_ep.mlp.routing import RouteParams
 from glm_ep.mlp.workspace import Buffer, Workspace, merged
 
@@ -48,8 +49,8 @@ def site_buffers(cfg: SiteConfig, levers: PathLevers = PathLevers(), nvfp4_dense
         Buffer("wts", F32, lambda r: r * t_k),
         *mlp_buffers(cfg.local_shared_intermediate),
         Buffer("shared_out", BF16, lambda r: r * h),
-        *expert_buffers(cfg, levers),
-        *(expert_buffers(cfg.dense_as_expert(), levers) if nvfp4_dense else ()),
+        *expert_buffers(ExpertShape.routed(cfg), levers),
+        *(expert_buffers(ExpertShape.nvfp4_dense(cfg), levers) if nvfp4_dense else ()),
     ))
 
 
@@ -66,25 +67,14 @@ def clamped_swiglu_mlp(be: Backend, w: DenseResident[Any], limit: float, x_TH: A
     return be.linear(clamped_swiglu(be, w, limit, x_TH, ws), w.down, out_TH)
 
 
-def nvfp4_mlp(dispatch: ExpertDispatch, mlp: RoutedExperts[Any], x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
-    """``down(act(gate(x), up(x)))`` of an NVFP4 MLP that every row runs (a dense FFN stored NVFP4), over
-    this rank's TP shard, on the routed experts' paths (``ExpertDispatch.every_row``)."""
-    return dispatch.every_row(x_TH, mlp, ws, out_TH)
-
-
 @dataclass
 class DenseSite:
     be: Backend
     comm: Communicator
     cfg: SiteConfig
-    mlp: DenseResident[Any] | RoutedExperts[Any] | None  # None on a replica that does not contribute
-    nvfp4: ExpertDispatch | None = None  # the dispatch of an NVFP4 mlp (a one-expert RoutedExperts)
+    mlp: DenseResident[Any] | None  # None on a replica that does not contribute
 
     sparse = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.mlp, RoutedExperts) != (self.nvfp4 is not None):
-            raise ValueError("DenseSite: an NVFP4 mlp (RoutedExperts) comes with its dispatch, a bf16 one without")
 
     @property
     def reduces(self) -> bool:
@@ -93,10 +83,39 @@ class DenseSite:
     def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
         if self.mlp is None:
             self.be.zero(out_TH)
-        elif self.nvfp4 is not None:
-            nvfp4_mlp(self.nvfp4, self.mlp, x_TH, ws, out_TH)
         else:
             clamped_swiglu_mlp(self.be, self.mlp, self.cfg.swiglu_limit, x_TH, ws, out_TH)
+        return self.comm.all_reduce(out_TH) if self.reduces else out_TH
+
+
+@dataclass
+class Nvfp4DenseSite:
+    """A dense FFN stored NVFP4 (ModelOpt's ``nvfp4_experts_dense_mlp`` exports): ``down(act(gate(x), up(x)))`` over
+    this rank's TP shard on the routed experts' kernels, its ``mlp`` ONE expert that every row runs (``dispatch``:
+    ``ExpertDispatch.nvfp4_dense``), rounded where a bf16 dense MLP's is (gate, up, act, down)."""
+
+    be: Backend
+    comm: Communicator
+    cfg: SiteConfig
+    mlp: RoutedExperts[Any] | None  # one expert, id 0; None on a replica that does not contribute
+    dispatch: ExpertDispatch
+
+    sparse = False
+
+    def __post_init__(self) -> None:
+        if self.dispatch.shape != ExpertShape.nvfp4_dense(self.cfg):
+            raise ValueError(f"Nvfp4DenseSite: a dispatch of {self.dispatch.shape}, expected the dense FFN's "
+                             f"{ExpertShape.nvfp4_dense(self.cfg)}")
+
+    @property
+    def reduces(self) -> bool:
+        return self.cfg.reduces(sparse=False)
+
+    def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
+        if self.mlp is None:
+            self.be.zero(out_TH)
+        else:
+            self.dispatch.every_row(x_TH, self.mlp, ws, out_TH)
         return self.comm.all_reduce(out_TH) if self.reduces else out_TH
 
 

@@ -20,7 +20,7 @@ from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import SiteConfig
 from glm_ep.errors import InputError
 from glm_ep.config.topology import PathLevers
-from glm_ep.mlp.site import DenseSite, site_buffers
+from glm_ep.mlp.site import Nvfp4DenseSite, site_buffers
 from glm_ep.mlp.workspace import Workspace, workspace_pool
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class MlpStack:
         self.max_rows = max(max_rows, 1)
         # ``workspaces``: allocated beforehand (the loader does it before reading any weight), else here, for what
         # the sites of ``cfg`` and the backend declare
-        nvfp4_dense = any(isinstance(s, DenseSite) and s.nvfp4 is not None for s in sites)
+        nvfp4_dense = any(isinstance(s, Nvfp4DenseSite) and s.mlp is not None for s in sites)
         self.workspaces = workspaces or workspace_pool(
             be, (*site_buffers(cfg, levers, nvfp4_dense), *be.buffers(cfg, levers)), self.max_rows, len(sites),
             shared_workspace)

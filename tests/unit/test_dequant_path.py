@@ -133,15 +133,15 @@ def test_a_routed_experts_table_of_one_expert_runs_the_path() -> None:
     grouped GEMM path of the same site within bf16 rounding."""
     rng = np.random.default_rng(5)
     be = NumpyBackend()
-    cfg = SiteConfig.for_rank(tiny_model(), RankLayout(1, 0, 1, 1)).dense_as_expert()
-    w = random_nvfp4_mlp(rng, cfg.moe_intermediate, cfg.hidden)
+    cfg = _dense_cfg()
+    w = random_nvfp4_mlp(rng, cfg.local_dense_intermediate, cfg.hidden)
     experts: RoutedExperts = be.upload_experts([w], 0, cfg.swiglu_limit)
     x = rng.standard_normal((20, cfg.hidden)).astype(BF16)
     outs = {}
     for name, lv in (("dequant", PathLevers(nvfp4_dense_dequant_min_rows=9)), ("sorted", PathLevers())):
-        d = ExpertDispatch(be, cfg, lv)
+        d = ExpertDispatch.nvfp4_dense(be, cfg, lv)
         assert d.path_for(20) == name
-        ws = workspace(_dense_cfg(), 20, lv, nvfp4_dense=True)
+        ws = workspace(cfg, 20, lv, nvfp4_dense=True)
         out = np.full((20, cfg.hidden), np.nan, dtype=BF16)
         d.every_row(x, experts, ws, out)
         outs[name] = out.astype(np.float32)

@@ -221,7 +221,7 @@ def test_remote_slots_are_exactly_zero(rows: int, levers: PathLevers) -> None:
     x = random_x(42, rows, model.hidden_size)
     route = build_stack(full, model).sites[0].route(x, workspace(cfg, rows))
     ids = route.ids_TK.copy()
-    dispatch = ExpertDispatch(be, cfg, levers)
+    dispatch = ExpertDispatch.routed(be, cfg, levers)
     out = dispatch(x, Route(ids, route.wts_TK), moe.experts, ws)
     assert out.down is None  # no shared expert beside the router: every path ends with its down projection
     routed = out.rows_SH
