@@ -213,9 +213,12 @@ class Backend(ABC, Generic[A, P]):
         never allocates. None by default."""
         return ()
 
-    def bind(self, scratch: Mapping[str, Any]) -> None:  # noqa: B027 - a backend that declares buffers overrides it
+    bound: Mapping[str, Any] | None = None  # the scratch ``bind`` was last handed
+
+    def bind(self, scratch: Mapping[str, Any]) -> None:
         """Take the buffers ``buffers`` declared, as the workspace made them (by name; one that needs no element at
-        the workspace's rows is absent)."""
+        the workspace's rows is absent). A backend that declares buffers extends it."""
+        self.bound = scratch
 
     @abstractmethod
     def upload_dense(self, w: DenseWeights) -> DenseResident[A]:

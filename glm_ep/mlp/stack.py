@@ -38,11 +38,19 @@ class MlpStack:
         self.workspaces = workspaces or workspace_pool(
             be, (*site_buffers(cfg, levers, nvfp4_dense), *be.buffers(cfg, levers)), self.max_rows, len(sites),
             shared_workspace)
+        self._scratch = self.workspaces[0].stack if self.workspaces else {}
         # static buffers: the chained state and one site's output, so a graph can be replayed
         self.h_buf = be.xp.empty((self.max_rows, cfg.hidden), dtype=ml_dtypes.bfloat16)
         self.out_buf = be.xp.empty_like(self.h_buf)
         self._graphs: dict[int, Callable[[], None]] = {}
         self._site_graphs: dict[tuple[int, int], Callable[[], None]] = {}  # (site, rows) -> replay
+
+    def _own_scratch(self) -> None:
+        """Bind the backend to this stack's scratch again where another stack's workspaces were bound to it since
+        (benches and tests build several stacks on one backend): what this stack runs, and any graph it captures,
+        reads the buffers its own workspaces keep alive."""
+        if self.be.bound is not self._scratch:
+            self.be.bind(self._scratch)
 
     def _check_rows(self, x_TH: Any) -> int:
         t, h = x_TH.shape
@@ -59,6 +67,7 @@ class MlpStack:
         the first call of its (site, rows): the site reads ``h_buf`` and writes ``out_buf`` in place (its
         all-reduce too), so a replay computes the new input's output where the eager call would."""
         t = self._check_rows(x_TH)
+        self._own_scratch()
         self.be.copy(x_TH, self.h_buf[:t])
         site, ws = self.sites[i], self.workspaces[i]
 
@@ -102,6 +111,7 @@ class MlpStack:
     def step(self, x_TH: Any) -> Any:
         """``h = h + site(h)`` through every layer; returns a view of the stack's state buffer."""
         t = self._check_rows(x_TH)
+        self._own_scratch()
         self.be.copy(x_TH, self.h_buf[:t])
         if self._capturable(t):  # the step updates h in place: the warm-up's is reset to x
             self._replay(self._graphs, t, lambda: self._eager_step(t), lambda: self.be.copy(x_TH, self.h_buf[:t]),

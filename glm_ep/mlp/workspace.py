@@ -121,11 +121,12 @@ def made(be: Any, buffers: Iterable[Buffer], max_rows: int) -> dict[str, Any]:
 
 class Workspace:
     """The scratch of one site call, as flat buffers by name: this workspace's per-site buffers, made here, and the
-    stack's (``stack``: made once by ``workspace_pool``, which builds every workspace). ``nbytes``: the per-site
-    buffers' bytes."""
+    stack's (``stack``: made once by ``workspace_pool``, which builds every workspace and binds them to the
+    backend). ``nbytes``: the per-site buffers' bytes."""
 
     def __init__(self, be: Any, buffers: Iterable[Buffer], max_rows: int, stack: Mapping[str, Any]):
         buffers = merged(buffers)
+        self.stack = stack
         self.max_rows = max(max_rows, 1)
         self.nbytes = ws_total_bytes(buffers, max_rows)
         self._flat = {**made(be, site_part(buffers), max_rows), **stack}

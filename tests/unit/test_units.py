@@ -21,7 +21,7 @@ from glm_ep.mlp.workspace import (Buffer, fmt_bytes, footprint_lines, merged, st
                                   ws_total_bytes)
 
 from cli_jobs import mpi_env
-from helpers import REPO, tiny_model, workspace
+from helpers import REPO, build_stack, random_weights, random_x, tiny_model, workspace
 
 MAX_CAP = 8  # the widest row group that ships
 
@@ -310,14 +310,15 @@ class _Declaring(NumpyBackend):
     workspace; ``bind`` records what it was handed."""
 
     def __init__(self) -> None:
-        self.bound: list[dict] = []
+        self.handed: list[dict] = []
 
     def buffers(self, cfg, levers):
         return (Buffer("done", np.dtype(np.uint32), lambda r: 4, zeroed=True, stack="backend scratch", note="counters"),
                 Buffer("sums", np.dtype(np.float32), lambda r: 8 * r, stack="backend scratch", note="partial sums"))
 
     def bind(self, scratch):
-        self.bound.append(dict(scratch))
+        super().bind(scratch)
+        self.handed.append(dict(scratch))
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "per-layer"])
@@ -328,8 +329,8 @@ def test_a_backends_scratch_is_made_once_by_the_workspace_and_bound(shared: bool
     buffers = (*site_buffers(c), *be.buffers(c, None))
     pool = workspace_pool(be, buffers, 16, 3, shared)
     assert len({id(ws) for ws in pool}) == (1 if shared else 3)
-    assert len(be.bound) == 1 and sorted(be.bound[0]) == ["done", "sums"]
-    done, sums = be.bound[0]["done"], be.bound[0]["sums"]
+    assert len(be.handed) == 1 and sorted(be.handed[0]) == ["done", "sums"] and be.bound is pool[0].stack
+    done, sums = be.handed[0]["done"], be.handed[0]["sums"]
     assert done.dtype == np.uint32 and (done == 0).all() and sums.size == 8 * 16
     for ws in pool:
         assert ws.view("done", 4) is not None and np.shares_memory(ws.view("sums", 128), sums)
@@ -355,3 +356,21 @@ def test_a_buffer_nobody_declared_is_named() -> None:
     assert not ws.fits("w_bf16", 1)
     with pytest.raises(ValueError, match="'w_bf16' was not declared for this workspace"):
         ws.view("w_bf16", 4)
+
+
+def test_a_stack_runs_on_its_own_scratch_when_another_was_built_on_its_backend() -> None:
+    """Two stacks on one backend (as benches and tests build them): the later one's workspaces bind the backend to
+    theirs, and a call of the first binds it back to its own, which its graphs then capture; no call rebinds
+    needlessly."""
+    model = tiny_model()
+    be, full = _Declaring(), random_weights(model, seed=3)
+    first = build_stack(full, model, max_rows=4, be=be)
+    second = build_stack(full, model, max_rows=4, be=be)
+    assert len(be.handed) == 2 and be.bound is second.workspaces[0].stack
+    x = random_x(4, 2, model.hidden_size)
+    first.step(x)
+    assert be.bound is first.workspaces[0].stack and len(be.handed) == 3
+    first.site_output(0, x)
+    assert len(be.handed) == 3
+    second.site_output(1, x)
+    assert be.bound is second.workspaces[0].stack and len(be.handed) == 4

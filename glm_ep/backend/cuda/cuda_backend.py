@@ -94,7 +94,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         # router's block counter and the counters of the K splits stay zero between launches (a launch on this stream
         # touches memory only once the one before it has finished, with or without programmatic dependent launch)
         self._route_done = self._wstream = self._down_combine = self._sort_counts = None
-        self._bound = self._said_unbound = False
+        self._said_unbound = False
 
     def buffers(self, cfg: SiteConfig, levers: PathLevers) -> tuple[Buffer, ...]:
         return scratch_buffers(self.ring, cfg, levers)
@@ -108,14 +108,14 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             sums, counters = scratch.get(f"{name}_partials"), scratch.get(f"{name}_arrived")
             return None if sums is None or counters is None else (sums, counters)
 
+        super().bind(scratch)
         self._route_done, self._wstream = scratch.get("route_done"), pair("wstream")
         self._down_combine, self._sort_counts = pair("down_combine"), scratch.get("sort_counts")
-        self._bound = True
 
     def _has(self, scratch: Any, what: str) -> bool:
         """Whether ``scratch`` was bound; where no workspace bound any (ops called on a bare backend), say once that
         ``what`` and the other paths that need scratch take their unfused forms."""
-        if scratch is None and not self._bound and not self._said_unbound:
+        if scratch is None and self.bound is None and not self._said_unbound:
             self._said_unbound = True
             log.warning("CUDA backend used without a workspace (glm_ep.mlp.workspace.workspace_pool binds its "
                         "scratch): %s and the other paths that need scratch take their unfused forms", what)
