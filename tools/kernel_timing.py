@@ -34,7 +34,7 @@ def main() -> int:
     import cupy as cp
 
     from glm_ep.backend.cuda import CudaBackend, RingConfig
-    from glm_ep.bench.common import gpu_nvfp4, graph_median_us
+    from glm_ep.bench.common import bench_workspace, glm_model, gpu_nvfp4, graph_median_us, world1_cfg
     from glm_ep.mlp.routing import RouteParams
     from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
@@ -48,6 +48,7 @@ def main() -> int:
     ap.add_argument("--no-pdl", action="store_true", help="plain launches (no programmatic dependent launch)")
     args = ap.parse_args()
     be = CudaBackend(0, dependent_launch=not args.no_pdl)
+    bench_workspace(be, world1_cfg(glm_model()), 8)  # binds the kernels' scratch (fused router, down ring's combine)
     s = be.stream
 
     def bf16(shape, std):
