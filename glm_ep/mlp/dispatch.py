@@ -84,7 +84,7 @@ class Route:
 
 def expert_buffers(shape: ExpertShape, levers: PathLevers) -> tuple[Buffer, ...]:
     """The scratch of the routed-expert paths for experts of ``shape``, for calls of up to ``r`` rows:
-    every slot's gate / up / act ``[r * top_k, moe width]``, the ids of a call that routes itself (one expert), the
+    every slot's gate / up / act ``[r * top_k, width]``, the ids of a call that routes itself (one expert), the
     routed rows ``[r * top_k, hidden]``, the union table (``u_slot`` QUADRATIC in rows), the sort by expert; and,
     one for the stack, the dequant path's weights: one projection as bf16 where calls of ``r`` rows may take that
     path (one expert only)."""

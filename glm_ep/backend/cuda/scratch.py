@@ -20,12 +20,15 @@ SCRATCH = "backend scratch"  # the footprint report's line for the buffers below
 def scratch_buffers(ring: RingConfig, cfg: SiteConfig, levers: PathLevers) -> tuple[Buffer, ...]:
     """The stack scratch of the backend's ops for sites of ``cfg``'s geometry (``Backend.buffers``), sized once:
 
-    | buffer | what reads it | size |
-    |---|---|---|
-    | `route_done` | the fused router's block counter (1..8 rows) | 1 uint32, zero between launches |
-    | `wstream_partials`, `wstream_arrived` | the warp-streaming GEMM's K split (the dense FFN at 5..16 rows) | `dense.wstream_scratch_sizes()`: fp32 sums, uint32 counters zero between launches |
-    | `down_combine_partials`, `down_combine_arrived` | the one-row down ring's combine (`nvfp4_moe_down_combine`), where the ring takes the site's shapes | parts x hidden fp32, hidden / 16 uint32 counters zero between launches |
-    | `sort_counts` | the multi-block sort by expert (wide calls, never captured), where the sorted path can run | SMs x experts int32 (152 KB for 288 experts on 132 SMs) |
+    | buffer                  | what reads it                                | size                                |
+    |-------------------------|----------------------------------------------|-------------------------------------|
+    | `route_done`            | the fused router's block counter (1..8 rows) | 1 uint32, zero between launches     |
+    | `wstream_partials`,     | the warp-streaming GEMM's K split (the dense | `dense.wstream_scratch_sizes()`:    |
+    | `wstream_arrived`       | FFN at 5..16 rows)                           | fp32 sums, uint32 counters (zero)   |
+    | `down_combine_partials`,| the one-row down ring's combine, where the   | parts x hidden fp32, hidden / 16    |
+    | `down_combine_arrived`  | ring takes the site's shapes                 | uint32 counters (zero)              |
+    | `sort_counts`           | the multi-block sort by expert (wide calls,  | SMs x experts int32 (152 KB for 288 |
+    |                         | never captured) where the sorted path runs   | experts on 132 SMs)                 |
     """
     h, lv = cfg.hidden, levers
     n_partials, n_arrived = dense.wstream_scratch_sizes()
