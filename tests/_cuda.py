@@ -5,6 +5,7 @@ the random NVFP4 expert tables the kernel tests share (``moe_weights``) are here
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -14,7 +15,7 @@ from glm_ep.checkpoint import nvfp4
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
-from helpers import BF16, assert_close, rand_bf16
+from helpers import BF16, assert_close, rand_bf16, tiny_model
 
 #: the kernel tests' shape: hidden, moe width, experts, top-k (plus GLM-5.3-Flash's where named)
 H, M, E, TOP_K = 256, 128, 32, 8
@@ -40,10 +41,30 @@ requires_cuda = pytest.mark.skipif(cupy is None, reason=_REASON or "CUDA availab
 @functools.cache
 def backend():
     """One CudaBackend per process (its ops queue on its own stream, never CuPy's current one). Its ring takes
-    any launch the kernels are built for (``min_items_per_sm = 0``), so the tests' small shapes run on it."""
+    any launch the kernels are built for (``min_items_per_sm = 0``), so the tests' small shapes run on it; its
+    kernels' scratch is bound for the kernel tests' shape (``bind_scratch``; a stack built on it binds its own)."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    return CudaBackend(0, RingConfig(min_items_per_sm=0))
+    be = CudaBackend(0, RingConfig(min_items_per_sm=0))
+    bind_scratch(be)
+    return be
+
+
+def bind_scratch(be, hidden: int = H, moe_width: int = M, shared_width: int = M, experts: int = E) -> dict:
+    """Hand ``be`` the scratch its kernels need for sites of this shape, made as the workspace makes it at load
+    (``workspace_pool`` binds it; a test that calls the backend's ops directly binds here), for calls from the
+    grouped GEMM's first rows (``prefill_gemm_min_rows``: the multi-block sort's counts included); by name."""
+    from glm_ep.config.model import RankLayout, SiteConfig
+    from glm_ep.config.topology import PathLevers
+    from glm_ep.mlp.workspace import made
+
+    model = tiny_model(hidden_size=hidden, moe_intermediate_size=moe_width, n_routed_experts=experts)
+    cfg = SiteConfig.for_rank(model, RankLayout(1, 0, 1, 1))
+    cfg = dataclasses.replace(cfg, local_shared_intermediate=shared_width)
+    levers = PathLevers()
+    scratch = made(be, be.buffers(cfg, levers), levers.prefill_gemm_min_rows)
+    be.bind(scratch)
+    return scratch
 
 
 def spy_launches(monkeypatch, module) -> list[str]:

@@ -22,8 +22,9 @@ from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight, quantize
 from glm_ep.config.presets import preset
-from glm_ep.mlp.site import DenseSite, MoeSite
+from glm_ep.mlp.site import DenseSite, MoeSite, Nvfp4DenseSite, site_buffers
 from glm_ep.mlp.stack import MlpStack
+from glm_ep.mlp.workspace import Workspace, workspace_pool
 from glm_ep.config.topology import PathLevers
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
@@ -146,7 +147,7 @@ def build_stack(full: Sequence[DenseWeights | ExpertWeights | MoeWeights], model
     levers = levers or PathLevers()
     be, comm = be or NumpyBackend(), comm or SelfComm()
     cfg = SiteConfig.for_rank(model, layout)
-    dispatch = ExpertDispatch(be, cfg, levers)
+    dispatch = ExpertDispatch.routed(be, cfg, levers)
     sites: list[Any] = []
     for w in full:
         mine = shard_layer(w, layout)
@@ -154,11 +155,18 @@ def build_stack(full: Sequence[DenseWeights | ExpertWeights | MoeWeights], model
             sites.append(MoeSite(be, comm, cfg, be.upload_moe(mine, cfg.swiglu_limit), dispatch))
         elif isinstance(w, ExpertWeights):  # a dense FFN stored NVFP4
             mlp = be.upload_experts((mine,), 0, cfg.swiglu_limit) if mine is not None else None
-            sites.append(DenseSite(be, comm, cfg, mlp, ExpertDispatch(be, cfg.dense_as_expert(), levers)
-                                   if mine is not None else None))
+            sites.append(Nvfp4DenseSite(be, comm, cfg, mlp, ExpertDispatch.nvfp4_dense(be, cfg, levers)))
         else:
             sites.append(DenseSite(be, comm, cfg, be.upload_dense(mine) if mine is not None else None))
     return MlpStack(be, comm, cfg, sites, levers, max_rows, shared_workspace)
+
+
+def workspace(cfg: SiteConfig, rows: int, levers: PathLevers | None = None, nvfp4_dense: bool = False,
+              be: NumpyBackend | None = None) -> Workspace:
+    """One workspace of ``rows`` rows (on ``be``, a ``NumpyBackend`` by default) with the buffers the sites of ``cfg``
+    and the backend declare, as the loader makes it; ``nvfp4_dense``: a dense FFN stored NVFP4's too."""
+    be, levers = be or NumpyBackend(), levers or PathLevers()
+    return workspace_pool(be, (*site_buffers(cfg, levers, nvfp4_dense), *be.buffers(cfg, levers)), rows, 1, True)[0]
 
 
 class CapturingNumpy(NumpyBackend):

@@ -218,14 +218,11 @@ def _footprint(args: argparse.Namespace) -> int:
             if "sparse" in model.mlp_layer_types:
                 router = f"{ck.layer_prefix(model.mlp_layer_types.index('sparse'))}.mlp.gate.weight"
                 router_itemsize = 4 if ck.info(router).dtype == "F32" else 2
-    from glm_ep.mlp.dispatch import dequant_scratch_bytes
+    from glm_ep.mlp.site import site_buffers
 
-    # the dequant scratch the load makes on rank 0 (which holds a dense FFN's shard and a sparse layer's experts)
-    scratch = sum(dequant_scratch_bytes(c, topo.levers, topo.workspace_rows)
-                  for c, held in ((cfg.dense_as_expert(), dense_nvfp4 and bool(model.dense_layers)),
-                                  (cfg, bool(model.sparse_layers))) if held)
-    for line in report_lines(model, cfg, topo, weight_bytes_per_rank(model, topo, dense_nvfp4, router_itemsize),
-                             scratch):
+    # the scratch rank 0's sites declare (it holds a dense FFN's shard), as the load makes it on the NumPy backend
+    buffers = site_buffers(cfg, topo.levers, dense_nvfp4 and bool(model.dense_layers))
+    for line in report_lines(model, topo, weight_bytes_per_rank(model, topo, dense_nvfp4, router_itemsize), buffers):
         print(line)
     return 0
 

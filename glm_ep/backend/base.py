@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Generic, Mapping, Sequence, TypeVar
 
 import numpy as np
 
+from glm_ep.config.model import SiteConfig
 from glm_ep.errors import ConfigError
 from glm_ep.mlp.routing import RouteParams
+from glm_ep.mlp.workspace import Buffer
 from glm_ep.config.topology import PathLevers
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
@@ -95,6 +97,50 @@ class MoeResident(Generic[A, P]):
     shared: DenseResident[A] | None
 
 
+# ---- what the stages of a sparse site hand each other ------------------------------------------
+@dataclass(frozen=True)
+class SharedGlu:
+    """The shared expert's first half, to run beside the router on the same x: gate, up and the clamped
+    SwiGLU of ``w`` (limit ``limit``) into ``gate``/``up``/``act`` [T, I]."""
+
+    w: DenseResident[Any]
+    limit: float
+    gate_TI: Any
+    up_TI: Any
+    act_TI: Any
+
+
+@dataclass(frozen=True)
+class SharedHalf:
+    """The shared expert up to its down projection, which the combine runs: ``act`` [T, I] and ``down``
+    [H, I]; ``out`` [T, H] takes the down output where a backend computes it apart from the combine."""
+
+    act_TI: Any
+    down_HI: Any
+    out_TH: Any
+
+
+@dataclass(frozen=True)
+class PendingDown:
+    """ONE row's routed down projection, left to the combine: slot k runs expert ``ids[k]`` of ``table`` on
+    ``act[k]`` ([K, M]), into that slot's routed row."""
+
+    act_KM: Any
+    table: ExpertTable[Any]
+    ids_K: Any
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """What the routed experts hand the combine: ``rows`` [T*K, H] (a remote slot's row exactly zero), read
+    through ``perm`` [T, K] where not None (expert-sorted order); ``down``, where not None, is ONE row's down
+    projection still to run, which writes the local slots' rows."""
+
+    rows_SH: Any
+    perm_TK: Any = None
+    down: PendingDown | None = None
+
+
 # ---- what a backend can do ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Capabilities:
@@ -127,6 +173,13 @@ class Capabilities:
                                   f"{on} (rows up to {self.max_row_group} are one row group)")
 
 
+#: What the path kernels can do, the one source both backends read: the CUDA kernels are compiled with these
+#: numbers (``kernel_loader``'s ``-D`` constants are set from them) and the NumPy backend, which walks the same
+#: paths, refuses what a GPU would. Neither records graphs here: a backend that captures says so in its own copy.
+KERNEL_LIMITS = Capabilities(max_row_group=8, max_union_ids=64, max_gemv_rows=8, max_top_k=16, grouped_gemm=True,
+                             capture=False)
+
+
 # ---- the interface ------------------------------------------------------------------------------
 class Backend(ABC, Generic[A, P]):
     name: str
@@ -153,6 +206,19 @@ class Backend(ABC, Generic[A, P]):
         """Whether the backend's stream is being captured already (a caller's own graph around ours): then
         a call runs its ops into that capture rather than starting one of its own."""
         return False
+
+    def buffers(self, cfg: SiteConfig, levers: PathLevers) -> tuple[Buffer, ...]:
+        """The scratch this backend's ops need for sites of ``cfg``'s geometry under ``levers``, stack buffers all
+        (``glm_ep.mlp.workspace``): the workspace makes them at load and hands them over through ``bind``, so an op
+        never allocates. None by default."""
+        return ()
+
+    bound: Mapping[str, Any] | None = None  # the scratch ``bind`` was last handed
+
+    def bind(self, scratch: Mapping[str, Any]) -> None:
+        """Take the buffers ``buffers`` declared, as the workspace made them (by name; one that needs no element at
+        the workspace's rows is absent). A backend that declares buffers extends it."""
+        self.bound = scratch
 
     @abstractmethod
     def upload_dense(self, w: DenseWeights) -> DenseResident[A]:
@@ -186,8 +252,13 @@ class Backend(ABC, Generic[A, P]):
         """``glm_ep.mlp.routing.router_topk`` into ``ids``/``wts``; ids must match it exactly."""
 
     def route(self, x_TH: Any, router_EH: Any, bias_E: Any, p: RouteParams, logits_TE: Any, ids_TK: Any,
-              wts_TK: Any) -> None:
-        """``router_logits`` then ``router_topk``, with the same results (a backend may fuse them)."""
+              wts_TK: Any, beside: SharedGlu | None = None) -> None:
+        """``router_logits`` then ``router_topk``, with the same results (a backend may fuse them); given
+        ``beside``, the shared expert's gate, up and SwiGLU on the same x too (``route_and_gate_up_act``)."""
+        if beside is not None:
+            self.route_and_gate_up_act(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, beside.w, beside.limit,
+                                       beside.gate_TI, beside.up_TI, beside.act_TI)
+            return
         self.router_logits(x_TH, router_EH, logits_TE)
         self.router_topk(logits_TE, bias_E, p, ids_TK, wts_TK)
 
@@ -226,6 +297,22 @@ class Backend(ABC, Generic[A, P]):
         the same either way, up to the order in which the shared expert's sums are added."""
         self.moe_gemv(act_KM, table, ids_K, routed_KH, per_slot_input=True)
         return self.shared_down_combine(shared_act_1I, shared_down_HI, routed_KH, wts_1K, shared_1H, out_1H)
+
+    def combine_site(self, routed: RoutedRows, wts_TK: Any, shared: SharedHalf | None, out_TH: Any) -> Any:
+        """The end of a sparse site, before its all-reduce: ``out[t] = bf16(sum_k wts[t,k] * routed[t,k] +
+        shared[t])``, ONE rounding, with ``shared`` the shared expert's down projection (None: no shared term).
+        A pending one-row down projection runs first. Through the fused ops: ``moe_down_shared_combine`` (a
+        pending down and the shared expert: all of it, one launch on CUDA's down ring), ``shared_down_combine``."""
+        down = routed.down
+        if down is not None and shared is not None:
+            return self.moe_down_shared_combine(down.act_KM, down.table, down.ids_K, routed.rows_SH, shared.act_TI,
+                                                shared.down_HI, wts_TK, shared.out_TH, out_TH)
+        if down is not None:
+            self.moe_gemv(down.act_KM, down.table, down.ids_K, routed.rows_SH, per_slot_input=True)
+        if shared is None:
+            return self.combine(routed.rows_SH, wts_TK, None, out_TH, routed.perm_TK)
+        return self.shared_down_combine(shared.act_TI, shared.down_HI, routed.rows_SH, wts_TK, shared.out_TH, out_TH,
+                                        routed.perm_TK)
 
     @abstractmethod
     def add(self, a: Any, b: Any, out: Any) -> Any:

@@ -7,7 +7,6 @@ the expert-sorted order), so CI exercises the dispatch logic, not just the math.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import ml_dtypes
@@ -15,8 +14,7 @@ import numpy as np
 
 from glm_ep.checkpoint import nvfp4
 from glm_ep.mlp import routing
-from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
-from glm_ep.backend.cuda.kernel_loader import CAPABILITIES as CUDA_CAPABILITIES
+from glm_ep.backend.base import KERNEL_LIMITS, Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
@@ -32,9 +30,9 @@ def _f32(a: np.ndarray) -> np.ndarray:
 class NumpyBackend(Backend[np.ndarray, Projection]):
     name = "cpu"
     xp = np
-    # the CUDA kernels' limits (it computes what they compute, so CI walks the same paths and refuses
-    # what a GPU would); it records no graphs
-    capabilities = dataclasses.replace(CUDA_CAPABILITIES, capture=False)
+    # the kernels' limits (it computes what they compute, so CI walks the same paths and refuses what a GPU
+    # would); it records no graphs
+    capabilities = KERNEL_LIMITS
 
     def asarray(self, host: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(host)

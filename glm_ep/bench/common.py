@@ -23,7 +23,8 @@ from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.app.footprint import nvfp4_bytes
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
 from glm_ep.config.presets import preset
-from glm_ep.mlp.site import DenseSite
+from glm_ep.mlp.site import Nvfp4DenseSite, site_buffers
+from glm_ep.mlp.workspace import Workspace, workspace_pool
 from glm_ep.config.topology import PathLevers
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 
@@ -245,15 +246,24 @@ def gpu_dense(cp: Any, width: int, h: int) -> DenseWeights:
                         gpu_bf16(cp, (h, width), width ** -0.5))
 
 
-def gpu_nvfp4_site(be: Any, comm: Any, cfg: SiteConfig, model: ModelConfig, levers: PathLevers) -> DenseSite:
+def bench_workspace(be: Any, cfg: SiteConfig, rows: int) -> Workspace:
+    """One workspace of ``rows`` rows for the benches' sites on ``be`` (its kernels' scratch bound to it), with
+    every buffer the benches' lever sets may use: a dense FFN stored NVFP4 included, its dequant path and the
+    grouped GEMM's sort from the first prefill width."""
+    levers = PathLevers(prefill_gemm_min_rows=9, nvfp4_dense_dequant_min_rows=9)
+    return workspace_pool(be, (*site_buffers(cfg, levers, nvfp4_dense=True), *be.buffers(cfg, levers)), rows, 1,
+                          True)[0]
+
+
+def gpu_nvfp4_site(be: Any, comm: Any, cfg: SiteConfig, model: ModelConfig, levers: PathLevers) -> Nvfp4DenseSite:
     """A dense site whose FFN is stored NVFP4 (nvidia/GLM-5.3-Flash-NVFP4's layers 0-2), random weights made on the
     GPU: one expert that every row chooses."""
     import cupy as cp
 
     h, width = model.hidden_size, model.intermediate_size
     w = ExpertWeights(gpu_nvfp4(cp, width, h), gpu_nvfp4(cp, width, h), gpu_nvfp4(cp, h, width))
-    return DenseSite(be, comm, cfg, be.upload_experts((w,), 0, model.swiglu_limit, what="dense mlp"),
-                     ExpertDispatch(be, cfg.dense_as_expert(), levers))
+    return Nvfp4DenseSite(be, comm, cfg, be.upload_experts((w,), 0, model.swiglu_limit, what="dense mlp"),
+                          ExpertDispatch.nvfp4_dense(be, cfg, levers))
 
 
 def gpu_moe(cp: Any, model: ModelConfig) -> MoeWeights:

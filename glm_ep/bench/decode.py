@@ -25,7 +25,6 @@ from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite
 from glm_ep.mlp.stack import MlpStack
 from glm_ep.config.topology import PathLevers
-from glm_ep.mlp.workspace import Workspace
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +123,7 @@ def run_bench(args: argparse.Namespace) -> int:
     log.info("copy bandwidth %.0f GB/s", copy_gbs)
     cfg = world1_cfg(model)
     comm, levers = SelfComm(), PathLevers()
-    dispatch = ExpertDispatch(be, cfg, levers)
+    dispatch = ExpertDispatch.routed(be, cfg, levers)
 
     per_sparse = sparse_bytes(model, model.n_routed_experts)
     free, _ = cp.cuda.runtime.memGetInfo()
@@ -141,7 +140,7 @@ def run_bench(args: argparse.Namespace) -> int:
         sparse_sites = [MoeSite(be, comm, cfg, be.upload_moe(gpu_moe(cp, model), model.swiglu_limit), dispatch)
                         for _ in range(n_sparse)]
     stack = MlpStack(be, comm, cfg, dense_sites + sparse_sites, levers, max_rows=8)
-    ws = Workspace(cp, cfg, 8)
+    ws = stack.workspaces[0]  # the sites' graphs below use the stack's workspace (and its backend scratch)
     out = cp.empty((8, model.hidden_size), dtype=BF16)
     rows: list[Row] = []
 
@@ -155,7 +154,7 @@ def run_bench(args: argparse.Namespace) -> int:
     def union_sizes(x_TH: Any) -> list[int]:
         sizes = []
         for s in sparse_sites:
-            ids_TK, _ = s.route(x_TH, ws)
+            ids_TK = s.route(x_TH, ws).ids_TK
             sizes.append(len(np.unique(be.to_host(ids_TK))))
         return sizes
 
@@ -254,8 +253,9 @@ def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> str:
     data = {"meta": meta, "rows": [dict(r.__dict__, gbs=r.gbs, pct=r.pct, floor_us=r.floor_us) for r in rows]}
     (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = results_header("glm-ep bench", meta) + [
-        "", "At 1..8 rows a site's byte floor is its roofline: its FLOPs at the bf16 GEMM rate take about 2% of it or less, so "
-        "% of copy bandwidth is % of roofline. Bytes: the union of the experts the rows chose, each read once.",
+        "", "At 1..8 rows a site's byte floor is its roofline: its FLOPs at the bf16 GEMM rate take about 2% of it "
+        "or less, so % of copy bandwidth is % of roofline. Bytes: the union of the experts the rows chose, each read "
+        "once.",
         "", "| what | median µs | bytes read (MB) | byte floor µs | GB/s | % of copy bw (of roofline) | note |",
         "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:

@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from glm_ep.backend.cuda import grouped as NV
-from glm_ep.bench.common import (BF16, bench_meta, card_tag, copy_bandwidth, cupy_gemm_tflops, dense_bytes, dense_nvfp4_bytes,
-                                 glm_model, gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header,
-                                 sparse_roofline, time_median, torch_time_us, world1_cfg)
+from glm_ep.bench.common import (BF16, bench_meta, bench_workspace, card_tag, copy_bandwidth, cupy_gemm_tflops,
+                                 dense_bytes, dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense, gpu_moe,
+                                 gpu_nvfp4_site, pyplot, results_header, sparse_roofline, time_median, torch_time_us,
+                                 world1_cfg)
 from glm_ep.dist.comm import SelfComm
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite, clamped_swiglu_mlp
 from glm_ep.config.topology import PathLevers
-from glm_ep.mlp.workspace import Workspace
 
 log = logging.getLogger(__name__)
 WIDTHS = (16, 64, 128, 256, 1024, 4096)
@@ -77,12 +77,12 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     with stream:
         moe = be.upload_moe(gpu_moe(cp, model), model.swiglu_limit)
         dense = be.upload_dense(gpu_dense(cp, model.intermediate_size, h))
-    ws = Workspace(cp, cfg, max_rows)
+    ws = bench_workspace(be, cfg, max_rows)
     out = cp.empty((max_rows, h), dtype=BF16)
     comm = SelfComm()
 
     def sparse(levers: PathLevers) -> MoeSite:
-        return MoeSite(be, comm, cfg, moe, ExpertDispatch(be, cfg, levers))
+        return MoeSite(be, comm, cfg, moe, ExpertDispatch.routed(be, cfg, levers))
 
     site, union_site, sorted_site = sparse(PathLevers()), sparse(PathLevers(prefill_gemm=False)), \
         sparse(PathLevers(prefill_gemm_min_rows=9))
@@ -93,9 +93,14 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     def t(fn: Callable[[], Any], rows: int) -> float:
         return time_median(cp, stream, fn, iters=_iters(rows), warmup=2, repeats=5)
 
+    def router(x: Any) -> None:  # the router alone (the site's route stage may run the shared gate/up beside it)
+        rows, e = x.shape[0], model.n_routed_experts
+        be.route(x, moe.router, moe.bias, site.route_params, ws.view("logits", rows, e), ws.view("ids", rows, k),
+                 ws.view("wts", rows, k))
+
     # the dense FFN stored NVFP4 on each path: row groups, the grouped GEMM without and with its K split, its
     # projections dequantized to bf16 for cuBLAS (each forced where the levers allow)
-    nvfp4_paths = {key: replace(dense_nvfp4_site, nvfp4=ExpertDispatch(be, cfg.dense_as_expert(), lv)) for key, lv in (
+    nvfp4_paths = {key: replace(dense_nvfp4_site, dispatch=ExpertDispatch.nvfp4_dense(be, cfg, lv)) for key, lv in (
         ("union_us", PathLevers(prefill_gemm=False, nvfp4_dense_dequant_min_rows=0)),
         ("sorted_nosplit_us", PathLevers(prefill_k_split=False, nvfp4_dense_dequant_min_rows=0)),
         ("sorted_us", PathLevers(nvfp4_dense_dequant_min_rows=0)),
@@ -131,7 +136,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         if rows <= UNION_MAX_TIMED:
             r["sparse_union_us"] = t(lambda: union_site(x, ws, o), rows)
         # the routed-expert GEMMs alone, on this width's routing; its union of experts sets the roofline's bytes
-        ids_TK, _ = site.route(x, ws)
+        ids_TK = site.route(x, ws).ids_TK
         r["ids"] = cp.asnumpy(ids_TK)
         s = rows * k
         tok, eid, offsets = ws.view("sorted_token_ids", s), ws.view("sorted_expert_ids", s), \
@@ -158,7 +163,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["dense_nvfp4_us"] = t(lambda: dense_nvfp4_site(x, ws, o), rows)
         r["dense_nvfp4_gemm_us"] = t(lambda: nvfp4_paths["sorted_us"](x, ws, o), rows)  # the grouped GEMM only
         r["shared_us"] = t(lambda: clamped_swiglu_mlp(be, moe.shared, cfg.swiglu_limit, x, ws, o), rows)
-        r["router_us"] = t(lambda: site.route(x, ws), rows)
+        r["router_us"] = t(lambda: router(x), rows)
         results["widths"].append(r)
         log.info("glm_ep %s", r)
     ws = out = None  # drop the workspace before the peers allocate theirs
@@ -242,8 +247,9 @@ def roofline_lines(meta: dict[str, Any], w: list[dict[str, Any]]) -> list[str]:
              "|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in w:
         floor, hf = r["roof_floor_us"], r.get("hf_moe_us")
-        lines.append(f"| {r['rows']} | {r['roof_experts']} | {r['roof_bytes'] / 1e6:.1f} | {r['roof_flops'] / 1e9:.1f} | "
-                     f"{r['byte_floor_us']:.1f} | {_f(r.get('flop_floor_us'))} | {r['roof_bound']} | "
+        lines.append(f"| {r['rows']} | {r['roof_experts']} | {r['roof_bytes'] / 1e6:.1f} | "
+                     f"{r['roof_flops'] / 1e9:.1f} | {r['byte_floor_us']:.1f} | {_f(r.get('flop_floor_us'))} | "
+                     f"{r['roof_bound']} | "
                      f"{r['sparse_us']:.1f} | {100 * floor / r['sparse_us']:.0f}% | {_f(hf)} | "
                      f"{_f(100 * floor / hf if hf else None, '{:.0f}%')} |")
     return lines + [""]

@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from glm_ep.bench.common import (BF16, bench_meta, copy_bandwidth, expert_bytes, glm_model, gpu_bf16, gpu_nvfp4,
-                                 graph_median_us, results_header)
+from glm_ep.bench.common import (BF16, bench_meta, bench_workspace, copy_bandwidth, expert_bytes, glm_model, gpu_bf16,
+                                 gpu_nvfp4, graph_median_us, results_header, world1_cfg)
 
 E_LOCAL = 32  # local experts of the one-row sweep's layers (the slots draw 8 of them)
 RING_VARIANTS = (("block kernels (ring = false)", dict(enabled=False)),
@@ -60,6 +60,7 @@ def run_sweep_ring(args: argparse.Namespace) -> int:
     h, m, i, k, limit = (model.hidden_size, model.moe_intermediate_size, model.intermediate_size,
                          model.num_experts_per_tok, model.swiglu_limit)
     be = CudaBackend(0)
+    bench_workspace(be, world1_cfg(model), 8)  # binds its kernels' scratch (fused router, down ring's combine)
     s, iters = be.stream, max(args.iters // 10, 10)
     copy_gbs = copy_bandwidth(cp, s)
     with s:
@@ -83,6 +84,7 @@ def run_sweep_ring(args: argparse.Namespace) -> int:
     rows, one_rows = [], []
     for name, levers in RING_VARIANTS:
         rb = CudaBackend(0, RingConfig(**levers), stream=s, dependent_launch=be.pdl)
+        bench_workspace(rb, world1_cfg(model), 8)  # binds its kernels' scratch (fused router, down ring's combine)
         with s:
             sites = [rb.upload_moe(w, limit) for w in layers]  # the same device arrays: only the tables are new
 
@@ -107,6 +109,7 @@ def run_sweep_ring(args: argparse.Namespace) -> int:
     g1, u1, a1 = (view(b, 1, i) for b in range(3))
     for name, levers in ONE_EXPERT_VARIANTS:
         rb = CudaBackend(0, RingConfig(**levers), stream=s, dependent_launch=be.pdl)
+        bench_workspace(rb, world1_cfg(model), 8)  # binds its kernels' scratch (fused router, down ring's combine)
         with s:
             e = rb.upload_experts((one,), 0, limit, what="dense mlp")
         one_rows.append({
@@ -130,6 +133,7 @@ def run_sweep_union(args: argparse.Namespace) -> int:
     h, m, e, k, limit = (model.hidden_size, model.moe_intermediate_size, model.n_routed_experts,
                          model.num_experts_per_tok, model.swiglu_limit)
     be = CudaBackend(0)
+    bench_workspace(be, world1_cfg(model), 8)  # binds its kernels' scratch (fused router, down ring's combine)
     s, iters = be.stream, max(args.iters // 10, 10)
     copy_gbs = copy_bandwidth(cp, s)
     with s:
@@ -145,6 +149,7 @@ def run_sweep_union(args: argparse.Namespace) -> int:
     backends = []
     for name, levers in UNION_VARIANTS:
         rb = CudaBackend(0, RingConfig(**levers), stream=s, dependent_launch=be.pdl)
+        bench_workspace(rb, world1_cfg(model), 8)  # binds its kernels' scratch (fused router, down ring's combine)
         with s:
             backends.append((name, rb, [rb.upload_experts(w, 0, limit) for w in layers]))
     rows = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -321,12 +321,6 @@ class SiteConfig:
     @property
     def expert_start(self) -> int:
         return self.ep_rank * self.local_experts
-
-    def dense_as_expert(self) -> "SiteConfig":
-        """The geometry an NVFP4 dense FFN runs with on the routed experts' paths: ONE expert (id 0, held
-        by every rank) of this rank's dense width, which every row chooses (top_k = 1)."""
-        return replace(self, moe_intermediate=self.local_dense_intermediate, num_experts=1, local_experts=1,
-                       ep_rank=0, ep=1, top_k=1)
 
     def local_slot(self, global_id: int) -> int | None:
         """Global expert id -> local index, or None when another rank owns it (it contributes zero)."""

@@ -6,8 +6,8 @@ allocates the workspace (checked against the free memory) and only then reads th
 agreed layer at a time: each rank reads only what it owns (its experts, its TP slices), and a bad
 tensor on any rank stops every rank at that layer. Rank 0 shows one progress bar over the bytes
 it reads (its share, from the headers; each rank reads about as much), then logs the load time of
-the slowest rank with the throughput, the per-rank weight bytes and the workspace footprint, per
-workspace and for the stack, in decimal MB/GB.
+the slowest rank with the throughput, the per-rank weight bytes and the workspace footprint (per
+workspace and for the stack, then the scratch made once for the stack), in decimal MB/GB.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 from tqdm import tqdm
@@ -26,18 +26,18 @@ from tqdm import tqdm
 from glm_ep.backend import make_backend, make_comm
 from glm_ep.backend.base import Backend
 from glm_ep.checkpoint.reader import Checkpoint
-from glm_ep.checkpoint.layers import expert_prefix, layer_read_bytes, load_layer
+from glm_ep.checkpoint.layers import dense_is_nvfp4, expert_prefix, layer_read_bytes, load_layer
 from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.dist.ranks import Ranks
 from glm_ep.dist.placement import discover
-from glm_ep.mlp.site import DenseSite, MoeSite
+from glm_ep.mlp.site import DenseSite, MoeSite, Nvfp4DenseSite, site_buffers
 from glm_ep.mlp.stack import MlpStack
 from glm_ep.config.topology import Topology
 from glm_ep.checkpoint.weights import ExpertWeights, MoeWeights
-from glm_ep.mlp.workspace import allocate_workspaces, fmt_bytes, footprint_lines, free_memory_bytes
+from glm_ep.mlp.workspace import Buffer, allocate_workspaces, fmt_bytes, footprint_lines, free_memory_bytes, merged
 
 log = logging.getLogger(__name__)
 PROGRESS_MIN_BYTES = 256e6  # smaller loads take a moment: no bar
@@ -60,29 +60,15 @@ def site_config(model: ModelConfig, topo: Topology, rank: int) -> SiteConfig:
     return SiteConfig.for_rank(model, RankLayout(topo.world, rank, topo.tp, topo.ep))
 
 
-def report_lines(model: ModelConfig, cfg: SiteConfig, topo: Topology, weight_bytes: list[int],
-                 dequant_bytes: int = 0) -> list[str]:
+def report_lines(model: ModelConfig, topo: Topology, weight_bytes: list[int], buffers: Iterable[Buffer]) -> list[str]:
+    """The model, each rank's weight bytes, and the footprint of ``buffers`` (what this rank's sites and backend
+    declared) at the topology's workspace rows and mode."""
     lines = [f"model: {model.num_hidden_layers} layers ({len(model.dense_layers)} dense, "
              f"{len(model.sparse_layers)} sparse), hidden {model.hidden_size}, "
              f"{model.n_routed_experts} experts top-{model.num_experts_per_tok}; world {topo.world}, "
              f"tp {topo.tp}, ep {topo.ep}, backend {topo.backend}"]
     lines += [f"weights: rank {r} holds {fmt_bytes(b)}" for r, b in enumerate(weight_bytes)]
-    lines += footprint_lines(cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace)
-    if dequant_bytes:
-        lines.append(f"dequant scratch: {fmt_bytes(dequant_bytes)} (the dense FFN stored NVFP4 from "
-                     f"{topo.levers.nvfp4_dense_dequant_min_rows} rows: one projection as bf16, shared by its layers)")
-    return lines
-
-
-def reserve_dequant(dispatch: ExpertDispatch, rows: int) -> int:
-    """The NVFP4 dense FFN's dequant scratch, made now (``ExpertDispatch.reserve``); its bytes."""
-    try:
-        return dispatch.reserve(rows)
-    except MemoryError as e:  # CuPy's OutOfMemoryError is a MemoryError too
-        raise ConfigError(f"the dense FFN stored NVFP4 needs a dequant scratch of "
-                          f"{fmt_bytes(dispatch.dequant_bytes(rows))} for calls of >= "
-                          f"{dispatch.levers.nvfp4_dense_dequant_min_rows} rows, and allocating it failed ({e}); "
-                          "set levers.nvfp4_dense_dequant_min_rows = 0 or above workspace_rows") from None
+    return lines + footprint_lines(buffers, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace)
 
 
 def load_line(read_bytes: list[int], seconds: list[float]) -> str:
@@ -150,8 +136,12 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     # was free before any of them allocated
     domain, free = (placement.node, getattr(be, "pci_bus_id", "host")), free_memory_bytes(be.xp)
     sharers = [d for d, _ in ranks.allgather("free memory", (domain, free))].count(domain)
+    # what the sites and the backend declare, made once: a dense FFN stored NVFP4 (its headers say) that this rank
+    # holds adds its dequant path's scratch
+    nvfp4_dense = cfg.tp_active(False) and any(dense_is_nvfp4(ckpt, i) for i in model.dense_layers)
+    buffers = merged((*site_buffers(cfg, topo.levers, nvfp4_dense), *be.buffers(cfg, topo.levers)))
     workspaces = ranks.agree("workspace allocation", lambda: allocate_workspaces(
-        be.xp, cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace, free, sharers))
+        be, buffers, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace, free, sharers))
 
     to_read = sum(layer_read_bytes(ckpt, cfg, i) for i in range(model.num_hidden_layers))
     static_input_scales = "sparse" in model.mlp_layer_types and ckpt.has(
@@ -166,14 +156,8 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     ranks.check_same("weight fingerprint", "checkpoints", router_digest(host_weights))
     load_s = time.perf_counter() - t0
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
-    dispatch = ExpertDispatch(be, cfg, topo.levers)
-    dense_nvfp4 = ExpertDispatch(be, cfg.dense_as_expert(), topo.levers)  # a dense FFN stored NVFP4: one expert
-    # agreed on every rank (a collective), also on one that holds no dense FFN stored NVFP4 (tp < world) or no
-    # one-expert MoE, where it reserves nothing
-    holds = ((dispatch, any(isinstance(w, MoeWeights) for w in host_weights)),
-             (dense_nvfp4, any(isinstance(w, ExpertWeights) for w in host_weights)))
-    dequant_bytes = ranks.agree("dequant scratch", lambda: sum(reserve_dequant(d, topo.workspace_rows)
-                                                               for d, held in holds if held))
+    dispatch = ExpertDispatch.routed(be, cfg, topo.levers)
+    dense_nvfp4 = ExpertDispatch.nvfp4_dense(be, cfg, topo.levers)  # a dense FFN stored NVFP4: one expert
 
     def site(i: int, w: Any) -> Any:
         site_comm = comm.at(f"layer {i} all-reduce")
@@ -181,7 +165,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
             return MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch)
         if isinstance(w, ExpertWeights):
             mlp = be.upload_experts((w,), 0, cfg.swiglu_limit, what=f"layer {i} dense mlp")
-            return DenseSite(be, site_comm, cfg, mlp, dense_nvfp4)
+            return Nvfp4DenseSite(be, site_comm, cfg, mlp, dense_nvfp4)
         return DenseSite(be, site_comm, cfg, be.upload_dense(w) if w is not None else None)
 
     def upload() -> list[Any]:  # agreed: a rank that cannot place its weights stops every rank, not only itself
@@ -203,6 +187,6 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
             log.info("the checkpoint's NVFP4 projections carry static input scales (a W4A4 export): they are not "
                      "used; activations stay bf16 (W4A16), so outputs differ from a W4A4 engine's by its "
                      "activation rounding")
-        for line in report_lines(model, cfg, topo, [b for b, _, _ in every], dequant_bytes):
+        for line in report_lines(model, topo, [b for b, _, _ in every], buffers):
             log.info("%s", line)
     return Runtime(model, cfg, topo, be, comm, stack, weight_bytes)

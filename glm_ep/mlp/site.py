@@ -1,11 +1,14 @@
 """The two MLP sites. Each forward is a short pipeline that ends in ONE visible all-reduce.
 
-Sparse: route (with the shared expert's gate/up beside it where the workspace holds both) ->
-experts -> shared (its down projection fused with the combine where the backend can; at one row,
-both inside the routed down launch) -> combine -> all_reduce. The combine runs BEFORE the reduce,
-so one collective sums both the EP partial (routed experts) and the TP partial (shared expert).
-Dense: gate/up -> clamped SwiGLU -> down -> all_reduce (only when tp > 1); a dense FFN stored NVFP4 runs
-the same on the routed experts' paths, as one expert that every row chooses.
+Sparse, as a straight pipeline: route -> experts -> shared -> combine -> all_reduce. Each stage hands
+the next what it made (``Route``, ``RoutedRows``, ``SharedHalf``); the one-row fusions are the
+backend's, decided inside its ops: the shared expert's gate/up beside the router (where the workspace
+holds both), and its down projection with the combine (at one row inside the routed down launch). The
+combine runs BEFORE the reduce, so one collective sums both the EP partial (routed experts) and the TP
+partial (shared expert).
+Dense: gate/up -> clamped SwiGLU -> down -> all_reduce (only when tp > 1). A dense FFN stored NVFP4 is a
+site of its own (``Nvfp4DenseSite``): the same pipeline on the routed experts' paths, as one expert that
+every row chooses.
 Shape suffixes: T rows, H hidden, E experts, K top-k, I a projection width, S = T*K.
 """
 
@@ -14,12 +17,41 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from glm_ep.backend.base import Backend, DenseResident, MoeResident, RoutedExperts
+import ml_dtypes
+import numpy as np
+
+from glm_ep.backend.base import Backend, DenseResident, MoeResident, RoutedExperts, SharedGlu, SharedHalf
 from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import SiteConfig
-from glm_ep.mlp.dispatch import ExpertDispatch, SharedTail
+from glm_ep.config.topology import PathLevers
+from glm_ep.mlp.dispatch import ExpertDispatch, ExpertShape, Route, expert_buffers
 from glm_ep.mlp.routing import RouteParams
-from glm_ep.mlp.workspace import Workspace
+from glm_ep.mlp.workspace import Buffer, Workspace, merged
+
+BF16, F32, I32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.int32)
+
+
+def mlp_buffers(width: int) -> tuple[Buffer, ...]:
+    """gate, up and act of a bf16 MLP of ``width`` (a dense FFN's or a shared expert's TP shard): ``[rows, width]``."""
+    return tuple(Buffer(b, BF16, lambda r: r * width) for b in ("a_gate", "a_up", "a_act"))
+
+
+def site_buffers(cfg: SiteConfig, levers: PathLevers = PathLevers(), nvfp4_dense: bool = False) -> tuple[Buffer, ...]:
+    """The scratch the sites of ``cfg``'s geometry declare, of every kind (one workspace serves any layer): the dense
+    FFN's activations; the router's logits, ids and weights, the shared expert's activations and down output, the
+    routed experts' paths (``expert_buffers``); with ``nvfp4_dense`` (this rank holds a dense FFN stored NVFP4), that
+    FFN's paths too."""
+    t_k, e, h = cfg.top_k, cfg.num_experts, cfg.hidden
+    return merged((
+        *mlp_buffers(cfg.local_dense_intermediate),
+        Buffer("logits", F32, lambda r: r * e),
+        Buffer("ids", I32, lambda r: r * t_k),
+        Buffer("wts", F32, lambda r: r * t_k),
+        *mlp_buffers(cfg.local_shared_intermediate),
+        Buffer("shared_out", BF16, lambda r: r * h),
+        *expert_buffers(ExpertShape.routed(cfg), levers),
+        *(expert_buffers(ExpertShape.nvfp4_dense(cfg), levers) if nvfp4_dense else ()),
+    ))
 
 
 def clamped_swiglu(be: Backend, w: DenseResident[Any], limit: float, x_TH: Any, ws: Workspace) -> Any:
@@ -35,33 +67,14 @@ def clamped_swiglu_mlp(be: Backend, w: DenseResident[Any], limit: float, x_TH: A
     return be.linear(clamped_swiglu(be, w, limit, x_TH, ws), w.down, out_TH)
 
 
-def nvfp4_mlp(be: Backend, dispatch: ExpertDispatch, mlp: RoutedExperts[Any], x_TH: Any, ws: Workspace,
-              out_TH: Any) -> Any:
-    """``down(act(gate(x), up(x)))`` of an NVFP4 MLP that every row runs (a dense FFN stored NVFP4), over
-    this rank's TP shard: ``mlp`` is ONE expert (id 0) that every row chooses, run on the routed experts'
-    paths (``dispatch`` has ``SiteConfig.dense_as_expert``'s geometry). With one slot a row, the routed
-    rows ARE the output rows, in row order on every path (the sort by expert is stable), so they are
-    written straight into ``out``, rounded where a dense MLP's are (gate, up, act, down)."""
-    ids_T1 = ws.view("ids", x_TH.shape[0], 1)
-    if dispatch.path_for(x_TH.shape[0]) not in ("sorted", "dequant"):  # one expert's GEMMs read no ids
-        be.zero(ids_T1)
-    dispatch(x_TH, ids_T1, mlp, ws, out_SH=out_TH)
-    return out_TH
-
-
 @dataclass
 class DenseSite:
     be: Backend
     comm: Communicator
     cfg: SiteConfig
-    mlp: DenseResident[Any] | RoutedExperts[Any] | None  # None on a replica that does not contribute
-    nvfp4: ExpertDispatch | None = None  # the dispatch of an NVFP4 mlp (a one-expert RoutedExperts)
+    mlp: DenseResident[Any] | None  # None on a replica that does not contribute
 
     sparse = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.mlp, RoutedExperts) != (self.nvfp4 is not None):
-            raise ValueError("DenseSite: an NVFP4 mlp (RoutedExperts) comes with its dispatch, a bf16 one without")
 
     @property
     def reduces(self) -> bool:
@@ -70,10 +83,39 @@ class DenseSite:
     def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
         if self.mlp is None:
             self.be.zero(out_TH)
-        elif self.nvfp4 is not None:
-            nvfp4_mlp(self.be, self.nvfp4, self.mlp, x_TH, ws, out_TH)
         else:
             clamped_swiglu_mlp(self.be, self.mlp, self.cfg.swiglu_limit, x_TH, ws, out_TH)
+        return self.comm.all_reduce(out_TH) if self.reduces else out_TH
+
+
+@dataclass
+class Nvfp4DenseSite:
+    """A dense FFN stored NVFP4 (ModelOpt's ``nvfp4_experts_dense_mlp`` exports): ``down(act(gate(x), up(x)))`` over
+    this rank's TP shard on the routed experts' kernels, its ``mlp`` ONE expert that every row runs (``dispatch``:
+    ``ExpertDispatch.nvfp4_dense``), rounded where a bf16 dense MLP's is (gate, up, act, down)."""
+
+    be: Backend
+    comm: Communicator
+    cfg: SiteConfig
+    mlp: RoutedExperts[Any] | None  # one expert, id 0; None on a replica that does not contribute
+    dispatch: ExpertDispatch
+
+    sparse = False
+
+    def __post_init__(self) -> None:
+        if self.dispatch.shape != ExpertShape.nvfp4_dense(self.cfg):
+            raise ValueError(f"Nvfp4DenseSite: a dispatch of {self.dispatch.shape}, expected the dense FFN's "
+                             f"{ExpertShape.nvfp4_dense(self.cfg)}")
+
+    @property
+    def reduces(self) -> bool:
+        return self.cfg.reduces(sparse=False)
+
+    def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
+        if self.mlp is None:
+            self.be.zero(out_TH)
+        else:
+            self.dispatch.every_row(x_TH, self.mlp, ws, out_TH)
         return self.comm.all_reduce(out_TH) if self.reduces else out_TH
 
 
@@ -96,39 +138,41 @@ class MoeSite:
         c = self.cfg
         return RouteParams(c.top_k, c.routed_scale, c.renormalize, c.router_bf16)
 
-    def route(self, x_TH: Any, ws: Workspace) -> tuple[Any, Any]:
-        """Replicated on every rank (never sharded): the same ids everywhere, fp32 end to end."""
+    def route(self, x_TH: Any, ws: Workspace) -> Route:
+        """Replicated on every rank (never sharded): the same ids everywhere, fp32 end to end. The shared
+        expert's gate/up/SwiGLU run beside it (one launch on CUDA at 1..8 rows) where the workspace holds
+        their activations PAST the routed experts' ``rows * top_k * moe_intermediate`` elements, so they
+        outlive the routed experts."""
         t, e, k = x_TH.shape[0], self.cfg.num_experts, self.cfg.top_k
         ids_TK, wts_TK = ws.view("ids", t, k), ws.view("wts", t, k)
-        self.be.route(x_TH, self.moe.router, self.moe.bias, self.route_params, ws.view("logits", t, e), ids_TK, wts_TK)
-        return ids_TK, wts_TK
+        beside = self._shared_beside(t, ws)
+        self.be.route(x_TH, self.moe.router, self.moe.bias, self.route_params, ws.view("logits", t, e), ids_TK, wts_TK,
+                      beside)
+        return Route(ids_TK, wts_TK, beside)
 
-    def route_and_shared_glu(self, x_TH: Any, ws: Workspace) -> tuple[Any, Any, Any] | None:
-        """``route`` and the shared expert's gate/up/SwiGLU together (one launch on CUDA at 1..8
-        rows), the shared activations placed in ``a_gate``/``a_up``/``a_act`` PAST the routed
-        experts' ``rows * top_k * moe_intermediate`` elements, so they outlive the routed experts.
-        None where the buffers do not hold both (then the shared expert runs after the experts)."""
-        t, e, k, width = x_TH.shape[0], self.cfg.num_experts, self.cfg.top_k, self.moe.shared.width
-        start = t * k * self.cfg.moe_intermediate  # 16-byte aligned: NVFP4 widths are multiples of 16
-        if not ws.fits("a_act", start + t * width):
+    def _shared_beside(self, t: int, ws: Workspace) -> SharedGlu | None:
+        """The shared expert's gate/up/act views past the routed experts' (16-byte aligned: NVFP4 widths are
+        multiples of 16); None where the buffers do not hold both, or this rank holds no shared expert."""
+        sh, start = self.moe.shared, t * self.cfg.top_k * self.cfg.moe_intermediate
+        if sh is None or not ws.fits("a_act", start + t * sh.width):
             return None
-        ids_TK, wts_TK = ws.view("ids", t, k), ws.view("wts", t, k)
-        gate_TI, up_TI, act_TI = (ws.view(b, t, width, offset=start) for b in ("a_gate", "a_up", "a_act"))
-        self.be.route_and_gate_up_act(x_TH, self.moe.router, self.moe.bias, self.route_params, ws.view("logits", t, e),
-                                      ids_TK, wts_TK, self.moe.shared, self.cfg.swiglu_limit, gate_TI, up_TI, act_TI)
-        return ids_TK, wts_TK, act_TI
+        gate_TI, up_TI, act_TI = (ws.view(b, t, sh.width, offset=start) for b in ("a_gate", "a_up", "a_act"))
+        return SharedGlu(sh, self.cfg.swiglu_limit, gate_TI, up_TI, act_TI)
+
+    def shared(self, x_TH: Any, route: Route, ws: Workspace) -> SharedHalf | None:
+        """The shared expert up to its down projection, which ends in the combine; NOT scaled by
+        ``routed_scaling_factor``. Its activations as the router left them, or made now (in the routed
+        experts' scratch, which they have finished with); None where this rank holds no shared expert."""
+        sh, t = self.moe.shared, x_TH.shape[0]
+        if sh is None:
+            return None
+        beside = route.shared  # made beside the router, or not yet
+        act_TI = beside.act_TI if beside is not None else clamped_swiglu(self.be, sh, self.cfg.swiglu_limit, x_TH, ws)
+        return SharedHalf(act_TI, sh.down, ws.view("shared_out", t, self.cfg.hidden))
 
     def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
-        sh, t = self.moe.shared, x_TH.shape[0]
-        early = self.route_and_shared_glu(x_TH, ws) if sh is not None else None
-        ids_TK, wts_TK = early[:2] if early else self.route(x_TH, ws)
-        shared_TH = ws.view("shared_out", t, self.cfg.hidden) if sh is not None else None
-        # one row: the shared expert's down projection and the combine may run inside the routed down launch
-        tail = SharedTail(early[2], sh.down, wts_TK, shared_TH, out_TH) if early and t == 1 else None
-        routed_SH, perm_TK, tail_done = self.experts(x_TH, ids_TK, self.moe.experts, ws, tail)
-        if sh is None:
-            self.be.combine(routed_SH, wts_TK, None, out_TH, perm_TK)
-        elif not tail_done:  # NOT scaled by routed_scaling_factor; its down projection ends in the combine
-            act_TI = early[2] if early else clamped_swiglu(self.be, sh, self.cfg.swiglu_limit, x_TH, ws)
-            self.be.shared_down_combine(act_TI, sh.down, routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
+        route = self.route(x_TH, ws)  # ids, wts [T, K]
+        routed = self.experts(x_TH, route, self.moe.experts, ws)  # [T*K, H] routed rows
+        shared = self.shared(x_TH, route, ws)  # the shared expert's activations
+        self.be.combine_site(routed, route.wts_TK, shared, out_TH)  # sum_k w_k * routed_k + shared: ONE rounding
         return self.comm.all_reduce(out_TH) if self.reduces else out_TH

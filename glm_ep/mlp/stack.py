@@ -20,7 +20,8 @@ from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import SiteConfig
 from glm_ep.errors import InputError
 from glm_ep.config.topology import PathLevers
-from glm_ep.mlp.workspace import Workspace, workspace_pool, ws_total_bytes
+from glm_ep.mlp.site import Nvfp4DenseSite, site_buffers
+from glm_ep.mlp.workspace import Workspace, workspace_pool
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,25 @@ class MlpStack:
                  workspaces: list[Workspace] | None = None):
         self.be, self.comm, self.cfg, self.sites, self.levers = be, comm, cfg, sites, levers
         self.max_rows = max(max_rows, 1)
-        n_ws = 1 if shared_workspace else len(sites)
-        # ``workspaces``: allocated beforehand (the loader does it before reading any weight)
-        self.workspaces = workspaces or workspace_pool(be.xp, cfg, self.max_rows, len(sites), shared_workspace)
-        self.workspace_bytes = ws_total_bytes(cfg, self.max_rows) * n_ws
+        # ``workspaces``: allocated beforehand (the loader does it before reading any weight), else here, for what
+        # the sites of ``cfg`` and the backend declare
+        nvfp4_dense = any(isinstance(s, Nvfp4DenseSite) and s.mlp is not None for s in sites)
+        self.workspaces = workspaces or workspace_pool(
+            be, (*site_buffers(cfg, levers, nvfp4_dense), *be.buffers(cfg, levers)), self.max_rows, len(sites),
+            shared_workspace)
+        self._scratch = self.workspaces[0].stack if self.workspaces else {}
         # static buffers: the chained state and one site's output, so a graph can be replayed
         self.h_buf = be.xp.empty((self.max_rows, cfg.hidden), dtype=ml_dtypes.bfloat16)
         self.out_buf = be.xp.empty_like(self.h_buf)
         self._graphs: dict[int, Callable[[], None]] = {}
         self._site_graphs: dict[tuple[int, int], Callable[[], None]] = {}  # (site, rows) -> replay
+
+    def _own_scratch(self) -> None:
+        """Bind the backend to this stack's scratch again where another stack's workspaces were bound to it since
+        (benches and tests build several stacks on one backend): what this stack runs, and any graph it captures,
+        reads the buffers its own workspaces keep alive."""
+        if self.be.bound is not self._scratch:
+            self.be.bind(self._scratch)
 
     def _check_rows(self, x_TH: Any) -> int:
         t, h = x_TH.shape
@@ -56,6 +67,7 @@ class MlpStack:
         the first call of its (site, rows): the site reads ``h_buf`` and writes ``out_buf`` in place (its
         all-reduce too), so a replay computes the new input's output where the eager call would."""
         t = self._check_rows(x_TH)
+        self._own_scratch()
         self.be.copy(x_TH, self.h_buf[:t])
         site, ws = self.sites[i], self.workspaces[i]
 
@@ -99,6 +111,7 @@ class MlpStack:
     def step(self, x_TH: Any) -> Any:
         """``h = h + site(h)`` through every layer; returns a view of the stack's state buffer."""
         t = self._check_rows(x_TH)
+        self._own_scratch()
         self.be.copy(x_TH, self.h_buf[:t])
         if self._capturable(t):  # the step updates h in place: the warm-up's is reset to x
             self._replay(self._graphs, t, lambda: self._eager_step(t), lambda: self.be.copy(x_TH, self.h_buf[:t]),

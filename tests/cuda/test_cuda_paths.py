@@ -23,7 +23,7 @@ from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.dist.comm import MpiComm, SelfComm
 from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.mlp.dispatch import ExpertDispatch
-from glm_ep.mlp.site import DenseSite, MoeSite
+from glm_ep.mlp.site import DenseSite, MoeSite, Nvfp4DenseSite
 from glm_ep.mlp.stack import MlpStack
 from glm_ep.config.topology import PathLevers, Topology
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
@@ -110,7 +110,7 @@ def build_stack(be, comm, cfg, weights, levers, max_rows=MAX_ROWS):
     for w in weights:
         if isinstance(w, MoeWeights):
             moe = be.upload_moe(w, cfg.swiglu_limit)
-            sites.append(MoeSite(be, comm, cfg, moe, ExpertDispatch(be, cfg, levers)))
+            sites.append(MoeSite(be, comm, cfg, moe, ExpertDispatch.routed(be, cfg, levers)))
         else:
             sites.append(DenseSite(be, comm, cfg, None if w is None else be.upload_dense(w)))
     return MlpStack(be, comm, cfg, sites, levers, max_rows)
@@ -224,7 +224,7 @@ def test_dependent_launches_change_no_bit(rows):
 
 def _nvfp4_dense_stack(be, cfg: SiteConfig, w: ExpertWeights, levers: PathLevers = PathLevers()) -> MlpStack:
     mlp = be.upload_experts((w,), 0, cfg.swiglu_limit, what="dense mlp")
-    site = DenseSite(be, SelfComm(), cfg, mlp, ExpertDispatch(be, cfg.dense_as_expert(), levers))
+    site = Nvfp4DenseSite(be, SelfComm(), cfg, mlp, ExpertDispatch.nvfp4_dense(be, cfg, levers))
     return MlpStack(be, SelfComm(), cfg, [site], levers, MAX_ROWS)
 
 
@@ -243,7 +243,7 @@ def test_nvfp4_dense_site(rows, hidden, width):
     cuda, ref = _nvfp4_dense_stack(backend(), cfg, w, levers), _nvfp4_dense_stack(NumpyBackend(), cfg, w, levers)
     d = levers.nvfp4_dense_dequant_min_rows
     want_path = "decode" if rows == 1 else "dequant" if rows >= d else "sorted" if rows >= 32 else "union"
-    assert cuda.sites[0].nvfp4.path_for(rows) == want_path
+    assert cuda.sites[0].dispatch.path_for(rows) == want_path
     for step in range(3 if rows <= 8 else 1):  # 1..8 rows: captured on the first step, replayed after
         x = rand_bf16(rng, (rows, hidden), 1.0)
         assert_close(host(cuda.step(dev(x))), np.array(ref.step(x), copy=True), f"{rows} rows, step {step}")
@@ -265,7 +265,7 @@ def test_nvfp4_dense_site_k_split(monkeypatch, rows, k_split):
     w = nvfp4_mlp(rng, hidden, width)
     levers = PathLevers(prefill_k_split=k_split, nvfp4_dense_dequant_min_rows=0)
     cuda, ref = _nvfp4_dense_stack(backend(), cfg, w, levers), _nvfp4_dense_stack(NumpyBackend(), cfg, w, levers)
-    assert cuda.sites[0].nvfp4.path_for(rows) == "sorted"
+    assert cuda.sites[0].dispatch.path_for(rows) == "sorted"
     entries = spy_launches(monkeypatch, grouped)
     x = rand_bf16(rng, (rows, hidden), 1.0)
     assert_close(host(cuda.step(dev(x))), np.array(ref.step(x), copy=True), f"{rows} rows, k_split {k_split}")

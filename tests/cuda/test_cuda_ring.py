@@ -10,8 +10,8 @@ import pytest
 
 from glm_ep.backend.numpy_backend import NumpyBackend
 
-from _cuda import (TOP_K, assert_written, backend, both, check_moe_gate_up_act, check_moe_gemv, dev, host,
-                   moe_weights, poisoned, requires_cuda, spy_launches, unwritten)
+from _cuda import (TOP_K, assert_written, backend, bind_scratch, both, check_moe_gate_up_act, check_moe_gemv, dev,
+                   host, moe_weights, poisoned, requires_cuda, spy_launches, unwritten)
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -75,6 +75,7 @@ def test_moe_down_combine_ring(rng, ring, shared_k):
 
     be = CudaBackend(0, RingConfig(**{**ANY_ITEMS, **ring}), stream=backend().stream)
     h, m, start, count = 2048, 1024, 4, 6
+    sc = bind_scratch(be, hidden=h, moe_width=m, shared_width=shared_k)  # as a site of this shape's workspace does
     cu, nu = both(moe_weights(rng, h=h, m=m, start=start, count=count), be)
     ids = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
     local = (ids >= start) & (ids < start + count)
@@ -105,13 +106,13 @@ def test_moe_down_combine_ring(rng, ring, shared_k):
     replay = be.capture(run)
     for label in ("launch", "launch again", "replay", "replay again"):
         poison(out)
-        poison(be._dc_partials)
+        poison(sc["down_combine_partials"])
         if label.startswith("replay"):
             replay()
         else:
             run()
         got, got_routed = host(out), host(routed)
-        partials = host(be._dc_partials)[:parts * h].view(np.uint32)
+        partials = host(sc["down_combine_partials"])[:parts * h].view(np.uint32)
         assert not (partials == 0xFFFFFFFF).any(), f"{label}: partials left unwritten (the fused launch did not run)"
         assert unwritten(host(scratch)).all(), f"{label}: the shared scratch was written (the fused launch did not run)"
         np.testing.assert_array_equal(got_routed.view(np.uint16), host(routed_sep).view(np.uint16), err_msg=label)
@@ -119,7 +120,7 @@ def test_moe_down_combine_ring(rng, ring, shared_k):
         assert_written(got, label)
         assert_ulps(got, host(out_sep), f"down + shared + combine, {label}")
         assert_close(got, ref, f"down + shared + combine against NumPy, {label}")
-        assert not host(be._dc_arrived).any(), f"{label}: the arrival counts were left non-zero"
+        assert not host(sc["down_combine_arrived"]).any(), f"{label}: the arrival counts were left non-zero"
 
 
 def test_moe_down_combine_falls_back_where_the_ring_cannot():
@@ -131,7 +132,8 @@ def test_moe_down_combine_falls_back_where_the_ring_cannot():
     h, m = 2048, 1024
     for ring, shared_k in ((RingConfig(**ANY_ITEMS), 384), (RingConfig(down_combine=False, **ANY_ITEMS), 512)):
         be = CudaBackend(0, ring, stream=backend().stream)
-        assert not be._down_combine_scratch(h, m, shared_k)
+        assert not be.ring.down_combine_parts(h, m, shared_k)
+        assert "down_combine_partials" not in bind_scratch(be, hidden=h, moe_width=m, shared_width=shared_k)
         cu, _ = both(moe_weights(rng, h=h, m=m, start=0, count=4, num_experts=8), be)
         ids = dev(np.array([0, 1, 2, 3, 0, 1, 2, 3], dtype=np.int32))
         act, sh_act = dev(rand_bf16(rng, (TOP_K, m))), dev(rand_bf16(rng, (1, shared_k)))

@@ -14,9 +14,9 @@ from glm_ep.mlp import routing
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.errors import ConfigError
 
-from _cuda import (E, H, M, TOP_K, assert_written, backend, both, check_moe_gate_up_act, check_moe_gemv, dev, host,
-                   moe_weights, poisoned, requires_cuda, spy_launches, unwritten)
-from helpers import BF16, assert_close, rand_bf16
+from _cuda import (E, H, M, TOP_K, assert_written, backend, bind_scratch, both, check_moe_gate_up_act, check_moe_gemv,
+                   dev, host, moe_weights, poisoned, requires_cuda, spy_launches, unwritten)
+from helpers import BF16, assert_close, rand_bf16, tiny_model
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
@@ -93,7 +93,7 @@ def test_sort_by_expert(rng, t, e, sms, monkeypatch):
     ids[: t // 2, 0] = 5  # one expert far more popular than the rest
     ref = routing.sort_by_expert(ids, e)
     s = t * TOP_K
-    backend()._sort_scratch(e)  # (upload_moe does this for its router's experts)
+    bind_scratch(backend(), experts=e)  # (a stack's workspace does this for its router's experts)
     names = ("sorted_token_ids", "sorted_expert_ids", "expert_offsets", "token_to_perm")
     launched = spy_launches(monkeypatch, route)
     for form in ("backend", "one block"):
@@ -114,14 +114,21 @@ def test_sort_by_expert(rng, t, e, sms, monkeypatch):
             np.testing.assert_array_equal(host(got), want, err_msg=f"{form}: {name}")
 
 
-def test_upload_moe_sizes_the_sort_scratch(rng):
-    """A routed site's upload makes the multi-block sort's count scratch for its router's experts, so a wide call
-    never allocates."""
+def test_the_workspace_makes_the_sort_scratch():
+    """A stack's workspace makes the multi-block sort's count scratch for its router's experts and hands it to the
+    backend, so a wide call never allocates."""
+    from glm_ep.backend.cuda import CudaBackend
     from glm_ep.backend.cuda import route_kernels as route
+    from glm_ep.config.model import RankLayout, SiteConfig
+    from glm_ep.config.topology import PathLevers
+    from glm_ep.mlp.site import site_buffers
+    from glm_ep.mlp.workspace import workspace_pool
 
-    be = backend()
-    be.upload_moe(moe_weights(rng, start=0, count=4), 10.0)
+    be = CudaBackend(0, stream=backend().stream)
+    cfg = SiteConfig.for_rank(tiny_model(n_routed_experts=E), RankLayout(1, 0, 1, 1))
+    pool = workspace_pool(be, (*site_buffers(cfg), *be.buffers(cfg, PathLevers())), 512, 2, False)
     assert be._sort_counts is not None and be._sort_counts.size >= route.sm_count() * E
+    assert all(np.shares_memory(ws.view("sort_counts", E), be._sort_counts) for ws in pool)
 
 
 def test_moe_gemm_sorted(rng):

@@ -296,12 +296,13 @@ def test_ranks_of_one_host_share_its_free_memory_at_load(tiny_checkpoint, monkey
 
     from glm_ep.mlp import runtime as loader
     from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
+    from glm_ep.mlp.site import site_buffers
     from glm_ep.mlp.workspace import ws_total_bytes
 
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
     model = ModelConfig.from_file(tiny_checkpoint / "config.json")
-    need = ws_total_bytes(SiteConfig.for_rank(model, RankLayout(n, comm.Get_rank(), n, n)), 512)
+    need = ws_total_bytes(site_buffers(SiteConfig.for_rank(model, RankLayout(n, comm.Get_rank(), n, n))), 512)
     failures: list[str] = []
     monkeypatch.setattr(loader, "free_memory_bytes", lambda xp: n * need - 1)
     try:

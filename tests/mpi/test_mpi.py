@@ -262,7 +262,7 @@ def test_nvfp4_dense_site_split_over_tp_matches_one_rank(job: Job) -> None:
                                 levers=levers)
         for rows, x in xs.items():
             y1 = ys1[rows]
-            path = multi.sites[layer].nvfp4.path_for(rows)
+            path = multi.sites[layer].dispatch.path_for(rows)
             want = "dequant" if rows == 12 and levers.nvfp4_dense_dequant_min_rows == 12 else path
             if path != want:
                 job.failures.append(f"dense nvfp4 site, {rows} rows: path {path}, expected {want}")

@@ -5,6 +5,7 @@ a GPU: the CUDA backend's capabilities and ring levers are checked before CuPy i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -18,6 +19,7 @@ from glm_ep.backend.cuda import CudaBackend, RingConfig
 from glm_ep.backend.cuda.ring import act_bound, act_fits_f16, act_shift
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
+from glm_ep.config.presets import preset
 from glm_ep.errors import ConfigError
 from glm_ep.dist.placement import Placement
 from glm_ep.config.topology import PathLevers, Topology
@@ -54,6 +56,27 @@ def test_the_defaults_fit_both_backends() -> None:
     CudaBackend.capabilities.check("cuda", PathLevers(), 16)
     assert NumpyBackend.capabilities.max_row_group == CudaBackend.capabilities.max_row_group == 8
     assert not NumpyBackend.capabilities.capture and CudaBackend.capabilities.capture
+
+
+def test_both_backends_read_the_kernel_limits_from_one_place() -> None:
+    """The NumPy backend's limits are ``KERNEL_LIMITS`` without importing the CUDA loader (a fresh interpreter: nothing
+    under ``glm_ep.backend.cuda`` is loaded), and the CUDA kernels are compiled with the same numbers."""
+    import subprocess
+    import sys
+
+    from glm_ep.backend.base import KERNEL_LIMITS
+    from glm_ep.backend.cuda import kernel_loader as K
+
+    code = ("import sys, glm_ep.backend.numpy_backend as nb\n"
+            "from glm_ep.backend.base import KERNEL_LIMITS\n"
+            "assert nb.NumpyBackend.capabilities == KERNEL_LIMITS\n"
+            "print(sorted(m for m in sys.modules if m.startswith('glm_ep.backend.cuda')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+    assert (K.UNION_MAX_ROWS, K.UNION_MAX_IDS, K.GEMV_MAX_ROWS, K.ROUTER_MAX_TOP_K) == (
+        KERNEL_LIMITS.max_row_group, KERNEL_LIMITS.max_union_ids, KERNEL_LIMITS.max_gemv_rows, KERNEL_LIMITS.max_top_k)
+    assert K.DEFINES["UNION_MAX_IDS"] == 64 and K.DEFINES["ROUTER_MAX_TOP_K"] == 16
+    assert CudaBackend.capabilities == dataclasses.replace(KERNEL_LIMITS, capture=True)
 
 
 def test_ring_levers_default_to_the_measured_ring_and_parse_from_toml() -> None:
@@ -309,3 +332,37 @@ def test_the_sort_by_expert_fits_the_device_or_is_refused(limit: int, most: int)
             f"{route.sort_smem(most + 1) + route.SORT_STATIC_SMEM} bytes of shared memory a block, this device "
             f"(sm_x) allows {limit} (at most {most} experts); expected fewer experts, or levers.prefill_gemm = false")):
         route.check_sort_fits(most + 1, limit, "sm_x")
+
+
+def test_cuda_scratch_is_declared_for_the_workspace(monkeypatch) -> None:
+    """The CUDA kernels' scratch, declared for the workspace to make (the backend allocates none of its own), sized as
+    the launches read it: the fused router's counter, the warp-streaming K split's sums and counters for every launch
+    it makes, the one-row down ring's combine sums for the site's shapes, the sort's counts for the router's experts
+    where the sorted path can run at the workspace's rows; counters zeroed; one line of the footprint report."""
+    from glm_ep.backend.cuda import dense, scratch
+    from glm_ep.mlp.site import site_buffers
+    from glm_ep.mlp.workspace import footprint_lines, fmt_bytes
+
+    for module in (dense, scratch):
+        monkeypatch.setattr(module, "sm_count", lambda: 132)
+    monkeypatch.setattr(dense, "smem_per_sm", lambda: (233472, 1024))
+    model = ModelConfig.from_dict(preset("glm-5.3-flash"))
+    cfg, ring = SiteConfig.for_rank(model, RankLayout(2, 0, 2, 2)), RingConfig()
+    parts = ring.down_combine_parts(4096, 2048, 1024)
+    assert parts >= 1
+    declared = scratch.scratch_buffers(ring, cfg, PathLevers())
+    b = {x.name: x for x in declared}
+    n_partials, n_arrived = dense.wstream_scratch_sizes()
+    want = {"route_done": (1, np.uint32, True), "wstream_partials": (n_partials, np.float32, False),
+            "wstream_arrived": (n_arrived, np.uint32, True), "down_combine_partials": (parts * 4096, np.float32, False),
+            "down_combine_arrived": (4096 // 16, np.uint32, True), "sort_counts": (132 * 288, np.int32, False)}
+    assert {n: (x.elements(512), x.dtype, x.zeroed) for n, x in b.items()} == want
+    assert all(x.stack == "backend scratch" for x in declared)
+    assert b["sort_counts"].elements(23) == 0 and b["sort_counts"].elements(24) == 132 * 288  # prefill_gemm_min_rows
+    assert scratch.scratch_buffers(ring, cfg, PathLevers(prefill_gemm=False))[-1].elements(4096) == 0
+    no_shared = dataclasses.replace(cfg, local_shared_intermediate=0)
+    assert [x.elements(1) for x in scratch.scratch_buffers(ring, no_shared, PathLevers())][3:5] == [0, 0]
+    lines = footprint_lines((*site_buffers(cfg), *declared), 512, 45, True)
+    total = sum(x.nbytes(512) for x in declared)
+    assert lines[-1].startswith(f"backend scratch: {fmt_bytes(total)} (the CUDA kernels' counters and partial sums")
+    assert CudaBackend.buffers is not NumpyBackend.buffers and NumpyBackend().buffers(cfg, PathLevers()) == ()

@@ -1,5 +1,6 @@
 """A dense FFN stored NVFP4 through bf16 weights (the ``dequant`` path) on the NumPy backend: the op's numerics
-against the grouped GEMM's, its scratch (size, when it is made, the loader's report and its error)."""
+against the grouped GEMM's, its scratch (size, made by the workspace once for the stack, the loader's report and
+its error)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
 from glm_ep.mlp.dispatch import ExpertDispatch
-from glm_ep.mlp.runtime import report_lines, reserve_dequant
+from glm_ep.mlp.runtime import report_lines
+from glm_ep.mlp.site import site_buffers
 from glm_ep.config.topology import PathLevers, Topology
 from glm_ep.checkpoint.weights import ExpertWeights
-from glm_ep.mlp.workspace import Workspace, fmt_bytes
+from glm_ep.mlp.workspace import allocate_workspaces, fmt_bytes, workspace_pool, ws_total_bytes
 
-from helpers import BF16, random_nvfp4_mlp, tiny_model
+from helpers import BF16, random_nvfp4_mlp, tiny_model, workspace
 
 
 def _table(w: nvfp4.Nvfp4Weight, be: NumpyBackend):
@@ -58,43 +60,66 @@ def test_dequant_linear_refuses_a_scratch_of_another_shape() -> None:
         be.dequant_linear(np.zeros((9, 64), BF16), table, 0, np.zeros((64, 32), BF16), np.zeros((9, 32), BF16))
 
 
-def _dense_dispatch(levers: PathLevers) -> ExpertDispatch:
-    cfg = SiteConfig.for_rank(tiny_model(), RankLayout(1, 0, 1, 1)).dense_as_expert()
-    return ExpertDispatch(NumpyBackend(), cfg, levers)
+def _dense_cfg() -> SiteConfig:
+    return SiteConfig.for_rank(tiny_model(), RankLayout(1, 0, 1, 1))
+
+
+def _w_bf16(levers: PathLevers, nvfp4_dense: bool = True):
+    return next((b for b in site_buffers(_dense_cfg(), levers, nvfp4_dense) if b.name == "w_bf16"), None)
 
 
 def test_the_scratch_holds_one_projection_and_only_where_the_path_can_run() -> None:
-    d = _dense_dispatch(PathLevers(nvfp4_dense_dequant_min_rows=32))
-    one = d.cfg.moe_intermediate * d.cfg.hidden * 2
-    assert [d.dequant_bytes(r) for r in (31, 32, 512)] == [0, one, one]
-    assert d.reserve(31) == 0 and d._w_bf16 is None
-    assert d.reserve(32) == one and d._w_bf16.nbytes == one and d._w_bf16.dtype == BF16
-    made = d._w_bf16
-    assert d.reserve(512) == one and d._w_bf16 is made  # made once
-    assert _dense_dispatch(PathLevers(nvfp4_dense_dequant_min_rows=0)).dequant_bytes(4096) == 0
-    assert _dense_dispatch(PathLevers(host_dispatch=True)).dequant_bytes(4096) == 0
-    routed = ExpertDispatch(NumpyBackend(), SiteConfig.for_rank(tiny_model(), RankLayout(1, 0, 1, 1)),
-                            PathLevers(nvfp4_dense_dequant_min_rows=9))
-    assert routed.dequant_bytes(4096) == 0
+    """The dequant path's weight scratch, as the dense FFN's dispatch declares it: one projection in bf16, one for the
+    stack, where the workspace's widest call reaches the lever; nothing with the lever off, under host dispatch, or
+    without a dense FFN stored NVFP4."""
+    cfg = _dense_cfg()
+    one = cfg.local_dense_intermediate * cfg.hidden * 2
+    w = _w_bf16(PathLevers(nvfp4_dense_dequant_min_rows=32))
+    assert w.stack == "dequant scratch" and [w.nbytes(r) for r in (31, 32, 512)] == [0, one, one]
+    assert _w_bf16(PathLevers(nvfp4_dense_dequant_min_rows=0)).nbytes(4096) == 0
+    assert _w_bf16(PathLevers(host_dispatch=True)).nbytes(4096) == 0
+    assert _w_bf16(PathLevers(nvfp4_dense_dequant_min_rows=9), nvfp4_dense=False).nbytes(4096) == 0  # 32 experts
+
+
+def test_the_workspace_makes_the_scratch_once_for_the_stack() -> None:
+    """Made with the workspaces, once whatever their mode (every per-layer workspace sees the same array), and not
+    counted in a workspace's own bytes; none below the lever's rows."""
+    cfg = _dense_cfg()
+    one = cfg.local_dense_intermediate * cfg.hidden * 2
+    levers = PathLevers(nvfp4_dense_dequant_min_rows=32)
+    buffers = site_buffers(cfg, levers, nvfp4_dense=True)
+    pool = workspace_pool(NumpyBackend(), buffers, 32, 3, shared=False)
+    arrays = [ws.view("w_bf16", cfg.local_dense_intermediate, cfg.hidden) for ws in pool]
+    assert arrays[0].nbytes == one and arrays[0].dtype == BF16
+    assert all(np.shares_memory(a, arrays[0]) for a in arrays[1:])
+    assert pool[0].nbytes == ws_total_bytes(site_buffers(cfg, levers), 32)  # the per-site buffers alone
+    assert not workspace_pool(NumpyBackend(), buffers, 31, 1, shared=True)[0].fits("w_bf16", 1)
 
 
 def test_the_loader_reports_the_scratch_and_names_what_to_change_when_it_does_not_fit(monkeypatch) -> None:
-    model = tiny_model()
-    cfg = SiteConfig.for_rank(model, RankLayout(1, 0, 1, 1))
-    topo = Topology(levers=PathLevers(nvfp4_dense_dequant_min_rows=64))
-    lines = report_lines(model, cfg, topo, [1000], dequant_bytes=2_000_000)
-    assert lines[-1] == ("dequant scratch: 2.00 MB (the dense FFN stored NVFP4 from 64 rows: one projection as bf16, "
-                         "shared by its layers)")
-    assert not any(line.startswith("dequant") for line in report_lines(model, cfg, topo, [1000]))
-    d = _dense_dispatch(PathLevers(nvfp4_dense_dequant_min_rows=64))
+    model, cfg = tiny_model(), _dense_cfg()
+    topo = Topology(levers=PathLevers(nvfp4_dense_dequant_min_rows=64), workspace_rows=64)
+    buffers = site_buffers(cfg, topo.levers, nvfp4_dense=True)
+    lines = report_lines(model, topo, [1000], buffers)
+    one = cfg.local_dense_intermediate * cfg.hidden * 2
+    assert lines[-1] == (f"dequant scratch: {fmt_bytes(one)} (the dense FFN stored NVFP4 from 64 rows: one projection "
+                         "as bf16, shared by its layers)")
+    assert not any(line.startswith("dequant") for line in report_lines(model, topo, [1000], site_buffers(cfg)))
+    need = ws_total_bytes(buffers, 64) + one
+    with pytest.raises(ConfigError, match=r"needs .* \(with .* of scratch one for the stack\), but only .* is free; "
+                                          r"lower workspace_rows in the topology; set levers.nvfp4_dense_dequant_min_"
+                                          r"rows = 0 or above workspace_rows to go without the dequant scratch"):
+        allocate_workspaces(NumpyBackend(), buffers, 64, 4, True, need - 1)
+    assert allocate_workspaces(NumpyBackend(), buffers, 64, 4, True, need)[0].fits("w_bf16", one // 2)
 
     def no_memory(*_a, **_k):
         raise MemoryError("out of memory allocating 1 bytes")
 
-    monkeypatch.setattr(d.be.xp, "empty", no_memory)
-    with pytest.raises(ConfigError, match=r"dequant scratch of .* MB for calls of >= 64 rows, and allocating it "
-                                          r"failed \(out of memory.*levers.nvfp4_dense_dequant_min_rows = 0"):
-        reserve_dequant(d, 512)
+    be = NumpyBackend()
+    monkeypatch.setattr(be, "xp", type("NoMemory", (), {"empty": staticmethod(no_memory)})())
+    with pytest.raises(ConfigError, match=r"allocating it failed \(out of memory.*levers.nvfp4_dense_dequant_min_rows"
+                                          r" = 0"):
+        allocate_workspaces(be, buffers, 64, 4, True, None)
 
 
 @pytest.mark.parametrize("value,named", [(-1, "levers.nvfp4_dense_dequant_min_rows = -1, expected >= 0 (0: off)")])
@@ -108,17 +133,17 @@ def test_a_routed_experts_table_of_one_expert_runs_the_path() -> None:
     grouped GEMM path of the same site within bf16 rounding."""
     rng = np.random.default_rng(5)
     be = NumpyBackend()
-    cfg = SiteConfig.for_rank(tiny_model(), RankLayout(1, 0, 1, 1)).dense_as_expert()
-    w = random_nvfp4_mlp(rng, cfg.moe_intermediate, cfg.hidden)
+    cfg = _dense_cfg()
+    w = random_nvfp4_mlp(rng, cfg.local_dense_intermediate, cfg.hidden)
     experts: RoutedExperts = be.upload_experts([w], 0, cfg.swiglu_limit)
     x = rng.standard_normal((20, cfg.hidden)).astype(BF16)
     outs = {}
     for name, lv in (("dequant", PathLevers(nvfp4_dense_dequant_min_rows=9)), ("sorted", PathLevers())):
-        d = ExpertDispatch(be, cfg, lv)
+        d = ExpertDispatch.nvfp4_dense(be, cfg, lv)
         assert d.path_for(20) == name
-        ws = Workspace(np, cfg, 20)
+        ws = workspace(cfg, 20, lv, nvfp4_dense=True)
         out = np.full((20, cfg.hidden), np.nan, dtype=BF16)
-        d(x, ws.view("ids", 20, 1), experts, ws, out_SH=out)
+        d.every_row(x, experts, ws, out)
         outs[name] = out.astype(np.float32)
     assert np.all(np.isfinite(outs["dequant"]))
     err = np.linalg.norm(outs["dequant"] - outs["sorted"]) / np.linalg.norm(outs["sorted"])

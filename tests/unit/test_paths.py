@@ -8,6 +8,8 @@ import pytest
 
 from glm_ep.config.model import RankLayout
 from glm_ep.config.topology import PathLevers
+from glm_ep.mlp.dispatch import ExpertDispatch, ExpertShape
+from glm_ep.mlp.site import MoeSite, Nvfp4DenseSite
 
 from helpers import (CapturingNumpy, RefParams, assert_ulps, build_stack, random_weights, random_x, ref64_layers,
                      rel_l2, route_margins64, site64, step64, tiny_model)
@@ -58,19 +60,39 @@ def test_default_levers_choose_the_design_paths() -> None:
     assert tight.sites[1].experts.path_for(2) == "union" and tight.sites[1].experts.path_for(3) == "decode"
     # a dense FFN stored NVFP4 is one expert: every row group would sweep all of it, so the grouped GEMM from 9 rows
     layer, nv = model.mlp_layer_types.index("dense"), random_weights(model, seed=1, dense_nvfp4=True)
-    dense = build_stack(nv, model, max_rows=300).sites[layer].nvfp4
+    dense = build_stack(nv, model, max_rows=300).sites[layer].dispatch
     assert [dense.path_for(r) for r in (1, 8, 9, 31, 32)] == ["decode", "union", "sorted", "sorted", "sorted"]
-    late = build_stack(nv, model, levers=PathLevers(nvfp4_dense_gemm_min_rows=32)).sites[layer].nvfp4
+    late = build_stack(nv, model, levers=PathLevers(nvfp4_dense_gemm_min_rows=32)).sites[layer].dispatch
     assert [late.path_for(r) for r in (9, 31, 32)] == ["union", "union", "sorted"]
     # ... and its projections dequantized to bf16 from nvfp4_dense_dequant_min_rows (never with 0, never routed)
     d = PathLevers().nvfp4_dense_dequant_min_rows
     assert [dense.path_for(r) for r in (d - 1, d, 300)] == ["sorted", "dequant", "dequant"]
-    early = build_stack(nv, model, levers=PathLevers(nvfp4_dense_dequant_min_rows=9)).sites[layer].nvfp4
+    early = build_stack(nv, model, levers=PathLevers(nvfp4_dense_dequant_min_rows=9)).sites[layer].dispatch
     assert [early.path_for(r) for r in (1, 8, 9)] == ["decode", "union", "dequant"]
-    off = build_stack(nv, model, max_rows=300, levers=PathLevers(nvfp4_dense_dequant_min_rows=0)).sites[layer].nvfp4
+    off = build_stack(nv, model, max_rows=300, levers=PathLevers(nvfp4_dense_dequant_min_rows=0)).sites[layer].dispatch
     assert off.path_for(300) == "sorted"
     routed = build_stack(nv, model, levers=PathLevers(nvfp4_dense_dequant_min_rows=9)).sites[1].experts
     assert routed.path_for(300) == "sorted"
+
+
+def test_a_dense_ffn_stored_nvfp4_is_a_site_of_its_own() -> None:
+    """An NVFP4 dense layer is an ``Nvfp4DenseSite`` whose dispatch runs one expert of the rank's dense width that
+    every row chooses (no site geometry posing as a one-expert MoE); it refuses a routed dispatch, and a routed
+    dispatch refuses to run every row through one expert."""
+    model = tiny_model()
+    layer, nv = model.mlp_layer_types.index("dense"), random_weights(model, seed=1, dense_nvfp4=True)
+    stack = build_stack(nv, model)
+    site, cfg = stack.sites[layer], stack.cfg
+    assert isinstance(site, Nvfp4DenseSite) and not site.sparse and isinstance(stack.sites[1], MoeSite)
+    assert site.dispatch.shape == ExpertShape(cfg.hidden, cfg.local_dense_intermediate, 1, 1, cfg.swiglu_limit)
+    assert not hasattr(cfg, "dense_as_expert")
+    routed = ExpertDispatch.routed(stack.be, cfg, PathLevers())
+    with pytest.raises(ValueError, match=r"Nvfp4DenseSite: a dispatch of ExpertShape\(.*num_experts=32, top_k=8.*"
+                                         r"expected the dense FFN's"):
+        Nvfp4DenseSite(stack.be, stack.comm, cfg, site.mlp, routed)
+    x = random_x(3, 4, model.hidden_size)
+    with pytest.raises(ValueError, match="every_row: a dispatch of one expert chosen once a row, not 32 experts top-8"):
+        routed.every_row(x, site.mlp, stack.workspaces[layer], np.empty((4, model.hidden_size), x.dtype))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 20])
@@ -121,9 +143,9 @@ def test_shared_expert_beside_the_router_or_after_the_experts(setup, rows: int) 
     x = random_x(500 + rows, rows, model.hidden_size)
     roomy, tight = build_stack(full, model, max_rows=MAX_ROWS), build_stack(full, model, max_rows=rows)
     for i in model.sparse_layers:
-        early = roomy.sites[i].route_and_shared_glu(x, roomy.workspaces[i])
+        early = roomy.sites[i].route(x, roomy.workspaces[i]).shared
         assert early is not None, f"site {i}: {MAX_ROWS} workspace rows hold {rows} rows' shared activations"
-        assert tight.sites[i].route_and_shared_glu(x, tight.workspaces[i]) is None, f"site {i}"
+        assert tight.sites[i].route(x, tight.workspaces[i]).shared is None, f"site {i}"
         assert_ulps(roomy.site_output(i, x), tight.site_output(i, x), f"site {i}, shared early vs late", ulps=0)
 
 
@@ -173,9 +195,11 @@ def test_chained_step_matches_float64_chain(contractive, rows: int, levers: Path
 
 @pytest.mark.parametrize("rows", [1, 2])
 def test_one_row_sites_end_inside_the_routed_down_step(setup, monkeypatch, rows: int) -> None:
-    """At one row (with the shared activations beside the router) the site hands its shared down
-    projection and combine to ``moe_down_shared_combine`` and does not combine again; at two rows the
-    site combines. The output is the same bytes as the tight workspace's separate steps."""
+    """At one row (with the shared activations beside the router) the routed experts leave their down
+    projection to the combine, which hands it, the shared down projection and the combine to
+    ``moe_down_shared_combine`` and does not combine again; at two rows the site combines, and so does a
+    workspace too tight for the shared activations beside the router (its experts end with their own down
+    projection). The output is the same bytes either way."""
     from glm_ep.backend.numpy_backend import NumpyBackend
 
     model, full, _, _ = setup
@@ -194,7 +218,9 @@ def test_one_row_sites_end_inside_the_routed_down_step(setup, monkeypatch, rows:
         want = ["moe_down_shared_combine", "shared_down_combine", "combine"] if rows == 1 else \
             ["shared_down_combine", "combine"]
         assert calls == want, f"site {i}, {rows} rows: {calls}"
+        calls.clear()
         assert_ulps(got, tight.site_output(i, x), f"site {i}, {rows} rows", ulps=0)
+        assert calls == ["shared_down_combine", "combine"], f"site {i}, {rows} rows, tight workspace: {calls}"
 
 
 @pytest.mark.parametrize("rows", [1, 5, 12, 20])
@@ -214,7 +240,7 @@ def test_nvfp4_dense_site_on_every_path(rows: int) -> None:
     for name, levers in variants.items():
         stack = build_stack(full, model, levers=levers, max_rows=MAX_ROWS)
         site = stack.sites[layer]
-        assert site.nvfp4.path_for(rows) == paths[name], name
+        assert site.dispatch.path_for(rows) == paths[name], name
         stack.workspaces[layer].view("ids", MAX_ROWS, model.num_experts_per_tok)[...] = 12345
         outs[name] = stack.site_output(layer, x).copy()
     want = site64(ref64_layers(full)[layer], RefParams.of(model), x)

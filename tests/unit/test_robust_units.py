@@ -19,7 +19,9 @@ from glm_ep.checkpoint.reader import Checkpoint
 from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.dist.deadline import Deadline
 from glm_ep.errors import EXIT_STALL, ConfigError
-from glm_ep.mlp.workspace import allocate_workspaces, ws_total_bytes
+from glm_ep.backend.numpy_backend import NumpyBackend
+from glm_ep.mlp.site import site_buffers
+from glm_ep.mlp.workspace import ws_total_bytes
 
 from cli_jobs import copy_checkpoint
 from helpers import tiny_model
@@ -52,17 +54,22 @@ def _cfg() -> SiteConfig:
     return SiteConfig.for_rank(tiny_model(), RankLayout(1, 0, 1, 1))
 
 
+def allocate_workspaces(cfg: SiteConfig, *args, **kwargs) -> list[workspace.Workspace]:
+    """``workspace.allocate_workspaces`` on NumPy, for the buffers the sites of ``cfg`` declare."""
+    return workspace.allocate_workspaces(NumpyBackend(), site_buffers(cfg), *args, **kwargs)
+
+
 def test_workspace_bigger_than_free_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _cfg()
-    need = ws_total_bytes(cfg, 64)
+    need = ws_total_bytes(site_buffers(cfg), 64)
     monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: need - 1)
     with pytest.raises(ConfigError, match=r"shared workspace for workspace_rows = 64 needs .* but only .* of host "
                                           r"memory is free; lower workspace_rows"):
-        allocate_workspaces(np, cfg, 64, 4, shared=True)
+        allocate_workspaces(cfg, 64, 4, shared=True)
     monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: need)
-    pool = allocate_workspaces(np, cfg, 64, 4, shared=True)
+    pool = allocate_workspaces(cfg, 64, 4, shared=True)
     assert len(pool) == 4 and all(ws is pool[0] for ws in pool) and pool[0].nbytes == need
-    private = allocate_workspaces(np, cfg, 8, 4, shared=False)
+    private = allocate_workspaces(cfg, 8, 4, shared=False)
     assert len({id(ws) for ws in private}) == 4
 
 
@@ -78,27 +85,27 @@ def test_per_layer_workspaces_are_checked_as_one_per_layer(monkeypatch: pytest.M
     with pytest.raises(ConfigError, match=r"the 4 per-layer workspaces for workspace_rows = 8 need 0\.19 MB, but only "
                                           r"0\.19 MB of host memory is free; lower workspace_rows in the topology or "
                                           r"set shared_workspace = true"):
-        allocate_workspaces(np, cfg, 8, 4, shared=False)
+        allocate_workspaces(cfg, 8, 4, shared=False)
     monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: 4 * one)
-    pool = allocate_workspaces(np, cfg, 8, 4, shared=False)
+    pool = allocate_workspaces(cfg, 8, 4, shared=False)
     assert len({id(ws) for ws in pool}) == 4 and all(ws.nbytes == one for ws in pool)
     # two ranks sharing that memory: each needs its four
     with pytest.raises(ConfigError, match=r"4 per-layer workspaces .* for the 2 ranks that share it"):
-        allocate_workspaces(np, cfg, 8, 4, False, 2 * 4 * one - 1, 2)
-    assert len(allocate_workspaces(np, cfg, 8, 4, False, 2 * 4 * one, 2)) == 4
+        allocate_workspaces(cfg, 8, 4, False, 2 * 4 * one - 1, 2)
+    assert len(allocate_workspaces(cfg, 8, 4, False, 2 * 4 * one, 2)) == 4
 
 
 def test_ranks_sharing_memory_each_take_their_share(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks on one host (NumPy) or one GPU each checked their workspace against ALL of the memory free there, so
     two ranks could take twice what is free; now each fits its share of what was free before any allocated."""
     cfg = _cfg()
-    need = ws_total_bytes(cfg, 64)
+    need = ws_total_bytes(site_buffers(cfg), 64)
     monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: pytest.fail("measured again"))
     with pytest.raises(ConfigError, match=r"needs .* but only .* of host memory is free for the 2 ranks that share "
                                           r"it \(.* each\); lower workspace_rows"):
-        allocate_workspaces(np, cfg, 64, 4, True, 2 * need - 1, 2)
-    assert allocate_workspaces(np, cfg, 64, 4, True, 2 * need, 2)[0].nbytes == need
-    assert allocate_workspaces(np, cfg, 64, 4, True, None, 2)[0].nbytes == need  # the system does not say
+        allocate_workspaces(cfg, 64, 4, True, 2 * need - 1, 2)
+    assert allocate_workspaces(cfg, 64, 4, True, 2 * need, 2)[0].nbytes == need
+    assert allocate_workspaces(cfg, 64, 4, True, None, 2)[0].nbytes == need  # the system does not say
 
 
 def test_workspace_allocation_failure_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,9 +115,9 @@ def test_workspace_allocation_failure_is_a_config_error(monkeypatch: pytest.Monk
     monkeypatch.setattr(workspace, "free_memory_bytes", lambda xp: None)
     monkeypatch.setattr(workspace, "workspace_pool", no_memory)
     with pytest.raises(ConfigError, match="the 4 per-layer workspaces .* allocating them failed .*Unable to allocate"):
-        allocate_workspaces(np, _cfg(), 64, 4, shared=False)
+        allocate_workspaces(_cfg(), 64, 4, shared=False)
     with pytest.raises(ConfigError, match="the shared workspace .* allocating it failed .*Unable to allocate"):
-        allocate_workspaces(np, _cfg(), 64, 4, shared=True)
+        allocate_workspaces(_cfg(), 64, 4, shared=True)
 
 
 def test_free_host_memory_is_known_here() -> None:

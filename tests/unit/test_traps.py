@@ -10,15 +10,14 @@ import pytest
 
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.config.model import RankLayout, SiteConfig
-from glm_ep.mlp.dispatch import ExpertDispatch
+from glm_ep.mlp.dispatch import ExpertDispatch, Route
 from glm_ep.checkpoint.nvfp4 import quantize
 from glm_ep.mlp.routing import RENORM_EPS, RouteParams, router_topk, sort_by_expert, union_table
 from glm_ep.config.topology import PathLevers
 from glm_ep.checkpoint.weights import ExpertWeights, MoeWeights
-from glm_ep.mlp.workspace import Workspace
 
 from helpers import (BF16, RefParams, bf16_ulps, build_stack, mlp64, random_weights, random_x, ref64_layers, rel_l2,
-                     route64, shard_layer, site64, tiny_model)
+                     route64, shard_layer, site64, tiny_model, workspace)
 
 
 def _p(k: int, scale: float = 1.0, renorm: bool = False, ladder: bool = False) -> RouteParams:
@@ -198,8 +197,8 @@ def test_router_ranks_all_experts_on_an_ep_rank() -> None:
     whole = build_stack(full, model).sites[0]
     rank1 = build_stack(full, model, RankLayout(2, 1, 2, 2)).sites[0]
     assert rank1.cfg.num_experts == 32 and rank1.cfg.local_experts == 16
-    ids1, wts1 = (a.copy() for a in whole.route(x, build_stack(full, model).workspaces[0]))
-    ids2, wts2 = rank1.route(x, Workspace(np, rank1.cfg, 12))
+    r1, r2 = whole.route(x, build_stack(full, model).workspaces[0]), rank1.route(x, workspace(rank1.cfg, 12))
+    ids1, wts1, ids2, wts2 = r1.ids_TK.copy(), r1.wts_TK.copy(), r2.ids_TK, r2.wts_TK
     np.testing.assert_array_equal(ids1, ids2)
     np.testing.assert_array_equal(wts1, wts2)  # renormalised over all top_k slots, local or not
     assert (ids2 < 16).any() and (ids2 >= 16).any()
@@ -217,15 +216,16 @@ def test_remote_slots_are_exactly_zero(rows: int, levers: PathLevers) -> None:
     cfg = SiteConfig.for_rank(model, layout)
     be = NumpyBackend()
     moe = be.upload_moe(shard_layer(full[0], layout), cfg.swiglu_limit)
-    ws = Workspace(np, cfg, rows)
-    ws._flat["expert_out"][...] = np.nan  # stale bytes must never survive
+    ws = workspace(cfg, rows)
+    ws.view("expert_out", rows * 8, model.hidden_size)[...] = np.nan  # stale bytes must never survive
     x = random_x(42, rows, model.hidden_size)
-    ids, _ = build_stack(full, model).sites[0].route(x, Workspace(np, cfg, rows))
-    ids = ids.copy()
-    dispatch = ExpertDispatch(be, cfg, levers)
-    routed, perm, combined = dispatch(x, ids, moe.experts, ws)
-    assert not combined  # no SharedTail given: the caller combines
-    perm = np.arange(rows * 8).reshape(rows, 8) if perm is None else np.asarray(perm)
+    route = build_stack(full, model).sites[0].route(x, workspace(cfg, rows))
+    ids = route.ids_TK.copy()
+    dispatch = ExpertDispatch.routed(be, cfg, levers)
+    out = dispatch(x, Route(ids, route.wts_TK), moe.experts, ws)
+    assert out.down is None  # no shared expert beside the router: every path ends with its down projection
+    routed = out.rows_SH
+    perm = np.arange(rows * 8).reshape(rows, 8) if out.perm_TK is None else np.asarray(out.perm_TK)
     remote = ids < 16
     assert remote.any() and (~remote).any()
     rows_remote = np.asarray(routed)[perm[remote]]
@@ -280,7 +280,7 @@ def test_a_bf16_router_site_routes_as_the_bf16_router(rows: int) -> None:
             want[t] += wts64[t, k] * mlp64(ref.experts[ids64[t, k]], p.limit, x[t:t + 1].astype(np.float64))[0]
     for max_rows in (32, rows):  # shared gate/up beside the router, then after the experts
         stack = build_stack([moe], model, max_rows=max_rows)
-        beside = stack.sites[0].route_and_shared_glu(x, stack.workspaces[0]) is not None
+        beside = stack.sites[0].route(x, stack.workspaces[0]).shared is not None
         assert beside == (max_rows == 32), max_rows
         y = stack.site_output(0, x).copy()
         ids = np.asarray(stack.workspaces[0].view("ids", rows, p.top_k)).copy()

@@ -15,10 +15,13 @@ import pytest
 from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.config.presets import preset
 from glm_ep.mlp.routing import row_groups
-from glm_ep.mlp.workspace import BUFFERS, Workspace, fmt_bytes, footprint_lines, ws_bytes, ws_total_bytes
+from glm_ep.backend.numpy_backend import NumpyBackend
+from glm_ep.mlp.site import site_buffers
+from glm_ep.mlp.workspace import (Buffer, fmt_bytes, footprint_lines, merged, stack_bytes, workspace_pool, ws_bytes,
+                                  ws_total_bytes)
 
 from cli_jobs import mpi_env
-from helpers import REPO, tiny_model
+from helpers import REPO, build_stack, random_weights, random_x, tiny_model, workspace
 
 MAX_CAP = 8  # the widest row group that ships
 
@@ -52,6 +55,14 @@ def _glm_tp2_ep2() -> SiteConfig:
     return SiteConfig.for_rank(model, RankLayout(world=2, rank=0, tp=2, ep=2))
 
 
+def _sizes(cfg: SiteConfig, rows: int) -> dict[str, int]:
+    return ws_bytes(site_buffers(cfg), rows)
+
+
+def _total(cfg: SiteConfig, rows: int) -> int:
+    return ws_total_bytes(site_buffers(cfg), rows)
+
+
 def test_glm_site_geometry_at_tp2_ep2() -> None:
     c = _glm_tp2_ep2()
     assert (c.hidden, c.local_dense_intermediate, c.moe_intermediate, c.local_shared_intermediate) == (
@@ -61,8 +72,9 @@ def test_glm_site_geometry_at_tp2_ep2() -> None:
 
 @pytest.mark.parametrize("rows", [16, 64, 128, 256, 512, 1024])
 def test_workspace_buffers_match_hand_computed_sizes(rows: int) -> None:
-    b = dict(zip(BUFFERS, ws_bytes(_glm_tp2_ep2(), rows)))
-    assert len(b) == 14
+    b = _sizes(_glm_tp2_ep2(), rows)
+    assert sorted(b) == sorted(["a_gate", "a_up", "a_act", "logits", "ids", "wts", "expert_out", "shared_out", "u_eid",
+                                "u_slot", "sorted_token_ids", "sorted_expert_ids", "expert_offsets", "token_to_perm"])
     # act = max(rows * 6144, rows * 8 * 2048) = rows * 16384 bf16 elements
     assert b["a_gate"] == rows * 16384 * 2
     assert b["a_up"] == b["a_gate"] and b["a_act"] == b["a_gate"]
@@ -77,7 +89,7 @@ def test_workspace_buffers_match_hand_computed_sizes(rows: int) -> None:
     assert b["sorted_expert_ids"] == rows * 8 * 4
     assert b["expert_offsets"] == 289 * 4  # row-independent
     assert b["token_to_perm"] == rows * 8 * 4
-    assert ws_total_bytes(_glm_tp2_ep2(), rows) == 173376 * rows + 32 * rows * rows + 1156
+    assert _total(_glm_tp2_ep2(), rows) == 173376 * rows + 32 * rows * rows + 1156
 
 
 def _wide_dense_tp2_ep2() -> SiteConfig:
@@ -99,7 +111,7 @@ def test_workspace_act_buffers_hold_the_widest_of_dense_shared_and_routed(shape:
     """gate/up/act hold [rows, width] of the dense FFN and the shared expert as well as the routed
     [rows, top_k, moe width]: where this rank's dense (or shared) width passes top_k * moe width, it sizes them."""
     cfg, k = (_wide_dense_tp2_ep2(), 8) if shape == "wide-dense-tp2" else (_wide_shared(), 2)
-    b = dict(zip(BUFFERS, ws_bytes(cfg, rows)))
+    b = _sizes(cfg, rows)
     # act = max(rows * 1024, rows * k * 64) = rows * 1024 bf16 elements
     assert b["a_gate"] == b["a_up"] == b["a_act"] == rows * 1024 * 2
     assert b["logits"] == rows * 32 * 4
@@ -110,8 +122,8 @@ def test_workspace_act_buffers_hold_the_widest_of_dense_shared_and_routed(shape:
     assert b["u_slot"] == rows * k * rows * 4
     assert b["expert_offsets"] == 33 * 4
     # 3 * 2048 + 128 + 6 * 4k + 256k + 256 per row, 4k per row squared, 132
-    assert ws_total_bytes(cfg, rows) == (6528 + 280 * k) * rows + 4 * k * rows * rows + 132
-    ws = Workspace(np, cfg, rows)  # what is allocated
+    assert _total(cfg, rows) == (6528 + 280 * k) * rows + 4 * k * rows * rows + 132
+    ws = workspace(cfg, rows)  # what is allocated
     assert ws.fits("a_act", rows * 1024) and not ws.fits("a_act", rows * 1024 + 1)
     assert ws.fits("a_up", rows * 1024) and not ws.fits("a_up", rows * 1024 + 1)
 
@@ -119,20 +131,20 @@ def test_workspace_act_buffers_hold_the_widest_of_dense_shared_and_routed(shape:
 @pytest.mark.parametrize("rows,per_ws,copies45", [
     (256, "46.48 MB", "2.092 GB"), (512, "97.16 MB", "4.372 GB"), (1024, "211.09 MB", "9.499 GB")])
 def test_workspace_decimal_megabytes_and_45_copies(rows: int, per_ws: str, copies45: str) -> None:
-    one = ws_total_bytes(_glm_tp2_ep2(), rows)
+    one = _total(_glm_tp2_ep2(), rows)
     assert abs(one / 1e6 - float(per_ws.split()[0])) < 0.005
     assert abs(45 * one / 1e9 - float(copies45.split()[0])) < 0.0005
     assert fmt_bytes(one) == per_ws
     assert fmt_bytes(45 * one) == copies45
-    text = "\n".join(footprint_lines(_glm_tp2_ep2(), rows, layers=45, shared=True))
+    text = "\n".join(footprint_lines(site_buffers(_glm_tp2_ep2()), rows, layers=45, shared=True))
     assert per_ws in text and copies45 in text
 
 
 def test_a_buffer_as_f32_is_all_of_its_bytes() -> None:
     """The K split's scratch: all of a bf16 buffer, as float32, sharing its memory (and made once)."""
-    ws = Workspace(np, _glm_tp2_ep2(), 3)
+    ws = workspace(_glm_tp2_ep2(), 3)
     f = ws.as_f32("a_gate")
-    assert f.dtype == np.float32 and f.nbytes == ws_bytes(_glm_tp2_ep2(), 3)[BUFFERS.index("a_gate")]
+    assert f.dtype == np.float32 and f.nbytes == _sizes(_glm_tp2_ep2(), 3)["a_gate"]
     f[...] = 1.0
     assert (ws.view("a_gate", 4).view(np.uint16) == [0, 0x3F80, 0, 0x3F80]).all()
     assert ws.as_f32("a_gate") is f
@@ -145,8 +157,8 @@ def test_a_up_lies_right_after_a_gate(model: str) -> None:
     never reach a_gate. A width that is no multiple of 128 elements included."""
     cfg = _glm_tp2_ep2() if model == "glm-tp2-ep2" else SiteConfig.for_rank(
         tiny_model(intermediate_size=600), RankLayout(1, 0, 1, 1))  # a_gate: 5 x 600 elements
-    ws = Workspace(np, cfg, 5)
-    size = ws_bytes(cfg, 5)[BUFFERS.index("a_gate")]
+    ws = workspace(cfg, 5)
+    size = _sizes(cfg, 5)["a_gate"]
     n = size // 2
     gate, up = ws.view("a_gate", n - 16, offset=16), ws.view("a_up", n - 16, offset=16)
     assert up.ctypes.data - gate.ctypes.data == -(-size // 256) * 256  # (CuPy allocations start 256-aligned)
@@ -156,25 +168,23 @@ def test_a_up_lies_right_after_a_gate(model: str) -> None:
 
 
 def test_per_layer_mode_reports_45_copies_as_the_stack() -> None:
-    shared = footprint_lines(_glm_tp2_ep2(), 256, layers=45, shared=True)[1]
-    private = footprint_lines(_glm_tp2_ep2(), 256, layers=45, shared=False)[1]
+    shared = footprint_lines(site_buffers(_glm_tp2_ep2()), 256, layers=45, shared=True)[1]
+    private = footprint_lines(site_buffers(_glm_tp2_ep2()), 256, layers=45, shared=False)[1]
     assert "stack total 46.48 MB" in shared and "saving 2.045 GB" in shared
     assert "stack total 2.092 GB" in private
 
 
 def test_zero_rows_clamps_to_one() -> None:
     c = _glm_tp2_ep2()
-    assert ws_total_bytes(c, 0) == ws_total_bytes(c, 1) == 173376 + 32 + 1156
-    assert all(b > 0 for b in ws_bytes(c, 0))
+    assert _total(c, 0) == _total(c, 1) == 173376 + 32 + 1156
+    assert all(b > 0 for b in _sizes(c, 0).values())
 
 
 def test_workspace_allocates_exactly_the_reported_bytes() -> None:
-    import numpy as np
-
     c = SiteConfig.for_rank(ModelConfig.from_dict(preset("tiny")), RankLayout(2, 1, 2, 2))
     for rows in (0, 1, 9, 40):
-        ws = Workspace(np, c, rows)
-        assert sum(buf.nbytes for buf in ws._flat.values()) == ws_total_bytes(c, rows) == ws.nbytes
+        ws = workspace(c, rows)
+        assert sum(buf.nbytes for buf in ws._flat.values()) == _total(c, rows) == ws.nbytes
         assert ws.view("u_slot", max(rows, 1) * c.top_k, max(rows, 1)).shape == (max(rows, 1) * 8, max(rows, 1))
         with pytest.raises(ValueError, match="u_slot"):
             ws.view("u_slot", max(rows, 1) * c.top_k + 1, max(rows, 1))
@@ -184,7 +194,7 @@ def test_workspace_views_are_windows_kept_per_shape_and_offset() -> None:
     import numpy as np
 
     c = SiteConfig.for_rank(ModelConfig.from_dict(preset("tiny")), RankLayout(1, 0, 1, 1))
-    ws = Workspace(np, c, 8)
+    ws = workspace(c, 8)
     a = ws.view("a_act", 2, 64)
     assert ws.view("a_act", 2, 64) is a  # kept
     b, tail = ws.view("a_act", 4, 32), ws.view("a_act", 2, 64, offset=128)
@@ -293,3 +303,74 @@ def test_numpy_grouped_gemm_without_routing() -> None:
         be.moe_gemm_sorted(a, two.gate, None, None, out, False)
     with pytest.raises(ValueError, match=r"each of the 3 output rows \(got 1\)"):
         be.moe_gemm_sorted(a[:1], one.gate, None, None, out, False)
+
+
+class _Declaring(NumpyBackend):
+    """A NumPy backend whose ops would need scratch of their own: a counter and some partial sums, declared for the
+    workspace; ``bind`` records what it was handed."""
+
+    def __init__(self) -> None:
+        self.handed: list[dict] = []
+
+    def buffers(self, cfg, levers):
+        return (Buffer("done", np.dtype(np.uint32), lambda r: 4, zeroed=True, stack="backend scratch", note="counters"),
+                Buffer("sums", np.dtype(np.float32), lambda r: 8 * r, stack="backend scratch", note="partial sums"))
+
+    def bind(self, scratch):
+        super().bind(scratch)
+        self.handed.append(dict(scratch))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "per-layer"])
+def test_a_backends_scratch_is_made_once_by_the_workspace_and_bound(shared: bool) -> None:
+    """What a backend declares is made with the workspaces, once for the stack in either mode (zeroed where it asked),
+    handed to it by ``bind``, left out of a workspace's own bytes and reported on its own line."""
+    be, c = _Declaring(), _glm_tp2_ep2()
+    buffers = (*site_buffers(c), *be.buffers(c, None))
+    pool = workspace_pool(be, buffers, 16, 3, shared)
+    assert len({id(ws) for ws in pool}) == (1 if shared else 3)
+    assert len(be.handed) == 1 and sorted(be.handed[0]) == ["done", "sums"] and be.bound is pool[0].stack
+    done, sums = be.handed[0]["done"], be.handed[0]["sums"]
+    assert done.dtype == np.uint32 and (done == 0).all() and sums.size == 8 * 16
+    for ws in pool:
+        assert ws.view("done", 4) is not None and np.shares_memory(ws.view("sums", 128), sums)
+        assert ws.nbytes == _total(c, 16)
+    lines = footprint_lines(buffers, 16, layers=3, shared=shared)
+    assert lines[-1] == f"backend scratch: {fmt_bytes(4 * 4 + 8 * 16 * 4)} (counters; partial sums)"
+    assert stack_bytes(buffers, 16) == 4 * 4 + 8 * 16 * 4
+
+
+def test_declarations_of_one_name_are_one_buffer_as_large_as_the_largest() -> None:
+    a = Buffer("x", np.dtype(np.int32), lambda r: r)
+    b = Buffer("x", np.dtype(np.int32), lambda r: 3 * r, zeroed=True)
+    (m,) = merged([a, b, Buffer("x", np.dtype(np.int32), lambda r: 2)])
+    assert m.elements(5) == 15 and m.elements(1) == 3 and m.zeroed
+    with pytest.raises(ValueError, match="'x' declared as int32 per-site and as float32 per-site"):
+        merged([a, Buffer("x", np.dtype(np.float32), lambda r: r)])
+    with pytest.raises(ValueError, match="'x' declared as int32 per-site and as int32 stack"):
+        merged([a, Buffer("x", np.dtype(np.int32), lambda r: r, stack="scratch")])
+
+
+def test_a_buffer_nobody_declared_is_named() -> None:
+    ws = workspace(_glm_tp2_ep2(), 2)
+    assert not ws.fits("w_bf16", 1)
+    with pytest.raises(ValueError, match="'w_bf16' was not declared for this workspace"):
+        ws.view("w_bf16", 4)
+
+
+def test_a_stack_runs_on_its_own_scratch_when_another_was_built_on_its_backend() -> None:
+    """Two stacks on one backend (as benches and tests build them): the later one's workspaces bind the backend to
+    theirs, and a call of the first binds it back to its own, which its graphs then capture; no call rebinds
+    needlessly."""
+    model = tiny_model()
+    be, full = _Declaring(), random_weights(model, seed=3)
+    first = build_stack(full, model, max_rows=4, be=be)
+    second = build_stack(full, model, max_rows=4, be=be)
+    assert len(be.handed) == 2 and be.bound is second.workspaces[0].stack
+    x = random_x(4, 2, model.hidden_size)
+    first.step(x)
+    assert be.bound is first.workspaces[0].stack and len(be.handed) == 3
+    first.site_output(0, x)
+    assert len(be.handed) == 3
+    second.site_output(1, x)
+    assert be.bound is second.workspaces[0].stack and len(be.handed) == 4

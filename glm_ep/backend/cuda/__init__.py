@@ -12,6 +12,7 @@ kernel sources beside them (``kernels/*.cu``). Nothing here imports CuPy at impo
 | `ring`          | `RingConfig`: the decode ring's frozen levers, its geometry, the fp16 check  |
 | `grouped`       | the grouped NVFP4 prefill GEMM over expert-sorted rows, its tile variants    |
 | `pdl`           | programmatic dependent launch: `cuLaunchKernelEx` with the overlap attribute |
+| `scratch`       | the kernels' counters and partial sums, declared for the workspace to make   |
 
 The NCCL all-reduce is ``glm_ep.dist.nccl``.
 """

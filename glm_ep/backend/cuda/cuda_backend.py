@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -34,9 +34,13 @@ from glm_ep.backend.cuda import routed as NV
 from glm_ep.backend.cuda.kernel_loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, compute_capability, sm_count
 from glm_ep.backend.cuda.routed import Nvfp4Pointers
 from glm_ep.backend.cuda.ring import RingConfig, act_shift
+from glm_ep.backend.cuda.scratch import scratch_buffers
+from glm_ep.config.model import SiteConfig
+from glm_ep.config.topology import PathLevers
 from glm_ep.errors import ConfigError
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
+from glm_ep.mlp.workspace import Buffer
 
 log = logging.getLogger(__name__)
 
@@ -86,20 +90,36 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         # CuPy op of the caller therefore runs on the caller's stream; ``interop.runtime_stream``
         # orders the two, and ``copy`` moves data on this one.
         self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
-        # the fused router's block counter: zero between launches (a launch on this stream touches memory only
-        # once the one before it has finished, with or without programmatic dependent launch)
-        self._route_done = self.zero(cupy.empty(1, dtype=np.uint32))  # zeroed on this stream, in order
-        # the warp-streaming GEMM's split-K scratch (dense FFN, 5..16 rows): fixed size, counters zero between launches
-        n_partials, n_arrived = dense.wstream_scratch_sizes()
-        self._ws_partials = cupy.empty(n_partials, dtype=np.float32)
-        self._ws_arrived = self.zero(cupy.empty(n_arrived, dtype=np.uint32))
-        # the one-row down ring's combine scratch (nvfp4_moe_down_combine): sized at upload_moe, before any capture
-        self._dc_partials, self._dc_arrived = None, None
-        # scratch buffers a later upload outgrew (this one's and the sort's below): kept for the backend's life, since
-        # a graph captured earlier, or a launch still queued, may use them; they grow only with a larger model
-        self._retired = []
-        # the multi-block sort's per-(block, expert) counts (wide calls, never captured): sized at upload_moe
-        self._sort_counts = None
+        # the kernels' scratch (``scratch_buffers``), made by the workspace and handed over by ``bind``: the fused
+        # router's block counter and the counters of the K splits stay zero between launches (a launch on this stream
+        # touches memory only once the one before it has finished, with or without programmatic dependent launch)
+        self._route_done = self._wstream = self._down_combine = self._sort_counts = None
+        self._said_unbound = False
+
+    def buffers(self, cfg: SiteConfig, levers: PathLevers) -> tuple[Buffer, ...]:
+        return scratch_buffers(self.ring, cfg, levers)
+
+    def bind(self, scratch: Mapping[str, Any]) -> None:
+        """The workspace's buffers of ``scratch_buffers``, made at load (zeroed counters zeroed on this stream): a call
+        never allocates, and a graph captured after reads these (the workspaces that made them keep them alive). An
+        op whose buffer is absent, or too small for its shapes, takes its unfused path."""
+
+        def pair(name: str) -> tuple[Any, Any] | None:
+            sums, counters = scratch.get(f"{name}_partials"), scratch.get(f"{name}_arrived")
+            return None if sums is None or counters is None else (sums, counters)
+
+        super().bind(scratch)
+        self._route_done, self._wstream = scratch.get("route_done"), pair("wstream")
+        self._down_combine, self._sort_counts = pair("down_combine"), scratch.get("sort_counts")
+
+    def _has(self, scratch: Any, what: str) -> bool:
+        """Whether ``scratch`` was bound; where no workspace bound any (ops called on a bare backend), say once that
+        ``what`` and the other paths that need scratch take their unfused forms."""
+        if scratch is None and self.bound is None and not self._said_unbound:
+            self._said_unbound = True
+            log.warning("CUDA backend used without a workspace (glm_ep.mlp.workspace.workspace_pool binds its "
+                        "scratch): %s and the other paths that need scratch take their unfused forms", what)
+        return scratch is not None
 
     @property
     def pci_bus_id(self) -> str:
@@ -213,9 +233,6 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         if w.router.dtype not in (BF16, F32):
             raise ConfigError(f"router weight dtype {w.router.dtype}, expected bfloat16 or float32")
         experts = self.upload_experts(w.experts, w.expert_start, swiglu_limit)
-        if w.shared is not None and experts.count:
-            self._down_combine_scratch(experts.down.weights.n, experts.down.weights.k, w.shared.down.shape[1])
-        self._sort_scratch(w.router.shape[0])
         bias = self.asarray(w.bias).astype(np.float32, copy=False)
         return MoeResident(self.asarray(w.router), bias, experts,
                            self.upload_dense(w.shared) if w.shared is not None else None)
@@ -223,8 +240,8 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     # ---- dense ops -------------------------------------------------------------------------
     @_on_stream
     def linear(self, x_TK, w_NK, out_TN):
-        if dense.wstream_takes(x_TK, w_NK, glu=False):
-            dense.wstream_gemm_bf16(x_TK, w_NK, out_TN, self._ws_partials, self._ws_arrived)
+        if dense.wstream_takes(x_TK, w_NK, glu=False) and self._has(self._wstream, "the warp-streaming GEMM"):
+            dense.wstream_gemm_bf16(x_TK, w_NK, out_TN, *self._wstream)
         elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.gemv_bf16(x_TK, w_NK, out_TN)
         else:  # cuBLAS, bf16 operands, fp32 accumulation (faster than the tensor-core GEMM here: mma_gemm_takes)
@@ -256,18 +273,19 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         return t <= GEMV_MAX_ROWS and route.fused_topk_smem(t, e) <= FUSED_TOPK_MAX_SMEM
 
     @_on_stream
-    def route(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK):
-        """1..8 rows: the router GEMV and its top-k in one launch (``route.router_topk_fused``)."""
-        if self._fused_route(logits_TE):
+    def route(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, beside=None):
+        """1..8 rows: the router GEMV and its top-k in one launch (``route.router_topk_fused``); with ``beside``,
+        the shared expert's gate + up in that launch too (``route_and_gate_up_act``)."""
+        if beside is None and self._fused_route(logits_TE) and self._has(self._route_done, "the fused router"):
             route.router_topk_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done)
         else:
-            super().route(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK)
+            super().route(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, beside)
 
     @_on_stream
     def route_and_gate_up_act(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, w, limit, gate_TI, up_TI,
                               act_TI):
         """1..8 rows: the fused router and the GLU GEMV in one launch (``route.router_topk_glu_fused``)."""
-        if self._fused_route(logits_TE):
+        if self._fused_route(logits_TE) and self._has(self._route_done, "the fused router"):
             route.router_topk_glu_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done,
                                         w.gate, w.up, limit, gate_TI, up_TI, act_TI)
             return act_TI
@@ -292,39 +310,17 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             return out_TH
         return super().shared_down_combine(act_TI, down_HI, routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
 
-    def _down_combine_scratch(self, n: int, k: int, shared_k: int) -> bool:
-        """Grow the down ring's combine scratch to hold an [n, k] down projection's site with a shared
-        expert of width ``shared_k``; False where the ring cannot run that site in one launch, or the
-        scratch would have to grow while the stream is being captured (then the site takes two
-        launches). Upload sizes it for the model's sites, so a step never grows it. Buffers it
-        outgrows are kept: a graph captured earlier may still point at them."""
-        parts = self.ring.down_combine_parts(n, k, shared_k)
-        if not parts:
-            return False
-        small_p = self._dc_partials is None or self._dc_partials.size < parts * n
-        small_a = self._dc_arrived is None or self._dc_arrived.size < n // MMA_ROWS
-        if not (small_p or small_a):
-            return True
-        if self.stream.is_capturing():
-            return False
-        cupy = self.xp
-        self._retired += [b for b, small in ((self._dc_partials, small_p), (self._dc_arrived, small_a))
-                          if small and b is not None]
-        if small_p:
-            self._dc_partials = cupy.empty(parts * n, dtype=np.float32)
-        if small_a:
-            self._dc_arrived = self.zero(cupy.empty(n // MMA_ROWS, dtype=np.uint32))
-        return True
-
     @_on_stream
     def moe_down_shared_combine(self, act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
                                 shared_1H, out_1H):
-        """One launch on the down ring (``nvfp4.nvfp4_moe_down_combine``) where the ring takes the shapes;
-        otherwise the routed down launch and ``shared_down_combine``."""
+        """One launch on the down ring (``routed.nvfp4_moe_down_combine``) where the ring takes the shapes and the bound
+        scratch holds their sums; otherwise the routed down launch and ``shared_down_combine``."""
         proj = table.weights
-        if (self._down_combine_scratch(proj.n, proj.k, shared_down_HI.shape[1])
+        parts = self.ring.down_combine_parts(proj.n, proj.k, shared_down_HI.shape[1])
+        sc = self._down_combine if parts and self._has(self._down_combine, "the one-row down ring's combine") else None
+        if (sc is not None and sc[0].size >= parts * proj.n and sc[1].size >= proj.n // MMA_ROWS
                 and NV.nvfp4_moe_down_combine(act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
-                                              out_1H, self._dc_partials, self._dc_arrived, self.ring)):
+                                              out_1H, *sc, self.ring)):
             return out_1H
         return super().moe_down_shared_combine(act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
                                                shared_1H, out_1H)
@@ -351,9 +347,8 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
 
     @_on_stream
     def gate_up_act(self, x_TK, w, limit, gate_TI, up_TI, act_TI):
-        if dense.wstream_takes(x_TK, w.gate, glu=True):
-            dense.wstream_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI, self._ws_partials,
-                                   self._ws_arrived)
+        if dense.wstream_takes(x_TK, w.gate, glu=True) and self._has(self._wstream, "the warp-streaming GEMM"):
+            dense.wstream_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI, *self._wstream)
         elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
         elif dense.mma_gemm_takes(x_TK, w.gate, dense.MMA_GLU_MAX_ROWS):
@@ -392,23 +387,12 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     def sort_by_expert(self, ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
                        token_to_perm_TK):
         """Over several blocks where the slots fill them (``route.sort_blocks``), through the per-(block, expert)
-        count scratch ``upload_moe`` sized for its router's experts (a call never allocates); one block where
-        the scratch does not hold them (experts of another count than any uploaded site's)."""
+        count scratch the workspace made for the sites' experts (``bind``: a call never allocates); one block where
+        the scratch does not hold them (experts of another count than the workspace's sites')."""
         need = route.sort_blocks(ids_TK.size, sm_count()) * num_experts
         counts = self._sort_counts if self._sort_counts is not None and self._sort_counts.size >= need else None
         route.sort_by_expert(ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,
                              token_to_perm_TK, counts)
-
-    def _sort_scratch(self, num_experts: int) -> None:
-        """Grow the multi-block sort's count scratch to hold ``num_experts`` experts in the most blocks it runs (one
-        an SM): at most SMs x experts int32, 152 KB for 288 experts on 132 SMs. Made at upload, so a call (and a
-        capture) never allocates; a buffer it outgrows is kept, as the down ring's (a captured graph never holds
-        the sort, but an earlier launch may still be queued)."""
-        need = sm_count() * num_experts
-        if self._sort_counts is None or self._sort_counts.size < need:
-            if self._sort_counts is not None:
-                self._retired.append(self._sort_counts)
-            self._sort_counts = self.xp.empty(need, dtype=np.int32)
 
     @_on_stream
     def moe_gemm_sorted(self, a, table: ExpertTable[Nvfp4Pointers], sorted_token_ids_S, expert_offsets, out_SN,

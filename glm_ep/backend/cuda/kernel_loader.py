@@ -16,6 +16,7 @@ current CuPy stream (the backend makes its own stream current around every op).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -28,7 +29,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from glm_ep.backend.base import Capabilities
+from glm_ep.backend.base import KERNEL_LIMITS
 from glm_ep.backend.cuda import pdl
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ NVFP4_WARPS = 8  # warps per NVFP4 GEMV block
 RING_WARPS = 2  # warps per block of the persistent decode kernels (gemv_nvfp4_ring.cu)
 GEMV_WARPS = 8  # warps per bf16 GEMV block
 GEMV_ROWS_PER_WARP = 2  # rows per warp-group of a bf16 GEMV
-GEMV_MAX_ROWS = 8  # widest batch-M tier (bf16_gemv_r1 .. r8)
+GEMV_MAX_ROWS = KERNEL_LIMITS.max_gemv_rows  # widest batch-M tier (bf16_gemv_r1 .. r8)
 MMA_ROWS = 16  # weight rows per warp group of the NVFP4 kernels: the m16n8k16 mma's A operand
 MMA_GEMM_WARPS = 8  # warps per block of the 9..64-row tensor-core GEMM (mma_bf16.cu)
 MMA_GEMM_TIERS = (16, 32, 64)  # rows one launch covers (bf16_mma_*_t{T}); past the last: cuBLAS
@@ -51,9 +52,9 @@ WSTREAM_TIERS = (8, 16)  # rows one warp-streaming launch covers (bf16_wstream_*
 ELEM_THREADS = 256
 COMBINE_THREADS = 128
 COMBINE_VEC = 8  # hidden elements per combine thread: one 16-byte vector of bf16
-UNION_MAX_IDS = 64  # rows * top_k of one union table: ONE block of that many threads
-UNION_MAX_ROWS = 8  # rows of one union sweep (gemv_nvfp4.cu): the mma's 8 B columns
-ROUTER_MAX_TOP_K = 16  # experts the router kernel keeps per row (router.cu: float w[ROUTER_MAX_TOP_K])
+UNION_MAX_IDS = KERNEL_LIMITS.max_union_ids  # rows * top_k of one union table: ONE block of that many threads
+UNION_MAX_ROWS = KERNEL_LIMITS.max_row_group  # rows of one union sweep (gemv_nvfp4.cu): the mma's 8 B columns
+ROUTER_MAX_TOP_K = KERNEL_LIMITS.max_top_k  # experts the router keeps per row (router.cu: float w[ROUTER_MAX_TOP_K])
 SORT_THREADS = 1024
 
 DEFINES = {
@@ -75,8 +76,7 @@ DEFINES = {
 }
 
 #: what these kernels can do, as the dispatch, the stack and the lever checks read it
-CAPABILITIES = Capabilities(max_row_group=UNION_MAX_ROWS, max_union_ids=UNION_MAX_IDS, max_gemv_rows=GEMV_MAX_ROWS,
-                            max_top_k=ROUTER_MAX_TOP_K, grouped_gemm=True, capture=True)
+CAPABILITIES = dataclasses.replace(KERNEL_LIMITS, capture=True)
 
 # ---- the kernel variants and the shared-memory layouts the launches are sized by ----------------
 #: gemm_nvfp4.cu's GEMM_VARIANT (WM = 1), GEMM_TILED (WM > 1) and GEMM_WGMMA lines: (rows per tile BM, warps
