@@ -19,6 +19,7 @@ the runtime. Inputs wider than the workspace run in workspace-sized chunks (rows
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -137,4 +138,7 @@ def load(model_dir: str | Path, topology: Topology | str | os.PathLike | None = 
     ranks.agree("model path", lambda: _model_path(model_dir))  # a bad one on one rank: an error on every rank
     topo = ranks.agree("topology", lambda: _topology(topology, ranks.size))
     ranks.deadline.timeout_s = topo.collective_timeout_s  # waits on the other ranks bounded from here on
-    return GlmMlp(load_runtime(open_checkpoint(model_dir, topo, ranks), topo, ranks), ranks)
+    ckpt = open_checkpoint(model_dir, topo, ranks)
+    if ckpt.note and ranks.rank == 0:  # the folder holds both weight layouts: which one is read
+        logging.getLogger(__name__).warning("%s", ckpt.note)
+    return GlmMlp(load_runtime(ckpt, topo, ranks), ranks)

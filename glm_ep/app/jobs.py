@@ -22,6 +22,7 @@ from glm_ep.check.plan import memory_budget, plan_check
 from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError
 from glm_ep.app.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.checkpoint.finite import nonfinite_mask
+from glm_ep.checkpoint.reader import Checkpoint
 from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint
 from glm_ep.dist.ranks import AgreedError, Ranks
 from glm_ep.config.topology import Topology
@@ -46,12 +47,20 @@ def agreed_topology(args: argparse.Namespace, ranks: Ranks) -> Topology:
     return topo
 
 
+def opened(model_dir: str, topo: Topology, ranks: Ranks) -> Checkpoint:
+    """``open_checkpoint``, and rank 0 says which weight files it reads where the folder holds both layouts."""
+    ckpt = open_checkpoint(model_dir, topo, ranks)
+    if ranks.rank == 0 and ckpt.note:
+        log.warning("%s", ckpt.note)
+    return ckpt
+
+
 def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     topo = agreed_topology(args, ranks)
     # rank 0 writes the output: never over its own input or model files
     ranks.agree("output check", lambda: check_output_path(args.output, job_inputs(args.input, args.model))
                 if ranks.rank == 0 else None)
-    ckpt = open_checkpoint(args.model, topo, ranks)  # config and headers: the hidden size
+    ckpt = opened(args.model, topo, ranks)  # config and headers: the hidden size
     hidden = ckpt.config.hidden_size
     x = ranks.agree("input read", lambda: read_hidden_states(args.input, hidden, topo.allow_nonfinite_input))
     ranks.check_same("input fingerprint", "inputs", {"input rows": str(x.shape[0]),
@@ -123,7 +132,9 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
         args.model = str(cache / "tiny")
     topo = agreed_topology(args, ranks)
     ranks.agree("workload check", lambda: _check_workload(args, topo.workspace_rows))
-    rt = load_runtime(open_checkpoint(args.model, topo, ranks), topo, ranks)
+    ckpt = opened(args.model, topo, ranks)
+    loaded = ckpt.stamps  # the check refuses a checkpoint rewritten after this
+    rt = load_runtime(ckpt, topo, ranks)
     h = rt.model.hidden_size
     rng = np.random.default_rng(args.seed)  # the same inputs on every rank
     calls = [("prefill", rng.standard_normal((args.prefill, h)))]
@@ -147,7 +158,7 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
         if plan.estimate_bytes > plan.budget_bytes:
             log.warning("the %s check's float64 memory estimate is over the budget", plan.mode)
     traces = [_eager_chain(rt, ranks, x) for _, x, _, _ in results]
-    verdict = check_run(args.model, plan, [y for _, _, y, _ in results], traces, ranks, topo.check_weights)
+    verdict = check_run(args.model, plan, [y for _, _, y, _ in results], traces, ranks, topo.check_weights, loaded)
     if ranks.rank == 0:
         print("\n".join(verdict.lines()), flush=True)
     return EXIT_OK if verdict.ok else EXIT_FAIL

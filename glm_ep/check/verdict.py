@@ -69,11 +69,12 @@ class Verdict:
 
 
 def check_run(model_dir: str, plan: CheckPlan, steps: Sequence[np.ndarray], traces: Sequence[Trace], ranks: Ranks,
-              check_weights: bool = True) -> Verdict:
+              check_weights: bool = True, loaded: dict[str, tuple[int, int, int]] | None = None) -> Verdict:
     """The verdict on the timed step outputs ``steps`` and each call's ``traces``, agreed by all ranks;
-    the float64 sites are those of ``plan``."""
+    the float64 sites are those of ``plan``. ``loaded``: the ``Checkpoint.stamps`` of the load, so a checkpoint
+    rewritten since is refused as such (agreed, a CheckpointError) rather than checked."""
     site_errs, peak = ranks.agree("float64 reference", lambda: _float64_errors(model_dir, plan, traces, ranks.rank,
-                                                                               check_weights))
+                                                                               check_weights, loaded))
     step_errs = []
     for y_step, trace in zip(steps, traces):
         h_last, y_last = trace[-1]
@@ -92,8 +93,8 @@ def check_run(model_dir: str, plan: CheckPlan, steps: Sequence[np.ndarray], trac
                    estimate_bytes=plan.estimate_bytes)
 
 
-def _float64_errors(model_dir: str, plan: CheckPlan, traces: Sequence[Trace], rank: int,
-                    check_weights: bool) -> tuple[list[float], int]:
+def _float64_errors(model_dir: str, plan: CheckPlan, traces: Sequence[Trace], rank: int, check_weights: bool,
+                    loaded: dict[str, tuple[int, int, int]] | None) -> tuple[list[float], int]:
     """This rank's share of the plan: each checked site's error over its checked rows, and the
     peak memory (bytes) the evaluation allocated."""
     tracing = tracemalloc.is_tracing()
@@ -102,13 +103,14 @@ def _float64_errors(model_dir: str, plan: CheckPlan, traces: Sequence[Trace], ra
     tracemalloc.reset_peak()
     base = tracemalloc.get_traced_memory()[0]
     try:
-        with Reference(model_dir, check_finite=check_weights, resident=plan.mode == "full") as ref:
+        with Reference(model_dir, check_finite=check_weights, resident=plan.mode == "full", loaded=loaded) as ref:
             errs = []
             for trace, rows in zip(traces, plan.rows):
                 picked = list(rows)
                 for i in plan.layers_of(rank):
                     x, y = trace[i]
                     errs.append(rel_l2(y[picked], ref.site(i, x[picked])))
+            ref.check_unchanged()  # nor rewritten while the check read it
         return errs, tracemalloc.get_traced_memory()[1] - base
     finally:
         if not tracing:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.errors import ConfigError, GlmEpError
+from glm_ep.errors import ConfigError, GlmEpError, not_a_file
 
 #: NVFP4 block size: one E4M3 scale per 16 consecutive k.
 NVFP4_GROUP = 16
@@ -84,8 +84,8 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config.json not found (expected an HF config.json in the model folder)")
+        if (problem := not_a_file(path, "config.json")) is not None:
+            raise ConfigError(f"{problem}; expected the HF config.json of the model folder, a regular file")
         return cls.from_dict(parse_json(path.read_bytes(), str(path)), source=str(path),
                              quant_file=path.parent / HF_QUANT_FILE)
 
