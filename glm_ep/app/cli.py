@@ -13,6 +13,7 @@ input, output), 3 run's check FAILed, 4 a rank waited past collective_timeout_s,
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -182,15 +183,29 @@ def _synth(args: argparse.Namespace) -> int:
                          "folder (--force writes over its files)")
     cfg = preset(args.preset)
     if args.layers is not None:
-        cfg["num_hidden_layers"] = args.layers
-        if "mlp_layer_types" in cfg:  # the schedule itself (a first_k_dense_replace beside it could contradict it)
-            cfg["mlp_layer_types"] = (cfg["mlp_layer_types"] * args.layers)[: args.layers]
-        if "first_k_dense_replace" in cfg:
-            cfg["first_k_dense_replace"] = min(cfg["first_k_dense_replace"], args.layers)
+        _cut_layers(cfg, args.layers)
     path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
                            router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense)
     print(f"wrote {path}")
     return 0
+
+
+def _cut_layers(cfg: dict[str, Any], n: int) -> None:
+    """``cfg``'s schedule cut to ``n`` layers, keeping at least one sparse layer (a checkpoint of dense layers alone
+    would leave the routed experts, the point of the model, untested): the last layer turns sparse where the cut
+    would hold none, and the log says so."""
+    cfg["num_hidden_layers"] = n
+    if "mlp_layer_types" in cfg:  # the schedule itself (a first_k_dense_replace beside it could contradict it)
+        types = (cfg["mlp_layer_types"] * n)[:n]
+        dense = n - 1 if "sparse" not in types else None
+        cfg["mlp_layer_types"] = types[:-1] + ["sparse"] if dense is not None else types
+    else:
+        k = cfg.get("first_k_dense_replace", 0)
+        dense = n - 1 if k >= n else None
+        cfg["first_k_dense_replace"] = min(k, n - 1)
+    if dense is not None:
+        logging.getLogger(__name__).info("--layers %d: layer %d is sparse (the preset's first layers are dense); a "
+                                         "synthetic checkpoint keeps at least one sparse layer", n, n - 1)
 
 
 def _footprint(args: argparse.Namespace) -> int:
