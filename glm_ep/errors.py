@@ -35,6 +35,11 @@ class InputError(GlmEpError):
     cannot be written or is not a regular file."""
 
 
+class NumericError(GlmEpError):
+    """Finite inputs and checked weights gave NaN or Inf outputs: a site overflowed (huge input values, or weights
+    whose products pass bf16's range)."""
+
+
 class FileAccessError(GlmEpError):
     """The operating system refused a file the job names: a permission, a name too long, a full disk."""
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from glm_ep.check.verdict import check_run
 from glm_ep.check.plan import memory_budget, plan_check
-from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError
+from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError, NumericError
 from glm_ep.app.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.checkpoint.finite import nonfinite_mask
 from glm_ep.checkpoint.reader import Checkpoint
@@ -71,24 +71,36 @@ def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     for i in range(rt.model.num_hidden_layers):
         parts = [_site_on_host(rt, ranks, i, x[r:r + chunk]) for r in range(0, x.shape[0], chunk)]
         outputs[f"layers.{i}"] = np.ascontiguousarray(np.concatenate(parts))
+    overflowed = ranks.agree("output check", lambda: _overflowed(x, outputs, topo.check_weights))
+    if overflowed and ranks.rank == 0:  # weights not checked (check_weights = false): written as computed
+        log.warning("%s", overflowed)
     ranks.agree("output write", lambda: write_outputs(outputs, args.output, job_inputs(args.input, args.model))
                 if ranks.rank == 0 else None)
     if ranks.rank == 0:
         log.info("wrote %d site outputs of %s rows to %s", len(outputs), x.shape[0], args.output)
-        _warn_overflow(x, outputs)
     return EXIT_OK
 
 
-def _warn_overflow(x: np.ndarray, outputs: dict[str, np.ndarray]) -> None:
-    """A warning per layer whose outputs hold NaN/Inf in rows whose input was finite (the site overflowed: the
-    file holds what was computed, as HF's modules would compute it, but not silently)."""
+def _overflowed(x: np.ndarray, outputs: dict[str, np.ndarray], weights_checked: bool) -> str | None:
+    """What overflowed: each layer whose outputs hold NaN or Inf in rows whose input was finite. With
+    ``weights_checked`` (the load refused non-finite weights and scales that pass bf16's range) that is a
+    NumericError, nothing written; without, the lines of a warning (the weights may hold the NaN). None if nothing."""
     finite_in = ~nonfinite_mask(x).any(axis=1)
+    found = []
     for name, y in outputs.items():
         rows = np.flatnonzero(nonfinite_mask(y).any(axis=1) & finite_in)
         if rows.size:
-            log.warning("%s: %d of %d rows with finite inputs hold NaN or Inf (rows %s%s): the site overflowed "
-                        "(largest |input| %.3g)", name, rows.size, y.shape[0], rows[:8].tolist(),
-                        " ..." if rows.size > 8 else "", float(np.abs(x[finite_in].astype(np.float32)).max()))
+            found.append(f"{name.replace('layers.', 'layer ')}: {rows.size} of {y.shape[0]} rows "
+                         f"(rows {rows[:8].tolist()}{' ...' if rows.size > 8 else ''})")
+    if not found:
+        return None
+    biggest = float(np.abs(x[finite_in].astype(np.float32)).max()) if finite_in.any() else float("nan")
+    what = (f"NaN or Inf outputs from finite inputs (largest |input| {biggest:.3g}) at " + "; ".join(found))
+    if not weights_checked:
+        return what + " (check_weights = false: the weights may hold them)"
+    raise NumericError(f"{what}: the site overflowed; expected finite outputs from finite inputs and checked "
+                       "weights (inputs of ordinary magnitude; weights whose products stay within bf16's range); "
+                       "nothing was written")
 
 
 def _site_on_host(rt: Runtime, ranks: Ranks, i: int, x_TH: np.ndarray) -> np.ndarray:

@@ -8,9 +8,9 @@ of them, only when asked (``glm_ep.checkpoint.layers`` asks for what one rank ow
 site). An index may name only files inside the folder. ``stamps`` records every file it read, so
 a later reader (the run's check) can tell a checkpoint rewritten since (``changed_since``).
 
-With ``check_finite`` (the default) every bf16/fp32 tensor read must be finite, every E4M3 block
-scale not NaN, and every ``weight_scale_2`` finite and > 0: a scan of the bit patterns of the
-bytes just read (``glm_ep.checkpoint.finite``), in cache-sized chunks. ``fingerprint`` digests what the
+With ``check_finite`` (the default) every bf16/fp32 tensor read must be finite and every E4M3 block
+scale not NaN: a scan of the bit patterns of the bytes just read (``glm_ep.checkpoint.finite``), in
+cache-sized chunks (what the NVFP4 scales will do, ``glm_ep.checkpoint.layers.read_nvfp4`` checks). ``fingerprint`` digests what the
 folder says (the parsed config, the index, every shard header), so ranks can check they opened
 the same checkpoint.
 
