@@ -18,12 +18,14 @@ import ml_dtypes
 import numpy as np
 
 from glm_ep.check.verdict import check_run
-from glm_ep.check.plan import memory_budget, plan_check
+from glm_ep.check.plan import CheckPlan, memory_available, memory_budget, plan_check
+from glm_ep.checkpoint.layers import layer_read_bytes
 from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError, NumericError
 from glm_ep.app.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.checkpoint.finite import nonfinite_mask
 from glm_ep.checkpoint.reader import Checkpoint
-from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint
+from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint, site_config
+from glm_ep.mlp.workspace import ws_total_bytes
 from glm_ep.dist.ranks import AgreedError, Ranks
 from glm_ep.config.topology import Topology
 
@@ -146,13 +148,13 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     ranks.agree("workload check", lambda: _check_workload(args, topo.workspace_rows))
     ckpt = opened(args.model, topo, ranks)
     loaded = ckpt.stamps  # the check refuses a checkpoint rewritten after this
+    call_rows = [args.prefill] + [1] * args.decode + [args.verify]
+    plan = None if args.check == "none" else _agreed_plan(args, ckpt, topo, ranks, call_rows)
     rt = load_runtime(ckpt, topo, ranks)
     h = rt.model.hidden_size
     rng = np.random.default_rng(args.seed)  # the same inputs on every rank
-    calls = [("prefill", rng.standard_normal((args.prefill, h)))]
-    calls += [("decode", rng.standard_normal((1, h))) for _ in range(args.decode)]
-    calls += [("verify", rng.standard_normal((args.verify, h)))]
-    calls = [(phase, x.astype(BF16)) for phase, x in calls]
+    calls = [(phase, rng.standard_normal((n, h)).astype(BF16))
+             for phase, n in zip(["prefill"] + ["decode"] * args.decode + ["verify"], call_rows)]
     firsts = {x.shape[0]: x for _, x in reversed(calls)}  # the first call of each row count
     for x in firsts.values():  # untimed: kernel compiles, graph captures
         for _ in range(args.warmup):
@@ -160,11 +162,8 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     results = [(phase, x, *_timed(rt, ranks, x)) for phase, x in calls]
     if ranks.rank == 0:
         _print_timing(results, rt, args.warmup)
-    if args.check == "none":
+    if plan is None:
         return EXIT_OK
-    budget = memory_budget(ranks)
-    plan = ranks.agree("check plan", lambda: plan_check(rt.model, args.check, [x.shape[0] for _, x, _, _ in results],
-                                                        args.seed, ranks.size, budget))
     if ranks.rank == 0:
         print(plan.estimate_line(), flush=True)
         if plan.estimate_bytes > plan.budget_bytes:
@@ -174,6 +173,28 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     if ranks.rank == 0:
         print("\n".join(verdict.lines()), flush=True)
     return EXIT_OK if verdict.ok else EXIT_FAIL
+
+
+def _agreed_plan(args: argparse.Namespace, ckpt: Checkpoint, topo: Topology, ranks: Ranks,
+                 call_rows: list[int]) -> CheckPlan:
+    """The check's plan, made before the load: refused on every rank where its float64 memory would not fit what
+    each rank has left once its load holds its share."""
+    budget = memory_budget(ranks)
+    held = ranks.agree("load size", lambda: _host_bytes_of_load(ckpt, topo, ranks.rank))
+    available = memory_available(ranks, held)
+    return ranks.agree("check plan", lambda: plan_check(ckpt.config, args.check, call_rows, args.seed, ranks.size,
+                                                        budget, available))
+
+
+def _host_bytes_of_load(ckpt: Checkpoint, topo: Topology, rank: int) -> int:
+    """The host memory rank ``rank``'s load will hold while the check runs: its weights and workspaces on the NumPy
+    backend, nothing lasting on a device backend (its weights go to the device)."""
+    if topo.backend != "cpu":
+        return 0
+    cfg = site_config(ckpt.config, topo, rank)
+    layers = ckpt.config.num_hidden_layers
+    return (sum(layer_read_bytes(ckpt, cfg, i) for i in range(layers))
+            + ws_total_bytes(cfg, topo.workspace_rows) * (1 if topo.shared_workspace else layers))
 
 
 def _eager_chain(rt: Runtime, ranks: Ranks, x_TH: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:

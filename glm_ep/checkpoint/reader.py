@@ -20,6 +20,7 @@ slice), E routed experts.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import math
 import os
@@ -318,6 +319,8 @@ class Checkpoint:
             try:
                 self._handles[key] = safe_open(str(file), framework="numpy")
             except Exception as e:  # safetensors raises its own SafetensorError
+                if f"(os error {errno.ENOMEM})" in str(e):  # its memory map refused (ulimit -v counts the file)
+                    raise MemoryError(f"{file}: cannot map the shard into memory ({e})") from None
                 raise CheckpointError(f"{file}: cannot open as safetensors: {e}") from None
         return self._handles[key]
 
