@@ -126,7 +126,8 @@ class Ranks:
                               internal)
         return result  # type: ignore[return-value]
 
-    def check_same(self, site: str, what: str, values: dict[str, str]) -> None:
+    def check_same(self, site: str, what: str, values: dict[str, str],
+                   expected: str = "every rank to read the same files with the same settings") -> None:
         """Refuse to go on unless every rank holds the same ``values`` (name -> a hex digest or a value's text),
         naming the keys that differ with each rank's value (a digest by its first 12 digits)."""
         every = self.allgather(site, values)
@@ -134,8 +135,8 @@ class Ranks:
         if differ:
             per_rank = "\n".join(f"  rank {r}: " + ", ".join(f"{n} {_shown(d.get(n, '-'))}" for n in differ)
                                   for r, d in enumerate(every))
-            raise AgreedError(f"ranks hold different {what} (differing: {', '.join(differ)}); expected every "
-                              f"rank to read the same files with the same settings:\n{per_rank}")
+            raise AgreedError(f"ranks hold different {what} (differing: {', '.join(differ)}); expected "
+                              f"{expected}:\n{per_rank}")
 
 
 def out_of_memory(e: MemoryError, site: str | None = None) -> str:
