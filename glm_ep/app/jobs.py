@@ -20,12 +20,13 @@ import numpy as np
 from glm_ep.check.verdict import check_run
 from glm_ep.check.plan import CheckPlan, memory_available, memory_budget, plan_check
 from glm_ep.checkpoint.layers import layer_read_bytes
-from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError, NumericError
+from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, NumericError
 from glm_ep.app.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.checkpoint.finite import nonfinite_mask
 from glm_ep.checkpoint.reader import Checkpoint
 from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint, site_config
 from glm_ep.mlp.workspace import ws_total_bytes
+from glm_ep.dist.progress import progress
 from glm_ep.dist.ranks import AgreedError, Ranks
 from glm_ep.config.topology import Topology
 
@@ -68,11 +69,13 @@ def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     ranks.check_same("input fingerprint", "inputs", {"input rows": str(x.shape[0]),
                                                      "input": hashlib.sha256(x.tobytes()).hexdigest()})
     rt = load_runtime(ckpt, topo, ranks)
-    outputs = {}
-    chunk = rt.stack.max_rows  # wider inputs run in workspace-sized chunks (rows are independent)
-    for i in range(rt.model.num_hidden_layers):
-        parts = [_site_on_host(rt, ranks, i, x[r:r + chunk]) for r in range(0, x.shape[0], chunk)]
-        outputs[f"layers.{i}"] = np.ascontiguousarray(np.concatenate(parts))
+    layers, spans = rt.model.num_hidden_layers, _spans(x.shape[0], rt.stack.max_rows)
+    outputs = {f"layers.{i}": np.empty(x.shape, dtype=BF16) for i in range(layers)}
+    with progress(layers * len(spans), "forward", unit="chunks", enabled=ranks.rank == 0, log=log) as bar:
+        for i in range(layers):
+            for span in spans:  # wider inputs run in workspace-sized chunks (rows are independent)
+                outputs[f"layers.{i}"][span] = _site_on_host(rt, ranks, i, x[span])
+                bar.update()
     overflowed = ranks.agree("output check", lambda: _overflowed(x, outputs, topo.check_weights))
     if overflowed and ranks.rank == 0:  # weights not checked (check_weights = false): written as computed
         log.warning("%s", overflowed)
@@ -105,31 +108,38 @@ def _overflowed(x: np.ndarray, outputs: dict[str, np.ndarray], weights_checked: 
                        "nothing was written")
 
 
+def _spans(rows: int, chunk: int) -> list[slice]:
+    """``rows`` rows in workspace-sized chunks (rows are independent: a wide call is its chunks' calls)."""
+    return [slice(r, min(r + chunk, rows)) for r in range(0, rows, chunk)]
+
+
 def _site_on_host(rt: Runtime, ranks: Ranks, i: int, x_TH: np.ndarray) -> np.ndarray:
-    """Site ``i`` applied to ``x``, copied to the host (for a device backend, the sync that waits
+    """Site ``i`` applied to ``x``, chunk by chunk, copied to the host (for a device backend, the sync that waits
     for the site's all-reduce, under the deadline)."""
-    y = rt.stack.site_output(i, rt.be.asarray(x_TH))
-    with ranks.guard(f"layer {i} device sync"):
-        return rt.be.to_host(y)
+    parts = []
+    for span in _spans(x_TH.shape[0], rt.stack.max_rows):
+        y = rt.stack.site_output(i, rt.be.asarray(x_TH[span]))
+        with ranks.guard(f"layer {i} device sync"):
+            parts.append(rt.be.to_host(y))
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def _timed(rt: Runtime, ranks: Ranks, x_TH: np.ndarray) -> tuple[np.ndarray, float]:
+    """The step on ``x`` and its time. A call wider than the workspace steps each chunk in turn, each chunk's output
+    copied out of the stack's buffer (which the next chunk reuses) within the timing, as the library does."""
+    spans = _spans(x_TH.shape[0], rt.stack.max_rows)
     dev = rt.be.asarray(x_TH)
+    out = rt.be.xp.empty(x_TH.shape, dtype=BF16) if len(spans) > 1 else None
     rt.be.synchronize()
     t0 = time.perf_counter()
-    y = rt.stack.step(dev)
+    for span in spans:
+        y = rt.stack.step(dev[span])
+        if out is not None:
+            rt.be.copy(y, out[span])
     with ranks.guard(f"{x_TH.shape[0]}-row step device sync"):
         rt.be.synchronize()
     dt = time.perf_counter() - t0
-    return rt.be.to_host(y), dt
-
-
-def _check_workload(args: argparse.Namespace, workspace_rows: int) -> None:
-    for name in ("prefill", "verify"):  # the counts' own bounds are the parser's (cli._count)
-        n = getattr(args, name)
-        if n > workspace_rows:
-            raise InputError(f"--{name} {n} rows do not fit the workspace built for {workspace_rows} rows "
-                             "(raise workspace_rows in the topology)")
+    return rt.be.to_host(out if out is not None else y), dt
 
 
 def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
@@ -145,7 +155,6 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
         ranks.agree("default checkpoint", lambda: ensure_default_checkpoint(cache) if ranks.rank == 0 else None)
         args.model = str(cache / "tiny")
     topo = agreed_topology(args, ranks)
-    ranks.agree("workload check", lambda: _check_workload(args, topo.workspace_rows))
     ckpt = opened(args.model, topo, ranks)
     loaded = ckpt.stamps  # the check refuses a checkpoint rewritten after this
     call_rows = [args.prefill] + [1] * args.decode + [args.verify]

@@ -30,12 +30,12 @@ from typing import Any, Callable, Iterator
 
 import ml_dtypes
 import numpy as np
-from tqdm import tqdm
 
 from glm_ep.checkpoint.reader import INDEX_FILE
 from glm_ep.config.model import ModelConfig
 from glm_ep.errors import InputError
 from glm_ep.app.files import save_readable
+from glm_ep.dist.progress import progress as progress_bar
 from glm_ep.checkpoint.nvfp4 import quantize
 from glm_ep.config.presets import preset
 
@@ -185,7 +185,7 @@ def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, 
     shards = _shards(_plan(model, prefix, router_dtype, dense, not weight_only), shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
-    bar = tqdm(total=sum(len(s) for s in shards), desc="synthetic checkpoint", unit="group", disable=not progress)
+    bar = progress_bar(sum(len(s) for s in shards), "synthetic checkpoint", unit="groups", enabled=progress, log=log)
     for n, shard in enumerate(shards, 1):
         name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
         tensors: dict[str, np.ndarray] = {}

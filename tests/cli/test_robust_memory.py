@@ -92,7 +92,10 @@ def _limited(*args: str, limit_bytes: int = ADDRESS_SPACE) -> subprocess.Complet
         resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
 
     env = dict(mpi_env(), OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")  # BLAS buffers per core: kept few
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=REPO, preexec_fn=limit)
+    r = subprocess.run(cmd, capture_output=True, timeout=180, env=env, cwd=REPO, preexec_fn=limit)
+    # decoded as written: text mode would turn a carriage return into a newline
+    return subprocess.CompletedProcess(cmd, r.returncode, r.stdout.decode(errors="replace"),
+                                       r.stderr.decode(errors="replace"))
 
 
 def test_full_check_past_the_memory_left_is_refused_before_the_load(large: Path) -> None:
@@ -170,3 +173,13 @@ def test_a_load_that_runs_out_of_memory_is_a_clear_error(large: Path, tmp_path: 
     r = _limited("run", "--model", str(large), "--topology", str(topo), "--check", "none", "--decode", "1",
                  limit_bytes=LOAD_SPACE)
     fails(r, "out of memory at 'load of layer ", "expected more free memory per rank")
+
+
+def test_a_long_load_logs_lines_not_bar_frames(large: Path, tmp_path: Path) -> None:
+    """A load of 256 MB and more reports its progress; stderr here is a pipe, not a terminal: no tqdm frames
+    (carriage returns) go into it."""
+    topo = write_topology(tmp_path / "lax.toml", world=2, tp=2, ep=2, check_weights=False)
+    r = _limited("run", "--model", str(large), "--topology", str(topo), "--check", "none", "--prefill", "1",
+                 "--decode", "1", "--verify", "1")
+    assert r.returncode == 0 and "weights: rank 0 holds 352.33 MB" in r.stderr, r.stderr[-3000:]
+    assert "\r" not in r.stderr, r.stderr[-3000:]
