@@ -17,7 +17,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from glm_ep.check.verdict import check_run
+from glm_ep.check.verdict import check_run, first_overflow
 from glm_ep.check.plan import CheckPlan, memory_available, memory_budget, plan_check
 from glm_ep.checkpoint.layers import layer_read_bytes
 from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, NumericError
@@ -172,6 +172,7 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     if ranks.rank == 0:
         _print_timing(results, rt, args.warmup)
     if plan is None:
+        _refuse_overflow(rt, ranks, results, topo.check_weights)
         return EXIT_OK
     if ranks.rank == 0:
         print(plan.estimate_line(), flush=True)
@@ -182,6 +183,32 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     if ranks.rank == 0:
         print("\n".join(verdict.lines()), flush=True)
     return EXIT_OK if verdict.ok else EXIT_FAIL
+
+
+def _refuse_overflow(rt: Runtime, ranks: Ranks, results: list[tuple[str, np.ndarray, np.ndarray, float]],
+                     weights_checked: bool) -> None:
+    """Without the check, still never a silent NaN: a timed output holding NaN or Inf (its inputs are finite) is a
+    NumericError on every rank naming the layer where that call's chain overflowed (found by running it again site
+    by site: collective, and only then); a warning where the weights were not checked."""
+    bad = [k for k, (_, _, y, _) in enumerate(results) if nonfinite_mask(y).any()]
+    every = ranks.allgather("output check", bad[:1])  # the outputs are the all-reduce's: alike, but agreed anyway
+    if not any(every):
+        return
+    k = min(k for b in every for k in b)
+    phase, x, _, _ = results[k]
+    layer = first_overflow([_eager_chain(rt, ranks, x)])
+    what = (f"the {phase} call's outputs ({x.shape[0]} rows) hold NaN or Inf from finite inputs, "
+            + (f"the first at layer {layer}" if layer is not None else "at no layer of the chain run again"))
+    if not weights_checked:
+        if ranks.rank == 0:
+            log.warning("%s (check_weights = false: the weights may hold them)", what)
+        return
+
+    def refuse() -> None:
+        raise NumericError(f"{what}: the site overflowed; expected finite outputs from finite inputs and checked "
+                           "weights (weights whose products stay within bf16's range)")
+
+    ranks.agree("output check", refuse)
 
 
 def _agreed_plan(args: argparse.Namespace, ckpt: Checkpoint, topo: Topology, ranks: Ranks,

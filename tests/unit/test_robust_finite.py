@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from glm_ep.checkpoint.finite import nonfinite_mask
+from glm_ep.errors import EXIT_FAIL
 
 from cli_jobs import copy_checkpoint, fails, glm_ep, load_outputs, loaded_weights, save_hidden, set_bits, write_topology
 from helpers import random_x
@@ -136,3 +137,15 @@ def test_finite_weights_whose_products_overflow_are_an_error_naming_the_layer(ck
     r = _forward(ckpt, tmp_path, "--topology", str(lax))  # unchecked weights: written as computed, with a warning
     assert r.returncode == 0 and "(check_weights = false: the weights may hold them)" in r.stderr, r.stderr[-3000:]
     assert nonfinite_mask(load_outputs(out)["layers.0"][:, 0]).all()
+
+
+def test_run_names_the_layer_that_overflowed_and_never_exits_0(ckpt, tmp_path) -> None:
+    """The same finite row of 3e38 weights under ``run``: its check FAILs (exit 3) naming layer 0 as the first
+    that overflowed; without the check (exit 0 before, with NaN outputs) it is an agreed error naming layer 0."""
+    set_bits(ckpt, "model.layers.0.mlp.down_proj.weight", (0, ...), HUGE_BF16)
+    args = ["run", "--model", str(ckpt), "--prefill", "5", "--decode", "1", "--verify", "2"]
+    checked = glm_ep(2, *args)
+    assert checked.returncode == EXIT_FAIL, checked.stdout[-2000:] + checked.stderr[-2000:]
+    assert "(expected 0; the first from finite inputs at layer 0)" in checked.stdout, checked.stdout[-2000:]
+    fails(glm_ep(2, *args, "--check", "none"), "the prefill call's outputs (5 rows) hold NaN or Inf from finite "
+          "inputs, the first at layer 0: the site overflowed")
