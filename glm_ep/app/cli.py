@@ -245,6 +245,8 @@ def _footprint(args: argparse.Namespace) -> int:
         from glm_ep.checkpoint.layers import dense_is_nvfp4
 
         with Checkpoint(args.model, check_finite=False) as ck:
+            if ck.note:  # both weight layouts in the folder: which one is read
+                logging.getLogger(__name__).warning("%s", ck.note)
             if "dense" in model.mlp_layer_types:
                 dense_nvfp4 = dense_is_nvfp4(ck, model.mlp_layer_types.index("dense"))
             if "sparse" in model.mlp_layer_types:

@@ -1,8 +1,10 @@
 """The MPI jobs: ``forward`` (each site applied to one input) and ``run`` (the main workload).
 
-Both check what the user gave them (topology, checkpoint headers, input and output files) before
-any weight is read, agree across ranks at every step, and wait on the other ranks only under the
-collective deadline.
+Both check what the user gave them (topology, checkpoint headers, input and output files; for
+``run``, that its check's float64 memory fits what each rank will have left) before any weight is
+read, agree across ranks at every step, and wait on the other ranks only under the collective
+deadline. Calls wider than the workspace run in workspace-sized chunks. An output that holds NaN or
+Inf for finite inputs is never passed silently: ``forward`` and ``run`` name the layer.
 """
 
 from __future__ import annotations
