@@ -205,6 +205,23 @@ def test_the_readme_example_runs_on_two_ranks(tiny_checkpoint, mlp, tmp_path) ->
         assert elementwise_close(got, want), f"{what}: not elementwise close to one rank"
 
 
+def test_a_rank_that_raises_under_python_m_mpi4py_ends_the_job_at_once(tiny_checkpoint, tmp_path) -> None:
+    """The README's launch: rank 1 raises before a call that rank 0 makes and waits in. Run as ``python -m mpi4py``
+    the job ends at once (exit 1, rank 1's traceback), not after rank 0's 300 s deadline (the timeout here is far
+    below it)."""
+    (tmp_path / "engine.py").write_text(f"""
+import numpy as np, ml_dtypes, glm_ep
+from mpi4py import MPI
+mlp = glm_ep.load({str(tiny_checkpoint)!r})
+if MPI.COMM_WORLD.Get_rank() == 1:
+    raise RuntimeError("rank 1 gave up before its call")
+mlp.site(1, np.zeros((2, mlp.hidden_size), ml_dtypes.bfloat16))
+""")
+    r = mpiexec(2, "-m", "mpi4py", "engine.py", cwd=tmp_path, timeout=60)
+    assert r.returncode != 0 and "RuntimeError: rank 1 gave up before its call" in r.stderr, r.stderr[-3000:]
+    assert "waited" not in r.stderr, r.stderr[-3000:]  # not the deadline's end
+
+
 @pytest.mark.cuda
 @requires_cuda
 def test_cuda_backend_takes_and_gives_numpy_cupy_and_torch(tiny_checkpoint, mlp) -> None:
