@@ -86,8 +86,9 @@ PATH_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (st
 
 def path_kind(path: str | os.PathLike) -> str:
     """What ``path`` is once its symbolic links are followed, as an error message says it: "a regular file", "a
-    folder", "a FIFO", a device node, "a socket", "a symbolic link loop", "a broken symbolic link", "not found", or
-    why it cannot be looked at. Only ``stat`` is called: nothing is opened (opening a FIFO would wait for a writer)."""
+    folder", "a FIFO", a device node, "a socket", "a symbolic link loop", "a broken symbolic link" or "not found";
+    an OSError for any other refusal (a permission, a name too long: ``file_access_error`` names those). Only
+    ``stat`` is called: nothing is opened (opening a FIFO would wait for a writer)."""
     try:
         mode = os.stat(path).st_mode
     except OSError as e:
@@ -97,7 +98,7 @@ def path_kind(path: str | os.PathLike) -> str:
             return "a broken symbolic link" if os.path.islink(path) else "not found"
         if e.errno == errno.ENOTDIR:
             return "not found (a part of its path is a file, not a folder)"
-        return f"not accessible ({e.strerror or e})"
+        raise
     return next((name for test, name in PATH_KINDS if test(mode)), "not a regular file")
 
 
