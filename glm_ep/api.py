@@ -1,6 +1,6 @@
 """The library API: load a checkpoint across the ranks of a communicator, then call a site or a step.
 
-    # mpiexec -n 2 python engine.py
+    # mpiexec -n 2 python -m mpi4py engine.py   (-m mpi4py: a rank that raises aborts the job at once)
     import glm_ep
 
     mlp = glm_ep.load("/models/glm-5.3-flash-nvfp4", topology="h200-2")
@@ -8,10 +8,11 @@
     h = mlp.step(x)      # every layer chained, h = h + site(h)
 
 Every call is collective: each rank of the communicator makes the same calls in the same order
-with the same input, and each gets the same result. Nothing checks that per call unless the topology
-says ``check_calls = true`` (a debugging aid: the ranks then agree each call's layer and input, at
-two or three small collectives and one copy of the input to the host per call, and refuse a mismatch
-by name). Inputs are NumPy or CuPy arrays or torch
+with the same input, and each gets the same result (each rank adds its share of one sum). The MPI
+all-reduce refuses ranks whose calls differ in rows or site (``glm_ep.dist.comm``); the rest is
+checked per call only where the topology says ``check_calls = true`` (a debugging aid: the ranks
+then agree each call's layer and input, at two or three small collectives and one copy of the
+input to the host per call, and refuse a mismatch by name). Inputs are NumPy or CuPy arrays or torch
 tensors (``glm_ep.interop``); a result has the input's kind and device and shares no memory with
 the runtime. Inputs wider than the workspace run in workspace-sized chunks (rows are independent).
 """
@@ -19,6 +20,7 @@ the runtime. Inputs wider than the workspace run in workspace-sized chunks (rows
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -86,7 +88,8 @@ class GlmMlp:
         kind, layer = self._ranks.agree("call check", check)
         digest = hashlib.sha256(interop.host_bits(x)).hexdigest()
         what = "step" if layer is None else f"site {layer}"
-        self._ranks.check_same("call check", "calls", {"call": what, "input": digest})
+        self._ranks.check_same("call check", "calls", {"call": what, "input": digest},
+                               "every rank to make the same call with the same input (each adds its share of one sum)")
         return kind, layer
 
     def _apply(self, index: Callable[[], int] | None, x: Any) -> Any:
@@ -137,4 +140,7 @@ def load(model_dir: str | Path, topology: Topology | str | os.PathLike | None = 
     ranks.agree("model path", lambda: _model_path(model_dir))  # a bad one on one rank: an error on every rank
     topo = ranks.agree("topology", lambda: _topology(topology, ranks.size))
     ranks.deadline.timeout_s = topo.collective_timeout_s  # waits on the other ranks bounded from here on
-    return GlmMlp(load_runtime(open_checkpoint(model_dir, topo, ranks), topo, ranks), ranks)
+    ckpt = open_checkpoint(model_dir, topo, ranks)
+    if ckpt.note and ranks.rank == 0:  # the folder holds both weight layouts: which one is read
+        logging.getLogger(__name__).warning("%s", ckpt.note)
+    return GlmMlp(load_runtime(ckpt, topo, ranks), ranks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 
 #: Exit codes of every ``glm-ep`` command (README "Exit codes").
 EXIT_OK = 0  # done; for ``run`` with its check: PASS
@@ -32,6 +33,11 @@ class CheckpointError(GlmEpError):
 class InputError(GlmEpError):
     """A job's input or output file is unusable: wrong shape, non-finite rows, an output path that
     cannot be written or is not a regular file."""
+
+
+class NumericError(GlmEpError):
+    """Finite inputs and checked weights gave NaN or Inf outputs: a site overflowed (huge input values, or weights
+    whose products pass bf16's range)."""
 
 
 class FileAccessError(GlmEpError):
@@ -70,3 +76,36 @@ def file_access_error(e: BaseException) -> FileAccessError | None:
     reason = e.strerror or str(e)
     place = {None: "writing a file: ", STDOUT: "writing to stdout: "}.get(e.filename, f"{e.filename}: ")
     return FileAccessError(f"{place}{reason[:1].lower()}{reason[1:]}; {_EXPECTED[e.errno]}")
+
+
+#: file types by ``stat`` mode, as an error message names them
+PATH_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+              (stat.S_ISCHR, "a character device node"), (stat.S_ISBLK, "a block device node"),
+              (stat.S_ISSOCK, "a socket"), (stat.S_ISREG, "a regular file"))
+
+
+def path_kind(path: str | os.PathLike) -> str:
+    """What ``path`` is once its symbolic links are followed, as an error message says it: "a regular file", "a
+    folder", "a FIFO", a device node, "a socket", "a symbolic link loop", "a broken symbolic link" or "not found";
+    an OSError for any other refusal (a permission, a name too long: ``file_access_error`` names those). Only
+    ``stat`` is called: nothing is opened (opening a FIFO would wait for a writer)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if e.errno == errno.ENOENT:
+            return "a broken symbolic link" if os.path.islink(path) else "not found"
+        if e.errno == errno.ENOTDIR:
+            return "not found (a part of its path is a file, not a folder)"
+        raise
+    return next((name for test, name in PATH_KINDS if test(mode)), "not a regular file")
+
+
+def not_a_file(path: str | os.PathLike, what: str) -> str | None:
+    """None where ``path`` is a regular file (or a link to one), else the start of an error message naming ``path``
+    as ``what`` and what it is instead: ``'DIR/config.json: config.json is a folder'``."""
+    kind = path_kind(path)
+    if kind == "a regular file":
+        return None
+    return f"{os.fspath(path)}: {what} {kind if kind.startswith('not ') else 'is ' + kind}"

@@ -30,3 +30,14 @@ def tiny_checkpoint_dense_nvfp4(tmp_path_factory: pytest.TempPathFactory) -> Pat
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     """A generator seeded from the test's name: fresh inputs per test, the same on every run."""
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """pytest-mpi skips a test without ``--with-mpi`` where "mpi" is among its keywords, and a test's keywords hold
+    the names of the folders it sits in: every test of ``tests/mpi/`` was skipped, the single-rank ones too. Only a
+    test marked ``mpi`` waits for ``--with-mpi``."""
+    for item in items:
+        if item.get_closest_marker("mpi") is None:
+            item.own_markers = [m for m in item.own_markers
+                                if not (m.name == "skip" and m.kwargs.get("reason") == "need --with-mpi option to run")]

@@ -1,18 +1,23 @@
-"""``glm-ep``: synth, footprint, forward, run and bench.
+"""``glm-ep``: synth, make-input, footprint, forward, run and bench.
 
     mpiexec -n 2 python -m glm_ep run                       # the main job on the tiny checkpoint
     mpiexec -n 2 python -m glm_ep forward --model DIR --input IN.safetensors --output OUT.safetensors
     python -m glm_ep synth --preset tiny --out DIR
-    python -m glm_ep footprint --preset glm-5.3-flash --tp 2 --ep 2 --rows 256
+    python -m glm_ep make-input --model DIR --rows 64 --out IN.safetensors
+    python -m glm_ep footprint --preset glm-5.3-flash --tp 2 --ep 2
 
 Exit codes: 0 done (run: PASS), 1 internal error, 2 user error (config, topology, checkpoint,
-input, output), 3 run's check FAILed, 4 a rank waited past collective_timeout_s, 130 interrupted,
-141 stdout closed by its reader (| head).
+input, output, memory), 3 run's check FAILed, 4 a rank waited past collective_timeout_s (a rank
+stopped or hung; MPICH's mpiexec ends a job whose rank died itself, with that rank's signal: 9 for
+kill -9), 130 interrupted (Ctrl-C), 141 stdout closed by its reader (| head), 143 terminated
+(SIGTERM).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import math
 import os
 import sys
@@ -60,7 +65,7 @@ def launch_rank() -> int:
     return _launch_value(0, 0)
 
 
-_ALONE = ("synth", "footprint", "bench")  # the commands whose ranks never meet (bench: one rank)
+_ALONE = ("synth", "make-input", "footprint", "bench")  # the commands whose ranks never meet (bench: one rank)
 
 
 class _ArgumentsRefused(Exception):
@@ -130,13 +135,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-mb", type=_count(1), default=256)
     p.add_argument("--force", action="store_true", help="write over a checkpoint already in the folder")
 
+    p = sub.add_parser("make-input", help="write a forward input: seeded hidden_states, bf16 [rows, hidden]")
+    p.add_argument("--out", required=True, help="the safetensors file to write")
+    p.add_argument("--rows", type=_count(1), required=True)
+    width = p.add_mutually_exclusive_group(required=True)
+    width.add_argument("--model", help="a checkpoint folder: its config.json's hidden_size")
+    width.add_argument("--hidden", type=_count(1), help="the hidden size")
+    p.add_argument("--seed", type=_count(0), default=0)
+
     p = sub.add_parser("footprint", help="print weight and workspace footprints from a config alone")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset")
     src.add_argument("--model", help="a checkpoint folder (reads its config.json)")
-    p.add_argument("--tp", type=_count(1), default=1)
-    p.add_argument("--ep", type=_count(1), default=1)
-    p.add_argument("--rows", type=_count(1), default=256)
+    p.add_argument("--topology", help="a topology TOML file or a shipped name: its layout, workspace_rows and levers "
+                   "(default: world = lcm(tp, ep), 512 rows)")
+    p.add_argument("--tp", type=_count(1), help="tensor-parallel degree (default: the topology's, else 1)")
+    p.add_argument("--ep", type=_count(1), help="expert-parallel degree (default: the topology's, else 1)")
+    p.add_argument("--rows", type=_count(1), help="workspace rows (default: the topology's workspace_rows, as the "
+                   "runtime builds it)")
     p.add_argument("--per-layer", action="store_true", help="one workspace per layer instead of one shared")
     p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
                    help="with --preset: how the dense FFNs are stored (a --model checkpoint says so itself)")
@@ -182,15 +198,29 @@ def _synth(args: argparse.Namespace) -> int:
                          "folder (--force writes over its files)")
     cfg = preset(args.preset)
     if args.layers is not None:
-        cfg["num_hidden_layers"] = args.layers
-        if "mlp_layer_types" in cfg:  # the schedule itself (a first_k_dense_replace beside it could contradict it)
-            cfg["mlp_layer_types"] = (cfg["mlp_layer_types"] * args.layers)[: args.layers]
-        if "first_k_dense_replace" in cfg:
-            cfg["first_k_dense_replace"] = min(cfg["first_k_dense_replace"], args.layers)
+        _cut_layers(cfg, args.layers)
     path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
                            router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense)
     print(f"wrote {path}")
     return 0
+
+
+def _cut_layers(cfg: dict[str, Any], n: int) -> None:
+    """``cfg``'s schedule cut to ``n`` layers, keeping at least one sparse layer (a checkpoint of dense layers alone
+    would leave the routed experts, the point of the model, untested): the last layer turns sparse where the cut
+    would hold none, and the log says so."""
+    cfg["num_hidden_layers"] = n
+    if "mlp_layer_types" in cfg:  # the schedule itself (a first_k_dense_replace beside it could contradict it)
+        types = (cfg["mlp_layer_types"] * n)[:n]
+        dense = n - 1 if "sparse" not in types else None
+        cfg["mlp_layer_types"] = types[:-1] + ["sparse"] if dense is not None else types
+    else:
+        k = cfg.get("first_k_dense_replace", 0)
+        dense = n - 1 if k >= n else None
+        cfg["first_k_dense_replace"] = min(k, n - 1)
+    if dense is not None:
+        logging.getLogger(__name__).info("--layers %d: layer %d is sparse (the preset's first layers are dense); a "
+                                         "synthetic checkpoint keeps at least one sparse layer", n, n - 1)
 
 
 def _footprint(args: argparse.Namespace) -> int:
@@ -201,9 +231,11 @@ def _footprint(args: argparse.Namespace) -> int:
 
     model = (ModelConfig.from_dict(preset(args.preset), source=f"preset {args.preset}") if args.preset
              else ModelConfig.from_file(f"{args.model}/config.json"))
-    world = math.lcm(args.tp, args.ep)  # the smallest world both divide
-    topo = Topology(name="footprint", world=world, tp=args.tp, ep=args.ep, workspace_rows=args.rows,
-                    shared_workspace=not args.per_layer)
+    topo = Topology.load(args.topology) if args.topology is not None else Topology(name="footprint")
+    tp, ep = args.tp or (topo.tp if args.topology else 1), args.ep or (topo.ep if args.topology else 1)
+    world = topo.world if args.topology and topo.world % math.lcm(tp, ep) == 0 else math.lcm(tp, ep)
+    topo = dataclasses.replace(topo, world=world, tp=tp, ep=ep, workspace_rows=args.rows or topo.workspace_rows,
+                               shared_workspace=topo.shared_workspace and not args.per_layer)
     cfg = site_config(model, topo, 0)
     from glm_ep.app.footprint import weight_bytes_per_rank
 
@@ -213,6 +245,8 @@ def _footprint(args: argparse.Namespace) -> int:
         from glm_ep.checkpoint.layers import dense_is_nvfp4
 
         with Checkpoint(args.model, check_finite=False) as ck:
+            if ck.note:  # both weight layouts in the folder: which one is read
+                logging.getLogger(__name__).warning("%s", ck.note)
             if "dense" in model.mlp_layer_types:
                 dense_nvfp4 = dense_is_nvfp4(ck, model.mlp_layer_types.index("dense"))
             if "sparse" in model.mlp_layer_types:
@@ -224,6 +258,24 @@ def _footprint(args: argparse.Namespace) -> int:
     buffers = site_buffers(cfg, topo.levers, dense_nvfp4 and bool(model.dense_layers))
     for line in report_lines(model, topo, weight_bytes_per_rank(model, topo, dense_nvfp4, router_itemsize), buffers):
         print(line)
+    return 0
+
+
+def _make_input(args: argparse.Namespace) -> int:
+    """A ``forward`` input: ``hidden_states`` bf16 ``[rows, hidden]``, standard normal values from ``--seed``."""
+    import ml_dtypes
+    import numpy as np
+
+    from glm_ep.app.files import check_output_path, save_readable
+    from glm_ep.config.model import ModelConfig
+
+    if (_launch_size() or launch_rank() + 1) > 1:
+        raise InputError("make-input writes one file from one process; expected it run without mpiexec (or with -n 1)")
+    hidden = args.hidden if args.model is None else ModelConfig.from_file(Path(args.model) / "config.json").hidden_size
+    out = check_output_path(args.out)
+    x = np.random.default_rng(args.seed).standard_normal((args.rows, hidden)).astype(ml_dtypes.bfloat16)
+    save_readable({"hidden_states": x}, out)
+    print(f"wrote {out}: hidden_states bf16 [{args.rows}, {hidden}] (seed {args.seed})")
     return 0
 
 
@@ -252,9 +304,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except _ArgumentsRefused as refused:
         return _refused_with_the_others(refused)
-    if args.cmd in ("synth", "footprint"):
+    if args.cmd in ("synth", "make-input", "footprint"):
+        if args.cmd == "footprint" and launch_rank() != 0:
+            _quiet()  # under mpiexec every rank computes the same report: rank 0 alone prints it (and any error)
         setup_logging(0)
-        return run_guarded(lambda: {"synth": _synth, "footprint": _footprint}[args.cmd](args), None)
+        alone = {"synth": _synth, "make-input": _make_input, "footprint": _footprint}[args.cmd]
+        return run_guarded(lambda: alone(args), None)
     try:
         comm: Any = mpi_world()
     except MpiUnavailable as e:  # no MPI library: one clear line, not an import traceback
@@ -275,6 +330,14 @@ def main(argv: list[str] | None = None) -> int:
         return job(args, ranks)
 
     return run_guarded(agreed_job, comm)
+
+
+def _quiet() -> None:
+    """This process's stdout and stderr to the null device (a rank whose output rank 0 prints the same)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (sys.stdout.fileno(), sys.stderr.fileno()):
+        os.dup2(null, fd)
+    os.close(null)
 
 
 #: arguments that may differ by rank: paths (each node may hold its own copy: what they name is compared where it

@@ -21,13 +21,10 @@ import numpy as np
 
 from glm_ep.checkpoint.reader import INDEX_FILE, SINGLE_FILE
 from glm_ep.config.model import HF_QUANT_FILE
-from glm_ep.errors import InputError
+from glm_ep.errors import PATH_KINDS, InputError, not_a_file
 from glm_ep.checkpoint.finite import nonfinite_mask
 
 BF16 = ml_dtypes.bfloat16
-_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISCHR, "a character device node"), (stat.S_ISBLK, "a block device node"),
-          (stat.S_ISSOCK, "a socket"))
 _SHOWN_NAMES = 8  # names an error message lists before "... N more"
 
 
@@ -44,9 +41,8 @@ def read_hidden_states(path: str, hidden: int, allow_nonfinite: bool = False) ->
     from safetensors import SafetensorError, safe_open
 
     p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{p}: input file not found" if not p.exists() else
-                         f"{p}: input is not a regular file; expected a safetensors file")
+    if (problem := not_a_file(p, "input file")) is not None:
+        raise InputError(f"{problem}; expected a safetensors file")
     if not os.access(p, os.R_OK):  # safetensors would call it a file not found
         raise InputError(f"{p}: permission denied; expected an input file this process may read")
     try:
@@ -115,7 +111,7 @@ def check_output_path(path: str, reads: Iterable[tuple[str, Path]] = ()) -> Path
     except FileNotFoundError:
         return p
     if not stat.S_ISREG(mode):
-        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        kind = next((name for test, name in PATH_KINDS if test(mode)), "not a regular file")
         raise InputError(f"{p}: the output path exists and is {kind}; expected a new path or a regular file "
                          "to replace")
     for what, q in reads:

@@ -1,8 +1,10 @@
 """The MPI jobs: ``forward`` (each site applied to one input) and ``run`` (the main workload).
 
-Both check what the user gave them (topology, checkpoint headers, input and output files) before
-any weight is read, agree across ranks at every step, and wait on the other ranks only under the
-collective deadline.
+Both check what the user gave them (topology, checkpoint headers, input and output files; for
+``run``, that its check's float64 memory fits what each rank will have left) before any weight is
+read, agree across ranks at every step, and wait on the other ranks only under the collective
+deadline. Calls wider than the workspace run in workspace-sized chunks. An output that holds NaN or
+Inf for finite inputs is never passed silently: ``forward`` and ``run`` name the layer.
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from glm_ep.check.verdict import check_run
-from glm_ep.check.plan import memory_budget, plan_check
-from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError
+from glm_ep.check.verdict import check_run, first_overflow
+from glm_ep.check.plan import CheckPlan, memory_available, memory_budget, plan_check
+from glm_ep.checkpoint.layers import layer_read_bytes
+from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, NumericError
 from glm_ep.app.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.checkpoint.finite import nonfinite_mask
-from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint
+from glm_ep.checkpoint.reader import Checkpoint
+from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint, site_config
+from glm_ep.mlp.workspace import ws_total_bytes
+from glm_ep.dist.progress import progress
 from glm_ep.dist.ranks import AgreedError, Ranks
 from glm_ep.config.topology import Topology
 
@@ -46,67 +52,96 @@ def agreed_topology(args: argparse.Namespace, ranks: Ranks) -> Topology:
     return topo
 
 
+def opened(model_dir: str, topo: Topology, ranks: Ranks) -> Checkpoint:
+    """``open_checkpoint``, and rank 0 says which weight files it reads where the folder holds both layouts."""
+    ckpt = open_checkpoint(model_dir, topo, ranks)
+    if ranks.rank == 0 and ckpt.note:
+        log.warning("%s", ckpt.note)
+    return ckpt
+
+
 def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     topo = agreed_topology(args, ranks)
     # rank 0 writes the output: never over its own input or model files
     ranks.agree("output check", lambda: check_output_path(args.output, job_inputs(args.input, args.model))
                 if ranks.rank == 0 else None)
-    ckpt = open_checkpoint(args.model, topo, ranks)  # config and headers: the hidden size
+    ckpt = opened(args.model, topo, ranks)  # config and headers: the hidden size
     hidden = ckpt.config.hidden_size
     x = ranks.agree("input read", lambda: read_hidden_states(args.input, hidden, topo.allow_nonfinite_input))
     ranks.check_same("input fingerprint", "inputs", {"input rows": str(x.shape[0]),
                                                      "input": hashlib.sha256(x.tobytes()).hexdigest()})
     rt = load_runtime(ckpt, topo, ranks)
-    outputs = {}
-    chunk = rt.stack.max_rows  # wider inputs run in workspace-sized chunks (rows are independent)
-    for i in range(rt.model.num_hidden_layers):
-        parts = [_site_on_host(rt, ranks, i, x[r:r + chunk]) for r in range(0, x.shape[0], chunk)]
-        outputs[f"layers.{i}"] = np.ascontiguousarray(np.concatenate(parts))
+    layers, spans = rt.model.num_hidden_layers, _spans(x.shape[0], rt.stack.max_rows)
+    outputs = {f"layers.{i}": np.empty(x.shape, dtype=BF16) for i in range(layers)}
+    with progress(layers * len(spans), "forward", unit="chunks", enabled=ranks.rank == 0, log=log) as bar:
+        for i in range(layers):
+            for span in spans:  # wider inputs run in workspace-sized chunks (rows are independent)
+                outputs[f"layers.{i}"][span] = _site_on_host(rt, ranks, i, x[span])
+                bar.update()
+    overflowed = ranks.agree("output check", lambda: _overflowed(x, outputs, topo.check_weights))
+    if overflowed and ranks.rank == 0:  # weights not checked (check_weights = false): written as computed
+        log.warning("%s", overflowed)
     ranks.agree("output write", lambda: write_outputs(outputs, args.output, job_inputs(args.input, args.model))
                 if ranks.rank == 0 else None)
     if ranks.rank == 0:
         log.info("wrote %d site outputs of %s rows to %s", len(outputs), x.shape[0], args.output)
-        _warn_overflow(x, outputs)
     return EXIT_OK
 
 
-def _warn_overflow(x: np.ndarray, outputs: dict[str, np.ndarray]) -> None:
-    """A warning per layer whose outputs hold NaN/Inf in rows whose input was finite (the site overflowed: the
-    file holds what was computed, as HF's modules would compute it, but not silently)."""
+def _overflowed(x: np.ndarray, outputs: dict[str, np.ndarray], weights_checked: bool) -> str | None:
+    """What overflowed: each layer whose outputs hold NaN or Inf in rows whose input was finite. With
+    ``weights_checked`` (the load refused non-finite weights and scales that pass bf16's range) that is a
+    NumericError, nothing written; without, the lines of a warning (the weights may hold the NaN). None if nothing."""
     finite_in = ~nonfinite_mask(x).any(axis=1)
+    found = []
     for name, y in outputs.items():
         rows = np.flatnonzero(nonfinite_mask(y).any(axis=1) & finite_in)
         if rows.size:
-            log.warning("%s: %d of %d rows with finite inputs hold NaN or Inf (rows %s%s): the site overflowed "
-                        "(largest |input| %.3g)", name, rows.size, y.shape[0], rows[:8].tolist(),
-                        " ..." if rows.size > 8 else "", float(np.abs(x[finite_in].astype(np.float32)).max()))
+            found.append(f"{name.replace('layers.', 'layer ')}: {rows.size} of {y.shape[0]} rows "
+                         f"(rows {rows[:8].tolist()}{' ...' if rows.size > 8 else ''})")
+    if not found:
+        return None
+    biggest = float(np.abs(x[finite_in].astype(np.float32)).max()) if finite_in.any() else float("nan")
+    what = (f"NaN or Inf outputs from finite inputs (largest |input| {biggest:.3g}) at " + "; ".join(found))
+    if not weights_checked:
+        return what + " (check_weights = false: the weights may hold them)"
+    raise NumericError(f"{what}: the site overflowed; expected finite outputs from finite inputs and checked "
+                       "weights (inputs of ordinary magnitude; weights whose products stay within bf16's range); "
+                       "nothing was written")
+
+
+def _spans(rows: int, chunk: int) -> list[slice]:
+    """``rows`` rows in workspace-sized chunks (rows are independent: a wide call is its chunks' calls)."""
+    return [slice(r, min(r + chunk, rows)) for r in range(0, rows, chunk)]
 
 
 def _site_on_host(rt: Runtime, ranks: Ranks, i: int, x_TH: np.ndarray) -> np.ndarray:
-    """Site ``i`` applied to ``x``, copied to the host (for a device backend, the sync that waits
+    """Site ``i`` applied to ``x``, chunk by chunk, copied to the host (for a device backend, the sync that waits
     for the site's all-reduce, under the deadline)."""
-    y = rt.stack.site_output(i, rt.be.asarray(x_TH))
-    with ranks.guard(f"layer {i} device sync"):
-        return rt.be.to_host(y)
+    parts = []
+    for span in _spans(x_TH.shape[0], rt.stack.max_rows):
+        y = rt.stack.site_output(i, rt.be.asarray(x_TH[span]))
+        with ranks.guard(f"layer {i} device sync"):
+            parts.append(rt.be.to_host(y))
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def _timed(rt: Runtime, ranks: Ranks, x_TH: np.ndarray) -> tuple[np.ndarray, float]:
+    """The step on ``x`` and its time. A call wider than the workspace steps each chunk in turn, each chunk's output
+    copied out of the stack's buffer (which the next chunk reuses) within the timing, as the library does."""
+    spans = _spans(x_TH.shape[0], rt.stack.max_rows)
     dev = rt.be.asarray(x_TH)
+    out = rt.be.xp.empty(x_TH.shape, dtype=BF16) if len(spans) > 1 else None
     rt.be.synchronize()
     t0 = time.perf_counter()
-    y = rt.stack.step(dev)
+    for span in spans:
+        y = rt.stack.step(dev[span])
+        if out is not None:
+            rt.be.copy(y, out[span])
     with ranks.guard(f"{x_TH.shape[0]}-row step device sync"):
         rt.be.synchronize()
     dt = time.perf_counter() - t0
-    return rt.be.to_host(y), dt
-
-
-def _check_workload(args: argparse.Namespace, workspace_rows: int) -> None:
-    for name in ("prefill", "verify"):  # the counts' own bounds are the parser's (cli._count)
-        n = getattr(args, name)
-        if n > workspace_rows:
-            raise InputError(f"--{name} {n} rows do not fit the workspace built for {workspace_rows} rows "
-                             "(raise workspace_rows in the topology)")
+    return rt.be.to_host(out if out is not None else y), dt
 
 
 def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
@@ -122,14 +157,15 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
         ranks.agree("default checkpoint", lambda: ensure_default_checkpoint(cache) if ranks.rank == 0 else None)
         args.model = str(cache / "tiny")
     topo = agreed_topology(args, ranks)
-    ranks.agree("workload check", lambda: _check_workload(args, topo.workspace_rows))
-    rt = load_runtime(open_checkpoint(args.model, topo, ranks), topo, ranks)
+    ckpt = opened(args.model, topo, ranks)
+    loaded = ckpt.stamps  # the check refuses a checkpoint rewritten after this
+    call_rows = [args.prefill] + [1] * args.decode + [args.verify]
+    plan = None if args.check == "none" else _agreed_plan(args, ckpt, topo, ranks, call_rows)
+    rt = load_runtime(ckpt, topo, ranks)
     h = rt.model.hidden_size
     rng = np.random.default_rng(args.seed)  # the same inputs on every rank
-    calls = [("prefill", rng.standard_normal((args.prefill, h)))]
-    calls += [("decode", rng.standard_normal((1, h))) for _ in range(args.decode)]
-    calls += [("verify", rng.standard_normal((args.verify, h)))]
-    calls = [(phase, x.astype(BF16)) for phase, x in calls]
+    calls = [(phase, rng.standard_normal((n, h)).astype(BF16))
+             for phase, n in zip(["prefill"] + ["decode"] * args.decode + ["verify"], call_rows)]
     firsts = {x.shape[0]: x for _, x in reversed(calls)}  # the first call of each row count
     for x in firsts.values():  # untimed: kernel compiles, graph captures
         for _ in range(args.warmup):
@@ -137,20 +173,66 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     results = [(phase, x, *_timed(rt, ranks, x)) for phase, x in calls]
     if ranks.rank == 0:
         _print_timing(results, rt, args.warmup)
-    if args.check == "none":
+    if plan is None:
+        _refuse_overflow(rt, ranks, results, topo.check_weights)
         return EXIT_OK
-    budget = memory_budget(ranks)
-    plan = ranks.agree("check plan", lambda: plan_check(rt.model, args.check, [x.shape[0] for _, x, _, _ in results],
-                                                        args.seed, ranks.size, budget))
     if ranks.rank == 0:
         print(plan.estimate_line(), flush=True)
         if plan.estimate_bytes > plan.budget_bytes:
             log.warning("the %s check's float64 memory estimate is over the budget", plan.mode)
     traces = [_eager_chain(rt, ranks, x) for _, x, _, _ in results]
-    verdict = check_run(args.model, plan, [y for _, _, y, _ in results], traces, ranks, topo.check_weights)
+    verdict = check_run(args.model, plan, [y for _, _, y, _ in results], traces, ranks, topo.check_weights, loaded)
     if ranks.rank == 0:
         print("\n".join(verdict.lines()), flush=True)
     return EXIT_OK if verdict.ok else EXIT_FAIL
+
+
+def _refuse_overflow(rt: Runtime, ranks: Ranks, results: list[tuple[str, np.ndarray, np.ndarray, float]],
+                     weights_checked: bool) -> None:
+    """Without the check, still never a silent NaN: a timed output holding NaN or Inf (its inputs are finite) is a
+    NumericError on every rank naming the layer where that call's chain overflowed (found by running it again site
+    by site: collective, and only then); a warning where the weights were not checked."""
+    bad = [k for k, (_, _, y, _) in enumerate(results) if nonfinite_mask(y).any()]
+    every = ranks.allgather("output check", bad[:1])  # the outputs are the all-reduce's: alike, but agreed anyway
+    if not any(every):
+        return
+    k = min(k for b in every for k in b)
+    phase, x, _, _ = results[k]
+    layer = first_overflow([_eager_chain(rt, ranks, x)])
+    what = (f"the {phase} call's outputs ({x.shape[0]} rows) hold NaN or Inf from finite inputs, "
+            + (f"the first at layer {layer}" if layer is not None else "at no layer of the chain run again"))
+    if not weights_checked:
+        if ranks.rank == 0:
+            log.warning("%s (check_weights = false: the weights may hold them)", what)
+        return
+
+    def refuse() -> None:
+        raise NumericError(f"{what}: the site overflowed; expected finite outputs from finite inputs and checked "
+                           "weights (weights whose products stay within bf16's range)")
+
+    ranks.agree("output check", refuse)
+
+
+def _agreed_plan(args: argparse.Namespace, ckpt: Checkpoint, topo: Topology, ranks: Ranks,
+                 call_rows: list[int]) -> CheckPlan:
+    """The check's plan, made before the load: refused on every rank where its float64 memory would not fit what
+    each rank has left once its load holds its share."""
+    budget = memory_budget(ranks)
+    held = ranks.agree("load size", lambda: _host_bytes_of_load(ckpt, topo, ranks.rank))
+    available = memory_available(ranks, held)
+    return ranks.agree("check plan", lambda: plan_check(ckpt.config, args.check, call_rows, args.seed, ranks.size,
+                                                        budget, available))
+
+
+def _host_bytes_of_load(ckpt: Checkpoint, topo: Topology, rank: int) -> int:
+    """The host memory rank ``rank``'s load will hold while the check runs: its weights and workspaces on the NumPy
+    backend, nothing lasting on a device backend (its weights go to the device)."""
+    if topo.backend != "cpu":
+        return 0
+    cfg = site_config(ckpt.config, topo, rank)
+    layers = ckpt.config.num_hidden_layers
+    return (sum(layer_read_bytes(ckpt, cfg, i) for i in range(layers))
+            + ws_total_bytes(cfg, topo.workspace_rows) * (1 if topo.shared_workspace else layers))
 
 
 def _eager_chain(rt: Runtime, ranks: Ranks, x_TH: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -27,6 +27,7 @@ import numpy as np
 from glm_ep.checkpoint.reader import Checkpoint
 from glm_ep.checkpoint.layers import dense_is_nvfp4, expert_prefix, read_nvfp4
 from glm_ep.config.model import ModelConfig
+from glm_ep.errors import CheckpointError
 from glm_ep.checkpoint.nvfp4 import NIBBLE_TO_F32, NVFP4_GROUP, Nvfp4Weight, unpack_nibbles
 
 BLOCK_BYTES = 16_000_000  # float64 bytes of one block of weight rows
@@ -75,12 +76,25 @@ class Reference:
     ``check_finite`` as in ``Checkpoint``."""
 
     def __init__(self, model_dir: str | Path, check_finite: bool = True, resident: bool = False,
-                 block_bytes: int = BLOCK_BYTES):
+                 block_bytes: int = BLOCK_BYTES, loaded: dict[str, tuple[int, int, int]] | None = None):
         self.ckpt = Checkpoint(model_dir, check_finite=check_finite)
         self.model: ModelConfig = self.ckpt.config
         self.resident = resident
         self.block_bytes = int(block_bytes)
         self._kept: dict[str, np.ndarray] = {}
+        self._loaded = loaded
+        self.check_unchanged()
+
+    def check_unchanged(self) -> None:
+        """With ``loaded`` (the ``Checkpoint.stamps`` of the load being checked): CheckpointError where a file
+        changed since, so a rewrite is never reported as a numeric failure of the run."""
+        changed = self.ckpt.changed_since(self._loaded) if self._loaded is not None else []
+        if changed:
+            names = ", ".join(Path(p).name for p in changed[:4]) + (f" and {len(changed) - 4} more"
+                                                                  if len(changed) > 4 else "")
+            raise CheckpointError(f"{self.ckpt.dir}: the checkpoint changed since load ({names}: another file, "
+                                  "size or modification time); expected the files the run loaded, unchanged until "
+                                  "its check has read them (run again on a checkpoint no one writes to)")
 
     def close(self) -> None:
         self._kept.clear()

@@ -51,6 +51,7 @@ class Verdict:
     checked: str = ""  # what the float64 evaluation covered (``CheckPlan.checked``)
     peak_bytes: int = 0  # measured float64 memory of the rank that used most
     estimate_bytes: int = 0
+    overflow_layer: int | None = None  # the first layer of a chain whose output went non-finite from finite input
 
     @property
     def ok(self) -> bool:
@@ -61,7 +62,9 @@ class Verdict:
         return [f"check: max relative L2 error of a site vs float64 = {self.site_err:.3e} (bound {REL_L2_BOUND:g}, "
                 f"{self.site_calls} site calls)",
                 f"check: timed step vs site-by-site chain: relative L2 {self.step_err:.3e} (bound {REL_L2_BOUND:g})",
-                f"check: NaN/Inf values in the outputs: {self.nonfinite} (expected 0)",
+                f"check: NaN/Inf values in the outputs: {self.nonfinite} (expected 0"
+                + (f"; the first from finite inputs at layer {self.overflow_layer})" if self.overflow_layer is not None
+                   else ")"),
                 f"check: ranks hold identical outputs: {'yes' if self.ranks_agree else 'NO'}",
                 f"check: float64 {self.checked}; memory peak {fmt_bytes(self.peak_bytes)} per rank measured "
                 f"(tracemalloc, the largest rank; estimate {fmt_bytes(self.estimate_bytes)})",
@@ -69,11 +72,12 @@ class Verdict:
 
 
 def check_run(model_dir: str, plan: CheckPlan, steps: Sequence[np.ndarray], traces: Sequence[Trace], ranks: Ranks,
-              check_weights: bool = True) -> Verdict:
+              check_weights: bool = True, loaded: dict[str, tuple[int, int, int]] | None = None) -> Verdict:
     """The verdict on the timed step outputs ``steps`` and each call's ``traces``, agreed by all ranks;
-    the float64 sites are those of ``plan``."""
+    the float64 sites are those of ``plan``. ``loaded``: the ``Checkpoint.stamps`` of the load, so a checkpoint
+    rewritten since is refused as such (agreed, a CheckpointError) rather than checked."""
     site_errs, peak = ranks.agree("float64 reference", lambda: _float64_errors(model_dir, plan, traces, ranks.rank,
-                                                                               check_weights))
+                                                                               check_weights, loaded))
     step_errs = []
     for y_step, trace in zip(steps, traces):
         h_last, y_last = trace[-1]
@@ -89,11 +93,19 @@ def check_run(model_dir: str, plan: CheckPlan, steps: Sequence[np.ndarray], trac
                    nonfinite=max(e[2] for e in every),
                    ranks_agree=len({e[3] for e in every}) == 1,
                    site_calls=plan.site_calls, checked=plan.checked(), peak_bytes=max(e[4] for e in every),
-                   estimate_bytes=plan.estimate_bytes)
+                   estimate_bytes=plan.estimate_bytes, overflow_layer=first_overflow(traces))
 
 
-def _float64_errors(model_dir: str, plan: CheckPlan, traces: Sequence[Trace], rank: int,
-                    check_weights: bool) -> tuple[list[float], int]:
+def first_overflow(traces: Sequence[Trace]) -> int | None:
+    """The first layer, over the calls' site-by-site chains, whose output holds NaN or Inf in a row whose input to
+    it was finite (where the chain overflowed; later layers only carry it on); None if none."""
+    found = [i for trace in traces for i, (h, y) in enumerate(trace)
+             if (nonfinite_mask(y).any(axis=1) & ~nonfinite_mask(h).any(axis=1)).any()]
+    return min(found) if found else None
+
+
+def _float64_errors(model_dir: str, plan: CheckPlan, traces: Sequence[Trace], rank: int, check_weights: bool,
+                    loaded: dict[str, tuple[int, int, int]] | None) -> tuple[list[float], int]:
     """This rank's share of the plan: each checked site's error over its checked rows, and the
     peak memory (bytes) the evaluation allocated."""
     tracing = tracemalloc.is_tracing()
@@ -102,13 +114,14 @@ def _float64_errors(model_dir: str, plan: CheckPlan, traces: Sequence[Trace], ra
     tracemalloc.reset_peak()
     base = tracemalloc.get_traced_memory()[0]
     try:
-        with Reference(model_dir, check_finite=check_weights, resident=plan.mode == "full") as ref:
+        with Reference(model_dir, check_finite=check_weights, resident=plan.mode == "full", loaded=loaded) as ref:
             errs = []
             for trace, rows in zip(traces, plan.rows):
                 picked = list(rows)
                 for i in plan.layers_of(rank):
                     x, y = trace[i]
                     errs.append(rel_l2(y[picked], ref.site(i, x[picked])))
+            ref.check_unchanged()  # nor rewritten while the check read it
         return errs, tracemalloc.get_traced_memory()[1] - base
     finally:
         if not tracing:

@@ -8,11 +8,16 @@ slice), E routed experts.
 
 from __future__ import annotations
 
-from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
+import ml_dtypes
+import numpy as np
+
+from glm_ep.checkpoint.nvfp4 import E2M1_MAX, Nvfp4Weight
 from glm_ep.checkpoint.reader import Checkpoint
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
 from glm_ep.config.model import NVFP4_GROUP, ModelConfig, SiteConfig
 from glm_ep.errors import CheckpointError, ConfigError
+
+BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)  # below fp32's: a bound for both
 
 
 def dense_is_nvfp4(ckpt: Checkpoint, layer: int) -> bool:
@@ -75,11 +80,42 @@ def read_nvfp4(ckpt: Checkpoint, prefix: str, n: int, k: int, rows: slice | None
         raise CheckpointError(f"{ckpt.info(prefix + '.weight_scale_2').file}: tensor '{prefix}.weight_scale_2' = "
                               f"{scale_2}, expected a finite value > 0 (the projection's NVFP4 scale; "
                               "check_weights = false in the topology skips this check)")
-    return Nvfp4Weight(
+    q = Nvfp4Weight(
         packed=ckpt.read(f"{prefix}.weight", (n, k // 2), ("U8",), rows=rows, cols=packed_cols),
         scale=ckpt.read(f"{prefix}.weight_scale", (n, k // NVFP4_GROUP), ("F8_E4M3",), rows=rows, cols=scale_cols),
         scale_2=scale_2,
     )
+    if ckpt.check_finite:
+        _check_scales(ckpt, prefix, q, k, rows, scale_cols)
+    return q
+
+
+def _check_scales(ckpt: Checkpoint, prefix: str, q: Nvfp4Weight, k: int, rows: slice | None,
+                  scale_cols: slice | None) -> None:
+    """What the scales will do, not only that they are finite: every E4M3 block scale >= 0 (ModelOpt writes
+    ``block_amax / (6 * scale_2)``; a negative one flips its block's signs), and the largest weight the
+    projection can hold, ``max block scale x 6 x scale_2``, summed over its ``k`` inputs of magnitude 1, within
+    bf16's range (and so fp32's): the bf16 dequantized forms hold the weight itself, and every path accumulates
+    such sums in fp32. ``rows`` / ``scale_cols``: where the read slice sits in the stored tensor."""
+    bits = q.scale.view(np.uint8)
+    negative = (bits & 0x80).astype(bool) & (bits & 0x7F).astype(bool)  # -0 is a zero scale
+    info = ckpt.info(f"{prefix}.weight_scale")
+    if negative.any():
+        r, c = (int(i) for i in np.unravel_index(int(np.argmax(negative)), bits.shape))
+        at = [r + (rows.indices(info.shape[0])[0] if rows is not None else 0),
+              c + (scale_cols.indices(info.shape[1])[0] if scale_cols is not None else 0)]
+        raise CheckpointError(f"{info.file}: tensor '{prefix}.weight_scale' holds a negative block scale: "
+                              f"{q.scale[r, c]} (bits 0x{int(bits[r, c]):02X}) at {at}; {int(negative.sum())} of "
+                              f"{bits.size} are negative; expected E4M3 block scales >= 0 (check_weights = false in "
+                              "the topology skips this check)")
+    largest = float(np.uint8(bits.max(initial=0) & 0x7F).view(ml_dtypes.float8_e4m3fn)) * E2M1_MAX * q.scale_2
+    if largest * k > BF16_MAX:
+        raise CheckpointError(f"{ckpt.info(prefix + '.weight_scale_2').file}: tensor '{prefix}.weight_scale_2' = "
+                              f"{q.scale_2:.4g}: the projection holds weights up to {largest:.4g} (largest block "
+                              f"scale {largest / E2M1_MAX / q.scale_2:g} x {E2M1_MAX:g} x weight_scale_2), and summed "
+                              f"over its {k} inputs of magnitude 1 they pass bf16's and fp32's range "
+                              f"({BF16_MAX:.4g}); expected |weight| <= {BF16_MAX / k:.4g} (check_weights = false in "
+                              "the topology skips this check)")
 
 
 def _check_site(model: ModelConfig, cfg: SiteConfig) -> None:

@@ -1,14 +1,16 @@
 """Lazy, per-rank reading of a GLM-5.3-Flash NVFP4 checkpoint.
 
 ``Checkpoint`` opens a model folder (``config.json`` plus ``model.safetensors.index.json`` and its
-shards, or one ``model.safetensors``), parses every shard's header up front — so a truncated or
-corrupt file fails on every rank at open time, before any rank starts reading — and then reads
-tensors, or row/column slices of them, only when asked (``glm_ep.checkpoint.layers`` asks for what
-one rank owns at one MLP site).
+shards, or one ``model.safetensors``; where both are there, the single file, as HF transformers
+reads it), parses every shard's header up front — so a truncated or corrupt file fails on every
+rank at open time, before any rank starts reading — and then reads tensors, or row/column slices
+of them, only when asked (``glm_ep.checkpoint.layers`` asks for what one rank owns at one MLP
+site). An index may name only files inside the folder. ``stamps`` records every file it read, so
+a later reader (the run's check) can tell a checkpoint rewritten since (``changed_since``).
 
-With ``check_finite`` (the default) every bf16/fp32 tensor read must be finite, every E4M3 block
-scale not NaN, and every ``weight_scale_2`` finite and > 0: a scan of the bit patterns of the
-bytes just read (``glm_ep.checkpoint.finite``), in cache-sized chunks. ``fingerprint`` digests what the
+With ``check_finite`` (the default) every bf16/fp32 tensor read must be finite and every E4M3 block
+scale not NaN: a scan of the bit patterns of the bytes just read (``glm_ep.checkpoint.finite``), in
+cache-sized chunks (what the NVFP4 scales will do, ``glm_ep.checkpoint.layers.read_nvfp4`` checks). ``fingerprint`` digests what the
 folder says (the parsed config, the index, every shard header), so ranks can check they opened
 the same checkpoint.
 
@@ -18,8 +20,10 @@ slice), E routed experts.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +35,8 @@ import numpy as np
 from safetensors import safe_open
 
 from glm_ep.checkpoint.finite import can_be_nonfinite, describe_nonfinite, first_nonfinite
-from glm_ep.config.model import ModelConfig, parse_json
-from glm_ep.errors import CheckpointError
+from glm_ep.config.model import HF_QUANT_FILE, ModelConfig, parse_json
+from glm_ep.errors import CheckpointError, not_a_file, path_kind
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -51,6 +55,15 @@ class TensorInfo:
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of the data in ``file``
     nbytes: int
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    """``path``'s (inode, size, modification time in ns); zeros where it is gone."""
+    try:
+        st = path.stat()
+    except OSError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _header_int(v: object) -> int:
@@ -108,20 +121,17 @@ class Checkpoint:
         self.dir = Path(model_dir)
         self.check_finite = check_finite
         if not self.dir.is_dir():
-            raise CheckpointError(f"{self.dir}: model folder not found (expected a folder with config.json "
-                                  f"and {INDEX_FILE} or {SINGLE_FILE})")
+            kind = path_kind(self.dir)
+            raise CheckpointError(f"{self.dir}: model folder {kind if kind.startswith('not ') else 'is ' + kind} "
+                                  f"(expected a folder with config.json and {INDEX_FILE} or {SINGLE_FILE})")
         self.config = ModelConfig.from_file(self.dir / "config.json")
-        index = self.dir / INDEX_FILE
-        if index.is_file():
-            self.source = index
-            self._file_of = self._read_index(index)
-        elif (self.dir / SINGLE_FILE).is_file():
-            self.source = self.dir / SINGLE_FILE
-            self._file_of = None
-        else:
-            raise CheckpointError(f"{self.dir}: no weights: expected {INDEX_FILE} (with its shards) or "
-                                  f"{SINGLE_FILE}")
+        #: where the folder holds both weight layouts, which one is read (HF's rule): a line for the load log
+        self.note: str | None = None
+        self.source, self._file_of = self._weights_source()
         files = sorted(set(self._file_of.values())) if self._file_of is not None else [SINGLE_FILE]
+        read = [self.dir / "config.json", self.dir / HF_QUANT_FILE, self.source] + [self.dir / f for f in files]
+        #: (inode, size, modification time) of every file read, at open: ``changed_since`` compares them
+        self.stamps = {str(p): _stamp(p) for p in read}
         self._headers: dict[str, dict[str, TensorInfo]] = {}
         digest = hashlib.sha256(repr(sorted(self._file_of.items())).encode() if self._file_of else b"")
         for name in files:
@@ -138,6 +148,24 @@ class Checkpoint:
         #: called with the byte count of every tensor (or slice) read: a progress bar's ``update``
         self.on_read: Callable[[int], Any] | None = None
 
+    def _weights_source(self) -> tuple[Path, dict[str, str] | None]:
+        """The file the weights are found from, and the index's weight map (None: the single file). HF
+        transformers' rule: ``model.safetensors`` where it is a file, else the index; a folder holding both reads
+        the single file (``self.note`` says so)."""
+        single, index = self.dir / SINGLE_FILE, self.dir / INDEX_FILE
+        if not_a_file(single, SINGLE_FILE) is None:
+            if os.path.lexists(index):
+                self.note = (f"{self.dir}: holds both {SINGLE_FILE} and {INDEX_FILE}: reading {SINGLE_FILE}, as HF "
+                             "transformers does (the index and the shards it names are not read)")
+            return single, None
+        if not_a_file(index, INDEX_FILE) is None:
+            return index, self._read_index(index)
+        odd = [problem for p in (index, single) if os.path.lexists(p) and (problem := not_a_file(p, p.name))]
+        if odd:
+            raise CheckpointError(f"{'; '.join(odd)}; expected {INDEX_FILE} (with its shards) or {SINGLE_FILE}, "
+                                  "a regular file")
+        raise CheckpointError(f"{self.dir}: no weights: expected {INDEX_FILE} (with its shards) or {SINGLE_FILE}")
+
     def _read_index(self, index: Path) -> dict[str, str]:
         raw = parse_json(index.read_bytes(), str(index), CheckpointError)
         weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
@@ -148,10 +176,19 @@ class Checkpoint:
             if not isinstance(shard, str) or not shard:
                 raise CheckpointError(f"{index}: weight_map['{key}'] = {shard!r}, expected the file name of a "
                                       "shard (a string)")
+        base = os.path.abspath(self.dir)
         for shard in sorted(set(weight_map.values())):
-            if not (self.dir / shard).is_file():
-                raise CheckpointError(f"{self.dir / shard}: shard file not found (named in {index})")
+            if os.path.isabs(shard) or os.path.commonpath([base, os.path.abspath(os.path.join(base, shard))]) != base:
+                raise CheckpointError(f"{index}: weight_map names the shard {shard!r}, outside the model folder; "
+                                      f"expected a file inside {self.dir} (as HF transformers requires)")
+            if (problem := not_a_file(self.dir / shard, "shard file")) is not None:
+                raise CheckpointError(f"{problem} (named in {index}); expected a safetensors shard, a regular file")
         return weight_map
+
+    def changed_since(self, stamps: dict[str, tuple[int, int, int]]) -> list[str]:
+        """The files of ``stamps`` (an earlier ``self.stamps`` of this folder) that are not as they were then:
+        replaced, rewritten, grown or gone (inode, size or modification time differ)."""
+        return [p for p, was in stamps.items() if _stamp(Path(p)) != was]
 
     def _find_prefix(self) -> str:
         for prefix in LAYER_PREFIXES:
@@ -282,6 +319,8 @@ class Checkpoint:
             try:
                 self._handles[key] = safe_open(str(file), framework="numpy")
             except Exception as e:  # safetensors raises its own SafetensorError
+                if f"(os error {errno.ENOMEM})" in str(e):  # its memory map refused (ulimit -v counts the file)
+                    raise MemoryError(f"{file}: cannot map the shard into memory ({e})") from None
                 raise CheckpointError(f"{file}: cannot open as safetensors: {e}") from None
         return self._handles[key]
 

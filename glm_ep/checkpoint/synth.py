@@ -16,7 +16,9 @@ together near 7.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -28,15 +30,17 @@ from typing import Any, Callable, Iterator
 
 import ml_dtypes
 import numpy as np
-from tqdm import tqdm
 
 from glm_ep.checkpoint.reader import INDEX_FILE
 from glm_ep.config.model import ModelConfig
 from glm_ep.errors import InputError
 from glm_ep.app.files import save_readable
+from glm_ep.dist.progress import progress as progress_bar
 from glm_ep.checkpoint.nvfp4 import quantize
 from glm_ep.config.presets import preset
 
+log = logging.getLogger(__name__)
+CACHE_MANIFEST = "glm-ep-cache.json"  # the built-in checkpoint's files and their SHA-256, beside them
 HEAVY_ROW_ODDS = 16
 HEAVY_ROW_GAIN = 6.0
 BIAS_CENTER = 7.0
@@ -79,12 +83,12 @@ def _bf16_mlp_group(p: str, width: int, hidden: int, key: tuple[int, int]) -> _G
     return _Group(tuple((n, s, "BF16") for n, s in zip(names, shapes)), make, key)
 
 
-def _nvfp4_specs(p: str, n: int, k: int) -> list[tuple[str, tuple[int, ...], str]]:
+def _nvfp4_specs(p: str, n: int, k: int, input_scale: bool) -> list[tuple[str, tuple[int, ...], str]]:
     return [(f"{p}.weight", (n, k // 2), "U8"), (f"{p}.weight_scale", (n, k // 16), "F8_E4M3"),
-            (f"{p}.weight_scale_2", (), "F32"), (f"{p}.input_scale", (), "F32")]
+            (f"{p}.weight_scale_2", (), "F32")] + ([(f"{p}.input_scale", (), "F32")] if input_scale else [])
 
 
-def _expert_group(p: str, inter: int, hidden: int, key: tuple[int, int]) -> _Group:
+def _expert_group(p: str, inter: int, hidden: int, key: tuple[int, int], input_scale: bool = True) -> _Group:
     shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
     def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -94,10 +98,11 @@ def _expert_group(p: str, inter: int, hidden: int, key: tuple[int, int]) -> _Gro
             out[f"{p}.{proj}.weight"] = q.packed
             out[f"{p}.{proj}.weight_scale"] = q.scale
             out[f"{p}.{proj}.weight_scale_2"] = np.array(q.scale_2, dtype=np.float32)
-            out[f"{p}.{proj}.input_scale"] = np.array(1.0, dtype=np.float32)
+            if input_scale:
+                out[f"{p}.{proj}.input_scale"] = np.array(1.0, dtype=np.float32)
         return out
 
-    specs = [s for proj, (n, k) in shapes.items() for s in _nvfp4_specs(f"{p}.{proj}", n, k)]
+    specs = [s for proj, (n, k) in shapes.items() for s in _nvfp4_specs(f"{p}.{proj}", n, k, input_scale)]
     return _Group(tuple(specs), make, key)
 
 
@@ -113,19 +118,19 @@ def _router_group(p: str, experts: int, hidden: int, router_dtype: str, key: tup
     return _Group(specs, make, key)
 
 
-def _plan(model: ModelConfig, prefix: str, router_dtype: str, dense: str) -> list[_Group]:
+def _plan(model: ModelConfig, prefix: str, router_dtype: str, dense: str, input_scale: bool) -> list[_Group]:
     """Every tensor group of the model, in layer order."""
     h, groups = model.hidden_size, []
     for i, kind in enumerate(model.mlp_layer_types):
         p = f"{prefix}.{i}.mlp"
         if kind == "dense":
-            mlp = _expert_group if dense == "nvfp4" else _bf16_mlp_group
-            groups.append(mlp(p, model.intermediate_size, h, (i, 0)))
+            groups.append(_expert_group(p, model.intermediate_size, h, (i, 0), input_scale) if dense == "nvfp4"
+                          else _bf16_mlp_group(p, model.intermediate_size, h, (i, 0)))
             continue
         groups.append(_router_group(f"{p}.gate", model.n_routed_experts, h, router_dtype, (i, 0)))
         if model.n_shared_experts > 0:
             groups.append(_bf16_mlp_group(f"{p}.shared_experts", model.shared_intermediate, h, (i, 1)))
-        groups += [_expert_group(f"{p}.experts.{e}", model.moe_intermediate_size, h, (i, 2 + e))
+        groups += [_expert_group(f"{p}.experts.{e}", model.moe_intermediate_size, h, (i, 2 + e), input_scale)
                    for e in range(model.n_routed_experts)]
     return groups
 
@@ -155,13 +160,15 @@ def _config_json(config: dict[str, Any], composite: bool) -> dict[str, Any]:
 
 def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, shard_bytes: int = 256 * 2**20,
                     router_dtype: str = "bf16", composite: bool = False, progress: bool = False,
-                    dense: str = "bf16") -> Path:
+                    dense: str = "bf16", weight_only: bool = False) -> Path:
     """Write a seeded checkpoint of the shape ``config`` (flat HF text config) into ``out_dir``.
 
     ``router_dtype`` is ``"bf16"`` or ``"f32"`` (how ``gate.weight`` is stored). ``composite``
     nests the text fields under ``text_config`` and uses the ``model.language_model.layers.{i}``
     prefix. ``dense`` is ``"bf16"`` or ``"nvfp4"`` (the dense FFNs quantized like the experts, as
-    ModelOpt's ``nvfp4_experts_dense_mlp`` recipe exports them). Returns ``out_dir``.
+    ModelOpt's ``nvfp4_experts_dense_mlp`` recipe exports them). ``weight_only`` writes a W4A16
+    export (``quant_algo`` ``W4A16_NVFP4``, no ``input_scale`` tensors), as glm_ep runs it; else an
+    NVFP4 (W4A4) export, whose static input scales the runtime does not use. Returns ``out_dir``.
     """
     if router_dtype not in ("bf16", "f32"):
         raise ValueError(f"router_dtype = {router_dtype!r}, expected 'bf16' or 'f32'")
@@ -169,14 +176,16 @@ def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, 
         raise ValueError(f"dense = {dense!r}, expected 'bf16' or 'nvfp4'")
     if "text_config" in config:
         raise ValueError("config must be flat (text fields at the top level); pass composite=True to nest them")
+    if weight_only and "quantization_config" in config:
+        config = dict(config, quantization_config=dict(config["quantization_config"], quant_algo="W4A16_NVFP4"))
     written = _config_json(config, composite)
     model = ModelConfig.from_dict(written, source="synthetic config")
     out = _folder(out_dir, "the synthetic checkpoint's folder")
     prefix = "model.language_model.layers" if composite else "model.layers"
-    shards = _shards(_plan(model, prefix, router_dtype, dense), shard_bytes)
+    shards = _shards(_plan(model, prefix, router_dtype, dense, not weight_only), shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
-    bar = tqdm(total=sum(len(s) for s in shards), desc="synthetic checkpoint", unit="group", disable=not progress)
+    bar = progress_bar(sum(len(s) for s in shards), "synthetic checkpoint", unit="groups", enabled=progress, log=log)
     for n, shard in enumerate(shards, 1):
         name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
         tensors: dict[str, np.ndarray] = {}
@@ -225,41 +234,71 @@ def _writing(path: Path) -> Iterator[None]:
         raise InputError(f"{path}: cannot write it ({e})") from None
 
 
-def _complete(path: Path) -> bool:
-    index = path / INDEX_FILE
-    if not (path / "config.json").is_file() or not index.is_file():
-        return False
+def _cache_damage(path: Path) -> str | None:
+    """Why ``path`` is not the built-in checkpoint as ``ensure_default_checkpoint`` wrote it (its manifest lists
+    every file with its SHA-256), or None where every file is as written."""
     try:
-        files = set(json.loads(index.read_text())["weight_map"].values())
-    except (ValueError, KeyError, TypeError):
-        return False
-    return all((path / f).is_file() for f in files)
+        files = json.loads((path / CACHE_MANIFEST).read_text())["sha256"]
+        if not isinstance(files, dict) or not files:
+            raise TypeError
+    except FileNotFoundError:
+        return "has no manifest (an older or interrupted write)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"has an unreadable manifest {CACHE_MANIFEST} ({e!r})"
+    differ = [name for name, digest in sorted(files.items()) if _sha256(path / str(name)) != digest]
+    return f"differs from what was written ({', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''})" \
+        if differ else None
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def ensure_default_checkpoint(cache_dir: str | Path) -> Path:
-    """``cache_dir/tiny``: the ``tiny`` preset, seed 0, written once (atomically) and then reused.
+    """``cache_dir/tiny``: the ``tiny`` preset, seed 0, a weight-only (W4A16) export, written once (atomically)
+    with a manifest of its files' digests, then reused while every file matches it; one that does not (a
+    damaged or interrupted cache) is written again, with a warning.
 
-    Safe to call from several processes at once: each writes a private temporary folder and
-    renames it into place; a loser of the race removes its copy and uses the winner's.
+    Safe to call from several processes at once: each writes a private temporary folder and renames it into
+    place; a loser of the race removes its copy and uses the winner's.
     """
     cache = Path(cache_dir)
     target = cache / "tiny"
-    if _complete(target):
+    damage = _cache_damage(target) if os.path.lexists(target) else "missing"
+    if damage is None:
         return target
+    if damage != "missing":
+        log.warning("%s: the cached tiny checkpoint %s; writing it again", target, damage)
     _folder(cache, "the checkpoint cache (--cache-dir)")
     try:
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=cache))
     except OSError as e:
         raise InputError(f"{cache}: cannot write the checkpoint cache (--cache-dir) there ({e.strerror or e})") from None
+    stale = cache / f".stale-{tmp.name}"
     try:
-        write_synthetic(tmp, preset("tiny"), seed=0)
-        if target.exists() and not _complete(target):
-            shutil.rmtree(target, ignore_errors=True)
+        write_synthetic(tmp, preset("tiny"), seed=0, weight_only=True)
+        digests = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        with _writing(tmp / CACHE_MANIFEST):
+            (tmp / CACHE_MANIFEST).write_text(json.dumps({"sha256": digests}, indent=2))
+        if os.path.lexists(target):
+            try:
+                os.rename(target, stale)  # aside first: a folder cannot be renamed over a full one
+            except OSError:
+                pass  # gone already (another process replaced it), or not ours to move: named below
         try:
             os.rename(tmp, target)
-        except OSError:
-            if not _complete(target):
-                raise
+        except OSError as e:
+            if _cache_damage(target) is not None:  # not another process's complete copy either
+                raise InputError(f"{target}: the cached tiny checkpoint {damage} and cannot be replaced "
+                                 f"({e.strerror or e}); expected a folder glm_ep may write: delete {target}, or give "
+                                 "another --cache-dir") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        elif os.path.lexists(stale):  # a file or a link where the folder was expected: the link, not its target
+            stale.unlink()
     return target

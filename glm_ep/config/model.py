@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.errors import ConfigError, GlmEpError
+from glm_ep.errors import ConfigError, GlmEpError, not_a_file
 
 #: NVFP4 block size: one E4M3 scale per 16 consecutive k.
 NVFP4_GROUP = 16
@@ -39,12 +39,29 @@ _REQUIRED = {
 _EXPECTED = {int: "an integer", (int, float): "a number", bool: "a boolean (true or false)"}  # of _REQUIRED's types
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict, refusing a key given twice (``json`` would keep the last silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def parse_json(raw: bytes, source: str, error: type[GlmEpError] = ConfigError) -> Any:
-    """The JSON value of a file's bytes; ``error`` naming ``source`` and the fault when it is not one."""
+    """The JSON value of a file's bytes; ``error`` naming ``source`` and the fault when it is not one, or when an
+    object names a key twice (which of the two a reader takes is not defined: Python's keeps the last)."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as e:
         raise error(f"{source}: not UTF-8 text ({e}); expected a JSON file") from None
+    except _DuplicateKey as e:
+        raise error(f"{source}: the key {e.args[0]!r} is given twice in one object; expected each key once") from None
     except json.JSONDecodeError as e:
         raise error(f"{source}: not valid JSON ({e})") from None
     except RecursionError:
@@ -84,8 +101,8 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: config.json not found (expected an HF config.json in the model folder)")
+        if (problem := not_a_file(path, "config.json")) is not None:
+            raise ConfigError(f"{problem}; expected the HF config.json of the model folder, a regular file")
         return cls.from_dict(parse_json(path.read_bytes(), str(path)), source=str(path),
                              quant_file=path.parent / HF_QUANT_FILE)
 
@@ -157,6 +174,9 @@ class ModelConfig:
         if not math.isfinite(_f32(self.routed_scaling_factor)):
             raise bad(f"routed_scaling_factor = {self.routed_scaling_factor}, expected a number finite in float32 "
                       f"(|v| <= {float(np.finfo(np.float32).max):.4g})")
+        if not self.routed_scaling_factor > 0:  # it multiplies the routing weights: <= 0 flips or drops the experts
+            raise bad(f"routed_scaling_factor = {self.routed_scaling_factor}, expected a number > 0 (it scales the "
+                      "chosen experts' weights)")
 
 
 def _f32(v: float) -> float:
@@ -166,17 +186,28 @@ def _f32(v: float) -> float:
 
 
 def _layer_types(text: dict[str, Any], n_layers: int, source: str) -> tuple[str, ...]:
+    """The MLP schedule: ``mlp_layer_types``, or the first ``first_k_dense_replace`` layers dense; where both are
+    given they must say the same (a reader of either key alone would take the other schedule)."""
+    first_k = None
+    if "first_k_dense_replace" in text:
+        k = text["first_k_dense_replace"]
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= n_layers:
+            raise ConfigError(f"{source}: first_k_dense_replace = {k!r}, expected an integer in 0..={n_layers}")
+        first_k = tuple("dense" if i < k else "sparse" for i in range(n_layers))
     if "mlp_layer_types" in text:
         types = text["mlp_layer_types"]
         if not isinstance(types, list) or len(types) != n_layers or any(t not in ("dense", "sparse") for t in types):
             raise ConfigError(f"{source}: mlp_layer_types = {types!r}, expected a list of {n_layers} "
                               "entries, each 'dense' or 'sparse'")
+        if first_k is not None and tuple(types) != first_k:
+            differ = [i for i, (a, b) in enumerate(zip(types, first_k)) if a != b]
+            raise ConfigError(f"{source}: mlp_layer_types and first_k_dense_replace = "
+                              f"{text['first_k_dense_replace']} disagree on layer(s) {differ[:8]}"
+                              f"{' ...' if len(differ) > 8 else ''}; expected one schedule (drop one of the keys, or "
+                              "make them agree)")
         return tuple(types)
-    if "first_k_dense_replace" in text:
-        k = text["first_k_dense_replace"]
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= n_layers:
-            raise ConfigError(f"{source}: first_k_dense_replace = {k!r}, expected an integer in 0..={n_layers}")
-        return tuple("dense" if i < k else "sparse" for i in range(n_layers))
+    if first_k is not None:
+        return first_k
     raise ConfigError(f"{source}: neither 'mlp_layer_types' nor 'first_k_dense_replace' is set; "
                       "one of them is needed to know which layers are dense")
 

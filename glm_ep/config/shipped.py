@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from glm_ep.errors import ConfigError
+from glm_ep.errors import ConfigError, path_kind
 
 PACKAGE = Path(__file__).resolve().parents[1]  # glm_ep/
 CANDIDATE_DIRS = (PACKAGE / "configs", PACKAGE.parent / "configs")  # installed wheel, source tree
@@ -35,5 +35,9 @@ def topology_path(spec: str | Path) -> Path:
         shipped = d / f"{path.name.removesuffix('.toml')}.toml"
         if shipped.is_file():
             return shipped
+    kind = path_kind(path)
+    if kind != "not found":  # a folder, a FIFO, a symbolic link loop: say so, never "not found"
+        raise ConfigError(f"{spec}: the topology is {kind}, not a file; expected a TOML topology file or a shipped "
+                          f"name ({', '.join(shipped_names()) or 'none'})")
     raise ConfigError(f"{spec}: topology file not found, and no shipped topology has that name "
                       f"(shipped: {', '.join(shipped_names()) or 'none'})")

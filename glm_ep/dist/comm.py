@@ -5,10 +5,17 @@ in rank order and each addition is rounded to bf16, so every rank ends with iden
 ``MpiComm`` serves the NumPy backend (and CUDA ranks that share one GPU, host-staged);
 ``glm_ep.dist.nccl.NcclComm`` serves CUDA ranks on their own GPUs. ``at(site)`` names the
 all-reduces of one site, so a wait that outlives the collective deadline says where it hung.
+
+``MpiComm`` first exchanges what each rank is about to sum (rows, elements, the site's name as a
+CRC-32: 24 bytes a rank): ranks whose calls differ there (a library caller that gave the ranks
+different row counts, or another layer) get the same ``AgreedError`` on every rank, where MPI would
+truncate a message (a fatal error on one rank after another returned a wrong sum) or add partials
+of different sites silently.
 """
 
 from __future__ import annotations
 
+import zlib
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -16,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from glm_ep.dist.deadline import Deadline, guarded
+from glm_ep.dist.ranks import AgreedError
 
 
 class Communicator(ABC):
@@ -92,9 +100,27 @@ class MpiComm(Communicator):
         send, gathered, total = self._staging
         return send[:n], gathered[:self.size * n].reshape(self.size, n), total[:n]
 
+    def _same_call(self, buf: Any, site: str) -> None:
+        """Every rank is about to sum a buffer of the same shape at the same site, or every rank raises the same
+        AgreedError naming each rank's (a second, rarer exchange gathers the site names for the message)."""
+        mine = np.array([buf.shape[0] if buf.ndim else 1, buf.size, zlib.crc32(site.encode())], dtype=np.uint64)
+        every = np.empty((self.size, mine.size), dtype=np.uint64)
+        with guarded(self._deadline, site):
+            self.comm.Allgather(mine, every)
+        if (every == mine).all():
+            return
+        with guarded(self._deadline, site):
+            sites = self.comm.allgather(site)
+        calls = "\n".join(f"  rank {r}: '{name}' with {int(rows)} rows ({int(n)} values)"
+                          for r, (name, (rows, n, _)) in enumerate(zip(sites, every)))
+        raise AgreedError(f"the ranks reached an all-reduce with different calls:\n{calls}\nexpected every rank to "
+                          "make the same call (the same layer, the same input rows) in the same order: every site and "
+                          "step call is collective, each rank adds its share of one sum")
+
     def all_reduce(self, buf: Any, site: str = "all-reduce") -> Any:
         if self.size == 1:
             return buf
+        self._same_call(buf, site)
         if self._to_host is None:  # host arrays: sent as they are
             bits = np.ascontiguousarray(buf).view(np.uint16).reshape(-1)
             gathered = np.empty((self.size, bits.size), dtype=np.uint16)

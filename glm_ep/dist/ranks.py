@@ -104,6 +104,8 @@ class Ranks:
             raise
         except GlmEpError as e:
             msg = str(e)
+        except MemoryError as e:  # CuPy's OutOfMemoryError too: a resource the user can add, not a crash
+            msg = out_of_memory(e, site)
         except Exception as e:  # noqa: BLE001 - reported to every rank below, then raised here as it was
             if (refused := file_access_error(e)) is not None:  # a file the OS refused: the user's to mend
                 msg = str(refused)
@@ -124,7 +126,8 @@ class Ranks:
                               internal)
         return result  # type: ignore[return-value]
 
-    def check_same(self, site: str, what: str, values: dict[str, str]) -> None:
+    def check_same(self, site: str, what: str, values: dict[str, str],
+                   expected: str = "every rank to read the same files with the same settings") -> None:
         """Refuse to go on unless every rank holds the same ``values`` (name -> a hex digest or a value's text),
         naming the keys that differ with each rank's value (a digest by its first 12 digits)."""
         every = self.allgather(site, values)
@@ -132,8 +135,15 @@ class Ranks:
         if differ:
             per_rank = "\n".join(f"  rank {r}: " + ", ".join(f"{n} {_shown(d.get(n, '-'))}" for n in differ)
                                   for r, d in enumerate(every))
-            raise AgreedError(f"ranks hold different {what} (differing: {', '.join(differ)}); expected every "
-                              f"rank to read the same files with the same settings:\n{per_rank}")
+            raise AgreedError(f"ranks hold different {what} (differing: {', '.join(differ)}); expected "
+                              f"{expected}:\n{per_rank}")
+
+
+def out_of_memory(e: MemoryError, site: str | None = None) -> str:
+    """The error line of a MemoryError (an allocation the host or the device refused), at ``site``."""
+    at = f" at '{site}'" if site else ""
+    return (f"out of memory{at}: {str(e) or type(e).__name__}; expected more free memory per rank (more ranks or "
+            "nodes, fewer ranks per node, another process's memory freed; for run's check: --check sampled)")
 
 
 class _TaggedStdout:
@@ -200,6 +210,8 @@ def run_guarded(main: Callable[[], int], comm: Any | None) -> int:
         terminated = isinstance(e, Terminated)
         msg = f"{who}glm-ep: {'terminated (SIGTERM)' if terminated else 'interrupted'}"
         code = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+    except MemoryError as e:
+        msg, code = f"{who}glm-ep: error: {out_of_memory(e)}", EXIT_USER
     except BrokenPipeError:  # stdout closed by its reader (``| head``): quiet, as a shell tool would be
         _stdout_to_devnull()
         msg, code = "", EXIT_BROKEN_PIPE

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
-from tqdm import tqdm
 
 from glm_ep.backend import make_backend, make_comm
 from glm_ep.backend.base import Backend
@@ -31,6 +30,7 @@ from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
 from glm_ep.mlp.dispatch import ExpertDispatch
+from glm_ep.dist.progress import progress
 from glm_ep.dist.ranks import Ranks
 from glm_ep.dist.placement import discover
 from glm_ep.mlp.site import DenseSite, MoeSite, Nvfp4DenseSite, site_buffers
@@ -147,8 +147,8 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     static_input_scales = "sparse" in model.mlp_layer_types and ckpt.has(
         f"{expert_prefix(ckpt, model.mlp_layer_types.index('sparse'), 0)}.gate_proj.input_scale")
     t0 = time.perf_counter()
-    with ckpt, tqdm(total=to_read, desc="loading weights", unit="B", unit_scale=True, dynamic_ncols=True,
-                    disable=rank != 0 or to_read < PROGRESS_MIN_BYTES) as bar:
+    with ckpt, progress(to_read, "loading weights", unit="B", enabled=rank == 0 and to_read >= PROGRESS_MIN_BYTES,
+                        log=log, unit_scale=True) as bar:
         ckpt.on_read = bar.update
         host_weights = [ranks.agree(f"load of layer {i}", lambda i=i: load_layer(ckpt, cfg, i))
                         for i in range(model.num_hidden_layers)]

@@ -154,11 +154,6 @@ def test_input_of_the_wrong_hidden_size(ckpt, tmp_path) -> None:
           "bfloat16 [rows >= 1, 128]")
 
 
-def test_run_rows_over_the_workspace(ckpt) -> None:
-    r = glm_ep(2, "run", "--model", str(ckpt), "--prefill", "600")
-    fails(r, "--prefill 600 rows do not fit the workspace built for 512 rows")
-
-
 def test_error_on_one_rank_at_load_ends_the_job_on_every_rank(ckpt, x_file, tmp_path) -> None:
     """Expert 20 is read only by EP rank 1 (experts 16..31): only rank 1 fails, both ranks report."""
     key = "model.layers.2.mlp.experts.20.gate_proj.weight"
@@ -354,13 +349,6 @@ def test_an_unknown_preset_is_named(argv: list[str], capsys, tmp_path) -> None:
     assert main(argv) == 2
     assert "unknown preset 'nope'; expected one of ['glm-5.3-flash', 'tiny']" in capsys.readouterr().err
     assert not (tmp_path / "ck").exists()
-
-
-def test_verify_wider_than_the_workspace_is_refused(tiny_checkpoint) -> None:
-    """A run's steps are one pass each: a verify step wider than the workspace is refused up front, as a prefill
-    step is."""
-    r = glm_ep(1, "run", "--model", str(tiny_checkpoint), "--verify", "600", "--decode", "1", "--prefill", "2")
-    fails(r, "--verify 600 rows do not fit the workspace built for 512 rows (raise workspace_rows in the topology)")
 
 
 def test_the_cuda_backend_without_cuda_is_one_clear_error(tiny_checkpoint) -> None:

@@ -146,7 +146,7 @@ def _not_safetensors(d):
 
 @pytest.mark.parametrize("make,needle", [
     (lambda d: d / "missing.safetensors", "input file not found"),
-    (lambda d: d, "input is not a regular file"),
+    (lambda d: d, "input file is a folder"),
     (_other_tensor, "no tensor 'hidden_states' (found ['x'])"),
     (_not_safetensors, "not a readable safetensors file"),
 ], ids=["missing", "folder", "other-tensor", "not-safetensors"])

@@ -179,8 +179,15 @@ def test_the_readme_example_runs_on_two_ranks(tiny_checkpoint, mlp, tmp_path) ->
     layer = int(site_call.group(1))
     (tmp_path / ".cache").mkdir()
     (tmp_path / ".cache" / "tiny").symlink_to(tiny_checkpoint)
-    (tmp_path / "example.py").write_text(example + _SAVE_RESULTS)
-    r = mpiexec(2, "example.py", cwd=tmp_path)
+    launch = re.search(r"^# (mpiexec -n 2 python .*example\.py)", example, re.M)
+    assert launch, f"the README's example no longer says how to launch it:\n{example}"
+    # every call of the example keeps the call contract: with check_calls the ranks agree each call's input bits
+    loads = re.findall(r'^mlp = glm_ep\.load\("\.cache/tiny"\)', example, re.M)
+    assert len(loads) == 1, example
+    checked = example.replace('mlp = glm_ep.load(".cache/tiny")', 'mlp = glm_ep.load(".cache/tiny", topology='
+                              'glm_ep.Topology(name="checked", world=2, tp=2, ep=2, check_calls=True))')
+    (tmp_path / "example.py").write_text(checked + _SAVE_RESULTS)
+    r = mpiexec(2, *launch.group(1).split()[4:], cwd=tmp_path)  # python's arguments as the README gives them
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in range(2):  # the two ranks' prints may interleave: each piece once per rank
         assert r.stdout.count(f"GlmMlp(4 layers, hidden 128; rank {rank} of 2, tp 2, ep 2, backend cpu)") == 1, r.stdout
@@ -196,6 +203,23 @@ def test_the_readme_example_runs_on_two_ranks(tiny_checkpoint, mlp, tmp_path) ->
     for what, got, want in checks:
         assert rel_l2(got, want) < 1e-2, f"{what}: rel L2 {rel_l2(got, want):.3e} vs one rank"
         assert elementwise_close(got, want), f"{what}: not elementwise close to one rank"
+
+
+def test_a_rank_that_raises_under_python_m_mpi4py_ends_the_job_at_once(tiny_checkpoint, tmp_path) -> None:
+    """The README's launch: rank 1 raises before a call that rank 0 makes and waits in. Run as ``python -m mpi4py``
+    the job ends at once (exit 1, rank 1's traceback), not after rank 0's 300 s deadline (the timeout here is far
+    below it)."""
+    (tmp_path / "engine.py").write_text(f"""
+import numpy as np, ml_dtypes, glm_ep
+from mpi4py import MPI
+mlp = glm_ep.load({str(tiny_checkpoint)!r})
+if MPI.COMM_WORLD.Get_rank() == 1:
+    raise RuntimeError("rank 1 gave up before its call")
+mlp.site(1, np.zeros((2, mlp.hidden_size), ml_dtypes.bfloat16))
+""")
+    r = mpiexec(2, "-m", "mpi4py", "engine.py", cwd=tmp_path, timeout=60)
+    assert r.returncode != 0 and "RuntimeError: rank 1 gave up before its call" in r.stderr, r.stderr[-3000:]
+    assert "waited" not in r.stderr, r.stderr[-3000:]  # not the deadline's end
 
 
 @pytest.mark.cuda
@@ -285,6 +309,40 @@ def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint)
             failures.append(f"{case}: not agreed on rank {rank}: {type(e).__name__}: {e}")
     if not np.array_equal(checked.step(x).view(np.uint16), plain.step(x).view(np.uint16)):
         failures.append("the checked object no longer works after the refusals")
+    agreed(comm, failures)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_whose_calls_differ_at_an_all_reduce_are_refused_on_every_rank(tiny_checkpoint) -> None:
+    """Without ``check_calls``: ranks that give a site different row counts (MPI truncated a message, a fatal error
+    on one rank after another returned a wrong sum) or call different layers (partials of two sites added, silently)
+    are told so on every rank, by the all-reduce's own exchange; the object still works after."""
+    from mpi4py import MPI
+
+    from glm_ep.dist.ranks import AgreedError
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    mlp = glm_ep.load(tiny_checkpoint, _across(comm.Get_size()))
+    x = random_x(8, 5, mlp.hidden_size)
+    want = mlp.site(1, x[:3])
+    cases = {"rows": (lambda: mlp.site(1, x[:3 + rank]), ["rank 0: 'layer 1 all-reduce' with 3 rows (384 values)",
+                                                           "rank 1: 'layer 1 all-reduce' with 4 rows (512 values)"]),
+             "layer": (lambda: mlp.site(1 + rank, x[:3]), ["rank 0: 'layer 1 all-reduce' with 3 rows",
+                                                           "rank 1: 'layer 2 all-reduce' with 3 rows"]),
+             # chunks of the workspace's 512 rows: the first chunk already differs
+             "wide": (lambda: mlp.step(np.concatenate([x] * 120)[:600 - 100 * rank]),
+                      ["rank 0: 'layer 0 all-reduce' with 512 rows", "rank 1: 'layer 0 all-reduce' with 500 rows"])}
+    failures: list[str] = []
+    for case, (call, needles) in cases.items():
+        try:
+            call()
+            failures.append(f"{case}: no error on rank {rank}")
+        except AgreedError as e:
+            failures += [f"{case}: {n!r} not in {e}" for n in needles + ["expected every rank to make the same call"]
+                         if n not in str(e)]
+    if not np.array_equal(mlp.site(1, x[:3]).view(np.uint16), want.view(np.uint16)):
+        failures.append("the object no longer works after the refusals")
     agreed(comm, failures)
 
 

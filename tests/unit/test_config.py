@@ -61,8 +61,8 @@ def test_first_k_dense_replace_and_mlp_layer_types() -> None:
     old = tiny_dict(first_k_dense_replace=2)
     del old["mlp_layer_types"]
     assert _parse(old).mlp_layer_types == ("dense", "dense", "sparse", "sparse")
-    # an explicit schedule wins, and a dense layer may sit after a sparse one
-    both = tiny_dict(first_k_dense_replace=2, mlp_layer_types=["sparse", "dense", "sparse", "dense"])
+    # a dense layer may sit after a sparse one (both keys that disagree: test_robust_config)
+    both = tiny_dict(mlp_layer_types=["sparse", "dense", "sparse", "dense"])
     assert _parse(both).mlp_layer_types == ("sparse", "dense", "sparse", "dense")
     neither = tiny_dict()
     del neither["mlp_layer_types"]
@@ -193,6 +193,7 @@ def test_missing_swiglu_limit_is_refused_never_defaulted() -> None:
     # finite as Python floats, not as the float32 they are applied as
     (dict(routed_scaling_factor=1e300), r"routed_scaling_factor = 1e\+300, expected a number finite in float32"),
     (dict(swiglu_limit=1e-300), r"swiglu_limit = 1e-300, expected a value > 0 that is finite and nonzero in float32"),
+    (dict(routed_scaling_factor=0), r"routed_scaling_factor = 0.0, expected a number > 0"),
     (dict(swiglu_limit=1e39), r"swiglu_limit = 1e\+39"),
 ])
 def test_bad_model_values_are_refused_by_name(overrides: dict, named: str) -> None:

@@ -74,11 +74,46 @@ def _edit_config(ckpt: Path, edit) -> None:
      [INDEX, "= ['a'], expected the file name of a shard"]),
     (lambda c: (c / INDEX).write_text('{"weight_map": ' + "{\"a\": " * 50_000 + "1" + "}" * 50_001),
      [INDEX, "JSON nested too deeply"]),
+    # accepted before, each silently taken as one of its readings
+    (lambda c: _twice(c / "config.json", '"routed_scaling_factor": -2.5'),
+     ["config.json: the key 'routed_scaling_factor' is given twice in one object; expected each key once"]),
+    (lambda c: _twice(c / INDEX, '"model.layers.1.mlp.gate.weight": "model-00007-of-00007.safetensors"',
+                      after='"weight_map": {'),
+     [INDEX, "the key 'model.layers.1.mlp.gate.weight' is given twice"]),
+    (lambda c: _edit_config(c, lambda d: d.update(first_k_dense_replace=2)),
+     ["config.json: mlp_layer_types and first_k_dense_replace = 2 disagree on layer(s) [1]; expected one schedule"]),
+    (lambda c: _edit_config(c, lambda d: d.update(routed_scaling_factor=-2.5)),
+     ["config.json: routed_scaling_factor = -2.5, expected a number > 0"]),
 ], ids=["config-not-utf8", "quantization-config-string", "config-deeply-nested", "index-value-int",
-        "index-value-list", "index-deeply-nested"])
+        "index-value-list", "index-deeply-nested", "config-key-twice", "index-key-twice", "schedules-disagree",
+        "negative-routed-scaling"])
 def test_malformed_json_is_a_clear_error(ckpt, tmp_path, damage, needles: list[str]) -> None:
     damage(ckpt)
     fails(_forward(ckpt, tmp_path), *needles)
+
+
+def _twice(path: Path, entry: str, after: str = "{") -> None:
+    """``entry`` (a ``"key": value`` pair whose key the object already holds) inserted right after ``after``."""
+    text = path.read_text()
+    at = text.index(after) + len(after)
+    path.write_text(text[:at] + entry + "," + text[at:])
+
+
+def test_a_shard_header_naming_a_tensor_twice_is_refused(ckpt) -> None:
+    from glm_ep.checkpoint.reader import Checkpoint
+    from glm_ep.errors import CheckpointError
+
+    shard = shard_of(ckpt, "model.layers.1.mlp.gate.weight")
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = data[8:8 + n].decode()
+    first = json.loads(header)
+    name = next(k for k in first if k != "__metadata__")
+    entry = json.dumps({name: first[name]})[1:-1]
+    doubled = ("{" + entry + "," + header[1:]).encode()
+    shard.write_bytes(struct.pack("<Q", len(doubled)) + doubled + data[8 + n:])
+    with pytest.raises(CheckpointError, match=f"{shard.name}: corrupt header: the key '{name}' is given twice"):
+        Checkpoint(ckpt)
 
 
 def test_workspace_too_big_is_refused_before_any_weight_is_read(ckpt, tmp_path) -> None:

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 from glm_ep.checkpoint.finite import nonfinite_mask
+from glm_ep.errors import EXIT_FAIL
 
 from cli_jobs import copy_checkpoint, fails, glm_ep, load_outputs, loaded_weights, save_hidden, set_bits, write_topology
 from helpers import random_x
 
 NAN_BF16, NAN_F32, INF_F32, NAN_E4M3 = 0x7FC0, 0x7FC00000, 0x7F800000, 0x7F
 ONE_F32, ZERO_F32, MINUS_ONE_F32 = 0x3F800000, 0x00000000, 0xBF800000
+HUGE_F32, HUGE_BF16 = 0x7F61B1E6, 0x7F61  # 3e38 and 2.99e38: finite, and near the top of both ranges
 
 
 @pytest.fixture
@@ -48,6 +50,13 @@ WEIGHTS = {
                           ["NaN or Inf", "at [0, 7]", "32 of 4096 values"]),
     "bias-nan": ("model.layers.2.mlp.gate.e_score_correction_bias", (4,), NAN_F32, ["at [4]"]),
     "bias-inf": ("model.layers.2.mlp.gate.e_score_correction_bias", (4,), INF_F32, ["inf (bits 0x7F800000)"]),
+    # finite, and yet nonsense: what the numbers would do is checked too
+    "e4m3-block-scale-negative": ("model.layers.2.mlp.experts.20.gate_proj.weight_scale", (3, 1), 0xB8,
+                                  ["negative block scale", "-1.0 (bits 0xB8) at [3, 1]",
+                                   "expected E4M3 block scales >= 0", "(on rank 1)"]),
+    "weight-scale-2-past-bf16": ("model.layers.1.mlp.experts.3.up_proj.weight_scale_2", (...,), HUGE_F32,
+                                 ["= 3e+38: the projection holds weights up to 8.064e+41 (largest block scale 448 x 6",
+                                  "they pass bf16's and fp32's range", "(on rank 0)"]),
 }
 
 
@@ -103,18 +112,40 @@ def test_allowed_non_finite_rows_keep_ids_in_range_and_other_rows_intact(ckpt, t
     assert "overflowed" not in r.stderr  # NaN in, NaN out: not an overflow
 
 
-def test_outputs_that_overflow_from_finite_inputs_are_written_with_a_warning(ckpt, tmp_path) -> None:
-    """Finite bf16 inputs near bf16's largest overflow the sites: the outputs are written as computed (exit 0),
-    and rank 0 names each layer and its rows, where before nothing was said."""
+def test_outputs_that_overflow_from_finite_inputs_are_an_error_naming_the_layers(ckpt, tmp_path) -> None:
+    """Finite bf16 inputs near bf16's largest overflow the sites: an agreed error naming each layer and its rows,
+    and nothing written (where before the file was written with NaN/Inf rows and exit 0)."""
     x = random_x(3, 4, 128)
     x[2] *= 3e37  # |x| up to ~1e38: finite in bf16
     out = tmp_path / "out.safetensors"
     r = glm_ep(2, "forward", "--model", str(ckpt), "--input", str(save_hidden(tmp_path / "big.safetensors", x)),
                "--output", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
-    ys = load_outputs(out)
-    bad = [i for i in range(4) if nonfinite_mask(ys[f"layers.{i}"]).any()]
-    assert bad, "the test input no longer overflows a site"
-    for i in bad:
-        assert f"layers.{i}: 1 of 4 rows with finite inputs hold NaN or Inf (rows [2]): the site overflowed" in r.stderr
-    assert r.stderr.count("the site overflowed") == len(bad), r.stderr[-3000:]
+    fails(r, "NaN or Inf outputs from finite inputs (largest |input|", "layer 1: 1 of 4 rows (rows [2])",
+          "the site overflowed", "nothing was written")
+    assert not out.exists()
+
+
+def test_finite_weights_whose_products_overflow_are_an_error_naming_the_layer(ckpt, tmp_path) -> None:
+    """A row of the dense FFN's down projection at 3e38, finite and so passed by the load's scan: every output of
+    layer 0 overflows in that column. The error names layer 0 alone, on every rank; the other layers are fine."""
+    set_bits(ckpt, "model.layers.0.mlp.down_proj.weight", (0, ...), HUGE_BF16)
+    out = tmp_path / "out.safetensors"
+    r = _forward(ckpt, tmp_path)
+    fails(r, "at layer 0: 5 of 5 rows (rows [0, 1, 2, 3, 4])", "the site overflowed")
+    assert "layer 1:" not in r.stderr and not out.exists()
+    lax = write_topology(tmp_path / "lax.toml", world=2, tp=2, ep=2, check_weights=False)
+    r = _forward(ckpt, tmp_path, "--topology", str(lax))  # unchecked weights: written as computed, with a warning
+    assert r.returncode == 0 and "(check_weights = false: the weights may hold them)" in r.stderr, r.stderr[-3000:]
+    assert nonfinite_mask(load_outputs(out)["layers.0"][:, 0]).all()
+
+
+def test_run_names_the_layer_that_overflowed_and_never_exits_0(ckpt, tmp_path) -> None:
+    """The same finite row of 3e38 weights under ``run``: its check FAILs (exit 3) naming layer 0 as the first
+    that overflowed; without the check (exit 0 before, with NaN outputs) it is an agreed error naming layer 0."""
+    set_bits(ckpt, "model.layers.0.mlp.down_proj.weight", (0, ...), HUGE_BF16)
+    args = ["run", "--model", str(ckpt), "--prefill", "5", "--decode", "1", "--verify", "2"]
+    checked = glm_ep(2, *args)
+    assert checked.returncode == EXIT_FAIL, checked.stdout[-2000:] + checked.stderr[-2000:]
+    assert "(expected 0; the first from finite inputs at layer 0)" in checked.stdout, checked.stdout[-2000:]
+    fails(glm_ep(2, *args, "--check", "none"), "the prefill call's outputs (5 rows) hold NaN or Inf from finite "
+          "inputs, the first at layer 0: the site overflowed")

@@ -14,7 +14,7 @@ import glm_ep.checkpoint.synth as synth
 from glm_ep.checkpoint.reader import Checkpoint
 from glm_ep.checkpoint.layers import load_layer
 from glm_ep.config.model import RankLayout, SiteConfig
-from glm_ep.errors import ConfigError
+from glm_ep.errors import ConfigError, InputError
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight, dequantize
 from glm_ep.config.presets import preset
 
@@ -145,8 +145,54 @@ def test_ensure_default_checkpoint(tmp_path: Path, tiny_checkpoint: Path) -> Non
     assert _load_sparse(synth.ensure_default_checkpoint(tmp_path / "cache"), 2).experts
 
 
+def test_default_checkpoint_is_a_weight_only_export(tmp_path: Path) -> None:
+    """The built-in checkpoint does not look like a foreign W4A4 export: no static input scales, and its
+    config says W4A16."""
+    path = synth.ensure_default_checkpoint(tmp_path / "cache")
+    assert not [k for k in _all_headers(path) if k.endswith("input_scale")]
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["quant_algo"] == "W4A16_NVFP4"
+    assert any(k.endswith("input_scale") for k in _all_headers(synth.write_synthetic(tmp_path / "w4a4",
+                                                                                     preset("tiny"))))
+
+
+@pytest.mark.parametrize("damage", ["flipped-byte", "truncated", "manifest-gone", "file-gone"])
+def test_damaged_default_checkpoint_is_written_again(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                     damage: str) -> None:
+    path = synth.ensure_default_checkpoint(tmp_path / "cache")
+    want = {p.name: p.read_bytes() for p in path.iterdir()}
+    shard = next(path.glob("model-*.safetensors"))
+    if damage == "flipped-byte":  # same size: only the digest tells
+        data = bytearray(shard.read_bytes())
+        data[-1000] ^= 0x40
+        shard.write_bytes(bytes(data))
+    elif damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    else:
+        (path / (synth.CACHE_MANIFEST if damage == "manifest-gone" else "config.json")).unlink()
+    with caplog.at_level("WARNING"):
+        assert synth.ensure_default_checkpoint(tmp_path / "cache") == path
+    assert "the cached tiny checkpoint" in caplog.text and "writing it again" in caplog.text
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == want
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny"]  # nothing left aside
+
+
+def test_damaged_default_checkpoint_that_cannot_be_replaced_says_to_delete_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = synth.ensure_default_checkpoint(tmp_path / "cache")
+    (path / "config.json").write_text("{}")
+
+    def refused(src, dst):  # the system refuses every rename (a read-only cache, say)
+        raise PermissionError(13, "Permission denied", str(src))
+
+    monkeypatch.setattr(synth.os, "rename", refused)
+    with pytest.raises(InputError, match=rf"{path}: the cached tiny checkpoint differs from what was written "
+                                         rf"\(config.json\) and cannot be replaced .*delete {path}"):
+        synth.ensure_default_checkpoint(tmp_path / "cache")
+
+
 @pytest.mark.parametrize("name,layers,types,first_k", [
-    ("tiny", 2, ["dense", "sparse"], None), ("glm-5.3-flash", 2, None, 2), ("glm-5.3-flash", 5, None, 3)])
+    ("tiny", 2, ["dense", "sparse"], None), ("glm-5.3-flash", 2, None, 1), ("glm-5.3-flash", 5, None, 3),
+    ("glm-5.3-flash", 1, None, 0), ("tiny", 1, ["sparse"], None)])
 def test_synth_layers_keeps_one_schedule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, layers: int,
                                         types, first_k) -> None:
     """``--layers N`` cuts the preset's own schedule: mlp_layer_types where it has one (and no first_k_dense_replace
