@@ -20,7 +20,7 @@ grep -E "^== |passed|failed|error" "$OUT_DIR/cuda_check.log" | tail -20
 W=$(mktemp -d)
 $PY -m glm_ep synth --preset tiny --out "$W/tiny" >/dev/null || status=1
 for rows in 1 5 300 2000; do
-    $PY tools/make_input.py "$W/in$rows.safetensors" --rows $rows --hidden 128 --seed $rows
+    $PY -m glm_ep make-input --out "$W/in$rows.safetensors" --rows $rows --model "$W/tiny" --seed $rows
     $PY -m glm_ep forward --model "$W/tiny" --input "$W/in$rows.safetensors" --output "$W/cpu$rows.safetensors" \
         --backend cpu 2>>"$OUT_DIR/forward.log" || status=1
     $PY -m glm_ep forward --model "$W/tiny" --input "$W/in$rows.safetensors" --output "$W/cuda$rows.safetensors" \
