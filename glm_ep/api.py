@@ -104,7 +104,7 @@ class GlmMlp:
     def __repr__(self) -> str:
         t = self.topology
         return (f"GlmMlp({self.num_layers} layers, hidden {self.hidden_size}; rank {self._rt.cfg.rank} of "
-                f"{t.world}, tp {t.tp}, ep {t.ep}, backend {t.backend})")
+                f"{t.world}, {t.layout_text}, backend {t.backend})")
 
 
 def _topology(spec: Topology | str | os.PathLike | None, world: int) -> Topology:

@@ -110,6 +110,8 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
                    "default: world = tp = ep = MPI size, backend cpu")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (overrides the topology)")
     p.add_argument("--ep", type=int, help="expert-parallel degree (overrides the topology)")
+    p.add_argument("--moe-tp", type=int, help="each routed expert's width split over this many ranks: ep groups of "
+                   "moe-tp ranks (overrides the topology; without a topology, ep defaults to world / moe-tp)")
     p.add_argument("--backend", choices=("cpu", "cuda"), help="overrides the topology's backend")
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="a checkpoint folder (reads its config.json)")
     p.add_argument("--tp", type=_count(1), default=1)
     p.add_argument("--ep", type=_count(1), default=1)
+    p.add_argument("--moe-tp", type=_count(1), default=1, help="each routed expert's width split over this many ranks")
     p.add_argument("--rows", type=_count(1), default=256)
     p.add_argument("--per-layer", action="store_true", help="one workspace per layer instead of one shared")
     p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
@@ -201,9 +204,9 @@ def _footprint(args: argparse.Namespace) -> int:
 
     model = (ModelConfig.from_dict(preset(args.preset), source=f"preset {args.preset}") if args.preset
              else ModelConfig.from_file(f"{args.model}/config.json"))
-    world = math.lcm(args.tp, args.ep)  # the smallest world both divide
-    topo = Topology(name="footprint", world=world, tp=args.tp, ep=args.ep, workspace_rows=args.rows,
-                    shared_workspace=not args.per_layer)
+    world = math.lcm(args.tp, args.ep * args.moe_tp)  # the smallest world both divide
+    topo = Topology(name="footprint", world=world, tp=args.tp, ep=args.ep, moe_tp=args.moe_tp,
+                    workspace_rows=args.rows, shared_workspace=not args.per_layer)
     cfg = site_config(model, topo, 0)
     from glm_ep.app.footprint import weight_bytes_per_rank
 

@@ -31,12 +31,15 @@ BF16 = ml_dtypes.bfloat16
 
 
 def resolve_topology(args: argparse.Namespace, world: int) -> Topology:
-    """The topology file if given (else world = tp = ep = MPI size), then the CLI overrides."""
+    """The topology file if given (else world = tp = ep = MPI size; ep = world / moe_tp with --moe-tp), then the
+    CLI overrides."""
     if args.topology is not None and not args.topology.strip():  # an unset shell variable, say: not the default
         raise ConfigError(f"--topology {args.topology!r}: expected a shipped topology name or a TOML path")
+    moe_tp = getattr(args, "moe_tp", None)
+    ep = world // moe_tp if moe_tp and moe_tp > 0 and world % moe_tp == 0 else world
     topo = (Topology.load(args.topology) if args.topology is not None
-            else Topology(name="cli", world=world, tp=world, ep=world))
-    return topo.with_overrides(tp=args.tp, ep=args.ep, backend=args.backend)
+            else Topology(name="cli", world=world, tp=world, ep=ep))
+    return topo.with_overrides(tp=args.tp, ep=args.ep, backend=args.backend, moe_tp=moe_tp)
 
 
 def agreed_topology(args: argparse.Namespace, ranks: Ranks) -> Topology:
@@ -174,7 +177,7 @@ def _print_timing(results: list[tuple[str, np.ndarray, np.ndarray, float]], rt: 
         med = statistics.median(dt for _, dt in sel)
         print(f"{phase:<8} {len(sel):>5} {sel[0][0]:>9} {med * 1e3:>10.3f} {total * 1e3:>10.3f} "
               f"{rows / total if total else float('inf'):>10.1f}")
-    print(f"(backend {rt.be.name}, world {rt.topo.world}, tp {rt.topo.tp}, ep {rt.topo.ep}; "
+    print(f"(backend {rt.be.name}, world {rt.topo.world}, {rt.topo.layout_text}; "
           f"{rt.model.num_hidden_layers} sites per step; timed after {warmup} warm-up step(s) per row count; "
           f"steps of 1..{rt.be.capabilities.max_gemv_rows} rows replay a captured graph where the backend captures)",
           flush=True)

@@ -57,7 +57,7 @@ class Runtime:
 
 
 def site_config(model: ModelConfig, topo: Topology, rank: int) -> SiteConfig:
-    return SiteConfig.for_rank(model, RankLayout(topo.world, rank, topo.tp, topo.ep))
+    return SiteConfig.for_rank(model, RankLayout(topo.world, rank, topo.tp, topo.ep, topo.moe_tp))
 
 
 def report_lines(model: ModelConfig, cfg: SiteConfig, topo: Topology, weight_bytes: list[int],
@@ -65,7 +65,7 @@ def report_lines(model: ModelConfig, cfg: SiteConfig, topo: Topology, weight_byt
     lines = [f"model: {model.num_hidden_layers} layers ({len(model.dense_layers)} dense, "
              f"{len(model.sparse_layers)} sparse), hidden {model.hidden_size}, "
              f"{model.n_routed_experts} experts top-{model.num_experts_per_tok}; world {topo.world}, "
-             f"tp {topo.tp}, ep {topo.ep}, backend {topo.backend}"]
+             f"{topo.layout_text}, backend {topo.backend}"]
     lines += [f"weights: rank {r} holds {fmt_bytes(b)}" for r, b in enumerate(weight_bytes)]
     lines += footprint_lines(cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace)
     if dequant_bytes:
