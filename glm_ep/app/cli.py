@@ -105,6 +105,17 @@ def _count(least: int) -> Callable[[str], int]:
     return integer
 
 
+def _skew(text: str) -> float:
+    """An argparse type: a finite number >= 0 (the router skew)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"{v}, expected a finite number >= 0 (0: no skew)")
+    return v
+
+
 def _layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", help=f"a topology TOML file or a shipped name ({', '.join(shipped_names())}); "
                    "default: world = tp = ep = MPI size, backend cpu")
@@ -129,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--composite", action="store_true", help="text_config + model.language_model prefix")
     p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
                    help="how the dense FFNs are stored (nvfp4: quantized like the experts)")
+    p.add_argument("--router-skew", type=_skew, default=0.0, metavar="S",
+                   help="skew each router's expert load (Zipf-like, seeded; 0: none, 1: the hottest expert takes "
+                   "several times its share)")
     p.add_argument("--shard-mb", type=_count(1), default=256)
     p.add_argument("--force", action="store_true", help="write over a checkpoint already in the folder")
 
@@ -191,7 +205,8 @@ def _synth(args: argparse.Namespace) -> int:
         if "first_k_dense_replace" in cfg:
             cfg["first_k_dense_replace"] = min(cfg["first_k_dense_replace"], args.layers)
     path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
-                           router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense)
+                           router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense,
+                           router_skew=args.router_skew)
     print(f"wrote {path}")
     return 0
 
