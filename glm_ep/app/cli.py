@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from glm_ep import bench
+from glm_ep.app import load_record
 from glm_ep.errors import EXIT_USER, InputError
 from glm_ep.dist.mpi_lib import MpiUnavailable
 from glm_ep.dist.ranks import Ranks, mpi_world, run_guarded, setup_logging
@@ -162,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--input", required=True, help="safetensors with hidden_states bf16 [rows, hidden]")
     p.add_argument("--output", required=True, help="rank 0 writes layers.{i} [rows, hidden] here")
+    load_record.add_arguments(p)
     _layout_flags(p)
 
     p = sub.add_parser("run", help="the main job: load, prefill/decode/verify through the stack, check")
@@ -177,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "only the experts they route to), auto (full where its memory estimate fits, else sampled), "
                    "none")
     p.add_argument("--no-check", dest="check", action="store_const", const="none", help="the same as --check none")
+    load_record.add_arguments(p)
     _layout_flags(p)
 
     bench.add_arguments(sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)"))

@@ -20,6 +20,7 @@ import numpy as np
 from glm_ep.check.verdict import check_run
 from glm_ep.check.plan import memory_budget, plan_check
 from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError
+from glm_ep.app import load_record
 from glm_ep.app.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.checkpoint.finite import nonfinite_mask
 from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint
@@ -54,12 +55,14 @@ def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     # rank 0 writes the output: never over its own input or model files
     ranks.agree("output check", lambda: check_output_path(args.output, job_inputs(args.input, args.model))
                 if ranks.rank == 0 else None)
+    load_record.check_paths(args, ranks, job_inputs(args.input, args.model) + [("the --output file", Path(args.output))])
     ckpt = open_checkpoint(args.model, topo, ranks)  # config and headers: the hidden size
     hidden = ckpt.config.hidden_size
     x = ranks.agree("input read", lambda: read_hidden_states(args.input, hidden, topo.allow_nonfinite_input))
     ranks.check_same("input fingerprint", "inputs", {"input rows": str(x.shape[0]),
                                                      "input": hashlib.sha256(x.tobytes()).hexdigest()})
     rt = load_runtime(ckpt, topo, ranks)
+    recorder = load_record.start(rt, ranks) if args.expert_load else None
     outputs = {}
     chunk = rt.stack.max_rows  # wider inputs run in workspace-sized chunks (rows are independent)
     for i in range(rt.model.num_hidden_layers):
@@ -70,6 +73,8 @@ def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     if ranks.rank == 0:
         log.info("wrote %d site outputs of %s rows to %s", len(outputs), x.shape[0], args.output)
         _warn_overflow(x, outputs)
+    if recorder is not None:
+        load_record.finish(recorder, ranks, args)
     return EXIT_OK
 
 
@@ -126,6 +131,7 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
         args.model = str(cache / "tiny")
     topo = agreed_topology(args, ranks)
     ranks.agree("workload check", lambda: _check_workload(args, topo.workspace_rows))
+    load_record.check_paths(args, ranks, job_inputs("", args.model)[1:])
     rt = load_runtime(open_checkpoint(args.model, topo, ranks), topo, ranks)
     h = rt.model.hidden_size
     rng = np.random.default_rng(args.seed)  # the same inputs on every rank
@@ -140,6 +146,12 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     results = [(phase, x, *_timed(rt, ranks, x)) for phase, x in calls]
     if ranks.rank == 0:
         _print_timing(results, rt, args.warmup)
+    if args.expert_load:  # the calls once more, recorded (untimed: the recording reads each site's ids to the host)
+        recorder = load_record.start(rt, ranks)
+        for _, x in calls:
+            _timed(rt, ranks, x)
+        recorder.detach(rt.stack)
+        load_record.finish(recorder, ranks, args)
     if args.check == "none":
         return EXIT_OK
     budget = memory_budget(ranks)
