@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-layer", action="store_true", help="one workspace per layer instead of one shared")
     p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
                    help="with --preset: how the dense FFNs are stored (a --model checkpoint says so itself)")
+    p.add_argument("--expert-load", metavar="FILE", help="a recorded expert load (run / forward --expert-load): the "
+                   "decode row's routed bytes on the busiest rank from it (default: uniform routing)")
 
     p = sub.add_parser("forward", help="apply every MLP site to one input (mpiexec -n W)")
     p.add_argument("--model", required=True)
@@ -245,9 +247,15 @@ def _footprint(args: argparse.Namespace) -> int:
     scratch = sum(dequant_scratch_bytes(c, topo.levers, topo.workspace_rows)
                   for c, held in ((cfg.dense_as_expert(), dense_nvfp4 and bool(model.dense_layers)),
                                   (cfg, bool(model.sparse_layers))) if held)
+    from glm_ep.balance import expert_load
+    from glm_ep.balance.report import decode_row_line
+
+    load = expert_load.read(args.expert_load, model) if args.expert_load else None
     for line in report_lines(model, cfg, topo, weight_bytes_per_rank(model, topo, dense_nvfp4, router_itemsize),
                              scratch):
         print(line)
+    if model.sparse_layers:
+        print(decode_row_line(model, args.ep, args.moe_tp, load))
     return 0
 
 

@@ -62,7 +62,7 @@ class ExpertLoad:
         theirs = {k: getattr(model, k) for k in GEOMETRY}
         theirs_layers = tuple(model.sparse_layers)
         wrong = [f"{k} {self.model[k]} in the file, {v} in the model" for k, v in theirs.items() if self.model[k] != v]
-        if self.layers != theirs_layers:
+        if self.layers != theirs_layers and self.model["num_hidden_layers"] == model.num_hidden_layers:
             wrong.append(f"sparse layers {list(self.layers)} in the file, {list(theirs_layers)} in the model")
         if wrong:
             raise InputError(f"{source}: an expert load of another model ({'; '.join(wrong)}); expected a load "

@@ -18,7 +18,7 @@ import numpy as np
 
 from glm_ep.balance.counting import ExpertLayout, Imbalance, expert_slice_bytes, rank_bytes, rank_slots
 from glm_ep.balance.expert_load import ExpertLoad
-from glm_ep.config.model import NVFP4_GROUP
+from glm_ep.config.model import NVFP4_GROUP, ModelConfig
 from glm_ep.errors import InputError
 
 
@@ -98,6 +98,31 @@ def load_lines(load: ExpertLoad, layouts: list[tuple[int, int]] | None = None) -
                 f"over the calls {s.aggregate:.3f}x); routed MB per rank {_per_rank(b.total_R, n, 1e6, '{:.4g}')} (mean "
                 f"{b.mean / 1e6:.4g}, busiest {b.busiest / 1e6:.4g}: {b.per_call:.3f}x)")
     return lines
+
+
+UNIFORM_DRAWS = 20_000  # seeded uniform top-k draws the footprint's decode figure takes without a recorded load
+
+
+def decode_row_line(model: ModelConfig, ep: int, moe_tp: int, load: ExpertLoad | None = None) -> str:
+    """The footprint's line: the routed bytes of one decode row on the busiest rank against the mean under ``ep``
+    groups of ``moe_tp`` ranks (contiguous ranges), over the rows of ``load`` (each row a one-row call, every
+    sparse layer), else over seeded uniform draws of top-k distinct experts."""
+    e, k = model.n_routed_experts, model.num_experts_per_tok
+    if load is not None:
+        rows_TK = [ids for ids in load.choices if ids.size]
+        source = f"the recorded load's {_spread([len(r) for r in rows_TK])} rows x {len(rows_TK)} layers"
+    else:
+        rng = np.random.default_rng(0)
+        rows_TK = [np.argsort(rng.random((UNIFORM_DRAWS, e)), axis=1)[:, :k]]
+        source = f"uniform routing, {UNIFORM_DRAWS} seeded draws"
+    layout = ExpertLayout.contiguous(e, ep, moe_tp)
+    slice_bytes = expert_slice_bytes(model.hidden_size, model.moe_intermediate_size, moe_tp)
+    im = Imbalance()
+    for ids in rows_TK:
+        for row in ids:
+            im.add(rank_bytes(row[None], layout, slice_bytes))
+    return (f"routed experts per decode row and sparse layer ({layout_name(ep, moe_tp)}; {source}): the busiest rank "
+            f"reads {im.busiest / 1e6:.2f} MB, the mean {im.mean / 1e6:.2f} MB: {im.per_call:.3f}x")
 
 
 def pyplot() -> Any:

@@ -117,3 +117,34 @@ def test_plot_without_a_load_and_a_load_over_the_input_are_refused_on_every_rank
     r = glm_ep_job(2, "forward", "--model", str(tiny_checkpoint), "--input", str(x), "--output",
                    str(tmp_path / "y.st"), "--expert-load", str(x))
     fails(r, f"--expert-load {x}: is the --input file; expected another path")
+
+
+def test_footprint_says_the_decode_rows_busiest_rank_against_the_mean(tiny_checkpoint, tmp_path) -> None:
+    """Uniform routing at the GLM shape: ~1.27x at ep 2, exactly 1 at moe_tp 2; from a recorded load where given,
+    and a load of another model refused by name."""
+    import subprocess
+    import sys
+
+    from cli_jobs import mpi_env
+    from helpers import REPO
+
+    def footprint(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "glm_ep", "footprint", *args], capture_output=True, text=True,
+                              timeout=120, env=mpi_env(), cwd=REPO)
+
+    ep2, tp2 = footprint("--preset", "glm-5.3-flash", "--ep", "2"), footprint("--preset", "glm-5.3-flash", "--moe-tp",
+                                                                               "2")
+    assert "(ep 2; uniform routing, 20000 seeded draws): the busiest rank reads 71.9" in ep2.stdout, ep2.stdout
+    assert ": 1.27" in ep2.stdout.splitlines()[-1], ep2.stdout
+    assert "(moe_tp 2; uniform routing, 20000 seeded draws): the busiest rank reads 56.62 MB, the mean 56.62 MB: " \
+           "1.000x" in tp2.stdout, tp2.stdout
+    from mpi4py import MPI
+
+    mlp = glm_ep.load(tiny_checkpoint, comm=MPI.COMM_SELF, expert_load=True)
+    mlp.site(1, random_x(4, 3, mlp.hidden_size))
+    path = mlp.expert_load().save(tmp_path / "load.safetensors")
+    r = footprint("--model", str(tiny_checkpoint), "--ep", "2", "--expert-load", str(path))
+    assert r.returncode == 0 and "(ep 2; the recorded load's 3 rows x 1 layers)" in r.stdout, r.stdout + r.stderr
+    r = footprint("--preset", "glm-5.3-flash", "--expert-load", str(path))
+    assert r.returncode == 2 and "load.safetensors: an expert load of another model (num_hidden_layers 4 in the " \
+                                 "file, 45 in the model" in r.stderr and not r.stdout, r.stdout + r.stderr
