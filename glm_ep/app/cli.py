@@ -1,9 +1,10 @@
-"""``glm-ep``: synth, footprint, forward, run and bench.
+"""``glm-ep``: synth, footprint, forward, run, balance and bench.
 
     mpiexec -n 2 python -m glm_ep run                       # the main job on the tiny checkpoint
     mpiexec -n 2 python -m glm_ep forward --model DIR --input IN.safetensors --output OUT.safetensors
     python -m glm_ep synth --preset tiny --out DIR
     python -m glm_ep footprint --preset glm-5.3-flash --tp 2 --ep 2 --rows 256
+    python -m glm_ep balance --load LOAD.safetensors --ep 8 --out PLACEMENT.json
 
 Exit codes: 0 done (run: PASS), 1 internal error, 2 user error (config, topology, checkpoint,
 input, output), 3 run's check FAILed, 4 a rank waited past collective_timeout_s, 130 interrupted,
@@ -61,7 +62,7 @@ def launch_rank() -> int:
     return _launch_value(0, 0)
 
 
-_ALONE = ("synth", "footprint", "bench")  # the commands whose ranks never meet (bench: one rank)
+_ALONE = ("synth", "footprint", "balance", "bench")  # the commands whose ranks never meet (bench: one rank)
 
 
 class _ArgumentsRefused(Exception):
@@ -184,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     load_record.add_arguments(p)
     _layout_flags(p)
 
+    from glm_ep.app import balance_job
+
+    balance_job.add_arguments(sub.add_parser("balance", help="place the experts on the ep ranks from a recorded "
+                                             "expert load (EPLB)"), _count)
     bench.add_arguments(sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)"))
     return ap
 
@@ -284,9 +289,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except _ArgumentsRefused as refused:
         return _refused_with_the_others(refused)
-    if args.cmd in ("synth", "footprint"):
+    if args.cmd in ("synth", "footprint", "balance"):
+        from glm_ep.app.balance_job import balance_job
+
         setup_logging(0)
-        return run_guarded(lambda: {"synth": _synth, "footprint": _footprint}[args.cmd](args), None)
+        return run_guarded(lambda: {"synth": _synth, "footprint": _footprint, "balance": balance_job}[args.cmd](args),
+                           None)
     try:
         comm: Any = mpi_world()
     except MpiUnavailable as e:  # no MPI library: one clear line, not an import traceback

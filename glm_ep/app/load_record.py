@@ -59,9 +59,10 @@ def start(rt: Any, ranks: Any) -> ExpertLoadRecorder:
         if not rt.model.sparse_layers:
             raise ConfigError("--expert-load: the model has no sparse layers; expected a model with routed experts")
         t = rt.topo
+        placed = rt.expert_placement
         layout = {"world": t.world, "tp": t.tp, "ep": t.ep, "moe_tp": t.moe_tp,
-                  "expert_placement": getattr(rt, "placement_digest", "")}
-        return ExpertLoadRecorder(rt.model, layout, getattr(rt, "placement_slots", None))
+                  "expert_placement": placed.digest if placed is not None else ""}
+        return ExpertLoadRecorder(rt.model, layout, placed.phys_expert if placed is not None else None)
 
     recorder = ranks.agree("expert load recorder", make)
     recorder.attach(rt.stack)

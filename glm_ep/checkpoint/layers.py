@@ -11,6 +11,8 @@ stays whole).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
 from glm_ep.checkpoint.reader import Checkpoint
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
@@ -99,8 +101,17 @@ def expert_prefix(ckpt: Checkpoint, layer: int, e: int) -> str:
     return f"{ckpt.layer_prefix(layer)}.mlp.experts.{e}"
 
 
-def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> int:
-    """The bytes ``load_layer(ckpt, cfg, layer)`` reads, from the headers alone (a tensor missing
+def held_experts(cfg: SiteConfig, held: Sequence[int] | None) -> Sequence[int]:
+    """The experts a rank reads, in slot order: a placement's (``held``), else its contiguous EP range."""
+    if held is None:
+        return range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
+    if len(held) != cfg.local_experts:
+        raise ConfigError(f"a placement gives this rank {len(held)} experts, its geometry {cfg.local_experts}")
+    return held
+
+
+def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int, held: Sequence[int] | None = None) -> int:
+    """The bytes ``load_layer(ckpt, cfg, layer, held)`` reads, from the headers alone (a tensor missing
     from them counts 0: the load names it)."""
     def stored(name: str, part: int = 1, whole: int = 1) -> int:
         try:
@@ -120,7 +131,7 @@ def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> int:
         return sum(stored(f"{p}.mlp.{w}.weight", part, whole) for w in projections)
     total = stored(f"{p}.mlp.gate.weight") + stored(f"{p}.mlp.gate.e_score_correction_bias")
     if cfg.ep_active():
-        for e in range(cfg.expert_start, cfg.expert_start + cfg.local_experts):  # a 1 / moe_tp slice of each
+        for e in held_experts(cfg, held):  # a 1 / moe_tp slice of each
             q = expert_prefix(ckpt, layer, e)
             total += sum(stored(f"{q}.{w}.weight", 1, cfg.moe_tp) + stored(f"{q}.{w}.weight_scale", 1, cfg.moe_tp)
                          + stored(f"{q}.{w}.weight_scale_2") for w in projections)
@@ -130,12 +141,14 @@ def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> int:
     return total
 
 
-def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> DenseWeights | ExpertWeights | MoeWeights | None:
+def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int,
+               held: Sequence[int] | None = None) -> DenseWeights | ExpertWeights | MoeWeights | None:
     """What this rank holds at MLP site ``layer``.
 
     Dense site: this rank's TP slice (``DenseWeights``, or ``ExpertWeights`` for a dense FFN stored
     NVFP4), or None on a replica that does not contribute it. Sparse
-    site: the router and its fp32 bias (always), experts ``expert_start ..`` (empty on a
+    site: the router and its fp32 bias (always), experts ``expert_start ..`` (a placement's ``held``
+    experts in their slots, ``expert_start ..`` counting slots; empty on a
     non-contributing EP replica; each cut to ``cfg.moe_slice``: gate/up rows ``[Ml, H]``, down columns
     ``[H, Ml]``), the shared expert's TP slice (None on a non-contributing TP replica or when the
     model has no shared expert).
@@ -165,7 +178,7 @@ def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> DenseWeights | 
     experts: list[ExpertWeights] = []
     if cfg.ep_active():
         part = cfg.moe_slice if cfg.moe_tp > 1 else None  # this rank's Ml of each expert's width
-        for e in range(cfg.expert_start, cfg.expert_start + cfg.local_experts):
+        for e in held_experts(cfg, held):
             q = expert_prefix(ckpt, layer, e)
             experts.append(ExpertWeights(gate=read_nvfp4(ckpt, f"{q}.gate_proj", inter, h, rows=part),  # [Ml, H]
                                          up=read_nvfp4(ckpt, f"{q}.up_proj", inter, h, rows=part),  # [Ml, H]

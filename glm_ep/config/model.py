@@ -351,6 +351,19 @@ class SiteConfig:
         """This rank's columns of each routed expert's intermediate width (gate/up rows, down columns)."""
         return slice(self.moe_tp_rank * self.moe_intermediate, (self.moe_tp_rank + 1) * self.moe_intermediate)
 
+    def with_slots(self, slots: int) -> "SiteConfig":
+        """The geometry under a placement of ``slots`` physical expert slots (experts + replicas: ``glm_ep.balance
+        .placement``), ``slots / ep`` a group: ``local_experts`` and ``expert_start`` count physical slots."""
+        if slots < self.num_experts or slots % self.ep:
+            raise ConfigError(f"{slots} expert slots do not split over ep = {self.ep} (or cover {self.num_experts} "
+                              "experts)")
+        return replace(self, local_experts=slots // self.ep)
+
+    def physical(self) -> "SiteConfig":
+        """The geometry the routed-expert dispatch runs with: ids are physical slots (``glm_ep.mlp.expert_map``),
+        ``local_experts * ep`` of them (the experts themselves without a placement)."""
+        return replace(self, num_experts=self.local_experts * self.ep)
+
     def dense_as_expert(self) -> "SiteConfig":
         """The geometry an NVFP4 dense FFN runs with on the routed experts' paths: ONE expert (id 0, held
         by every rank) of this rank's dense width, which every row chooses (top_k = 1)."""

@@ -156,6 +156,7 @@ class Topology:
     check_weights: bool = True  # refuse NaN/Inf weights at load (one vectorized scan of what a rank reads)
     allow_nonfinite_input: bool = False  # forward: compute NaN/Inf input rows instead of refusing them
     check_calls: bool = False  # library API: the ranks agree each call's layer and input (a debugging aid)
+    expert_placement: str = ""  # a placement of the experts on the ep ranks (glm-ep balance --out): "" contiguous
     levers: PathLevers = field(default_factory=PathLevers)
 
     def __post_init__(self) -> None:
@@ -205,6 +206,9 @@ class Topology:
         except RecursionError:
             raise ConfigError(f"{path}: values nested too deeply to parse; expected a flat TOML topology "
                               "file") from None
+        placed = raw.get("expert_placement") if isinstance(raw, dict) else None
+        if isinstance(placed, str) and placed and not Path(placed).is_absolute():
+            raw["expert_placement"] = str(path.parent / placed)  # relative to the topology file
         return cls.from_dict(raw, source=str(path))
 
     @classmethod

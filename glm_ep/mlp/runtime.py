@@ -31,6 +31,8 @@ from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
 from glm_ep.mlp.dispatch import ExpertDispatch
+from glm_ep.mlp.expert_map import ExpertMap
+from glm_ep.balance.placement import ExpertPlacement, read as read_placement
 from glm_ep.dist.ranks import Ranks
 from glm_ep.dist.placement import discover
 from glm_ep.mlp.site import DenseSite, MoeSite
@@ -54,10 +56,21 @@ class Runtime:
     comm: Communicator
     stack: MlpStack
     weight_bytes: int
+    expert_placement: ExpertPlacement | None = None  # the topology's, loaded (None: the contiguous EP ranges)
 
 
-def site_config(model: ModelConfig, topo: Topology, rank: int) -> SiteConfig:
-    return SiteConfig.for_rank(model, RankLayout(topo.world, rank, topo.tp, topo.ep, topo.moe_tp))
+def site_config(model: ModelConfig, topo: Topology, rank: int, placed: ExpertPlacement | None = None) -> SiteConfig:
+    cfg = SiteConfig.for_rank(model, RankLayout(topo.world, rank, topo.tp, topo.ep, topo.moe_tp))
+    return cfg.with_slots(placed.slots) if placed is not None else cfg
+
+
+def expert_placement(model: ModelConfig, topo: Topology, ranks: Ranks) -> ExpertPlacement | None:
+    """The topology's ``expert_placement``, read and checked on every rank, its digest agreed (None without one)."""
+    if not topo.expert_placement:
+        return None
+    placed = ranks.agree("expert placement", lambda: read_placement(topo.expert_placement, model, topo.ep))
+    ranks.check_same("expert placement", "expert placements", {"expert placement": placed.digest})
+    return placed
 
 
 def report_lines(model: ModelConfig, cfg: SiteConfig, topo: Topology, weight_bytes: list[int],
@@ -141,32 +154,37 @@ def open_checkpoint(model_dir: str | Path, topo: Topology, ranks: Ranks) -> Chec
 def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     """This rank's share of ``ckpt`` resident on its backend, as an ``MlpStack``; closes ``ckpt``."""
     rank, model = ranks.rank, ckpt.config
-    cfg = ranks.agree("site geometry", lambda: site_config(model, topo, rank))
+    placed = expert_placement(model, topo, ranks)
+    cfg = ranks.agree("site geometry", lambda: site_config(model, topo, rank, placed))
+    slots_cfg = cfg.physical()  # what the dispatch and its workspace count: physical expert slots
     with ranks.guard("placement discovery"):
         placement = discover(ranks.comm)  # collective, and it cannot fail on one rank alone
-    be = ranks.agree("backend", lambda: make_backend(topo, placement, cfg))
+    be = ranks.agree("backend", lambda: make_backend(topo, placement, slots_cfg))
     comm = ranks.agree("communicator", lambda: make_comm(ranks.comm, be, topo, placement, ranks.deadline))
     # ranks that allocate from the same memory (one host's on NumPy, one GPU's on CUDA) each take a share of what
     # was free before any of them allocated
     domain, free = (placement.node, getattr(be, "pci_bus_id", "host")), free_memory_bytes(be.xp)
     sharers = [d for d, _ in ranks.allgather("free memory", (domain, free))].count(domain)
     workspaces = ranks.agree("workspace allocation", lambda: allocate_workspaces(
-        be.xp, cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace, free, sharers))
+        be.xp, slots_cfg, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace, free, sharers))
 
-    to_read = sum(layer_read_bytes(ckpt, cfg, i) for i in range(model.num_hidden_layers))
+    def held(i: int) -> list[int] | None:  # the experts a placement gives this rank at sparse layer i
+        return placed.held(i, cfg.ep_rank) if placed is not None and i in placed.layers else None
+
+    to_read = sum(layer_read_bytes(ckpt, cfg, i, held(i)) for i in range(model.num_hidden_layers))
     static_input_scales = "sparse" in model.mlp_layer_types and ckpt.has(
         f"{expert_prefix(ckpt, model.mlp_layer_types.index('sparse'), 0)}.gate_proj.input_scale")
     t0 = time.perf_counter()
     with ckpt, tqdm(total=to_read, desc="loading weights", unit="B", unit_scale=True, dynamic_ncols=True,
                     disable=rank != 0 or to_read < PROGRESS_MIN_BYTES) as bar:
         ckpt.on_read = bar.update
-        host_weights = [ranks.agree(f"load of layer {i}", lambda i=i: load_layer(ckpt, cfg, i))
+        host_weights = [ranks.agree(f"load of layer {i}", lambda i=i: load_layer(ckpt, cfg, i, held(i)))
                         for i in range(model.num_hidden_layers)]
         ckpt.on_read = None
     ranks.check_same("weight fingerprint", "checkpoints", router_digest(host_weights))
     load_s = time.perf_counter() - t0
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
-    dispatch = ExpertDispatch(be, cfg, topo.levers)
+    dispatch = ExpertDispatch(be, slots_cfg, topo.levers)
     dense_nvfp4 = ExpertDispatch(be, cfg.dense_as_expert(), topo.levers)  # a dense FFN stored NVFP4: one expert
     # agreed on every rank (a collective), also on one that holds no dense FFN stored NVFP4 (tp < world) or no
     # one-expert MoE, where it reserves nothing
@@ -178,7 +196,8 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     def site(i: int, w: Any) -> Any:
         site_comm = comm.at(f"layer {i} all-reduce")
         if isinstance(w, MoeWeights):
-            return MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch)
+            mapped = ExpertMap.upload(be, placed.phys_expert[placed.layers.index(i)], cfg.num_experts) if placed else None
+            return MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch, mapped)
         if isinstance(w, ExpertWeights):
             mlp = be.upload_experts((w,), 0, cfg.swiglu_limit, what=f"layer {i} dense mlp")
             return DenseSite(be, site_comm, cfg, mlp, dense_nvfp4)
@@ -195,7 +214,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
         return sites
 
     sites = ranks.agree("weight upload", upload)
-    stack = MlpStack(be, comm, cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace, workspaces)
+    stack = MlpStack(be, comm, slots_cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace, workspaces)
     every = ranks.allgather("weight report", (weight_bytes, to_read, load_s))
     if rank == 0:
         log.info("%s", load_line([b for _, b, _ in every], [t for _, _, t in every]))
@@ -203,6 +222,9 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
             log.info("the checkpoint's NVFP4 projections carry static input scales (a W4A4 export): they are not "
                      "used; activations stay bf16 (W4A16), so outputs differ from a W4A4 engine's by its "
                      "activation rounding")
-        for line in report_lines(model, cfg, topo, [b for b, _, _ in every], dequant_bytes):
+        for line in report_lines(model, slots_cfg, topo, [b for b, _, _ in every], dequant_bytes):
             log.info("%s", line)
-    return Runtime(model, cfg, topo, be, comm, stack, weight_bytes)
+        if placed is not None:
+            log.info("expert placement: %s (%d slots over ep = %d, %d redundant; digest %s)", topo.expert_placement,
+                     placed.slots, placed.ep, placed.redundant, placed.digest)
+    return Runtime(model, cfg, topo, be, comm, stack, weight_bytes, placed)

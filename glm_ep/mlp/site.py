@@ -18,6 +18,7 @@ from glm_ep.backend.base import Backend, DenseResident, MoeResident, RoutedExper
 from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import SiteConfig
 from glm_ep.mlp.dispatch import ExpertDispatch, SharedTail
+from glm_ep.mlp.expert_map import ExpertMap
 from glm_ep.mlp.routing import RouteParams
 from glm_ep.mlp.workspace import Workspace
 
@@ -84,6 +85,7 @@ class MoeSite:
     cfg: SiteConfig
     moe: MoeResident[Any, Any]  # router, bias, expert tables; .shared may be None
     experts: ExpertDispatch
+    expert_map: ExpertMap | None = None  # a placement's global id -> physical slot (None: the contiguous ranges)
 
     sparse = True
 
@@ -122,6 +124,8 @@ class MoeSite:
         sh, t = self.moe.shared, x_TH.shape[0]
         early = self.route_and_shared_glu(x_TH, ws) if sh is not None else None
         ids_TK, wts_TK = early[:2] if early else self.route(x_TH, ws)
+        if self.expert_map is not None:  # global ids -> this layer's physical slots, in place, on the device
+            self.expert_map(self.be, ids_TK)
         shared_TH = ws.view("shared_out", t, self.cfg.hidden) if sh is not None else None
         # one row: the shared expert's down projection and the combine may run inside the routed down launch
         tail = SharedTail(early[2], sh.down, wts_TK, shared_TH, out_TH) if early and t == 1 else None
