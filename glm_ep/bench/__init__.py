@@ -7,8 +7,9 @@ Bytes are the fewest the site must read: the chosen (union of) experts' NVFP4 by
 bf16 shared expert, the router; a dense site its three bf16 matrices.
 
 This module is the command: its flags and the job. The measuring modules need CuPy and are
-imported only once the job runs: ``decode`` (decode and verify; PyTorch peer in ``decode_peer``)
-and ``prefill`` (``--prefill``; HF transformers' peers in ``prefill_peer``), both on ``common``.
+imported only once the job runs: ``decode`` (decode and verify; PyTorch peer in ``decode_peer``),
+``prefill`` (``--prefill``; HF transformers' peers in ``prefill_peer``) and ``shares`` (``--moe-tp N``: the
+one-row sparse site per rank share of ep N and moe_tp N), all on ``common``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
     p.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
     p.add_argument("--rows", type=int, nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096)")
+    p.add_argument("--moe-tp", type=int, metavar="N", help="instead: the one-row sparse site as each rank of a world "
+                   "of N runs its share, ep N against moe_tp N (SHARES_<N>.md)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -49,7 +52,14 @@ def require_gpu() -> None:
 def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
     if mpi_comm.Get_size() != 1:
         raise ConfigError(f"glm-ep bench runs on one rank (world 1), got {mpi_comm.Get_size()}")
+    if args.moe_tp is not None and (args.moe_tp < 2 or args.prefill):
+        raise ConfigError(f"--moe-tp {args.moe_tp}: expected a world of >= 2 ranks to split the experts over, "
+                          "without --prefill")
     require_gpu()
+    if args.moe_tp is not None:
+        from glm_ep.bench.shares import run_shares_bench  # needs CuPy
+
+        return run_shares_bench(args)
     if args.prefill:
         from glm_ep.bench.prefill import run_prefill_bench  # needs CuPy
 
