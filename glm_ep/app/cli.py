@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=_count(0), default=0)
     p.add_argument("--layers", type=_count(1), help="override num_hidden_layers (the real shape is ~170 GB)")
+    p.add_argument("--intermediate-size", type=_count(16), metavar="I", help="override the dense FFN's width")
+    p.add_argument("--moe-intermediate-size", type=_count(16), metavar="M", help="override each routed expert's width "
+                   "(a model of the preset's routing, hidden size and layers on narrow experts: for counting balance)")
     p.add_argument("--router-dtype", choices=("bf16", "f32"), default="bf16")
     p.add_argument("--composite", action="store_true", help="text_config + model.language_model prefix")
     p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
@@ -208,6 +211,9 @@ def _synth(args: argparse.Namespace) -> int:
         raise InputError(f"{args.out}: already holds a checkpoint ({', '.join(held)}); expected an empty or new "
                          "folder (--force writes over its files)")
     cfg = preset(args.preset)
+    for key in ("intermediate_size", "moe_intermediate_size"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
     if args.layers is not None:
         cfg["num_hidden_layers"] = args.layers
         if "mlp_layer_types" in cfg:  # the schedule itself (a first_k_dense_replace beside it could contradict it)
