@@ -148,3 +148,37 @@ def test_footprint_says_the_decode_rows_busiest_rank_against_the_mean(tiny_check
     r = footprint("--preset", "glm-5.3-flash", "--expert-load", str(path))
     assert r.returncode == 2 and "load.safetensors: an expert load of another model (num_hidden_layers 4 in the " \
                                  "file, 45 in the model" in r.stderr and not r.stdout, r.stdout + r.stderr
+
+
+def test_a_moe_tp_that_does_not_divide_and_a_bad_balance_request_are_refused_by_name(tiny_checkpoint, tmp_path) -> None:
+    """On every rank of a job (agreed, exit 2), and in the one-process commands."""
+    import subprocess
+    import sys
+
+    from cli_jobs import mpi_env
+    from helpers import REPO
+
+    fails(glm_ep_job(2, "run", "--model", str(tiny_checkpoint), "--moe-tp", "3", "--no-check"),
+          "moe_tp = 3 does not divide world = 2")
+    fails(glm_ep_job(2, "run", "--model", str(tiny_checkpoint), "--ep", "2", "--moe-tp", "2", "--no-check"),
+          "ep * moe_tp = 4 does not divide world = 2")
+
+    def one(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "glm_ep", *args], capture_output=True, text=True, timeout=120,
+                              env=mpi_env(), cwd=REPO)
+
+    r = one("footprint", "--preset", "tiny", "--moe-tp", "8")
+    assert r.returncode == 2 and "moe_tp = 8: moe_intermediate_size 64 does not split into 8 slices" in r.stderr, r.stderr
+    from mpi4py import MPI
+
+    mlp = glm_ep.load(tiny_checkpoint, comm=MPI.COMM_SELF, expert_load=True)
+    mlp.site(1, random_x(4, 3, mlp.hidden_size))
+    load = mlp.expert_load().save(tmp_path / "load.safetensors")
+    r = one("balance", "--load", str(load), "--ep", "3", "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 2 and "32 experts + 0 replicas = 32 slots do not split evenly over ep = 3" in r.stderr, \
+        r.stderr
+    r = one("balance", "--load", str(tmp_path / "p.json"), "--ep", "2", "--out", str(tmp_path / "q.json"))
+    assert r.returncode == 2 and "p.json: expert load file not found" in r.stderr, r.stderr
+    r = one("synth", "--preset", "tiny", "--router-skew", "-1", "--out", str(tmp_path / "s"))
+    assert r.returncode == 2 and "--router-skew: -1.0, expected a finite number >= 0" in r.stderr, r.stderr
+    assert not (tmp_path / "p.json").exists()
