@@ -28,6 +28,8 @@ from typing import Any, Callable
 import ml_dtypes
 
 from glm_ep import interop
+from glm_ep.app import load_record
+from glm_ep.balance.expert_load import ExpertLoad, ExpertLoadRecorder
 from glm_ep.config.model import ModelConfig
 from glm_ep.errors import ConfigError
 from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint
@@ -38,8 +40,8 @@ from glm_ep.config.topology import Topology
 class GlmMlp:
     """This rank's share of the MLP sites of a GLM-5.3-Flash checkpoint, loaded (``glm_ep.load``)."""
 
-    def __init__(self, runtime: Runtime, ranks: Ranks):
-        self._rt, self._ranks = runtime, ranks
+    def __init__(self, runtime: Runtime, ranks: Ranks, recorder: ExpertLoadRecorder | None = None):
+        self._rt, self._ranks, self._recorder = runtime, ranks, recorder
 
     @property
     def config(self) -> ModelConfig:
@@ -66,6 +68,15 @@ class GlmMlp:
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds."""
         return self._rt.weight_bytes
+
+    def expert_load(self) -> ExpertLoad:
+        """Per sparse layer and expert, how many slots chose it since the load (``glm_ep.balance.expert_load``:
+        ``.logical_count`` [sparse layers, experts], ``.save(path)``). Collective. Recorded only where loaded with
+        ``expert_load=True`` (each sparse site's ids read to the host after it: no graphs)."""
+        if self._recorder is None:
+            raise ConfigError("expert_load(): nothing was recorded; expected a model loaded with "
+                              "glm_ep.load(..., expert_load=True)")
+        return self._recorder.gather(self._ranks)
 
     def site(self, i: int, x: Any) -> Any:
         """Layer ``i``'s MLP applied to ``x`` (bf16 ``[rows, hidden]``), not chained."""
@@ -107,7 +118,7 @@ class GlmMlp:
     def __repr__(self) -> str:
         t = self.topology
         return (f"GlmMlp({self.num_layers} layers, hidden {self.hidden_size}; rank {self._rt.cfg.rank} of "
-                f"{t.world}, tp {t.tp}, ep {t.ep}, backend {t.backend})")
+                f"{t.world}, {t.layout_text}, backend {t.backend})")
 
 
 def _topology(spec: Topology | str | os.PathLike | None, world: int) -> Topology:
@@ -126,13 +137,15 @@ def _model_path(model_dir: Any) -> None:
         raise ConfigError(f"model_dir = {model_dir!r}: expected the checkpoint folder's path (a str or a Path)")
 
 
-def load(model_dir: str | Path, topology: Topology | str | os.PathLike | None = None, comm: Any = None) -> GlmMlp:
+def load(model_dir: str | Path, topology: Topology | str | os.PathLike | None = None, comm: Any = None,
+         expert_load: bool = False) -> GlmMlp:
     """Load ``model_dir`` (HF ``config.json`` + safetensors) across the ranks of ``comm``.
 
     ``topology``: a ``Topology``, a shipped name (``"gb10-2"``), a TOML path, or None for
     world = tp = ep = the communicator's size on the NumPy backend. ``comm``: an mpi4py
-    communicator, ``MPI.COMM_WORLD`` by default. Collective; a bad checkpoint or topology raises
-    the same ``glm_ep.GlmEpError`` on every rank.
+    communicator, ``MPI.COMM_WORLD`` by default. ``expert_load``: record the routers' choices
+    (``GlmMlp.expert_load``). Collective; a bad checkpoint or topology raises the same
+    ``glm_ep.GlmEpError`` on every rank.
     """
     if comm is not None and not all(hasattr(comm, a) for a in ("Get_rank", "Get_size", "allgather", "Abort")):
         raise ConfigError(f"comm = {comm!r}: expected an mpi4py communicator (e.g. MPI.COMM_WORLD) or None")
@@ -143,4 +156,5 @@ def load(model_dir: str | Path, topology: Topology | str | os.PathLike | None = 
     ckpt = open_checkpoint(model_dir, topo, ranks)
     if ckpt.note and ranks.rank == 0:  # the folder holds both weight layouts: which one is read
         logging.getLogger(__name__).warning("%s", ckpt.note)
-    return GlmMlp(load_runtime(ckpt, topo, ranks), ranks)
+    rt = load_runtime(ckpt, topo, ranks)
+    return GlmMlp(rt, ranks, load_record.start(rt, ranks) if expert_load else None)

@@ -122,19 +122,21 @@ def _tp_slice_nvfp4(w: ExpertWeights, tp: int, tp_rank: int) -> ExpertWeights:
 def shard_layer(w: DenseWeights | ExpertWeights | MoeWeights,
                 layout: RankLayout) -> DenseWeights | ExpertWeights | MoeWeights | None:
     """One rank's share: column-parallel gate/up and row-parallel down for TP, a contiguous expert
-    range for EP; when the site reduces, a replicated piece is held only by its first replica."""
-    tp, ep, rank = layout.tp, layout.ep, layout.rank
+    range for EP over groups of moe_tp consecutive ranks, and within a group slice ``rank % moe_tp`` of
+    each expert's width (cut as TP cuts an MLP); when the site reduces, a replicated piece is held only by
+    its first replica (ranks < tp, ranks < ep * moe_tp)."""
+    tp, ep, moe_tp, rank = layout.tp, layout.ep, layout.moe_tp, layout.rank
     sparse = isinstance(w, MoeWeights)
-    reduces = tp > 1 or (sparse and ep > 1)
+    reduces = tp > 1 or (sparse and ep * moe_tp > 1)
     tp_on = not reduces or rank < tp
-    ep_on = not reduces or rank < ep
+    ep_on = not reduces or rank < ep * moe_tp
     if not sparse:
         cut = _tp_slice_nvfp4 if isinstance(w, ExpertWeights) else _tp_slice
         return cut(w, tp, rank % tp) if tp_on else None
     per = len(w.experts) // ep
-    start = (rank % ep) * per
-    return MoeWeights(router=w.router, bias=w.bias, expert_start=start,
-                      experts=w.experts[start:start + per] if ep_on else (),
+    start = (rank // moe_tp % ep) * per
+    mine = tuple(_tp_slice_nvfp4(e, moe_tp, rank % moe_tp) for e in w.experts[start:start + per])
+    return MoeWeights(router=w.router, bias=w.bias, expert_start=start, experts=mine if ep_on else (),
                       shared=_tp_slice(w.shared, tp, rank % tp) if tp_on and w.shared is not None else None)
 
 

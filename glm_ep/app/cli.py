@@ -1,10 +1,11 @@
-"""``glm-ep``: synth, make-input, footprint, forward, run and bench.
+"""``glm-ep``: synth, make-input, footprint, forward, run, balance and bench.
 
     mpiexec -n 2 python -m glm_ep run                       # the main job on the tiny checkpoint
     mpiexec -n 2 python -m glm_ep forward --model DIR --input IN.safetensors --output OUT.safetensors
     python -m glm_ep synth --preset tiny --out DIR
     python -m glm_ep make-input --model DIR --rows 64 --out IN.safetensors
     python -m glm_ep footprint --preset glm-5.3-flash --tp 2 --ep 2
+    python -m glm_ep balance --load LOAD.safetensors --ep 8 --out PLACEMENT.json
 
 Exit codes: 0 done (run: PASS), 1 internal error, 2 user error (config, topology, checkpoint,
 input, output, memory), 3 run's check FAILed, 4 a rank waited past collective_timeout_s (a rank
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from glm_ep import bench
+from glm_ep.app import load_record
 from glm_ep.errors import EXIT_USER, InputError
 from glm_ep.dist.mpi_lib import MpiUnavailable
 from glm_ep.dist.ranks import Ranks, mpi_world, run_guarded, setup_logging
@@ -65,7 +67,7 @@ def launch_rank() -> int:
     return _launch_value(0, 0)
 
 
-_ALONE = ("synth", "make-input", "footprint", "bench")  # the commands whose ranks never meet (bench: one rank)
+_ALONE = ("synth", "make-input", "footprint", "balance", "bench")  # commands whose ranks never meet (bench: one rank)
 
 
 class _ArgumentsRefused(Exception):
@@ -110,11 +112,24 @@ def _count(least: int) -> Callable[[str], int]:
     return integer
 
 
+def _skew(text: str) -> float:
+    """An argparse type: a finite number >= 0 (the router skew)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"{v}, expected a finite number >= 0 (0: no skew)")
+    return v
+
+
 def _layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", help=f"a topology TOML file or a shipped name ({', '.join(shipped_names())}); "
                    "default: world = tp = ep = MPI size, backend cpu")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (overrides the topology)")
     p.add_argument("--ep", type=int, help="expert-parallel degree (overrides the topology)")
+    p.add_argument("--moe-tp", type=int, help="each routed expert's width split over this many ranks: ep groups of "
+                   "moe-tp ranks (overrides the topology; without a topology, ep defaults to world / moe-tp)")
     p.add_argument("--backend", choices=("cpu", "cuda"), help="overrides the topology's backend")
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -128,10 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=_count(0), default=0)
     p.add_argument("--layers", type=_count(1), help="override num_hidden_layers (the real shape is ~170 GB)")
+    p.add_argument("--intermediate-size", type=_count(16), metavar="I", help="override the dense FFN's width")
+    p.add_argument("--moe-intermediate-size", type=_count(16), metavar="M", help="override each routed expert's width "
+                   "(a model of the preset's routing, hidden size and layers on narrow experts: for counting balance)")
     p.add_argument("--router-dtype", choices=("bf16", "f32"), default="bf16")
     p.add_argument("--composite", action="store_true", help="text_config + model.language_model prefix")
     p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
                    help="how the dense FFNs are stored (nvfp4: quantized like the experts)")
+    p.add_argument("--router-skew", type=_skew, default=0.0, metavar="S",
+                   help="skew each router's expert load (Zipf-like, seeded; 0: none, 1: the hottest expert takes "
+                   "several times its share)")
     p.add_argument("--shard-mb", type=_count(1), default=256)
     p.add_argument("--force", action="store_true", help="write over a checkpoint already in the folder")
 
@@ -153,14 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=_count(1), help="expert-parallel degree (default: the topology's, else 1)")
     p.add_argument("--rows", type=_count(1), help="workspace rows (default: the topology's workspace_rows, as the "
                    "runtime builds it)")
+    p.add_argument("--moe-tp", type=_count(1), help="each routed expert's width split over this many ranks (default: "
+                   "the topology's, else 1)")
     p.add_argument("--per-layer", action="store_true", help="one workspace per layer instead of one shared")
     p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
                    help="with --preset: how the dense FFNs are stored (a --model checkpoint says so itself)")
+    p.add_argument("--expert-load", metavar="FILE", help="a recorded expert load (run / forward --expert-load): the "
+                   "decode row's routed bytes on the busiest rank from it (default: uniform routing)")
 
     p = sub.add_parser("forward", help="apply every MLP site to one input (mpiexec -n W)")
     p.add_argument("--model", required=True)
     p.add_argument("--input", required=True, help="safetensors with hidden_states bf16 [rows, hidden]")
     p.add_argument("--output", required=True, help="rank 0 writes layers.{i} [rows, hidden] here")
+    load_record.add_arguments(p)
     _layout_flags(p)
 
     p = sub.add_parser("run", help="the main job: load, prefill/decode/verify through the stack, check")
@@ -176,8 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "only the experts they route to), auto (full where its memory estimate fits, else sampled), "
                    "none")
     p.add_argument("--no-check", dest="check", action="store_const", const="none", help="the same as --check none")
+    load_record.add_arguments(p)
     _layout_flags(p)
 
+    from glm_ep.app import balance_job
+
+    balance_job.add_arguments(sub.add_parser("balance", help="place the experts on the ep ranks from a recorded "
+                                             "expert load (EPLB)"), _count)
     bench.add_arguments(sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)"))
     return ap
 
@@ -197,10 +228,14 @@ def _synth(args: argparse.Namespace) -> int:
         raise InputError(f"{args.out}: already holds a checkpoint ({', '.join(held)}); expected an empty or new "
                          "folder (--force writes over its files)")
     cfg = preset(args.preset)
+    for key in ("intermediate_size", "moe_intermediate_size"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
     if args.layers is not None:
         _cut_layers(cfg, args.layers)
     path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
-                           router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense)
+                           router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense,
+                           router_skew=args.router_skew)
     print(f"wrote {path}")
     return 0
 
@@ -233,8 +268,11 @@ def _footprint(args: argparse.Namespace) -> int:
              else ModelConfig.from_file(f"{args.model}/config.json"))
     topo = Topology.load(args.topology) if args.topology is not None else Topology(name="footprint")
     tp, ep = args.tp or (topo.tp if args.topology else 1), args.ep or (topo.ep if args.topology else 1)
-    world = topo.world if args.topology and topo.world % math.lcm(tp, ep) == 0 else math.lcm(tp, ep)
-    topo = dataclasses.replace(topo, world=world, tp=tp, ep=ep, workspace_rows=args.rows or topo.workspace_rows,
+    moe_tp = args.moe_tp or (topo.moe_tp if args.topology else 1)
+    lcm = math.lcm(tp, ep * moe_tp)  # the smallest world both divide
+    world = topo.world if args.topology and topo.world % lcm == 0 else lcm
+    topo = dataclasses.replace(topo, world=world, tp=tp, ep=ep, moe_tp=moe_tp,
+                               workspace_rows=args.rows or topo.workspace_rows,
                                shared_workspace=topo.shared_workspace and not args.per_layer)
     cfg = site_config(model, topo, 0)
     from glm_ep.app.footprint import weight_bytes_per_rank
@@ -254,10 +292,16 @@ def _footprint(args: argparse.Namespace) -> int:
                 router_itemsize = 4 if ck.info(router).dtype == "F32" else 2
     from glm_ep.mlp.site import site_buffers
 
+    from glm_ep.balance import expert_load
+    from glm_ep.balance.report import decode_row_line
+
+    load = expert_load.read(args.expert_load, model) if args.expert_load else None
     # the scratch rank 0's sites declare (it holds a dense FFN's shard), as the load makes it on the NumPy backend
     buffers = site_buffers(cfg, topo.levers, dense_nvfp4 and bool(model.dense_layers))
     for line in report_lines(model, topo, weight_bytes_per_rank(model, topo, dense_nvfp4, router_itemsize), buffers):
         print(line)
+    if model.sparse_layers:
+        print(decode_row_line(model, topo.ep, topo.moe_tp, load))
     return 0
 
 
@@ -304,11 +348,13 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except _ArgumentsRefused as refused:
         return _refused_with_the_others(refused)
-    if args.cmd in ("synth", "make-input", "footprint"):
+    if args.cmd in ("synth", "make-input", "footprint", "balance"):
         if args.cmd == "footprint" and launch_rank() != 0:
             _quiet()  # under mpiexec every rank computes the same report: rank 0 alone prints it (and any error)
         setup_logging(0)
-        alone = {"synth": _synth, "make-input": _make_input, "footprint": _footprint}[args.cmd]
+        from glm_ep.app.balance_job import balance_job
+
+        alone = {"synth": _synth, "make-input": _make_input, "footprint": _footprint, "balance": balance_job}[args.cmd]
         return run_guarded(lambda: alone(args), None)
     try:
         comm: Any = mpi_world()

@@ -12,7 +12,7 @@ def nvfp4_bytes(n: int, k: int) -> int:
 
 def rank_weight_bytes(model: ModelConfig, cfg: SiteConfig, router_itemsize: int = 2, dense_nvfp4: bool = False) -> int:
     """``dense_nvfp4``: the dense FFNs are stored NVFP4 (else bf16, as the shared experts are)."""
-    h, m = model.hidden_size, model.moe_intermediate_size
+    h, m = model.hidden_size, cfg.moe_intermediate  # this rank's slice of each expert's width (moe_tp)
     expert = 2 * nvfp4_bytes(m, h) + nvfp4_bytes(h, m)
     total = 0
     for kind in model.mlp_layer_types:
@@ -29,5 +29,6 @@ def rank_weight_bytes(model: ModelConfig, cfg: SiteConfig, router_itemsize: int 
 def weight_bytes_per_rank(model: ModelConfig, topo: Topology, dense_nvfp4: bool = False,
                           router_itemsize: int = 2) -> list[int]:
     """``router_itemsize``: 4 where the checkpoint stores the router F32 (the runtime holds it as stored)."""
-    return [rank_weight_bytes(model, SiteConfig.for_rank(model, RankLayout(topo.world, r, topo.tp, topo.ep)),
+    return [rank_weight_bytes(model, SiteConfig.for_rank(model, RankLayout(topo.world, r, topo.tp, topo.ep,
+                                                                           topo.moe_tp)),
                               router_itemsize, dense_nvfp4) for r in range(topo.world)]

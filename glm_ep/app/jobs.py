@@ -23,6 +23,7 @@ from glm_ep.check.verdict import check_run, first_overflow
 from glm_ep.check.plan import CheckPlan, memory_available, memory_budget, plan_check
 from glm_ep.checkpoint.layers import layer_read_bytes
 from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, NumericError
+from glm_ep.app import load_record
 from glm_ep.app.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.checkpoint.finite import nonfinite_mask
 from glm_ep.checkpoint.reader import Checkpoint
@@ -37,12 +38,15 @@ BF16 = ml_dtypes.bfloat16
 
 
 def resolve_topology(args: argparse.Namespace, world: int) -> Topology:
-    """The topology file if given (else world = tp = ep = MPI size), then the CLI overrides."""
+    """The topology file if given (else world = tp = ep = MPI size; ep = world / moe_tp with --moe-tp), then the
+    CLI overrides."""
     if args.topology is not None and not args.topology.strip():  # an unset shell variable, say: not the default
         raise ConfigError(f"--topology {args.topology!r}: expected a shipped topology name or a TOML path")
+    moe_tp = getattr(args, "moe_tp", None)
+    ep = world // moe_tp if moe_tp and moe_tp > 0 and world % moe_tp == 0 else world
     topo = (Topology.load(args.topology) if args.topology is not None
-            else Topology(name="cli", world=world, tp=world, ep=world))
-    return topo.with_overrides(tp=args.tp, ep=args.ep, backend=args.backend)
+            else Topology(name="cli", world=world, tp=world, ep=ep))
+    return topo.with_overrides(tp=args.tp, ep=args.ep, backend=args.backend, moe_tp=moe_tp)
 
 
 def agreed_topology(args: argparse.Namespace, ranks: Ranks) -> Topology:
@@ -65,12 +69,14 @@ def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
     # rank 0 writes the output: never over its own input or model files
     ranks.agree("output check", lambda: check_output_path(args.output, job_inputs(args.input, args.model))
                 if ranks.rank == 0 else None)
+    load_record.check_paths(args, ranks, job_inputs(args.input, args.model) + [("the --output file", Path(args.output))])
     ckpt = opened(args.model, topo, ranks)  # config and headers: the hidden size
     hidden = ckpt.config.hidden_size
     x = ranks.agree("input read", lambda: read_hidden_states(args.input, hidden, topo.allow_nonfinite_input))
     ranks.check_same("input fingerprint", "inputs", {"input rows": str(x.shape[0]),
                                                      "input": hashlib.sha256(x.tobytes()).hexdigest()})
     rt = load_runtime(ckpt, topo, ranks)
+    recorder = load_record.start(rt, ranks) if args.expert_load else None
     layers, spans = rt.model.num_hidden_layers, _spans(x.shape[0], rt.stack.max_rows)
     outputs = {f"layers.{i}": np.empty(x.shape, dtype=BF16) for i in range(layers)}
     with progress(layers * len(spans), "forward", unit="chunks", enabled=ranks.rank == 0, log=log) as bar:
@@ -85,6 +91,8 @@ def forward_job(args: argparse.Namespace, ranks: Ranks) -> int:
                 if ranks.rank == 0 else None)
     if ranks.rank == 0:
         log.info("wrote %d site outputs of %s rows to %s", len(outputs), x.shape[0], args.output)
+    if recorder is not None:
+        load_record.finish(recorder, ranks, args)
     return EXIT_OK
 
 
@@ -157,6 +165,7 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
         ranks.agree("default checkpoint", lambda: ensure_default_checkpoint(cache) if ranks.rank == 0 else None)
         args.model = str(cache / "tiny")
     topo = agreed_topology(args, ranks)
+    load_record.check_paths(args, ranks, job_inputs("", args.model)[1:])
     ckpt = opened(args.model, topo, ranks)
     loaded = ckpt.stamps  # the check refuses a checkpoint rewritten after this
     call_rows = [args.prefill] + [1] * args.decode + [args.verify]
@@ -173,6 +182,12 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     results = [(phase, x, *_timed(rt, ranks, x)) for phase, x in calls]
     if ranks.rank == 0:
         _print_timing(results, rt, args.warmup)
+    if args.expert_load:  # the calls once more, recorded (untimed: the recording reads each site's ids to the host)
+        recorder = load_record.start(rt, ranks)
+        for _, x in calls:
+            _timed(rt, ranks, x)
+        recorder.detach(rt.stack)
+        load_record.finish(recorder, ranks, args)
     if plan is None:
         _refuse_overflow(rt, ranks, results, topo.check_weights)
         return EXIT_OK
@@ -256,7 +271,7 @@ def _print_timing(results: list[tuple[str, np.ndarray, np.ndarray, float]], rt: 
         med = statistics.median(dt for _, dt in sel)
         print(f"{phase:<8} {len(sel):>5} {sel[0][0]:>9} {med * 1e3:>10.3f} {total * 1e3:>10.3f} "
               f"{rows / total if total else float('inf'):>10.1f}")
-    print(f"(backend {rt.be.name}, world {rt.topo.world}, tp {rt.topo.tp}, ep {rt.topo.ep}; "
+    print(f"(backend {rt.be.name}, world {rt.topo.world}, {rt.topo.layout_text}; "
           f"{rt.model.num_hidden_layers} sites per step; timed after {warmup} warm-up step(s) per row count; "
           f"steps of 1..{rt.be.capabilities.max_gemv_rows} rows replay a captured graph where the backend captures)",
           flush=True)

@@ -32,6 +32,7 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
     from glm_ep.backend.cuda.kernel_loader import block_smem_limit
 
     CudaBackend.capabilities.check("cuda", topology.levers, cfg.top_k)
+    _check_expert_slice(cfg)
     ring = RingConfig.from_levers(topology.levers)
     ring.forms(cfg.swiglu_limit)  # the check the upload repeats, here on every rank before any weight is read
     try:
@@ -52,6 +53,17 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
 
         route.check_sort_fits(cfg.num_experts, block_smem_limit(), "sm_%d%d" % compute_capability(current_device()))
     return be
+
+
+def _check_expert_slice(cfg: SiteConfig) -> None:
+    """A ConfigError where ``moe_tp`` leaves each rank a slice of an expert's width the CUDA kernels cannot take."""
+    from glm_ep.backend.cuda.grouped import EXPERT_WIDTH_MULTIPLE
+
+    if cfg.moe_tp > 1 and cfg.moe_intermediate % EXPERT_WIDTH_MULTIPLE:
+        raise ConfigError(f"moe_tp = {cfg.moe_tp}: each rank's slice of a routed expert is {cfg.moe_intermediate} wide "
+                          f"(moe_intermediate_size / moe_tp), and the CUDA kernels take expert widths in multiples of "
+                          f"{EXPERT_WIDTH_MULTIPLE} (the grouped GEMM's stage of k); expected a moe_tp that leaves "
+                          f"one, or backend = 'cpu'")
 
 
 def make_comm(mpi_comm: Any, backend: Backend, topology: Any, placement: Placement,

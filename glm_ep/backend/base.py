@@ -315,6 +315,11 @@ class Backend(ABC, Generic[A, P]):
                                         routed.perm_TK)
 
     @abstractmethod
+    def map_expert_ids(self, ids_TK: Any, table_EW: Any, nrep_E: Any, out_TK: Any) -> Any:
+        """``glm_ep.mlp.expert_map.map_ids`` into ``out`` (global expert ids -> a placement's physical slots,
+        int32; ``out`` may be ``ids`` itself); on a device, one launch and no host sync."""
+
+    @abstractmethod
     def add(self, a: Any, b: Any, out: Any) -> Any:
         """``out = bf16(a + b)`` (the residual of a chained stack)."""
 

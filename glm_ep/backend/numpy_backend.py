@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 
 from glm_ep.checkpoint import nvfp4
-from glm_ep.mlp import routing
+from glm_ep.mlp import expert_map, routing
 from glm_ep.backend.base import KERNEL_LIMITS, Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
 from glm_ep.checkpoint.nvfp4 import Nvfp4Weight
 from glm_ep.checkpoint.weights import DenseWeights, ExpertWeights, MoeWeights
@@ -90,6 +90,10 @@ class NumpyBackend(Backend[np.ndarray, Projection]):
             acc += _f32(shared_TH)
         out_TH[...] = acc.astype(BF16)
         return out_TH
+
+    def map_expert_ids(self, ids_TK, table_EW, nrep_E, out_TK):
+        out_TK[...] = expert_map.map_ids(ids_TK, table_EW, nrep_E)
+        return out_TK
 
     def add(self, a, b, out):
         out[...] = (_f32(a) + _f32(b)).astype(BF16)

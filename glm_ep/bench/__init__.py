@@ -8,9 +8,9 @@ bf16 shared expert, the router; a dense site its three bf16 matrices.
 
 This module is the command: its flags and the job. The measuring modules need CuPy and are
 imported only once the job runs: ``decode`` (decode and verify; PyTorch peer in ``decode_peer``),
-``prefill`` (``--prefill``; HF transformers' peers in ``prefill_peer``) and the sweeps the kernel
-defaults are set from (``--sweep ring|union`` in ``sweep_ring``, ``--sweep dense`` in ``sweep_dense``),
-all on ``common``.
+``prefill`` (``--prefill``; HF transformers' peers in ``prefill_peer``), the sweeps the kernel
+defaults are set from (``--sweep ring|union`` in ``sweep_ring``, ``--sweep dense`` in ``sweep_dense``) and
+``shares`` (``--moe-tp N``: the one-row sparse site per rank share of ep N and moe_tp N), all on ``common``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     what.add_argument("--sweep", choices=SWEEPS, help="instead, the lever sets a default was chosen from, side by "
                       "side: the one-row routed ring (ring), the verify union kernels (union), the bf16 row tiers "
                       "(dense); writes SWEEP_<NAME>.md and sweep_<name>.json")
+    what.add_argument("--moe-tp", type=int, metavar="N", help="instead: the one-row sparse site as each rank of a "
+                      "world of N runs its share, ep N against moe_tp N (SHARES_<N>.md)")
     p.add_argument("--rows", type=int, nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096); "
                    "--sweep dense widths (default 1 2 4 5 8 9 16 24 32 48 64)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -62,6 +64,8 @@ def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
         raise ConfigError(f"glm-ep bench --sweep {args.sweep} --rows {' '.join(map(str, args.rows))}: --rows sets "
                           "the widths of --prefill and --sweep dense; the ring sweep times one row, the union sweep "
                           "2..8 rows")
+    if args.moe_tp is not None and args.moe_tp < 2:
+        raise ConfigError(f"--moe-tp {args.moe_tp}: expected a world of >= 2 ranks to split the experts over")
     require_gpu()
     if args.sweep in ("ring", "union"):
         from glm_ep.bench import sweep_ring  # needs CuPy
@@ -71,6 +75,10 @@ def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
         from glm_ep.bench.sweep_dense import run_sweep_dense  # needs CuPy
 
         return run_sweep_dense(args)
+    if args.moe_tp is not None:
+        from glm_ep.bench.shares import run_shares_bench  # needs CuPy
+
+        return run_shares_bench(args)
     if args.prefill:
         from glm_ep.bench.prefill import run_prefill_bench  # needs CuPy
 

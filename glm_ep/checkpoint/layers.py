@@ -1,12 +1,17 @@
 """What one rank reads of one MLP site: its TP slices of the dense FFN / shared expert (bf16, or NVFP4
-as some exports store the dense FFN), its EP range of routed experts, and the (never sharded) router,
+as some exports store the dense FFN), its EP range of routed experts (with ``moe_tp`` > 1, its slice of
+each one's width), and the (never sharded) router,
 each tensor checked by ``glm_ep.checkpoint.reader.Checkpoint``; and the bytes such a read moves.
 
 Shapes are ``[out, in]`` as stored. Suffixes: H hidden, I dense/shared width (``Il`` this rank's
-slice), E routed experts.
+slice), E routed experts, M an expert's width (``Ml`` this rank's slice: ``M / moe_tp``, on 16-element
+block boundaries, so 8 bytes of ``weight`` and 1 column of ``weight_scale`` per block; ``weight_scale_2``
+stays whole).
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -120,7 +125,8 @@ def _check_scales(ckpt: Checkpoint, prefix: str, q: Nvfp4Weight, k: int, rows: s
 
 def _check_site(model: ModelConfig, cfg: SiteConfig) -> None:
     for what, ours, theirs in (("hidden", cfg.hidden, model.hidden_size),
-                               ("moe_intermediate", cfg.moe_intermediate, model.moe_intermediate_size),
+                               ("moe_intermediate * moe_tp", cfg.moe_intermediate * cfg.moe_tp,
+                                model.moe_intermediate_size),
                                ("num_experts", cfg.num_experts, model.n_routed_experts)):
         if ours != theirs:
             raise ConfigError(f"site config {what} = {ours} does not match the checkpoint's {theirs}")
@@ -131,8 +137,17 @@ def expert_prefix(ckpt: Checkpoint, layer: int, e: int) -> str:
     return f"{ckpt.layer_prefix(layer)}.mlp.experts.{e}"
 
 
-def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> int:
-    """The bytes ``load_layer(ckpt, cfg, layer)`` reads, from the headers alone (a tensor missing
+def held_experts(cfg: SiteConfig, held: Sequence[int] | None) -> Sequence[int]:
+    """The experts a rank reads, in slot order: a placement's (``held``), else its contiguous EP range."""
+    if held is None:
+        return range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
+    if len(held) != cfg.local_experts:
+        raise ConfigError(f"a placement gives this rank {len(held)} experts, its geometry {cfg.local_experts}")
+    return held
+
+
+def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int, held: Sequence[int] | None = None) -> int:
+    """The bytes ``load_layer(ckpt, cfg, layer, held)`` reads, from the headers alone (a tensor missing
     from them counts 0: the load names it)."""
     def stored(name: str, part: int = 1, whole: int = 1) -> int:
         try:
@@ -152,23 +167,27 @@ def layer_read_bytes(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> int:
         return sum(stored(f"{p}.mlp.{w}.weight", part, whole) for w in projections)
     total = stored(f"{p}.mlp.gate.weight") + stored(f"{p}.mlp.gate.e_score_correction_bias")
     if cfg.ep_active():
-        total += sum(stored(f"{expert_prefix(ckpt, layer, e)}.{w}.{t}")
-                     for e in range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
-                     for w in projections for t in ("weight", "weight_scale", "weight_scale_2"))
+        for e in held_experts(cfg, held):  # a 1 / moe_tp slice of each
+            q = expert_prefix(ckpt, layer, e)
+            total += sum(stored(f"{q}.{w}.weight", 1, cfg.moe_tp) + stored(f"{q}.{w}.weight_scale", 1, cfg.moe_tp)
+                         + stored(f"{q}.{w}.weight_scale_2") for w in projections)
     if cfg.tp_active(True) and model.n_shared_experts > 0:
         total += sum(stored(f"{p}.mlp.shared_experts.{w}.weight", cfg.local_shared_intermediate,
                             model.shared_intermediate) for w in projections)
     return total
 
 
-def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> DenseWeights | ExpertWeights | MoeWeights | None:
+def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int,
+               held: Sequence[int] | None = None) -> DenseWeights | ExpertWeights | MoeWeights | None:
     """What this rank holds at MLP site ``layer``.
 
     Dense site: this rank's TP slice (``DenseWeights``, or ``ExpertWeights`` for a dense FFN stored
     NVFP4), or None on a replica that does not contribute it. Sparse
-    site: the router and its fp32 bias (always), experts ``expert_start ..`` (empty on a
-    non-contributing EP replica), the shared expert's TP slice (None on a non-contributing TP
-    replica or when the model has no shared expert).
+    site: the router and its fp32 bias (always), experts ``expert_start ..`` (a placement's ``held``
+    experts in their slots, ``expert_start ..`` counting slots; empty on a
+    non-contributing EP replica; each cut to ``cfg.moe_slice``: gate/up rows ``[Ml, H]``, down columns
+    ``[H, Ml]``), the shared expert's TP slice (None on a non-contributing TP replica or when the
+    model has no shared expert).
     """
     model = ckpt.config
     _check_site(model, cfg)
@@ -194,12 +213,12 @@ def load_layer(ckpt: Checkpoint, cfg: SiteConfig, layer: int) -> DenseWeights | 
 
     experts: list[ExpertWeights] = []
     if cfg.ep_active():
-        ids = range(cfg.expert_start, cfg.expert_start + cfg.local_experts)
-        for e in ids:
+        part = cfg.moe_slice if cfg.moe_tp > 1 else None  # this rank's Ml of each expert's width
+        for e in held_experts(cfg, held):
             q = expert_prefix(ckpt, layer, e)
-            experts.append(ExpertWeights(gate=read_nvfp4(ckpt, f"{q}.gate_proj", inter, h),
-                                         up=read_nvfp4(ckpt, f"{q}.up_proj", inter, h),
-                                         down=read_nvfp4(ckpt, f"{q}.down_proj", h, inter)))
+            experts.append(ExpertWeights(gate=read_nvfp4(ckpt, f"{q}.gate_proj", inter, h, rows=part),  # [Ml, H]
+                                         up=read_nvfp4(ckpt, f"{q}.up_proj", inter, h, rows=part),  # [Ml, H]
+                                         down=read_nvfp4(ckpt, f"{q}.down_proj", h, inter, cols=part)))  # [H, Ml]
     shared = None
     if cfg.tp_active(True) and model.n_shared_experts > 0:
         shared = _bf16_mlp(ckpt, f"{p}.mlp.shared_experts", model.shared_intermediate, h, cfg.tp_rank,

@@ -11,7 +11,9 @@ Values: bf16 / fp32 weights ~ N(0, 1) / sqrt(in_features); one gate/up output ro
 ``1 / HEAVY_ROW_ODDS`` is ``HEAVY_ROW_GAIN`` times larger, so on unit-variance inputs the
 SwiGLU clamp (``swiglu_limit`` = 10) fires on the tails. Routed experts are quantized with
 ``glm_ep.checkpoint.nvfp4.quantize``. The routing bias is fp32 ``7 + 0.02 * N(0, 1)``: GLM biases sit close
-together near 7.
+together near 7. With a router skew ``S > 0`` each layer ranks its experts in a seeded order and lowers the bias
+of the expert ranked ``j`` by ``SKEW_STEP * S * ln(1 + j)``, so its load falls off with ``j`` (Zipf-like: the
+hottest expert takes several times its share at ``S = 1``); ``S = 0`` writes the same bits as before.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ HEAVY_ROW_ODDS = 16
 HEAVY_ROW_GAIN = 6.0
 BIAS_CENTER = 7.0
 BIAS_SPREAD = 0.02
+SKEW_STEP = 0.02  # the bias step of the router skew (about a tenth of a unit-variance row's spread of scores)
+SKEW_KEY = 1 << 20  # the skew's generator key, apart from every tensor group's (layer, group)
 _ITEMSIZE = {"BF16": 2, "F32": 4, "U8": 1, "F8_E4M3": 1}
 
 
@@ -106,19 +110,46 @@ def _expert_group(p: str, inter: int, hidden: int, key: tuple[int, int], input_s
     return _Group(tuple(specs), make, key)
 
 
-def _router_group(p: str, experts: int, hidden: int, router_dtype: str, key: tuple[int, int]) -> _Group:
+def skew_offsets(experts: int, skew: float, seed: int, layer: int) -> np.ndarray:
+    """fp32 ``[E]``: what the router skew ``skew`` adds to layer ``layer``'s biases (zeros at 0): the expert ranked
+    ``j`` in a seeded order gets ``-SKEW_STEP * skew * ln(1 + j)``."""
+    if not skew:
+        return np.zeros(experts, np.float32)
+    order = np.random.default_rng((seed, layer, SKEW_KEY)).permutation(experts)
+    offsets = np.empty(experts, np.float64)
+    offsets[order] = -SKEW_STEP * skew * np.log1p(np.arange(experts))
+    return offsets.astype(np.float32)
+
+
+
+def _router_group(p: str, experts: int, hidden: int, router_dtype: str, key: tuple[int, int], skew: float = 0.0,
+                  seed: int = 0) -> _Group:
     stored = {"bf16": ("BF16", ml_dtypes.bfloat16), "f32": ("F32", np.float32)}[router_dtype]
 
     def make(rng: np.random.Generator) -> dict[str, np.ndarray]:
         router_EH = _normal(rng, experts, hidden, heavy_rows=False).astype(stored[1])
         bias_E = (BIAS_CENTER + BIAS_SPREAD * rng.standard_normal(experts)).astype(np.float32)
+        bias_E = (bias_E + skew_offsets(experts, skew, seed, key[0])).astype(np.float32)
         return {f"{p}.weight": router_EH, f"{p}.e_score_correction_bias": bias_E}
 
     specs = ((f"{p}.weight", (experts, hidden), stored[0]), (f"{p}.e_score_correction_bias", (experts,), "F32"))
     return _Group(specs, make, key)
 
 
-def _plan(model: ModelConfig, prefix: str, router_dtype: str, dense: str, input_scale: bool) -> list[_Group]:
+def synthetic_router(config: dict[str, Any], layer: int, seed: int = 0, router_dtype: str = "bf16",
+                     router_skew: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(router [E, H], bias [E])`` of sparse layer ``layer`` as ``write_synthetic`` writes them with these
+    arguments (the same bits), without writing or drawing anything else."""
+    model = ModelConfig.from_dict(config, source="synthetic config")
+    if model.mlp_layer_types[layer] != "sparse":
+        raise ValueError(f"layer {layer} is {model.mlp_layer_types[layer]}, expected a sparse layer")
+    g = _router_group("gate", model.n_routed_experts, model.hidden_size, router_dtype, (layer, 0), router_skew, seed)
+    made = g.make(np.random.default_rng((seed, *g.key)))
+    return made["gate.weight"], made["gate.e_score_correction_bias"]
+
+
+def _plan(model: ModelConfig, prefix: str, router_dtype: str, dense: str, input_scale: bool, skew: float = 0.0,
+          seed: int = 0) -> list[_Group]:
     """Every tensor group of the model, in layer order."""
     h, groups = model.hidden_size, []
     for i, kind in enumerate(model.mlp_layer_types):
@@ -127,7 +158,7 @@ def _plan(model: ModelConfig, prefix: str, router_dtype: str, dense: str, input_
             groups.append(_expert_group(p, model.intermediate_size, h, (i, 0), input_scale) if dense == "nvfp4"
                           else _bf16_mlp_group(p, model.intermediate_size, h, (i, 0)))
             continue
-        groups.append(_router_group(f"{p}.gate", model.n_routed_experts, h, router_dtype, (i, 0)))
+        groups.append(_router_group(f"{p}.gate", model.n_routed_experts, h, router_dtype, (i, 0), skew, seed))
         if model.n_shared_experts > 0:
             groups.append(_bf16_mlp_group(f"{p}.shared_experts", model.shared_intermediate, h, (i, 1)))
         groups += [_expert_group(f"{p}.experts.{e}", model.moe_intermediate_size, h, (i, 2 + e), input_scale)
@@ -160,7 +191,7 @@ def _config_json(config: dict[str, Any], composite: bool) -> dict[str, Any]:
 
 def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, shard_bytes: int = 256 * 2**20,
                     router_dtype: str = "bf16", composite: bool = False, progress: bool = False,
-                    dense: str = "bf16", weight_only: bool = False) -> Path:
+                    dense: str = "bf16", weight_only: bool = False, router_skew: float = 0.0) -> Path:
     """Write a seeded checkpoint of the shape ``config`` (flat HF text config) into ``out_dir``.
 
     ``router_dtype`` is ``"bf16"`` or ``"f32"`` (how ``gate.weight`` is stored). ``composite``
@@ -168,12 +199,15 @@ def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, 
     prefix. ``dense`` is ``"bf16"`` or ``"nvfp4"`` (the dense FFNs quantized like the experts, as
     ModelOpt's ``nvfp4_experts_dense_mlp`` recipe exports them). ``weight_only`` writes a W4A16
     export (``quant_algo`` ``W4A16_NVFP4``, no ``input_scale`` tensors), as glm_ep runs it; else an
-    NVFP4 (W4A4) export, whose static input scales the runtime does not use. Returns ``out_dir``.
+    NVFP4 (W4A4) export, whose static input scales the runtime does not use. ``router_skew`` >= 0 skews each
+    router's load (the module's docstring). Returns ``out_dir``.
     """
     if router_dtype not in ("bf16", "f32"):
         raise ValueError(f"router_dtype = {router_dtype!r}, expected 'bf16' or 'f32'")
     if dense not in ("bf16", "nvfp4"):
         raise ValueError(f"dense = {dense!r}, expected 'bf16' or 'nvfp4'")
+    if not (math.isfinite(router_skew) and router_skew >= 0):
+        raise InputError(f"router skew {router_skew}, expected a finite number >= 0 (0: no skew)")
     if "text_config" in config:
         raise ValueError("config must be flat (text fields at the top level); pass composite=True to nest them")
     if weight_only and "quantization_config" in config:
@@ -182,7 +216,7 @@ def write_synthetic(out_dir: str | Path, config: dict[str, Any], seed: int = 0, 
     model = ModelConfig.from_dict(written, source="synthetic config")
     out = _folder(out_dir, "the synthetic checkpoint's folder")
     prefix = "model.language_model.layers" if composite else "model.layers"
-    shards = _shards(_plan(model, prefix, router_dtype, dense, not weight_only), shard_bytes)
+    shards = _shards(_plan(model, prefix, router_dtype, dense, not weight_only, router_skew, seed), shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
     bar = progress_bar(sum(len(s) for s in shards), "synthetic checkpoint", unit="groups", enabled=progress, log=log)

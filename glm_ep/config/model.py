@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -266,24 +266,33 @@ def _check_quantization(quant: Any, source: str, n_layers: int, quant_source: st
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Where one rank sits: ``tp`` and ``ep`` each divide ``world``.
+    """Where one rank sits: ``tp`` divides ``world``, and so does ``ep * moe_tp``.
 
-    ``tp_rank = rank % tp`` and ``ep_rank = rank % ep``. When a degree is below ``world`` the
-    shards are replicated ``world / degree`` times, and only the first replica (``rank < degree``)
-    may contribute to an all-reduced sum, so every piece of work is counted exactly once.
+    Convention (docs/PLACEMENT.md): ``tp_rank = rank % tp``. The routed experts are split over
+    ``ep`` expert groups of ``moe_tp`` consecutive ranks: ``moe_tp_rank = rank % moe_tp`` picks the
+    slice of every expert's intermediate width, ``ep_rank = (rank // moe_tp) % ep`` the group's
+    contiguous expert range (``moe_tp = 1``: ``ep_rank = rank % ep``, as before).
+
+    Replica rule: when a degree is below ``world`` the shards are replicated, and only the first
+    replica may contribute to an all-reduced sum: ranks ``< tp`` for the TP shards, ranks
+    ``< ep * moe_tp`` for the routed experts. Every piece of work is then counted exactly once.
     """
 
     world: int
     rank: int
     tp: int
     ep: int
+    moe_tp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "ep"):
+        for name in ("tp", "ep", "moe_tp"):
             d = getattr(self, name)
             if d < 1 or self.world % d:
                 raise ConfigError(f"{name} = {d} does not divide the world size {self.world}; "
                                   f"expected a divisor of {self.world}")
+        if self.world % (self.ep * self.moe_tp):
+            raise ConfigError(f"ep * moe_tp = {self.ep} * {self.moe_tp} = {self.ep * self.moe_tp} does not divide the "
+                              f"world size {self.world}; expected ep groups of moe_tp ranks that tile the world")
         if not 0 <= self.rank < self.world:
             raise ConfigError(f"rank {self.rank} is outside world size {self.world}")
 
@@ -292,13 +301,20 @@ class RankLayout:
         return self.rank % self.tp
 
     @property
+    def moe_tp_rank(self) -> int:
+        return self.rank % self.moe_tp
+
+    @property
     def ep_rank(self) -> int:
-        return self.rank % self.ep
+        return (self.rank // self.moe_tp) % self.ep
 
 
 @dataclass(frozen=True)
 class SiteConfig:
-    """One rank's MLP geometry: global expert count, local widths, and who contributes what."""
+    """One rank's MLP geometry: global expert count, local widths, and who contributes what.
+
+    ``moe_intermediate`` is the width this rank runs of each routed expert: ``moe_intermediate_size /
+    moe_tp`` (its slice ``moe_tp_rank``: gate/up rows, down columns), the whole width at ``moe_tp = 1``."""
 
     hidden: int
     local_dense_intermediate: int
@@ -317,10 +333,12 @@ class SiteConfig:
     ep: int
     world: int
     rank: int
+    moe_tp: int = 1
+    moe_tp_rank: int = 0
 
     @classmethod
     def for_rank(cls, model: ModelConfig, layout: RankLayout) -> "SiteConfig":
-        tp, ep = layout.tp, layout.ep
+        tp, ep, moe_tp = layout.tp, layout.ep, layout.moe_tp
         if model.intermediate_size % tp:
             raise ConfigError(f"intermediate_size {model.intermediate_size} does not divide over tp = {tp}")
         if model.shared_intermediate % tp:
@@ -329,10 +347,14 @@ class SiteConfig:
         if model.n_routed_experts % ep:
             raise ConfigError(f"n_routed_experts {model.n_routed_experts} does not divide over ep = {ep}; "
                               "a ragged split would leave some expert ids owned by nobody")
+        if model.moe_intermediate_size % (moe_tp * NVFP4_GROUP):
+            raise ConfigError(f"moe_tp = {moe_tp}: moe_intermediate_size {model.moe_intermediate_size} does not split "
+                              f"into {moe_tp} slices on {NVFP4_GROUP}-element NVFP4 block boundaries; expected a moe_tp "
+                              f"that divides {model.moe_intermediate_size // NVFP4_GROUP} (its scale blocks)")
         return cls(
             hidden=model.hidden_size,
             local_dense_intermediate=model.intermediate_size // tp,
-            moe_intermediate=model.moe_intermediate_size,
+            moe_intermediate=model.moe_intermediate_size // moe_tp,
             local_shared_intermediate=model.shared_intermediate // tp,
             num_experts=model.n_routed_experts,
             local_experts=model.n_routed_experts // ep,
@@ -347,11 +369,31 @@ class SiteConfig:
             ep=ep,
             world=layout.world,
             rank=layout.rank,
+            moe_tp=moe_tp,
+            moe_tp_rank=layout.moe_tp_rank,
         )
 
     @property
     def expert_start(self) -> int:
         return self.ep_rank * self.local_experts
+
+    @property
+    def moe_slice(self) -> slice:
+        """This rank's columns of each routed expert's intermediate width (gate/up rows, down columns)."""
+        return slice(self.moe_tp_rank * self.moe_intermediate, (self.moe_tp_rank + 1) * self.moe_intermediate)
+
+    def with_slots(self, slots: int) -> "SiteConfig":
+        """The geometry under a placement of ``slots`` physical expert slots (experts + replicas: ``glm_ep.balance
+        .placement``), ``slots / ep`` a group: ``local_experts`` and ``expert_start`` count physical slots."""
+        if slots < self.num_experts or slots % self.ep:
+            raise ConfigError(f"{slots} expert slots do not split over ep = {self.ep} (or cover {self.num_experts} "
+                              "experts)")
+        return replace(self, local_experts=slots // self.ep)
+
+    def physical(self) -> "SiteConfig":
+        """The geometry the routed-expert dispatch runs with: ids are physical slots (``glm_ep.mlp.expert_map``),
+        ``local_experts * ep`` of them (the experts themselves without a placement)."""
+        return replace(self, num_experts=self.local_experts * self.ep)
 
     def local_slot(self, global_id: int) -> int | None:
         """Global expert id -> local index, or None when another rank owns it (it contributes zero)."""
@@ -360,12 +402,12 @@ class SiteConfig:
 
     def reduces(self, sparse: bool) -> bool:
         """Whether a site's output leaves this rank as a partial sum needing the all-reduce."""
-        return self.tp > 1 or (sparse and self.ep > 1)
+        return self.tp > 1 or (sparse and self.ep * self.moe_tp > 1)
 
     def tp_active(self, sparse: bool) -> bool:
         """Whether this rank adds its TP shard (dense FFN / shared expert) to the site output."""
         return not self.reduces(sparse) or self.rank < self.tp
 
     def ep_active(self) -> bool:
-        """Whether this rank adds its routed experts to the (sparse) site output."""
-        return not self.reduces(True) or self.rank < self.ep
+        """Whether this rank adds its routed experts (its slice of each) to the (sparse) site output."""
+        return not self.reduces(True) or self.rank < self.ep * self.moe_tp

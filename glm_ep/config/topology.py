@@ -153,6 +153,7 @@ class Topology:
     world: int = 1
     tp: int = 1
     ep: int = 1
+    moe_tp: int = 1  # each routed expert's width split over this many ranks (ep groups of moe_tp ranks)
     backend: str = "cpu"
     comm: str = "auto"  # auto: NCCL for cuda ranks on distinct GPUs, else MPI
     devices: tuple[int, ...] = ()  # world rank -> CUDA device; empty = the node-local rank
@@ -162,16 +163,20 @@ class Topology:
     check_weights: bool = True  # refuse NaN/Inf weights at load (one vectorized scan of what a rank reads)
     allow_nonfinite_input: bool = False  # forward: compute NaN/Inf input rows instead of refusing them
     check_calls: bool = False  # library API: the ranks agree each call's layer and input (a debugging aid)
+    expert_placement: str = ""  # a placement of the experts on the ep ranks (glm-ep balance --out): "" contiguous
     levers: PathLevers = field(default_factory=PathLevers)
 
     def __post_init__(self) -> None:
         _check_types(self, f"topology {self.name!r}: ")
         if self.world < 1:
             raise ConfigError(f"topology {self.name!r}: world = {self.world}, expected >= 1")
-        for key in ("tp", "ep"):
+        for key in ("tp", "ep", "moe_tp"):
             d = getattr(self, key)
             if d < 1 or self.world % d:
                 raise ConfigError(f"topology {self.name!r}: {key} = {d} does not divide world = {self.world}")
+        if self.world % (self.ep * self.moe_tp):
+            raise ConfigError(f"topology {self.name!r}: ep * moe_tp = {self.ep * self.moe_tp} does not divide world = "
+                              f"{self.world} (the experts are split over ep groups of moe_tp ranks)")
         if self.backend not in BACKENDS:
             raise ConfigError(f"topology {self.name!r}: backend = {self.backend!r}, expected one of {BACKENDS}")
         if self.comm not in COMMS:
@@ -191,6 +196,11 @@ class Topology:
             raise ConfigError(f"topology {self.name!r}: collective_timeout_s = {self.collective_timeout_s}, "
                               "expected a finite number of seconds > 0")
 
+    @property
+    def layout_text(self) -> str:
+        """How messages name the rank layout: ``tp 2, ep 2`` (``, moe_tp 2`` where experts are split)."""
+        return f"tp {self.tp}, ep {self.ep}" + (f", moe_tp {self.moe_tp}" if self.moe_tp > 1 else "")
+
     @classmethod
     def load(cls, path: str | Path) -> "Topology":
         path = topology_path(path)  # a file, or a shipped topology by name (gb10-2)
@@ -203,6 +213,9 @@ class Topology:
         except RecursionError:
             raise ConfigError(f"{path}: values nested too deeply to parse; expected a flat TOML topology "
                               "file") from None
+        placed = raw.get("expert_placement") if isinstance(raw, dict) else None
+        if isinstance(placed, str) and placed and not Path(placed).is_absolute():
+            raw["expert_placement"] = str(path.parent / placed)  # relative to the topology file
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
@@ -226,9 +239,10 @@ class Topology:
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
-    def with_overrides(self, tp: int | None = None, ep: int | None = None,
-                       backend: str | None = None, world: int | None = None) -> "Topology":
-        changes = {k: v for k, v in dict(tp=tp, ep=ep, backend=backend, world=world).items() if v is not None}
+    def with_overrides(self, tp: int | None = None, ep: int | None = None, backend: str | None = None,
+                       world: int | None = None, moe_tp: int | None = None) -> "Topology":
+        changes = {k: v for k, v in dict(tp=tp, ep=ep, backend=backend, world=world, moe_tp=moe_tp).items()
+                   if v is not None}
         if changes.get("backend") == "cpu" and self.comm == "nccl":  # a GPU layout run on CPUs: sums over MPI
             changes["comm"] = "mpi"
         return dataclasses.replace(self, **changes) if changes else self

@@ -31,6 +31,8 @@ from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
 from glm_ep.errors import ConfigError
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.dist.progress import progress
+from glm_ep.mlp.expert_map import ExpertMap
+from glm_ep.balance.placement import ExpertPlacement, read as read_placement
 from glm_ep.dist.ranks import Ranks
 from glm_ep.dist.placement import discover
 from glm_ep.mlp.site import DenseSite, MoeSite, Nvfp4DenseSite, site_buffers
@@ -54,10 +56,21 @@ class Runtime:
     comm: Communicator
     stack: MlpStack
     weight_bytes: int
+    expert_placement: ExpertPlacement | None = None  # the topology's, loaded (None: the contiguous EP ranges)
 
 
-def site_config(model: ModelConfig, topo: Topology, rank: int) -> SiteConfig:
-    return SiteConfig.for_rank(model, RankLayout(topo.world, rank, topo.tp, topo.ep))
+def site_config(model: ModelConfig, topo: Topology, rank: int, placed: ExpertPlacement | None = None) -> SiteConfig:
+    cfg = SiteConfig.for_rank(model, RankLayout(topo.world, rank, topo.tp, topo.ep, topo.moe_tp))
+    return cfg.with_slots(placed.slots) if placed is not None else cfg
+
+
+def expert_placement(model: ModelConfig, topo: Topology, ranks: Ranks) -> ExpertPlacement | None:
+    """The topology's ``expert_placement``, read and checked on every rank, its digest agreed (None without one)."""
+    if not topo.expert_placement:
+        return None
+    placed = ranks.agree("expert placement", lambda: read_placement(topo.expert_placement, model, topo.ep))
+    ranks.check_same("expert placement", "expert placements", {"expert placement": placed.digest})
+    return placed
 
 
 def report_lines(model: ModelConfig, topo: Topology, weight_bytes: list[int], buffers: Iterable[Buffer]) -> list[str]:
@@ -66,7 +79,7 @@ def report_lines(model: ModelConfig, topo: Topology, weight_bytes: list[int], bu
     lines = [f"model: {model.num_hidden_layers} layers ({len(model.dense_layers)} dense, "
              f"{len(model.sparse_layers)} sparse), hidden {model.hidden_size}, "
              f"{model.n_routed_experts} experts top-{model.num_experts_per_tok}; world {topo.world}, "
-             f"tp {topo.tp}, ep {topo.ep}, backend {topo.backend}"]
+             f"{topo.layout_text}, backend {topo.backend}"]
     lines += [f"weights: rank {r} holds {fmt_bytes(b)}" for r, b in enumerate(weight_bytes)]
     return lines + footprint_lines(buffers, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace)
 
@@ -127,10 +140,12 @@ def open_checkpoint(model_dir: str | Path, topo: Topology, ranks: Ranks) -> Chec
 def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     """This rank's share of ``ckpt`` resident on its backend, as an ``MlpStack``; closes ``ckpt``."""
     rank, model = ranks.rank, ckpt.config
-    cfg = ranks.agree("site geometry", lambda: site_config(model, topo, rank))
+    placed = expert_placement(model, topo, ranks)
+    cfg = ranks.agree("site geometry", lambda: site_config(model, topo, rank, placed))
+    slots_cfg = cfg.physical()  # what the dispatch and its workspace count: physical expert slots
     with ranks.guard("placement discovery"):
         placement = discover(ranks.comm)  # collective, and it cannot fail on one rank alone
-    be = ranks.agree("backend", lambda: make_backend(topo, placement, cfg))
+    be = ranks.agree("backend", lambda: make_backend(topo, placement, slots_cfg))
     comm = ranks.agree("communicator", lambda: make_comm(ranks.comm, be, topo, placement, ranks.deadline))
     # ranks that allocate from the same memory (one host's on NumPy, one GPU's on CUDA) each take a share of what
     # was free before any of them allocated
@@ -139,30 +154,35 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     # what the sites and the backend declare, made once: a dense FFN stored NVFP4 (its headers say) that this rank
     # holds adds its dequant path's scratch
     nvfp4_dense = cfg.tp_active(False) and any(dense_is_nvfp4(ckpt, i) for i in model.dense_layers)
-    buffers = merged((*site_buffers(cfg, topo.levers, nvfp4_dense), *be.buffers(cfg, topo.levers)))
+    # (sized for the physical expert slots the dispatch counts: the experts themselves without a placement)
+    buffers = merged((*site_buffers(slots_cfg, topo.levers, nvfp4_dense), *be.buffers(slots_cfg, topo.levers)))
     workspaces = ranks.agree("workspace allocation", lambda: allocate_workspaces(
         be, buffers, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace, free, sharers))
 
-    to_read = sum(layer_read_bytes(ckpt, cfg, i) for i in range(model.num_hidden_layers))
+    def held(i: int) -> list[int] | None:  # the experts a placement gives this rank at sparse layer i
+        return placed.held(i, cfg.ep_rank) if placed is not None and i in placed.layers else None
+
+    to_read = sum(layer_read_bytes(ckpt, cfg, i, held(i)) for i in range(model.num_hidden_layers))
     static_input_scales = "sparse" in model.mlp_layer_types and ckpt.has(
         f"{expert_prefix(ckpt, model.mlp_layer_types.index('sparse'), 0)}.gate_proj.input_scale")
     t0 = time.perf_counter()
     with ckpt, progress(to_read, "loading weights", unit="B", enabled=rank == 0 and to_read >= PROGRESS_MIN_BYTES,
                         log=log, unit_scale=True) as bar:
         ckpt.on_read = bar.update
-        host_weights = [ranks.agree(f"load of layer {i}", lambda i=i: load_layer(ckpt, cfg, i))
+        host_weights = [ranks.agree(f"load of layer {i}", lambda i=i: load_layer(ckpt, cfg, i, held(i)))
                         for i in range(model.num_hidden_layers)]
         ckpt.on_read = None
     ranks.check_same("weight fingerprint", "checkpoints", router_digest(host_weights))
     load_s = time.perf_counter() - t0
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
-    dispatch = ExpertDispatch.routed(be, cfg, topo.levers)
+    dispatch = ExpertDispatch.routed(be, slots_cfg, topo.levers)  # ids are physical expert slots
     dense_nvfp4 = ExpertDispatch.nvfp4_dense(be, cfg, topo.levers)  # a dense FFN stored NVFP4: one expert
 
     def site(i: int, w: Any) -> Any:
         site_comm = comm.at(f"layer {i} all-reduce")
         if isinstance(w, MoeWeights):
-            return MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch)
+            mapped = ExpertMap.upload(be, placed.phys_expert[placed.layers.index(i)], cfg.num_experts) if placed else None
+            return MoeSite(be, site_comm, cfg, be.upload_moe(w, cfg.swiglu_limit), dispatch, mapped)
         if isinstance(w, ExpertWeights):
             mlp = be.upload_experts((w,), 0, cfg.swiglu_limit, what=f"layer {i} dense mlp")
             return Nvfp4DenseSite(be, site_comm, cfg, mlp, dense_nvfp4)
@@ -179,7 +199,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
         return sites
 
     sites = ranks.agree("weight upload", upload)
-    stack = MlpStack(be, comm, cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace, workspaces)
+    stack = MlpStack(be, comm, slots_cfg, sites, topo.levers, topo.workspace_rows, topo.shared_workspace, workspaces)
     every = ranks.allgather("weight report", (weight_bytes, to_read, load_s))
     if rank == 0:
         log.info("%s", load_line([b for _, b, _ in every], [t for _, _, t in every]))
@@ -189,4 +209,7 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
                      "activation rounding")
         for line in report_lines(model, topo, [b for b, _, _ in every], buffers):
             log.info("%s", line)
-    return Runtime(model, cfg, topo, be, comm, stack, weight_bytes)
+        if placed is not None:
+            log.info("expert placement: %s (%d slots over ep = %d, %d redundant; digest %s)", topo.expert_placement,
+                     placed.slots, placed.ep, placed.redundant, placed.digest)
+    return Runtime(model, cfg, topo, be, comm, stack, weight_bytes, placed)

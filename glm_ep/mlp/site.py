@@ -25,6 +25,7 @@ from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import SiteConfig
 from glm_ep.config.topology import PathLevers
 from glm_ep.mlp.dispatch import ExpertDispatch, ExpertShape, Route, expert_buffers
+from glm_ep.mlp.expert_map import ExpertMap
 from glm_ep.mlp.routing import RouteParams
 from glm_ep.mlp.workspace import Buffer, Workspace, merged
 
@@ -126,6 +127,7 @@ class MoeSite:
     cfg: SiteConfig
     moe: MoeResident[Any, Any]  # router, bias, expert tables; .shared may be None
     experts: ExpertDispatch
+    expert_map: ExpertMap | None = None  # a placement's global id -> physical slot (None: the contiguous ranges)
 
     sparse = True
 
@@ -172,6 +174,8 @@ class MoeSite:
 
     def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
         route = self.route(x_TH, ws)  # ids, wts [T, K]
+        if self.expert_map is not None:  # a placement: global ids -> this layer's physical slots, in place, on device
+            self.expert_map(self.be, route.ids_TK)
         routed = self.experts(x_TH, route, self.moe.experts, ws)  # [T*K, H] routed rows
         shared = self.shared(x_TH, route, ws)  # the shared expert's activations
         self.be.combine_site(routed, route.wts_TK, shared, out_TH)  # sum_k w_k * routed_k + shared: ONE rounding

@@ -3,7 +3,8 @@
 The checkpoint comes from the tests' independent writer (``ckpt_writer``: real ModelOpt NVFP4
 layout, composite config, fp32 router). Its decoded values are loaded into
 ``Glm5NextTextMoE`` / ``Glm5NextTextMLP`` (experts as ``gate_up_proj`` = [gate; up]) and every
-site of every layout is held to 1e-2 relative L2 of the HF output, at 1, 5 and 300 rows.
+site of every layout (world, tp, ep, moe_tp: each routed expert's width split over moe_tp ranks) is held to
+1e-2 relative L2 of the HF output, at 1, 5 and 300 rows.
 Skipped where torch or a transformers with ``glm5_next`` is not installed.
 """
 
@@ -20,7 +21,8 @@ torch = pytest.importorskip("torch")
 hf = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
 hf_config = pytest.importorskip("transformers.models.glm5_next.configuration_glm5_next")
 
-LAYOUTS = [(1, 1, 1), (2, 2, 2), (2, 1, 2), (2, 2, 1)]
+LAYOUTS = [(1, 1, 1, 1), (2, 2, 2, 1), (2, 1, 2, 1), (2, 2, 1, 1), (2, 2, 1, 2), (4, 2, 2, 2)]
+IDS = [f"w{w}-tp{t}-ep{e}" + (f"-moetp{m}" if m > 1 else "") for w, t, e, m in LAYOUTS]
 ROWS = [1, 5, 300]
 BOUND = 1e-2
 
@@ -95,26 +97,26 @@ def _hf_outputs(model, tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("world,tp,ep", LAYOUTS, ids=[f"w{w}-tp{t}-ep{e}" for w, t, e in LAYOUTS])
-def test_forward_matches_hf_modules(model, hf_outputs, tmp_path, world, tp, ep, rows):
-    _forward_matches(model, hf_outputs, tmp_path, world, tp, ep, rows)
+@pytest.mark.parametrize("world,tp,ep,moe_tp", LAYOUTS, ids=IDS)
+def test_forward_matches_hf_modules(model, hf_outputs, tmp_path, world, tp, ep, moe_tp, rows):
+    _forward_matches(model, hf_outputs, tmp_path, world, tp, ep, rows, moe_tp)
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("world,tp,ep", LAYOUTS[:2], ids=[f"w{w}-tp{t}-ep{e}" for w, t, e in LAYOUTS[:2]])
+@pytest.mark.parametrize("world,tp,ep,moe_tp", LAYOUTS[:2], ids=IDS[:2])
 def test_forward_with_nvfp4_dense_mlp_matches_hf_modules(model_dense_nvfp4, hf_outputs_dense_nvfp4, tmp_path, world,
-                                                        tp, ep, rows):
+                                                        tp, ep, moe_tp, rows):
     """The dense MLP stored NVFP4 (its TP slices: gate/up rows, down columns on block boundaries), on the
     decode, row-group and grouped paths."""
     _forward_matches(model_dense_nvfp4, hf_outputs_dense_nvfp4, tmp_path, world, tp, ep, rows)
 
 
-def _forward_matches(model, hf_outputs, tmp_path, world, tp, ep, rows) -> None:
+def _forward_matches(model, hf_outputs, tmp_path, world, tp, ep, rows, moe_tp=1) -> None:
     folder, _ = model
     x_path, ref = hf_outputs[rows]
     out_path = tmp_path / "out.safetensors"
     r = glm_ep(world, "forward", "--model", str(folder), "--input", str(x_path), "--output", str(out_path),
-               "--tp", str(tp), "--ep", str(ep))
+               "--tp", str(tp), "--ep", str(ep), "--moe-tp", str(moe_tp))
     assert r.returncode == 0, r.stderr[-3000:]
     got = load_outputs(out_path)
     errs = [rel_l2(got[f"layers.{i}"], ref[i]) for i in range(len(ref))]

@@ -217,12 +217,13 @@ def test_footprint_cli_prints_the_glm_numbers() -> None:
     assert "2.092 GB" in r.stdout, r.stdout
 
 
-@pytest.mark.parametrize("layout", [(1, 0, 1, 1), (2, 0, 2, 2), (2, 1, 2, 1)])
+@pytest.mark.parametrize("layout", [(1, 0, 1, 1), (2, 0, 2, 2), (2, 1, 2, 1), (2, 1, 2, 1, 2), (4, 3, 2, 2, 2)])
 def test_footprint_weight_bytes_are_what_a_rank_loads(tiny_checkpoint, tiny_checkpoint_dense_nvfp4, layout) -> None:
-    """The config-only weight count (``glm-ep footprint``) equals the bytes ``load_layer`` hands a rank, with
-    the dense FFNs stored bf16 or NVFP4; ``footprint --model`` reads which from the checkpoint."""
+    """The config-only weight count (``glm-ep footprint``) equals the bytes ``load_layer`` hands a rank, and
+    the header count ``layer_read_bytes`` the bytes it reads, with the dense FFNs stored bf16 or NVFP4 and with
+    the routed experts split by ``moe_tp`` (the 5th value); ``footprint --model`` reads which from the checkpoint."""
     from glm_ep.checkpoint.reader import Checkpoint
-    from glm_ep.checkpoint.layers import load_layer
+    from glm_ep.checkpoint.layers import layer_read_bytes, load_layer
     from glm_ep.config.model import RankLayout, SiteConfig
     from glm_ep.app.footprint import rank_weight_bytes
 
@@ -231,7 +232,9 @@ def test_footprint_weight_bytes_are_what_a_rank_loads(tiny_checkpoint, tiny_chec
             cfg = SiteConfig.for_rank(ck.config, RankLayout(*layout))
             loaded = sum(w.nbytes for w in (load_layer(ck, cfg, i) for i in range(ck.config.num_hidden_layers))
                          if w is not None)
+            read = sum(layer_read_bytes(ck, cfg, i) for i in range(ck.config.num_hidden_layers))
         assert rank_weight_bytes(ck.config, cfg, dense_nvfp4=nvfp4) == loaded, (ckpt.name, layout)
+        assert read == loaded, (ckpt.name, layout)
         if layout[0] == 1:
             r = subprocess.run([sys.executable, "-m", "glm_ep", "footprint", "--model", str(ckpt)],
                                capture_output=True, text=True, timeout=60, env=mpi_env(), cwd=REPO)

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
-from glm_ep.backend.cuda import dense, elementwise, grouped, pdl, route_kernels as route
+from glm_ep.backend.cuda import dense, elementwise, expert_ids, grouped, pdl, route_kernels as route
 from glm_ep.backend.cuda import routed as NV
 from glm_ep.backend.cuda.kernel_loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, compute_capability, sm_count
 from glm_ep.backend.cuda.routed import Nvfp4Pointers
@@ -329,6 +329,11 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     def add(self, a, b, out):
         elementwise.add(a, b, out)
         return out
+
+    @_on_stream
+    def map_expert_ids(self, ids_TK, table_EW, nrep_E, out_TK):
+        expert_ids.map_expert_ids(ids_TK, table_EW, nrep_E, out_TK)
+        return out_TK
 
     def zero(self, a):
         if not a.flags.c_contiguous:

@@ -42,6 +42,9 @@ SPLIT_MAX = 8  # K splits of one launch at most
 SPLIT_MIN_KBLOCKS = 8  # k stages a split streams at least (the pipeline's fill and drain amortized)
 SPLIT_PARTIAL_BYTES = 8 << 20  # fp32 partial sums one split launch writes at most (so they stay in L2)
 REDUCE_THREADS = 256
+#: the expert widths (gate/up out, down in) every routed kernel takes: a multiple of the grouped GEMM's narrowest
+#: stage of k, itself a multiple of the GEMVs' 32-k chunk (``routed.NVFP4_CHUNK``)
+EXPERT_WIDTH_MULTIPLE = min(v[3] for v in GEMM_VARIANTS)
 
 
 @dataclass(frozen=True)

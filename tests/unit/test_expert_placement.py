@@ -1,0 +1,98 @@
+"""The load-aware placement (``glm_ep.balance.placement``): EPLB per layer, its file, and the refusals.
+
+Equal expert counts per rank, heaviest first onto the least-loaded rank, replicas of the hottest experts on
+distinct ranks; a file that does not cover every expert exactly, names a rank outside ep, holds another layer
+count or another model's experts is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from glm_ep.balance.placement import balanced_placement, pack, read, replicate
+from glm_ep.errors import ConfigError
+
+from helpers import tiny_model
+
+
+def test_replicas_go_to_the_largest_load_per_replica() -> None:
+    assert replicate(np.array([100, 10, 60, 1]), 3).tolist() == [3, 1, 2, 1]  # 100, 60, 50: 100/2=50 ties 60/1 next
+    assert replicate(np.array([5, 5]), 0).tolist() == [1, 1]
+
+
+def test_packing_gives_equal_counts_heaviest_first_and_balances() -> None:
+    load = np.array([90, 80, 70, 60, 10, 10, 10, 10])
+    phys = pack(load, np.ones(8, np.int64), 2)
+    groups = [set(phys[:4].tolist()), set(phys[4:].tolist())]
+    assert sorted(phys.tolist()) == list(range(8)) and all(len(g) == 4 for g in groups)
+    sums = sorted(int(load[list(g)].sum()) for g in groups)
+    assert sums == [170, 170], sums  # 90 + 60 + 10 + 10 against 80 + 70 + 10 + 10
+    # replicas of one expert land on distinct ranks
+    nrep = replicate(np.array([1000, 1, 1, 1, 1, 1]), 2)
+    phys = pack(np.array([1000, 1, 1, 1, 1, 1]), nrep, 2)
+    assert nrep[0] == 3 and phys.tolist().count(0) == 3 and (0 in phys[:4]) and (0 in phys[4:])
+
+
+def test_a_placement_from_skewed_load_evens_the_ranks(tmp_path) -> None:
+    rng = np.random.default_rng(0)
+    counts = np.stack([rng.zipf(1.6, 32).clip(max=500) * 10 for _ in range(3)])  # [3 layers, 32 experts]
+    placed = balanced_placement(counts, (1, 2, 3), ep=4, redundant=4)
+    for j, phys in enumerate(placed.phys_expert):
+        nrep = np.bincount(phys, minlength=32)
+        share = counts[j] / nrep
+        per_rank = [share[phys[g * 9:(g + 1) * 9]].sum() for g in range(4)]
+        contiguous = [counts[j][g * 8:(g + 1) * 8].sum() for g in range(4)]
+        assert max(per_rank) / np.mean(per_rank) <= max(contiguous) / np.mean(contiguous), (j, per_rank, contiguous)
+    again = read(placed.save(tmp_path / "p.json"), tiny_model(), 4)
+    assert again.digest == placed.digest and again.held(2, 1) == placed.phys_expert[1][9:18].tolist()
+    with pytest.raises(ConfigError, match=r"--ep 5 --redundant 4: 32 experts \+ 4 replicas = 36 slots"):
+        balanced_placement(counts, (1, 2, 3), ep=5, redundant=4)
+
+
+def _file(tmp_path, layers: dict, ep: int = 2, redundant: int = 0, experts: int = 32):
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"format": "glm_ep expert placement 1", "ep": ep, "num_experts": experts,
+                                "redundant": redundant, "layers": layers}))
+    return path
+
+
+def _halves(swap: tuple[int, int] | None = None) -> list[list[int]]:
+    ranks = [list(range(16)), list(range(16, 32))]
+    if swap:
+        ranks[0][swap[0]] = swap[1]
+    return ranks
+
+
+@pytest.mark.parametrize("layers,kw,named", [
+    ({"1": _halves((3, 20)), "2": _halves(), "3": _halves()}, {},
+     "layer 1: experts [3] are missing, experts [20] placed more than once; expected every expert 0..31 exactly once"),
+    ({"1": _halves(), "2": _halves((0, 1)), "3": _halves()}, {},
+     "layer 2, rank 0: expert 1 twice on one rank"),
+    ({"1": _halves(), "2": _halves()}, {},
+     "layers ['1', '2'] (2 layers); expected the model's 3 sparse layers ['1', '2', '3']"),
+    ({"1": _halves() + [[]], "2": _halves(), "3": _halves()}, {},
+     "layer 1: 3 ranks (rank 2 is outside ep = 2); expected one list of experts for each of the ep = 2 ranks"),
+    ({"1": _halves(), "2": _halves(), "3": _halves()}, {"experts": 16},
+     "num_experts = 16, the model has 32; expected a placement of this model"),
+    ({"1": _halves(), "2": _halves(), "3": [list(range(15)) + [40], list(range(16, 32))]}, {},
+     "layer 3, rank 0: [0, 1, 2"),
+    ({"1": _halves(), "2": _halves(), "3": _halves()}, {"ep": 4},
+     "ep = 4, the topology has ep = 2; expected a placement made for ep = 2"),
+    ({"1": _halves(), "2": _halves(), "3": _halves()}, {"redundant": 1},
+     "redundant = 1: 32 experts + replicas do not split evenly over ep = 2"),
+])
+def test_a_bad_placement_is_refused_by_name(tmp_path, layers, kw, named: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        read(_file(tmp_path, layers, **kw), tiny_model(), 2)
+    assert named in str(e.value) and "placement.json" in str(e.value), str(e.value)
+
+
+def test_a_placement_that_is_not_one_is_refused(tmp_path) -> None:
+    (tmp_path / "x.json").write_text('{"layers": {}}')
+    with pytest.raises(ConfigError, match=r"x.json: not an expert placement \(format None\)"):
+        read(tmp_path / "x.json", tiny_model(), 2)
+    with pytest.raises(ConfigError, match="nothing.json: expert placement file not found"):
+        read(tmp_path / "nothing.json", tiny_model(), 2)
