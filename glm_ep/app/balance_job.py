@@ -15,7 +15,7 @@ from pathlib import Path
 
 from glm_ep.app.files import check_output_path
 from glm_ep.balance import expert_load
-from glm_ep.balance.placement import balanced_placement
+from glm_ep.balance.eplb import balanced_placement
 from glm_ep.balance.report import heat_map, layout_load, pyplot
 from glm_ep.errors import InputError
 

@@ -2,7 +2,7 @@
 
 A layout (``ExpertLayout``) is ``ep`` expert groups of ``moe_tp`` consecutive ranks over ``P`` physical expert
 slots, ``P / ep`` a group, group ``g`` holding slots ``[g*P/ep, (g+1)*P/ep)``: a placement's
-(``glm_ep.balance.placement``, with replicas ``P > E``) or the contiguous ranges (slot ``p`` = expert ``p``).
+(``glm_ep.balance.eplb``, with replicas ``P > E``) or the contiguous ranges (slot ``p`` = expert ``p``).
 Chosen ids map to slots by the runtime's own replica rule (``glm_ep.mlp.expert_map``). For one call's ids
 ``[T, K]`` of one sparse layer, per rank:
 

@@ -1,6 +1,6 @@
 """Global expert ids -> physical expert slots: the dispatch side of a load-aware placement.
 
-A placement (``glm_ep.balance.placement``) lays ``P = E + R`` physical expert slots over the ``ep`` expert
+A placement (``glm_ep.balance.eplb``) lays ``P = E + R`` physical expert slots over the ``ep`` expert
 groups, ``P / ep`` each: group ``g`` holds slots ``[g*P/ep, (g+1)*P/ep)``, and ``phys_expert[p]`` is the
 expert in slot ``p`` (an expert with replicas sits in several). The router still ranks all ``E`` experts;
 right after routing, each chosen id is replaced by one of its slots, so every path (decode, union, sorted,

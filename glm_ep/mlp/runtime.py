@@ -32,7 +32,7 @@ from glm_ep.errors import ConfigError
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.dist.progress import progress
 from glm_ep.mlp.expert_map import ExpertMap
-from glm_ep.balance.placement import ExpertPlacement, read as read_placement
+from glm_ep.balance.eplb import ExpertPlacement, read as read_placement
 from glm_ep.dist.ranks import Ranks
 from glm_ep.dist.placement import discover
 from glm_ep.mlp.site import DenseSite, MoeSite, Nvfp4DenseSite, site_buffers

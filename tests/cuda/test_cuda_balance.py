@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from glm_ep.backend.numpy_backend import NumpyBackend
-from glm_ep.balance.placement import balanced_placement
+from glm_ep.balance.eplb import balanced_placement
 from glm_ep.config.model import RankLayout, SiteConfig
 from glm_ep.config.topology import PathLevers, Topology
 from glm_ep.dist.comm import MpiComm, SelfComm

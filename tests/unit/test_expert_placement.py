@@ -1,4 +1,4 @@
-"""The load-aware placement (``glm_ep.balance.placement``): EPLB per layer, its file, and the refusals.
+"""The load-aware placement (``glm_ep.balance.eplb``): EPLB per layer, its file, and the refusals.
 
 Equal expert counts per rank, heaviest first onto the least-loaded rank, replicas of the hottest experts on
 distinct ranks; a file that does not cover every expert exactly, names a rank outside ep, holds another layer
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from glm_ep.balance.placement import balanced_placement, pack, read, replicate
+from glm_ep.balance.eplb import balanced_placement, pack, read, replicate
 from glm_ep.errors import ConfigError
 
 from helpers import tiny_model
