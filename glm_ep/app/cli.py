@@ -1,8 +1,9 @@
-"""``glm-ep``: synth, footprint, forward, run and bench.
+"""``glm-ep``: synth, footprint, forward, run, generate and bench.
 
     mpiexec -n 2 python -m glm_ep run                       # the main job on the tiny checkpoint
     mpiexec -n 2 python -m glm_ep forward --model DIR --input IN.safetensors --output OUT.safetensors
-    python -m glm_ep synth --preset tiny --out DIR
+    mpiexec -n 2 python -m glm_ep generate --model DIR --hf-model HF --prompt-ids 1,2,3 --compare
+    python -m glm_ep synth --preset tiny --out DIR [--hf-model HF]
     python -m glm_ep footprint --preset glm-5.3-flash --tp 2 --ep 2 --rows 256
 
 Exit codes: 0 done (run: PASS), 1 internal error, 2 user error (config, topology, checkpoint,
@@ -25,6 +26,7 @@ from glm_ep.errors import EXIT_USER, InputError
 from glm_ep.dist.mpi_lib import MpiUnavailable
 from glm_ep.dist.ranks import Ranks, mpi_world, run_guarded, setup_logging
 from glm_ep.config.shipped import shipped_names
+from glm_ep.hf import generate as hf_generate
 
 
 #: where a launcher puts a process's (rank, rank count) before MPI is initialised: Open MPI, MPICH/Hydra and Intel
@@ -129,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the dense FFNs are stored (nvfp4: quantized like the experts)")
     p.add_argument("--shard-mb", type=_count(1), default=256)
     p.add_argument("--force", action="store_true", help="write over a checkpoint already in the folder")
+    p.add_argument("--hf-model", help="also write here a transformers glm5_next model whose MLPs are this checkpoint's "
+                   "(glm-ep generate runs the pair; needs the hf extra)")
 
     p = sub.add_parser("footprint", help="print weight and workspace footprints from a config alone")
     src = p.add_mutually_exclusive_group(required=True)
@@ -162,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-check", dest="check", action="store_const", const="none", help="the same as --check none")
     _layout_flags(p)
 
+    # glm_ep inside HF transformers' glm5_next (glm_ep/hf): the flags are hf.generate's, the layout flags ours
+    p = sub.add_parser("generate", help="greedy generation through a transformers glm5_next model whose MLPs glm_ep "
+                       "serves (mpiexec -n W)")
+    hf_generate.add_arguments(p, _count)
+    _layout_flags(p)
+
     bench.add_arguments(sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)"))
     return ap
 
@@ -180,6 +190,10 @@ def _synth(args: argparse.Namespace) -> int:
     if held and not args.force:
         raise InputError(f"{args.out}: already holds a checkpoint ({', '.join(held)}); expected an empty or new "
                          "folder (--force writes over its files)")
+    if args.hf_model is not None:  # refused (torch missing, a folder in use) before anything is written
+        from glm_ep.hf.pair import check_hf_folder
+
+        check_hf_folder(args.hf_model, args.out, args.force)
     cfg = preset(args.preset)
     if args.layers is not None:
         cfg["num_hidden_layers"] = args.layers
@@ -190,6 +204,10 @@ def _synth(args: argparse.Namespace) -> int:
     path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
                            router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense)
     print(f"wrote {path}")
+    if args.hf_model is not None:
+        from glm_ep.hf.pair import write_hf_model
+
+        print(f"wrote {write_hf_model(path, args.hf_model, seed=args.seed)}")
     return 0
 
 
@@ -268,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_guarded(lambda: bench.bench_job(args, comm), comm)
     from glm_ep.app.jobs import forward_job, run_job
 
-    job = forward_job if args.cmd == "forward" else run_job
+    job = {"forward": forward_job, "run": run_job, "generate": hf_generate.generate_job}[args.cmd]
 
     def agreed_job() -> int:
         ranks = Ranks(comm)
@@ -282,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
 #: arguments that may differ by rank: paths (each node may hold its own copy: what they name is compared where it
 #: is read) and -v
-_PER_RANK_ARGS = frozenset({"model", "cache_dir", "input", "output", "topology", "verbose"})
+_PER_RANK_ARGS = frozenset({"model", "cache_dir", "input", "output", "topology", "verbose", "hf_model", "out"})
 
 
 def _same_command(args: argparse.Namespace, ranks: Ranks) -> None:
