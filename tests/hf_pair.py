@@ -2,8 +2,8 @@
 whatever the backend and the device): a glm_ep checkpoint of the ``tiny`` preset (4 layers: 1 dense, 3 sparse)
 and its HF transformers twin (``glm_ep.hf.pair``), loaded with HF's own MLPs and with glm_ep's.
 
-Top-k routing is discontinuous: in the synthetic checkpoint one row in ten has its 8th and 9th experts within 5e-3
-of each other at some sparse layer, so a row's bf16 rounding can pick the other expert and move its MLP output,
+Top-k routing is discontinuous: in the synthetic checkpoint, at each sparse layer about one row in ten has its 8th
+and 9th experts within 5e-3 of each other, so a row's bf16 rounding can pick the other expert and move its MLP output,
 and every later row it reaches through attention, by far more than rounding (HF's own bf16 model parts from its
 fp32 one the same way). The logits and generation checks therefore run a ``clear`` pair whose correction bias
 picks the experts (8 of 32 at +2, spread over the EP ranks; the routing weights are still the unbiased sigmoid

@@ -47,30 +47,37 @@ def clear(tmp_path_factory):
     return write_pair(tmp_path_factory.mktemp("hf-clear"), clear=True)
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
-def test_ranks_serve_the_model_as_hf_modules_do(clear, layout) -> None:
-    """Logits at prompt lengths 1, 7, 64 and 16 greedy tokens (fp32 and bf16 models) as the one-rank test holds
-    them, with ``check_calls``: the ranks fed every site the same input bits, and hold the same logits."""
-    comm = _comm()
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def models(clear, request):
+    """The clear twin with HF's MLPs and glm_ep's, the sites on every rank's share (``check_calls``: the ranks
+    feed every site the same input bits, or the call is an error)."""
     glm, hf = clear
-    models = load_models(hf, _load(glm, **layout))
-    failures: list[str] = []
-    for length in PROMPT_LENGTHS:
-        errors = logits_errors(models, prompt(length))
-        if comm.Get_rank() == 0:
-            print(f"prompt {length}: logits relative L2 vs HF fp32 {errors}")
-        failures += logits_failures(errors, f"prompt {length}")
-    blobs = comm.allgather(logits(models.glm16, prompt(7)).tobytes())
+    return load_models(hf, _load(glm, **request.param))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("length", PROMPT_LENGTHS)
+def test_logits_against_hf_modules_on_two_ranks(models, length) -> None:
+    """As the one-rank test holds them; and the ranks hold the same logits, bit for bit."""
+    comm = _comm()
+    ids = prompt(length)
+    errors = logits_errors(models, ids)
+    if comm.Get_rank() == 0:
+        print(f"prompt {length}: logits relative L2 vs HF fp32 {errors}")
+    failures = logits_failures(errors, f"prompt {length}")
+    blobs = comm.allgather(logits(models.glm16, ids).tobytes())
     if any(b != blobs[0] for b in blobs):
         failures.append("the ranks' logits differ")
-    for dtype in ("float32", "bfloat16"):
-        result = generation(models, dtype, [1, 2, 3])
-        if comm.Get_rank() == 0:
-            print("\n".join(result.lines()))
-        if not result.explained:
-            failures.append(f"{dtype}: {result.lines()}")
     agreed(comm, failures)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_generation_on_two_ranks_matches_hf_modules(models, dtype) -> None:
+    result = generation(models, dtype, [1, 2, 3])
+    if _comm().Get_rank() == 0:
+        print("\n".join(result.lines()))
+    agreed(_comm(), [] if result.explained else [f"{dtype}: {result.lines()}"])
 
 
 @pytest.mark.mpi(min_size=2)
