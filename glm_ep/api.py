@@ -65,6 +65,16 @@ class GlmMlp:
         return self._rt.stack.max_rows
 
     @property
+    def comm(self) -> Any:
+        """The mpi4py communicator it was loaded across."""
+        return self._ranks.comm
+
+    @property
+    def device(self) -> int | None:
+        """The CUDA device this rank computes on (a torch model beside it belongs there); None on the NumPy backend."""
+        return self._rt.be.device.id if self._rt.be.name == "cuda" else None
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds."""
         return self._rt.weight_bytes

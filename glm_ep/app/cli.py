@@ -1,8 +1,9 @@
-"""``glm-ep``: synth, make-input, footprint, forward, run, balance and bench.
+"""``glm-ep``: synth, make-input, footprint, forward, run, generate, balance and bench.
 
     mpiexec -n 2 python -m glm_ep run                       # the main job on the tiny checkpoint
     mpiexec -n 2 python -m glm_ep forward --model DIR --input IN.safetensors --output OUT.safetensors
-    python -m glm_ep synth --preset tiny --out DIR
+    mpiexec -n 2 python -m glm_ep generate --model DIR --hf-model HF --prompt-ids 1,2,3 --compare
+    python -m glm_ep synth --preset tiny --out DIR [--hf-model HF]
     python -m glm_ep make-input --model DIR --rows 64 --out IN.safetensors
     python -m glm_ep footprint --preset glm-5.3-flash --tp 2 --ep 2
     python -m glm_ep balance --load LOAD.safetensors --ep 8 --out PLACEMENT.json
@@ -32,6 +33,7 @@ from glm_ep.errors import EXIT_USER, InputError
 from glm_ep.dist.mpi_lib import MpiUnavailable
 from glm_ep.dist.ranks import Ranks, mpi_world, run_guarded, setup_logging
 from glm_ep.config.shipped import shipped_names
+from glm_ep.hf import generate as hf_generate
 
 
 #: where a launcher puts a process's (rank, rank count) before MPI is initialised: Open MPI, MPICH/Hydra and Intel
@@ -155,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "several times its share)")
     p.add_argument("--shard-mb", type=_count(1), default=256)
     p.add_argument("--force", action="store_true", help="write over a checkpoint already in the folder")
+    p.add_argument("--hf-model", help="also write here a transformers glm5_next model whose MLPs are this checkpoint's "
+                   "(glm-ep generate runs the pair; needs the hf extra)")
 
     p = sub.add_parser("make-input", help="write a forward input: seeded hidden_states, bf16 [rows, hidden]")
     p.add_argument("--out", required=True, help="the safetensors file to write")
@@ -205,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     load_record.add_arguments(p)
     _layout_flags(p)
 
+    # glm_ep inside HF transformers' glm5_next (glm_ep/hf): the flags are hf.generate's, the layout flags ours
+    p = sub.add_parser("generate", help="greedy generation through a transformers glm5_next model whose MLPs glm_ep "
+                       "serves (mpiexec -n W)")
+    hf_generate.add_arguments(p, _count)
+    _layout_flags(p)
+
     from glm_ep.app import balance_job
 
     balance_job.add_arguments(sub.add_parser("balance", help="place the experts on the ep ranks from a recorded "
@@ -227,6 +237,10 @@ def _synth(args: argparse.Namespace) -> int:
     if held and not args.force:
         raise InputError(f"{args.out}: already holds a checkpoint ({', '.join(held)}); expected an empty or new "
                          "folder (--force writes over its files)")
+    if args.hf_model is not None:  # refused (torch missing, a folder in use) before anything is written
+        from glm_ep.hf.pair import check_hf_folder
+
+        check_hf_folder(args.hf_model, args.out, args.force)
     cfg = preset(args.preset)
     for key in ("intermediate_size", "moe_intermediate_size"):
         if getattr(args, key) is not None:
@@ -237,6 +251,10 @@ def _synth(args: argparse.Namespace) -> int:
                            router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense,
                            router_skew=args.router_skew)
     print(f"wrote {path}")
+    if args.hf_model is not None:
+        from glm_ep.hf.pair import write_hf_model
+
+        print(f"wrote {write_hf_model(path, args.hf_model, seed=args.seed)}")
     return 0
 
 
@@ -366,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_guarded(lambda: bench.bench_job(args, comm), comm)
     from glm_ep.app.jobs import forward_job, run_job
 
-    job = forward_job if args.cmd == "forward" else run_job
+    job = {"forward": forward_job, "run": run_job, "generate": hf_generate.generate_job}[args.cmd]
 
     def agreed_job() -> int:
         ranks = Ranks(comm)
@@ -388,7 +406,7 @@ def _quiet() -> None:
 
 #: arguments that may differ by rank: paths (each node may hold its own copy: what they name is compared where it
 #: is read) and -v
-_PER_RANK_ARGS = frozenset({"model", "cache_dir", "input", "output", "topology", "verbose"})
+_PER_RANK_ARGS = frozenset({"model", "cache_dir", "input", "output", "topology", "verbose", "hf_model", "out"})
 
 
 def _same_command(args: argparse.Namespace, ranks: Ranks) -> None:

@@ -32,26 +32,17 @@ def _t(a: np.ndarray) -> "torch.Tensor":
 
 
 def hf_sites(layers, text: dict) -> list:
-    """One HF module per layer, in fp32, holding the checkpoint's decoded weights."""
+    """One HF module per layer, in fp32, holding the checkpoint's decoded weights (``glm_ep.hf.pair.copy_into``:
+    experts as ``gate_up_proj`` = [gate; up])."""
+    from glm_ep.hf.pair import MlpArrays, copy_into
+
     fields = {k: v for k, v in text.items() if k != "model_type"}
     heads = fields["num_attention_heads"]  # attention is not built here, but the config checks it
     cfg = hf_config.Glm5NextTextConfig(num_key_value_heads=heads, **fields)
     modules = []
     for layer in layers:
-        if layer.kind == "dense":
-            mod = hf.Glm5NextTextMLP(cfg)
-            targets = (mod.gate_proj, mod.up_proj, mod.down_proj)
-        else:
-            mod = hf.Glm5NextTextMoE(cfg)
-            targets = (mod.shared_experts.gate_proj, mod.shared_experts.up_proj, mod.shared_experts.down_proj)
-            with torch.no_grad():
-                mod.gate.weight.copy_(_t(layer.router))
-                mod.gate.e_score_correction_bias.copy_(_t(layer.bias))
-                mod.experts.gate_up_proj.copy_(torch.stack([_t(np.concatenate([g, u])) for g, u, _ in layer.experts]))
-                mod.experts.down_proj.copy_(torch.stack([_t(d) for _, _, d in layer.experts]))
-        with torch.no_grad():
-            for lin, w in zip(targets, layer.mlp):
-                lin.weight.copy_(_t(w))
+        mod = hf.Glm5NextTextMLP(cfg) if layer.kind == "dense" else hf.Glm5NextTextMoE(cfg)
+        copy_into(mod, MlpArrays(layer.mlp, layer.router, layer.bias, tuple(layer.experts or ())))
         modules.append(mod.float().eval())
     return modules
 
