@@ -21,14 +21,15 @@ import numpy as np
 
 from glm_ep.check.verdict import check_run, first_overflow
 from glm_ep.check.plan import CheckPlan, memory_available, memory_budget, plan_check
-from glm_ep.checkpoint.layers import layer_read_bytes
+from glm_ep.checkpoint.layers import dense_is_nvfp4, layer_read_bytes
 from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, NumericError
 from glm_ep.app import load_record
 from glm_ep.app.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.checkpoint.finite import nonfinite_mask
 from glm_ep.checkpoint.reader import Checkpoint
 from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint, site_config
-from glm_ep.mlp.workspace import ws_total_bytes
+from glm_ep.mlp.site import site_buffers
+from glm_ep.mlp.workspace import workspaces_bytes
 from glm_ep.dist.progress import progress
 from glm_ep.dist.ranks import AgreedError, Ranks
 from glm_ep.config.topology import Topology
@@ -244,10 +245,13 @@ def _host_bytes_of_load(ckpt: Checkpoint, topo: Topology, rank: int) -> int:
     backend, nothing lasting on a device backend (its weights go to the device)."""
     if topo.backend != "cpu":
         return 0
-    cfg = site_config(ckpt.config, topo, rank)
-    layers = ckpt.config.num_hidden_layers
-    return (sum(layer_read_bytes(ckpt, cfg, i) for i in range(layers))
-            + ws_total_bytes(cfg, topo.workspace_rows) * (1 if topo.shared_workspace else layers))
+    model = ckpt.config
+    cfg = site_config(model, topo, rank)
+    # the scratch the load declares, as load_runtime sizes it (the NumPy backend declares none of its own)
+    nvfp4_dense = cfg.tp_active(False) and any(dense_is_nvfp4(ckpt, i) for i in model.dense_layers)
+    buffers = site_buffers(cfg.physical(), topo.levers, nvfp4_dense)
+    return (sum(layer_read_bytes(ckpt, cfg, i) for i in range(model.num_hidden_layers))
+            + workspaces_bytes(buffers, topo.workspace_rows, model.num_hidden_layers, topo.shared_workspace))
 
 
 def _eager_chain(rt: Runtime, ranks: Ranks, x_TH: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:

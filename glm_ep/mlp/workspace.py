@@ -196,6 +196,12 @@ def free_memory_bytes(xp: Any) -> int | None:
         return None
 
 
+def workspaces_bytes(buffers: Iterable[Buffer], max_rows: int, layers: int, shared: bool) -> int:
+    """Bytes of a stack's workspaces: one (``shared``) or ``layers`` of the per-site buffers, plus the stack's."""
+    buffers = merged(buffers)
+    return ws_total_bytes(buffers, max_rows) * (1 if shared else layers) + stack_bytes(buffers, max_rows)
+
+
 def allocate_workspaces(be: Any, buffers: Iterable[Buffer], max_rows: int, layers: int, shared: bool,
                         free: int | None | str = "measure", sharers: int = 1) -> list[Workspace]:
     """``workspace_pool``, after checking that it fits the free memory (ConfigError if it does not). ``free``: the
@@ -203,8 +209,7 @@ def allocate_workspaces(be: Any, buffers: Iterable[Buffer], max_rows: int, layer
     one host on NumPy, of one GPU on CUDA) allocated theirs (default: measured here, one rank); each may take
     its share."""
     buffers = merged(buffers)
-    once = stack_bytes(buffers, max_rows)
-    need = ws_total_bytes(buffers, max_rows) * (1 if shared else layers) + once
+    once, need = stack_bytes(buffers, max_rows), workspaces_bytes(buffers, max_rows, layers, shared)
     what = (f"the shared workspace for workspace_rows = {max_rows} needs {fmt_bytes(need)}" if shared else
             f"the {layers} per-layer workspaces for workspace_rows = {max_rows} need {fmt_bytes(need)}")
     if once:
