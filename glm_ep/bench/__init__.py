@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "side: the one-row routed ring (ring), the verify union kernels (union), the bf16 row tiers "
                       "(dense); writes SWEEP_<NAME>.md and sweep_<name>.json")
     what.add_argument("--moe-tp", type=int, metavar="N", help="instead: the one-row sparse site as each rank of a "
-                      "world of N runs its share, ep N against moe_tp N (SHARES_<N>.md)")
+                      "world of N runs its share, ep N against moe_tp N (SHARES_<CARD>_<N>.md)")
     p.add_argument("--rows", type=int, nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096); "
                    "--sweep dense widths (default 1 2 4 5 8 9 16 24 32 48 64)")
     p.add_argument("-v", "--verbose", action="store_true")

@@ -8,7 +8,8 @@ rank. For each of ``INPUTS`` seeded one-row inputs, every rank's graph is timed 
 few replays); a decode step costs what its busiest rank takes, since the one all-reduce waits for it (the
 all-reduce itself is not timed: the same bf16 ``[1, hidden]`` in both layouts). Reported per layout: the
 busiest rank's and the mean rank's time per site, and the routed bytes a rank reads, mean and busiest
-(``glm_ep.balance.counting``). Writes ``SHARES_<N>.md`` and ``shares_<N>.json`` into ``--out``.
+(``glm_ep.balance.counting``). Writes ``SHARES_<CARD>_<N>.md`` and ``shares_<card>_<N>.json`` into ``--out``
+(named after the card: ``card_tag``).
 
 Shape suffixes: T rows, H hidden, E experts, M an expert's width (a rank's slice of it).
 """
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from glm_ep.balance.counting import ExpertLayout, Imbalance, expert_slice_bytes, rank_bytes
-from glm_ep.bench.common import (bench_meta, bench_workspace, copy_bandwidth, glm_model, gpu_bf16, gpu_dense,
+from glm_ep.bench.common import (bench_meta, bench_workspace, card_tag, copy_bandwidth, glm_model, gpu_bf16, gpu_dense,
                                  gpu_nvfp4, results_header, time_median)
 from glm_ep.checkpoint.weights import ExpertWeights, MoeWeights
 from glm_ep.config.model import ModelConfig, RankLayout, SiteConfig
@@ -104,7 +105,8 @@ def run_shares_bench(args: Any) -> int:
     meta = bench_meta(device, copy_gbs)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"shares_{world}.json").write_text(json.dumps({"meta": meta, "layouts": results}, indent=2) + "\n")
+    stem = f"shares_{card_tag(device)}_{world}"
+    (out_dir / f"{stem}.json").write_text(json.dumps({"meta": meta, "layouts": results}, indent=2) + "\n")
     lines = results_header(f"glm-ep bench --moe-tp {world}: one-row sparse site per rank share", meta) + [
         "", f"Each rank's share of the GLM-5.3-Flash sparse site at world {world} (shared expert over tp = {world}), "
         f"timed alone on one GPU as a graph over {LAYERS} layers' distinct weights, {INPUTS} seeded one-row inputs; "
@@ -115,6 +117,6 @@ def run_shares_bench(args: Any) -> int:
         lines.append(f"| {name} | {r['busiest_us']:.1f} | {r['mean_us']:.1f} | {r['busiest_us'] / r['mean_us']:.3f} | "
                      f"{r['busiest_mb']:.1f} | {r['mean_mb']:.1f} | "
                      f"{' / '.join(f'{v:.1f}' for v in r['per_rank_us'])} |")
-    (out_dir / f"SHARES_{world}.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{stem.upper()}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
