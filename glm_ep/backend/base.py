@@ -185,6 +185,7 @@ class Backend(ABC, Generic[A, P]):
     name: str
     xp: Any  # numpy or cupy
     capabilities: Capabilities  # a class attribute: checked before the backend is built
+    bound: Mapping[str, Any] | None = None  # the scratch ``bind`` was last handed (None: none yet)
 
     # ---- placement -------------------------------------------------------------------------
     @abstractmethod
@@ -212,8 +213,6 @@ class Backend(ABC, Generic[A, P]):
         (``glm_ep.mlp.workspace``): the workspace makes them at load and hands them over through ``bind``, so an op
         never allocates. None by default."""
         return ()
-
-    bound: Mapping[str, Any] | None = None  # the scratch ``bind`` was last handed
 
     def bind(self, scratch: Mapping[str, Any]) -> None:
         """Take the buffers ``buffers`` declared, as the workspace made them (by name; one that needs no element at
