@@ -80,6 +80,9 @@ def test_generate_refuses_a_model_of_another_shape_and_bad_arguments(pair, tmp_p
           "checkpoint; mlp_layer_types ['dense', 'sparse', 'sparse'] in the model")
     r = glm_ep(2, "generate", "--model", str(glm), "--hf-model", str(hf), "--prompt-ids", "1,x")
     fails(r, "argument --prompt-ids: '1,x' is not a comma-separated list of token ids (e.g. 1,2,3)")
+    r = glm_ep(2, "generate", "--model", str(glm), "--hf-model", str(hf), "--prompt-ids", PROMPT, "--out",
+               str(hf / "config.json"))
+    fails(r, "is a file of the --hf-model folder (config.json); expected another path")
 
 
 _SOME_RANKS = textwrap.dedent("""
