@@ -116,15 +116,19 @@ def generate_job(args: argparse.Namespace, ranks: Any) -> int:
     topo = agreed_topology(args, ranks)
     if args.check_calls:
         topo = dataclasses.replace(topo, check_calls=True)
-    if args.out is not None:
-        ranks.agree("output check", lambda: check_output_path(args.out) if ranks.rank == 0 else None)
+    if args.out is not None:  # never over a file the job reads
+        reads = [(f"a file of the {flag} folder ({name})", Path(folder) / name)
+                 for flag, folder in (("--model", args.model), ("--hf-model", args.hf_model))
+                 for name in ("config.json", "model.safetensors", "model.safetensors.index.json")]
+        ranks.agree("output check", lambda: check_output_path(args.out, reads) if ranks.rank == 0 else None)
     ranks.agree("transformers import", deps.glm5_next)  # torch missing on one rank: an error on every rank
     _quiet_transformers(ranks.rank, args.verbose)
     mlp = GlmMlp(load_runtime(open_checkpoint(args.model, topo, ranks), topo, ranks), ranks)
     model = ranks.agree("transformers model load", lambda: load_model(args.hf_model, args.dtype, mlp.device))
     ranks.agree("prompt check", lambda: _check_prompt(args.prompt_ids, model))
     ref = _reference(model, args) if args.compare else None
-    from glm_ep.hf.attached import attach
+    from glm_ep.hf.attached import attach  # torch is there by now
+    from glm_ep.hf.compare import compare
     from glm_ep.hf.greedy import greedy
 
     attach(model, mlp)
@@ -133,16 +137,15 @@ def generate_job(args: argparse.Namespace, ranks: Any) -> int:
     got = greedy(model, args.prompt_ids, args.max_new_tokens, keep_logits=ref is not None)
     _agree_tokens(ranks, got.tokens)
     times = ranks.allgather("generation times", (got.prefill_s, got.decode_s))
-    if ranks.rank != 0:
-        return EXIT_OK
-    lines = _report(args, got, max(t[0] for t in times), max(t[1] for t in times), mlp, model)
-    if ref is not None:
-        from glm_ep.hf.compare import compare
-
-        lines += compare(ref.tokens, ref.logits, got.tokens, got.logits, ref.margins).lines()
-    print("\n".join(lines), flush=True)
-    if args.out is not None:
-        _write_markdown(Path(args.out), lines, _device_name(model))
+    lines: list[str] = []
+    if ranks.rank == 0:
+        lines = _report(args, got, max(t[0] for t in times), max(t[1] for t in times), mlp, model)
+        if ref is not None:
+            lines += compare(ref.tokens, ref.logits, got.tokens, got.logits, ref.margins).lines()
+        print("\n".join(lines), flush=True)
+    if args.out is not None:  # rank 0 writes; a failure is every rank's error
+        ranks.agree("output write", lambda: _write_markdown(Path(args.out), lines, _device_name(model))
+                    if ranks.rank == 0 else None)
     return EXIT_OK
 
 

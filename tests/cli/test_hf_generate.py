@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import textwrap
 
@@ -79,6 +80,9 @@ def test_generate_refuses_a_model_of_another_shape_and_bad_arguments(pair, tmp_p
           "checkpoint; mlp_layer_types ['dense', 'sparse', 'sparse'] in the model")
     r = glm_ep(2, "generate", "--model", str(glm), "--hf-model", str(hf), "--prompt-ids", "1,x")
     fails(r, "argument --prompt-ids: '1,x' is not a comma-separated list of token ids (e.g. 1,2,3)")
+    r = glm_ep(2, "generate", "--model", str(glm), "--hf-model", str(hf), "--prompt-ids", PROMPT, "--out",
+               str(hf / "config.json"))
+    fails(r, "is a file of the --hf-model folder (config.json); expected another path")
 
 
 _SOME_RANKS = textwrap.dedent("""
@@ -111,6 +115,15 @@ def test_a_call_on_some_ranks_only_ends_the_job(pair, tmp_path) -> None:
     assert "rank 0 passed the call" not in r.stdout
 
 
+# appended to the README's example: each rank's new tokens, in a file of its own (their prints may interleave)
+_SAVE_TOKENS = """
+import json
+from mpi4py import MPI
+with open(f"tokens-{MPI.COMM_WORLD.Get_rank()}.json", "w") as f:
+    json.dump(ids[0, 3:].tolist(), f)
+"""
+
+
 def test_the_readme_example_generates_on_two_ranks(pair, tmp_path) -> None:
     """The README's Python example ("Use it from transformers") under ``mpiexec -n 2``, on the pair in
     ``.cache/pair``: both ranks generate the same 16 tokens through HF's ``generate``."""
@@ -119,8 +132,8 @@ def test_the_readme_example_generates_on_two_ranks(pair, tmp_path) -> None:
     example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (tmp_path / ".cache").mkdir()
     (tmp_path / ".cache" / "pair").symlink_to(pair[0].parent)
-    (tmp_path / "example.py").write_text(example + "print('tokens', ids[0, 3:].tolist(), flush=True)\n")
+    (tmp_path / "example.py").write_text(example + _SAVE_TOKENS)
     r = mpiexec(2, "example.py", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    printed = re.findall(r"^tokens (\[[\d, ]+\])$", r.stdout, re.M)
-    assert len(printed) == 2 and printed[0] == printed[1] and len(printed[0].split(",")) == 16, r.stdout
+    tokens = [json.loads((tmp_path / f"tokens-{rank}.json").read_text()) for rank in range(2)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 16, tokens

@@ -134,7 +134,11 @@ def test_a_model_of_another_shape_is_refused_by_name(clear, changes, message) ->
 
 
 def test_a_checkpoint_without_a_matching_layer_is_refused(tmp_path, clear) -> None:
-    glm3, _ = write_pair(tmp_path, layers=3)
+    from glm_ep.checkpoint.synth import write_synthetic
+    from glm_ep.config.presets import preset
+
+    three = dict(preset("tiny"), num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"])
+    glm3 = write_synthetic(tmp_path / "glm3", three, seed=0)
     hf, _ = clear
     with pytest.raises(AgreedError, match=r"num_hidden_layers 4 in the model, 3 in the checkpoint"):
         attach(load_model(str(hf), "float32", None), glm_ep.load(glm3, comm=_self_comm()))
