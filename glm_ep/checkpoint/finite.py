@@ -3,7 +3,7 @@
 A floating-point value is NaN or Inf exactly when its exponent bits are all ones.
 ``float8_e4m3fn`` has no Inf: its only non-finite values are the NaNs 0x7F and 0xFF (exponent and
 mantissa all ones). ``first_nonfinite`` scans a tensor in cache-sized chunks (one AND and one max
-per chunk: a load scans at memory speed); ``nonfinite_mask`` is the elementwise form, for small arrays and
+per chunk, cheap beside the read); ``nonfinite_mask`` is the elementwise form, for small arrays and
 for describing a failure.
 """
 
