@@ -25,7 +25,7 @@ from hf_pair import (PROMPT_LENGTHS, generation, load_models, logits, logits_err
 
 COLLECTIVE_TIMEOUT_S = 30.0
 #: (tp, ep) at world 2, and the expert-TP layout where the topology has it
-LAYOUTS = [{"tp": 2, "ep": 2}] + ([{"tp": 2, "ep": 2, "moe_tp": 2}]
+LAYOUTS = [{"tp": 2, "ep": 2}] + ([{"tp": 2, "ep": 1, "moe_tp": 2}]
                                   if "moe_tp" in {f.name for f in dataclasses.fields(Topology)} else [])
 
 
