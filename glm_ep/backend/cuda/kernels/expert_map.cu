@@ -1,7 +1,8 @@
-// Global expert ids -> a placement's physical expert slots (glm_ep/mlp/expert_map.py; its map_ids is the
-// NumPy twin): slot s of a call (its flat index t * K + k) that chose expert e takes replica s % nrep[e] of
-// e's slots, table[e * width + s % nrep[e]]. One thread a slot; out may be ids itself (each thread reads its
-// own id before it writes), so neither pointer is __restrict__.
+// Global expert ids -> a placement's physical expert slots: slot s of a call (its flat index t * K + k) that
+// chose expert e takes replica s % nrep[e] of e's slots, table[e * width + s % nrep[e]]. One thread a slot;
+// out may be ids itself (each thread reads its own id before it writes), so neither pointer is __restrict__.
+//
+// NumPy twin: map_ids (glm_ep/mlp/expert_map.py); held together by tests/cuda/test_cuda_balance.py.
 #include "common.cuh"
 
 #ifndef ELEM_THREADS
