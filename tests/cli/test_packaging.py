@@ -91,7 +91,7 @@ def test_run_from_the_wheel_outside_the_tree(wheel, tmp_path) -> None:
 
 def test_topologies_by_name_from_any_folder(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert {"single", "cpu-2", "gb10-2", "h200-1", "h200-2", "h200-1x2"} <= set(shipped_names())
+    assert {"single", "cpu-2", "gb10-2", "h100-1", "h200-1", "h200-2", "h200-1x2"} <= set(shipped_names())
     assert topology_path("gb10-2") == topology_path("gb10-2.toml") == REPO / "configs" / "gb10-2.toml"
     assert Topology.load("gb10-2") == Topology.load(REPO / "configs" / "gb10-2.toml")
     own = tmp_path / "gb10-2.toml"  # a file of one's own wins over the shipped one
