@@ -19,7 +19,9 @@ import pytest
 from glm_ep.backend.cuda import grouped, kernel_loader as loader
 
 NVCC = shutil.which("nvcc") or next((str(p) for p in [Path("/usr/local/cuda/bin/nvcc")] if p.is_file()), None)
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (no CUDA toolkit on PATH or in /usr/local/cuda)")
+PTXAS = str(Path(NVCC).with_name("ptxas")) if NVCC else None
+needs_nvcc = pytest.mark.skipif(NVCC is None or not Path(PTXAS).is_file(),
+                                reason="nvcc and ptxas not found (no CUDA toolkit on PATH or in /usr/local/cuda)")
 FILES = loader.kernel_files()
 H200_BLOCK_SMEM, GB10_BLOCK_SMEM = 232448, 101376  # shared memory one block may opt into (sm_90, sm_121)
 
@@ -271,19 +273,41 @@ def test_arch_build_falls_back_to_the_plain_build(monkeypatch, caplog):
         loader.arch_build.cache_clear()
 
 
+@pytest.fixture(scope="module")
+def ptx_of(tmp_path_factory):
+    """``ptx_of(path, arch)``: the PTX nvcc makes of a kernel file for ``arch``, built once for this module's tests
+    (the front end is most of a build's time); a failed build fails the test that asked, with nvcc's message."""
+    root, built = tmp_path_factory.mktemp("ptx"), {}
+
+    def ptx_of(path: Path, arch: str) -> Path:
+        if (path.name, arch) not in built:
+            src, ptx = root / path.name, root / f"{path.stem}.{arch}.ptx"
+            src.write_text(loader.kernel_source(path.name))
+            r = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o",
+                                str(ptx), str(src)], capture_output=True, text=True)
+            built[path.name, arch] = (ptx, r.returncode, r.stdout + r.stderr)
+        ptx, rc, log = built[path.name, arch]
+        assert rc == 0, f"nvcc --ptx -arch={arch} failed on {path.name}:\n{log}"
+        return ptx
+
+    return ptx_of
+
+
+def _skip_unbuilt(path: Path, arch: str) -> None:
+    if arch.endswith("a") and arch not in loader.ARCH_SPECIFIC.get(path.name, {}).values():
+        pytest.skip(f"{path.name} is not built for {arch}")
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_90", "sm_121", "sm_90a"])
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
-def test_compiles(path: Path, arch: str, tmp_path: Path):
-    """Every file builds for Hopper and GB10; the arch-specific ones (wgmma) also for sm_90a."""
-    if arch.endswith("a") and arch not in loader.ARCH_SPECIFIC.get(path.name, {}).values():
-        pytest.skip(f"{path.name} is not built for {arch}")
-    src = tmp_path / path.name
-    src.write_text(loader.kernel_source(path.name))
-    cmd = [NVCC, "--cubin", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o",
-           str(tmp_path / "out.cubin"), str(src)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, f"nvcc -arch={arch} failed on {path.name}:\n{r.stdout}{r.stderr}"
+def test_compiles(path: Path, arch: str, ptx_of, tmp_path: Path):
+    """Every file builds for Hopper and GB10; the arch-specific ones (wgmma) also for sm_90a: nvcc's PTX,
+    then ptxas for the same arch (the two halves of ``nvcc --cubin``)."""
+    _skip_unbuilt(path, arch)
+    r = subprocess.run([PTXAS, f"-arch={arch}", "-o", str(tmp_path / "out.cubin"), str(ptx_of(path, arch))],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, f"ptxas -arch={arch} failed on {path.name}:\n{r.stdout}{r.stderr}"
 
 
 def test_no_diagnostic_switches_in_the_kernels():
@@ -304,10 +328,10 @@ def test_warp_streaming_gemm_builds_at_every_ring_depth(tmp_path: Path):
     compile, and a depth it has no wait count for is refused at build time."""
     src = tmp_path / "mma_bf16.cu"
     src.write_text(loader.kernel_source("mma_bf16.cu"))
-    for depth, ok in ((2, True), (3, True), (4, False)):
+    for depth, ok in ((2, True), (3, True), (4, False)):  # the front end holds the wait counts' static_asserts
         opts = [o if not o.startswith("-DWSTREAM_DEPTH=") else f"-DWSTREAM_DEPTH={depth}"
                 for o in loader.define_options()]
-        r = subprocess.run([NVCC, "--cubin", "-arch=sm_90", "-std=c++17", *opts, "-o", str(tmp_path / "out.cubin"),
+        r = subprocess.run([NVCC, "--ptx", "-arch=sm_90", "-std=c++17", *opts, "-o", str(tmp_path / "out.ptx"),
                             str(src)], capture_output=True, text=True)
         assert (r.returncode == 0) == ok, f"WSTREAM_DEPTH={depth}:\n{r.stdout}{r.stderr}"
         assert ok or "static assertion failed" in r.stdout + r.stderr
@@ -322,19 +346,13 @@ _MEMORY_OP = re.compile(r"^\s*(?:@!?%?\w+\s+)?(ld|ldu|st|atom|red|cp\.async|cp\.
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
-def test_every_kernel_waits_for_its_predecessor_before_touching_memory(path: Path, arch: str, tmp_path: Path):
+def test_every_kernel_waits_for_its_predecessor_before_touching_memory(path: Path, arch: str, ptx_of):
     """The backend launches every kernel as a programmatic dependent (``pdl``): correct only if each
     entry's first memory access comes after ``griddepcontrol.wait``. Checked on the PTX nvcc makes
     for sm_90 (and sm_90a where the file has an arch-specific build), entry by entry (macro-made
     entries included)."""
-    if arch.endswith("a") and arch not in loader.ARCH_SPECIFIC.get(path.name, {}).values():
-        pytest.skip(f"{path.name} is not built for {arch}")
-    src = tmp_path / path.name
-    src.write_text(loader.kernel_source(path.name))
-    ptx = tmp_path / "out.ptx"
-    r = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o", str(ptx),
-                        str(src)], capture_output=True, text=True)
-    assert r.returncode == 0, f"nvcc --ptx failed on {path.name}:\n{r.stdout}{r.stderr}"
+    _skip_unbuilt(path, arch)
+    ptx = ptx_of(path, arch)
     entries = re.split(r"^\.visible \.entry ", ptx.read_text(), flags=re.M)[1:]
     assert entries, f"{path.name}: no kernel entries in its PTX"
     bad = []
