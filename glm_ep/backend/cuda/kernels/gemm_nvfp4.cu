@@ -203,7 +203,7 @@ struct Gemm {
 
     // One 32-k step of a warp: its 4 n8 tiles of weight rows (wr[j]: the tile's first) against all BM x rows.
     static __device__ __forceinline__ void mma_step(const Stage& st, const int (&wr)[GEMM_NT], int kk,
-                                                    float (&acc)[MT][GEMM_NT][4]) {
+                                                    const DequantLut& lut, float (&acc)[MT][GEMM_NT][4]) {
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         unsigned b[GEMM_NT][4];
 #pragma unroll
@@ -211,7 +211,7 @@ struct Gemm {
             const int n = wr[j] + g;
             const unsigned q = reinterpret_cast<const unsigned*>(&st.w[n][w_slot<BK>(n, kk)])[t];
             const int grp = 2 * kk + (t >> 1);  // the 16-k scale group of k 32 kk + 8 t
-            dequant_word(q, scale_pair((st.s[n][grp >> 2] >> (8 * (grp & 3))) & 0xffu), b[j]);
+            dequant_word(q, scale_pair((st.s[n][grp >> 2] >> (8 * (grp & 3))) & 0xffu), b[j], lut);
         }
         const int ch = (4 * kk + t) ^ ((g & 1) << 2);  // rows g and g + 8 share the swizzle
 #pragma unroll
@@ -258,6 +258,7 @@ struct Gemm {
             if (s < kblocks) load_stage(st[s], x, s * BK);
             cp_async_commit();
         }
+        const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
         for (int kb = 0; kb < kblocks; ++kb) {
             cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
             __syncthreads();              // ... everyone's, and stage kb - 1 is free again
@@ -266,7 +267,7 @@ struct Gemm {
             cp_async_commit();
             const Stage& cur = st[kb % STAGES];
 #pragma unroll
-            for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, acc);
+            for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, lut, acc);
         }
         cp_async_wait<0>();
     }
