@@ -175,43 +175,66 @@ struct Gemm {
     static_assert(STAGES >= 2, "a pipeline");
     using Stage = GemmStage<BM, BN, BK>;
 
-    // Where this thread's copies come from (fixed for the block; k0 moves along).
-    const bf16_t* xsrc[XC];          // x row of each x copy (nullptr: zeros)
-    const unsigned char* wsrc[WC];   // weight row of each weight copy
-    const unsigned char* ssrc;       // scale row (THREADS == BN: one per thread)
+    // This thread's copies, held as TileCopies holds them: every source stays a valid address (a zero-filled
+    // copy reads x's first row) and moves one stage along per load, so a stage's copies cost no address
+    // arithmetic; the destinations are offsets inside a stage.
+    static constexpr unsigned W_OFF = BM * BK * 2, S_OFF = W_OFF + BN * BK / 2;  // GemmStage's w and s
+    static_assert(S_OFF + BN * BK / 16 == sizeof(Stage), "GemmStage is x, w, s without padding");
+    const unsigned char* xsrc[XC];  // the 16-byte chunk of its x row each x copy takes
+    const unsigned char* wsrc[WC];  // each 16-byte weight piece
+    const unsigned char* ssrc;      // the scale row (THREADS == BN: one a thread)
+    unsigned xdst[XC], wdst[WC];
+    unsigned valid;                 // bit i: x copy i, bit XC + i: weight copy i, bit XC + WC: the scales
     static_assert(THREADS == BN, "one thread per weight row copies the stage's scales");
+    static_assert(XC + WC < 32, "the copies' valid bits fit a word");
 
-    __device__ __forceinline__ void load_stage(Stage& st, const void* any, int k0) const {
-        const int tid = threadIdx.x;
+    __device__ __forceinline__ void load_stage(unsigned stage) {
 #pragma unroll
         for (int i = 0; i < XC; ++i) {
-            const int c = tid + i * THREADS, r = c / (BK / 8), ch = c % (BK / 8);
-            const bf16_t* p = xsrc[i];
-            cp_async16_zfill(smem_u32(&st.x[r][ch ^ ((r & 1) << 2)]), p ? p + k0 + 8 * ch : any, p != nullptr);
+            cp_async16_zfill(stage + xdst[i], xsrc[i], (valid >> i) & 1u);
+            xsrc[i] += 2 * BK;
         }
 #pragma unroll
         for (int i = 0; i < WC; ++i) {
-            const int c = tid + i * THREADS, n = c / (BK / 32), h = c % (BK / 32);
-            const unsigned char* p = wsrc[i];
-            cp_async16_zfill(smem_u32(&st.w[n][w_slot<BK>(n, h)]), p ? p + k0 / 2 + 16 * h : any, p != nullptr);
+            cp_async16_zfill(stage + wdst[i], wsrc[i], (valid >> (XC + i)) & 1u);
+            wsrc[i] += BK / 2;
         }
+        const unsigned sdst = stage + S_OFF + threadIdx.x * (BK / 16);
         if (BK == 64)
-            cp_async4_zfill(smem_u32(&st.s[tid][0]), ssrc ? ssrc + k0 / 16 : any, ssrc != nullptr);
+            cp_async4_zfill(sdst, ssrc, (valid >> (XC + WC)) & 1u);
         else
-            cp_async8_zfill(smem_u32(&st.s[tid][0]), ssrc ? ssrc + k0 / 16 : any, ssrc != nullptr);
+            cp_async8_zfill(sdst, ssrc, (valid >> (XC + WC)) & 1u);
+        ssrc += BK / 16;
+    }
+
+    // The block scales a stage's mma steps take, as bf16 pairs: sc[j][kk] for weight row wr[j] + g of the warp's
+    // n8 tile j at its 32-k step kk (the 16-k group 2 kk + t / 2), two groups from each 4-byte scale word.
+    static __device__ __forceinline__ void stage_scales(const Stage& st, const int (&wr)[GEMM_NT],
+                                                        unsigned (&sc)[GEMM_NT][BK / 32]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const unsigned sel = (t >> 1) | ((2 + (t >> 1)) << 4);  // bytes t / 2 and 2 + t / 2 of a word
+#pragma unroll
+        for (int j = 0; j < GEMM_NT; ++j)
+#pragma unroll
+            for (int w = 0; w < BK / 64; ++w) {
+                unsigned pair[2];
+                scale_pairs(prmt(st.s[wr[j] + g][w], 0u, sel), pair);
+                sc[j][2 * w] = pair[0];
+                sc[j][2 * w + 1] = pair[1];
+            }
     }
 
     // One 32-k step of a warp: its 4 n8 tiles of weight rows (wr[j]: the tile's first) against all BM x rows.
     static __device__ __forceinline__ void mma_step(const Stage& st, const int (&wr)[GEMM_NT], int kk,
-                                                    const DequantLut& lut, float (&acc)[MT][GEMM_NT][4]) {
+                                                    const unsigned (&sc)[GEMM_NT][BK / 32], const DequantLut& lut,
+                                                    float (&acc)[MT][GEMM_NT][4]) {
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         unsigned b[GEMM_NT][4];
 #pragma unroll
         for (int j = 0; j < GEMM_NT; ++j) {
             const int n = wr[j] + g;
             const unsigned q = reinterpret_cast<const unsigned*>(&st.w[n][w_slot<BK>(n, kk)])[t];
-            const int grp = 2 * kk + (t >> 1);  // the 16-k scale group of k 32 kk + 8 t
-            dequant_word(q, scale_pair((st.s[n][grp >> 2] >> (8 * (grp & 3))) & 0xffu), b[j], lut);
+            dequant_word(q, sc[j][kk], b[j], lut);
         }
         const int ch = (4 * kk + t) ^ ((g & 1) << 2);  // rows g and g + 8 share the swizzle
 #pragma unroll
@@ -233,29 +256,37 @@ struct Gemm {
                                         const int (&n_valid)[2], int K, int kblocks, const int (&wr)[GEMM_NT],
                                         int /* m0: 0 */, float (&acc)[MT][GEMM_NT][4]) {
         Stage* st = reinterpret_cast<Stage*>(dyn_smem);
+        const unsigned st0 = smem_u32(dyn_smem);
+        const unsigned char* const any = reinterpret_cast<const unsigned char*>(x);
         const int tid = threadIdx.x;
+        valid = 0u;
 #pragma unroll
         for (int i = 0; i < XC; ++i) {
-            const int r = (tid + i * THREADS) / (BK / 8);
-            xsrc[i] = nullptr;
-            if (r < tile.rows)
-                xsrc[i] = x + (token_ids ? (size_t)token_ids[tile.row0 + r] : (size_t)(tile.row0 + r)) * K;
+            const int c = tid + i * THREADS, r = c / (BK / 8), ch = c % (BK / 8);
+            const bool ok = r < tile.rows;
+            const bf16_t* row = ok ? x + (token_ids ? (size_t)token_ids[tile.row0 + r] : (size_t)(tile.row0 + r)) * K : x;
+            xsrc[i] = reinterpret_cast<const unsigned char*>(row + 8 * ch);
+            xdst[i] = 16u * (r * (BK / 8) + (ch ^ ((r & 1) << 2)));
+            valid |= (unsigned)ok << i;
         }
 #pragma unroll
         for (int i = 0; i < WC; ++i) {
-            const int n = (tid + i * THREADS) / (BK / 32), rn = n % (BN / 2);
+            const int c = tid + i * THREADS, n = c / (BK / 32), h = c % (BK / 32), rn = n % (BN / 2);
             const bool hi = n >= BN / 2;  // selects, not an index: the pointers stay in registers
-            const unsigned char* base = hi ? wbase[1] : wbase[0];
-            wsrc[i] = rn < (hi ? n_valid[1] : n_valid[0]) ? base + (size_t)rn * (K >> 1) : nullptr;
+            const bool ok = rn < (hi ? n_valid[1] : n_valid[0]);
+            wsrc[i] = (ok ? (hi ? wbase[1] : wbase[0]) + (size_t)rn * (K >> 1) : any) + 16 * h;
+            wdst[i] = W_OFF + 16u * (n * (BK / 32) + w_slot<BK>(n, h));
+            valid |= (unsigned)ok << (XC + i);
         }
         {
             const int rn = tid % (BN / 2);
-            const bool hi = tid >= BN / 2;
-            ssrc = rn < (hi ? n_valid[1] : n_valid[0]) ? (hi ? sbase[1] : sbase[0]) + (size_t)rn * (K >> 4) : nullptr;
+            const bool hi = tid >= BN / 2, ok = rn < (hi ? n_valid[1] : n_valid[0]);
+            ssrc = ok ? (hi ? sbase[1] : sbase[0]) + (size_t)rn * (K >> 4) : any;
+            valid |= (unsigned)ok << (XC + WC);
         }
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < kblocks) load_stage(st[s], x, s * BK);
+            if (s < kblocks) load_stage(st0 + s * (unsigned)sizeof(Stage));
             cp_async_commit();
         }
         const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
@@ -263,11 +294,13 @@ struct Gemm {
             cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
             __syncthreads();              // ... everyone's, and stage kb - 1 is free again
             const int next = kb + STAGES - 1;
-            if (next < kblocks) load_stage(st[next % STAGES], x, next * BK);
+            if (next < kblocks) load_stage(st0 + (next % STAGES) * (unsigned)sizeof(Stage));
             cp_async_commit();
             const Stage& cur = st[kb % STAGES];
+            unsigned sc[GEMM_NT][BK / 32];
+            stage_scales(cur, wr, sc);
 #pragma unroll
-            for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, lut, acc);
+            for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, sc, lut, acc);
         }
         cp_async_wait<0>();
     }
