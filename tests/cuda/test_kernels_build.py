@@ -8,9 +8,12 @@ is a failure there, reported with nvcc's own message.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -273,41 +276,66 @@ def test_arch_build_falls_back_to_the_plain_build(monkeypatch, caplog):
         loader.arch_build.cache_clear()
 
 
+ARCHS = ("sm_90", "sm_121", "sm_90a")
+
+
+def _built_for(path: Path, arch: str) -> bool:
+    return not arch.endswith("a") or arch in loader.ARCH_SPECIFIC.get(path.name, {}).values()
+
+
+@dataclass
+class Build:
+    ptx: Path
+    ptx_rc: int
+    ptx_log: str
+    cubin_rc: int = -1  # ptxas's, once the PTX built
+    cubin_log: str = ""
+
+
+def _build(root: Path, path: Path, arch: str) -> Build:
+    """nvcc's PTX of a kernel file for ``arch`` (the text NVRTC gets), then ptxas's cubin of it: the two halves of
+    ``nvcc --cubin``."""
+    src, ptx = root / f"{path.stem}.{arch}.cu", root / f"{path.stem}.{arch}.ptx"
+    src.write_text(loader.kernel_source(path.name))
+    r = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o", str(ptx),
+                        str(src)], capture_output=True, text=True)
+    b = Build(ptx, r.returncode, r.stdout + r.stderr)
+    if b.ptx_rc == 0:
+        r = subprocess.run([PTXAS, f"-arch={arch}", "-o", str(ptx.with_suffix(".cubin")), str(ptx)],
+                           capture_output=True, text=True)
+        b.cubin_rc, b.cubin_log = r.returncode, r.stdout + r.stderr
+    return b
+
+
 @pytest.fixture(scope="module")
-def ptx_of(tmp_path_factory):
-    """``ptx_of(path, arch)``: the PTX nvcc makes of a kernel file for ``arch``, built once for this module's tests
-    (the front end is most of a build's time); a failed build fails the test that asked, with nvcc's message."""
-    root, built = tmp_path_factory.mktemp("ptx"), {}
-
-    def ptx_of(path: Path, arch: str) -> Path:
-        if (path.name, arch) not in built:
-            src, ptx = root / path.name, root / f"{path.stem}.{arch}.ptx"
-            src.write_text(loader.kernel_source(path.name))
-            r = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o",
-                                str(ptx), str(src)], capture_output=True, text=True)
-            built[path.name, arch] = (ptx, r.returncode, r.stdout + r.stderr)
-        ptx, rc, log = built[path.name, arch]
-        assert rc == 0, f"nvcc --ptx -arch={arch} failed on {path.name}:\n{log}"
-        return ptx
-
-    return ptx_of
+def builds(tmp_path_factory):
+    """``builds(path, arch)``: every kernel file's build for every arch it is built for, started together on all
+    cores when the first test asks (largest file first) and each awaited by the tests that read it."""
+    root = tmp_path_factory.mktemp("builds")
+    jobs = [(p, a) for p in sorted(FILES, key=lambda p: -p.stat().st_size) for a in ARCHS if _built_for(p, a)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {(p.name, a): pool.submit(_build, root, p, a) for p, a in jobs}
+        yield lambda path, arch: futures[path.name, arch].result()
+        for f in futures.values():
+            f.cancel()
 
 
-def _skip_unbuilt(path: Path, arch: str) -> None:
-    if arch.endswith("a") and arch not in loader.ARCH_SPECIFIC.get(path.name, {}).values():
-        pytest.skip(f"{path.name} is not built for {arch}")
+def _ptx(b: Build, path: Path, arch: str) -> Path:
+    assert b.ptx_rc == 0, f"nvcc --ptx -arch={arch} failed on {path.name}:\n{b.ptx_log}"
+    return b.ptx
 
 
 @needs_nvcc
-@pytest.mark.parametrize("arch", ["sm_90", "sm_121", "sm_90a"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
-def test_compiles(path: Path, arch: str, ptx_of, tmp_path: Path):
+def test_compiles(path: Path, arch: str, builds):
     """Every file builds for Hopper and GB10; the arch-specific ones (wgmma) also for sm_90a: nvcc's PTX,
-    then ptxas for the same arch (the two halves of ``nvcc --cubin``)."""
-    _skip_unbuilt(path, arch)
-    r = subprocess.run([PTXAS, f"-arch={arch}", "-o", str(tmp_path / "out.cubin"), str(ptx_of(path, arch))],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, f"ptxas -arch={arch} failed on {path.name}:\n{r.stdout}{r.stderr}"
+    then ptxas for the same arch."""
+    if not _built_for(path, arch):
+        pytest.skip(f"{path.name} is not built for {arch}")
+    b = builds(path, arch)
+    _ptx(b, path, arch)
+    assert b.cubin_rc == 0, f"ptxas -arch={arch} failed on {path.name}:\n{b.cubin_log}"
 
 
 def test_no_diagnostic_switches_in_the_kernels():
@@ -346,13 +374,14 @@ _MEMORY_OP = re.compile(r"^\s*(?:@!?%?\w+\s+)?(ld|ldu|st|atom|red|cp\.async|cp\.
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_90", "sm_90a"])
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
-def test_every_kernel_waits_for_its_predecessor_before_touching_memory(path: Path, arch: str, ptx_of):
+def test_every_kernel_waits_for_its_predecessor_before_touching_memory(path: Path, arch: str, builds):
     """The backend launches every kernel as a programmatic dependent (``pdl``): correct only if each
     entry's first memory access comes after ``griddepcontrol.wait``. Checked on the PTX nvcc makes
     for sm_90 (and sm_90a where the file has an arch-specific build), entry by entry (macro-made
     entries included)."""
-    _skip_unbuilt(path, arch)
-    ptx = ptx_of(path, arch)
+    if not _built_for(path, arch):
+        pytest.skip(f"{path.name} is not built for {arch}")
+    ptx = _ptx(builds(path, arch), path, arch)
     entries = re.split(r"^\.visible \.entry ", ptx.read_text(), flags=re.M)[1:]
     assert entries, f"{path.name}: no kernel entries in its PTX"
     bad = []
