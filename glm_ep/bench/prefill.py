@@ -33,6 +33,7 @@ from glm_ep.bench.common import (BF16, bench_meta, bench_workspace, card_tag, co
 from glm_ep.dist.comm import SelfComm
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite, clamped_swiglu_mlp
+from glm_ep.backend.base import KERNEL_LIMITS
 from glm_ep.config.topology import PathLevers
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,19 @@ def _f(v: Any, fmt: str = "{:.1f}") -> str:
     return "—" if v is None else fmt.format(v)
 
 
+def lever_advice(crossover: int | None) -> list[str]:
+    """What the sweep means for the ``prefill_gemm_min_rows`` lever: nothing where the built-in default is this
+    card's crossover (or none was found), else the topology line that makes it so (the lever's floor is one row
+    past the widest row group)."""
+    default, floor = PathLevers().prefill_gemm_min_rows, KERNEL_LIMITS.max_row_group + 1
+    if crossover is None or max(crossover, floor) == default:
+        return []
+    rows = max(crossover, floor)
+    return [f"The built-in `prefill_gemm_min_rows` is {default}; on this card a topology's `[levers]` "
+            f"`prefill_gemm_min_rows = {rows}` takes the grouped GEMM from the crossover (`configs/h100-1.toml` "
+            "holds the H100's).", ""]
+
+
 def roofline_lines(meta: dict[str, Any], w: list[dict[str, Any]]) -> list[str]:
     """The sparse site against its roofline at each width: the larger of (the union of chosen experts' weights +
     shared expert + router + activations) / copy bandwidth and its FLOPs / the measured bf16 GEMM rate."""
@@ -301,7 +315,8 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
                      f"{_f(r.get('hf_shared_us'))} | "
                      f"{r['router_us']:.1f} | {_f(r.get('torch_router_us'))} |")
     lines += ["", f"## Crossover sweep: row groups vs grouped GEMM (sparse site) — crossover at "
-                  f"**{meta['crossover']} rows**", "", "| rows | row groups | grouped GEMM |", "|---:|---:|---:|"]
+                  f"**{meta['crossover']} rows**", "", *lever_advice(meta.get("crossover")),
+              "| rows | row groups | grouped GEMM |", "|---:|---:|---:|"]
     for r in res["sweep"]:
         lines.append(f"| {r['rows']} | {r['union_us']:.1f} | {r['sorted_us']:.1f} |")
     if res.get("nvfp4_sweep"):

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from glm_ep.bench.common import card_tag
-from glm_ep.bench.prefill import WIDTHS, crossover, render, result_stem
+from glm_ep.bench.prefill import WIDTHS, crossover, lever_advice, render, result_stem
+from glm_ep.config.topology import PathLevers
 
 RECORDED = Path(__file__).resolve().parents[2] / "docs" / "perf" / "prefill_h200.json"
 
@@ -79,3 +80,17 @@ def test_render_nvfp4_dequant_crossover():
     assert "dequantized to bf16 (" not in text
     meta.update(dequant_us=40.0, dequant_gbs=2575.0, copy_gbs=4300.0)
     assert "One projection dequantized to bf16 (40.0 µs, 2575 GB/s read + written, 60% of copy)" in render(meta, data)
+
+
+def test_the_crossover_names_the_lever_that_takes_it():
+    """A card whose sweep crosses away from the built-in default is told the topology line that takes its crossover;
+    one that crosses at the default, or nowhere, is told nothing; a crossover inside the row groups' widths is
+    raised to the lever's floor."""
+    default = PathLevers().prefill_gemm_min_rows
+    assert lever_advice(default) == [] and lever_advice(None) == []
+    assert "`prefill_gemm_min_rows = 12`" in lever_advice(12)[0] and f"is {default};" in lever_advice(12)[0]
+    assert "`prefill_gemm_min_rows = 9`" in lever_advice(4)[0]
+    data = json.loads(RECORDED.read_text())
+    text = render({**data["meta"], "crossover": 12}, data)
+    assert "`prefill_gemm_min_rows = 12`" in text
+    assert "prefill_gemm_min_rows" not in render({**data["meta"], "crossover": default}, data)
