@@ -264,7 +264,9 @@ struct Gemm {
         for (int i = 0; i < XC; ++i) {
             const int c = tid + i * THREADS, r = c / (BK / 8), ch = c % (BK / 8);
             const bool ok = r < tile.rows;
-            const bf16_t* row = ok ? x + (token_ids ? (size_t)token_ids[tile.row0 + r] : (size_t)(tile.row0 + r)) * K : x;
+            const int i_sorted = tile.row0 + r;  // read only for rows of the tile: past them the ids end
+            const size_t at = !ok ? 0 : token_ids ? (size_t)token_ids[i_sorted] : (size_t)i_sorted;
+            const bf16_t* row = x + at * K;
             xsrc[i] = reinterpret_cast<const unsigned char*>(row + 8 * ch);
             xdst[i] = 16u * (r * (BK / 8) + (ch ^ ((r & 1) << 2)));
             valid |= (unsigned)ok << i;
