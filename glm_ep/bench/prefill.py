@@ -1,4 +1,4 @@
-"""``glm-ep bench --prefill``: wide calls (prefill) at the GLM-5.3-Flash shape, one H200, against the
+"""``glm-ep bench --prefill``: wide calls (prefill) at the GLM-5.3-Flash shape, one GPU, against the
 PyTorch peers measured in the SAME run (``prefill_peer``).
 
 For each width: the sparse site (the path the dispatch picks; the row-group and grouped-GEMM paths
@@ -9,7 +9,9 @@ HF transformers' ``Glm5NextTextMoE`` (fastest experts implementation), ``Glm5Nex
 crossover the ``prefill_gemm_min_rows`` lever is set from; one of a dense FFN stored NVFP4 (row groups,
 the grouped GEMM with and without its K split, its projections dequantized to bf16 for cuBLAS) the
 ``nvfp4_dense_gemm_min_rows`` and ``nvfp4_dense_dequant_min_rows`` levers'. Synthetic
-weights made on the GPU; every figure a median over repeats after warm-up. Writes PREFILL_<CARD>.md,
+weights made on the GPU; every figure a median over repeats after warm-up. The weights and each width's rows are
+seeded (``SEED``, the width), so every run on every card times the same routing: the union of experts a width
+reads, and so its roofline, is the same from one run (and tree) to the next. Writes PREFILL_<CARD>.md,
 prefill_<card>.json, prefill_<card>.png (``card_tag``); a run of other ``--rows`` than the default widths writes
 PREFILL_<CARD>_<rows>.md and the like instead (e.g. PREFILL_H100_1024_4096.md), so a partial run never overwrites
 the full table.
@@ -38,6 +40,7 @@ from glm_ep.config.topology import PathLevers
 
 log = logging.getLogger(__name__)
 WIDTHS = (16, 64, 128, 256, 1024, 4096)
+SEED = 0  # the synthetic weights' (each width's rows are seeded by the width)
 SWEEP = (9, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 NVFP4_SWEEP = SWEEP + (384, 512)  # the dense FFN stored NVFP4: past 256 rows for the dequant crossover
 UNION_MAX_TIMED = 1024  # the row-group path is timed up to this width (it is the slow one past it)
@@ -75,6 +78,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     copy_gbs = copy_bandwidth(cp, stream)
     h, m, k = model.hidden_size, model.moe_intermediate_size, model.num_experts_per_tok
+    cp.random.seed(SEED)
     with stream:
         moe = be.upload_moe(gpu_moe(cp, model), model.swiglu_limit)
         dense = be.upload_dense(gpu_dense(cp, model.intermediate_size, h))
@@ -115,12 +119,14 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     w_bf16 = None
     results: dict[str, Any] = {"widths": [], "sweep": [], "nvfp4_sweep": []}
     for rows in SWEEP:
+        cp.random.seed(rows)
         x = gpu_bf16(cp, (rows, h), 1.0)
         o = out[:rows]
         results["sweep"].append({"rows": rows, "union_us": t(lambda: union_site(x, ws, o), rows),
                                  "sorted_us": t(lambda: sorted_site(x, ws, o), rows)})
         log.info("sweep %s", results["sweep"][-1])
     for rows in NVFP4_SWEEP:
+        cp.random.seed(rows)
         x = gpu_bf16(cp, (rows, h), 1.0)
         o = out[:rows]
         results["nvfp4_sweep"].append({"rows": rows, **{key: t(lambda: st(x, ws, o), rows)
@@ -128,6 +134,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
                                                         if key != "union_us" or rows <= NVFP4_UNION_MAX_TIMED}})
         log.info("NVFP4 dense sweep %s", results["nvfp4_sweep"][-1])
     for rows in widths:
+        cp.random.seed(rows)
         x = gpu_bf16(cp, (rows, h), 1.0)
         o = out[:rows]
         r: dict[str, Any] = {"rows": rows, "path": site.experts.path_for(rows)}
