@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from glm_ep.bench.common import (BF16, bench_meta, bench_workspace, copy_bandwidth, expert_bytes, glm_model, gpu_bf16,
-                                 gpu_nvfp4, graph_median_us, results_header, world1_cfg)
+                                 gpu_dense, gpu_nvfp4, graph_median_us, results_header, world1_cfg)
 
 E_LOCAL = 32  # local experts of the one-row sweep's layers (the slots draw 8 of them)
 RING_VARIANTS = (("block kernels (ring = false)", dict(enabled=False)),
@@ -53,21 +53,19 @@ UNION_ROWS = (2, 3, 4, 5, 6, 8)
 def run_sweep_ring(args: argparse.Namespace) -> int:
     import cupy as cp
 
-    from glm_ep.backend.cuda import CudaBackend, RingConfig
     from glm_ep.checkpoint.weights import ExpertWeights, MoeWeights
 
     model, L = glm_model(), max(args.layers or 8, 2)
     h, m, i, k, limit = (model.hidden_size, model.moe_intermediate_size, model.intermediate_size,
                          model.num_experts_per_tok, model.swiglu_limit)
-    be = CudaBackend(0)
-    bench_workspace(be, world1_cfg(model), 8)  # binds its kernels' scratch (fused router, down ring's combine)
+    be = _bench_backend()
     s, iters = be.stream, max(args.iters // 10, 10)
     copy_gbs = copy_bandwidth(cp, s)
     with s:
         layers = [MoeWeights(gpu_bf16(cp, (E_LOCAL, h), h ** -0.5), cp.zeros(E_LOCAL, cp.float32), 0,
                              tuple(ExpertWeights(gpu_nvfp4(cp, m, h), gpu_nvfp4(cp, m, h), gpu_nvfp4(cp, h, m))
                                    for _ in range(E_LOCAL)),
-                             _dense(cp, model.shared_intermediate, h)) for _ in range(L)]
+                             gpu_dense(cp, model.shared_intermediate, h)) for _ in range(L)]
         one = ExpertWeights(gpu_nvfp4(cp, i, h), gpu_nvfp4(cp, i, h), gpu_nvfp4(cp, h, i))
     x = gpu_bf16(cp, (1, h), 1.0)
     ids = cp.asarray(np.random.default_rng(0).choice(E_LOCAL, k, replace=False).astype(np.int32))
@@ -83,8 +81,7 @@ def run_sweep_ring(args: argparse.Namespace) -> int:
     per = expert_bytes(model) // 3  # one projection of one expert
     rows, one_rows = [], []
     for name, levers in RING_VARIANTS:
-        rb = CudaBackend(0, RingConfig(**levers), stream=s, dependent_launch=be.pdl)
-        bench_workspace(rb, world1_cfg(model), 8)  # binds its kernels' scratch (fused router, down ring's combine)
+        rb = _bench_backend(levers, be)
         with s:
             sites = [rb.upload_moe(w, limit) for w in layers]  # the same device arrays: only the tables are new
 
@@ -108,8 +105,7 @@ def run_sweep_ring(args: argparse.Namespace) -> int:
                      "tail_bytes": k * per + h * m * 2})
     g1, u1, a1 = (view(b, 1, i) for b in range(3))
     for name, levers in ONE_EXPERT_VARIANTS:
-        rb = CudaBackend(0, RingConfig(**levers), stream=s, dependent_launch=be.pdl)
-        bench_workspace(rb, world1_cfg(model), 8)  # binds its kernels' scratch (fused router, down ring's combine)
+        rb = _bench_backend(levers, be)
         with s:
             e = rb.upload_experts((one,), 0, limit, what="dense mlp")
         one_rows.append({
@@ -126,14 +122,12 @@ def run_sweep_ring(args: argparse.Namespace) -> int:
 def run_sweep_union(args: argparse.Namespace) -> int:
     import cupy as cp
 
-    from glm_ep.backend.cuda import CudaBackend, RingConfig
     from glm_ep.checkpoint.weights import ExpertWeights
 
     model, L = glm_model(), max(args.layers or 4, 2)
     h, m, e, k, limit = (model.hidden_size, model.moe_intermediate_size, model.n_routed_experts,
                          model.num_experts_per_tok, model.swiglu_limit)
-    be = CudaBackend(0)
-    bench_workspace(be, world1_cfg(model), 8)  # binds its kernels' scratch (fused router, down ring's combine)
+    be = _bench_backend()
     s, iters = be.stream, max(args.iters // 10, 10)
     copy_gbs = copy_bandwidth(cp, s)
     with s:
@@ -148,8 +142,7 @@ def run_sweep_union(args: argparse.Namespace) -> int:
     u_eid, u_slot = cp.empty(r8 * k, cp.int32), cp.empty(r8 * k * r8, cp.int32)
     backends = []
     for name, levers in UNION_VARIANTS:
-        rb = CudaBackend(0, RingConfig(**levers), stream=s, dependent_launch=be.pdl)
-        bench_workspace(rb, world1_cfg(model), 8)  # binds its kernels' scratch (fused router, down ring's combine)
+        rb = _bench_backend(levers, be)
         with s:
             backends.append((name, rb, [rb.upload_experts(w, 0, limit) for w in layers]))
     rows = []
@@ -171,11 +164,15 @@ def run_sweep_union(args: argparse.Namespace) -> int:
     return _write(Path(args.out), "union", {"meta": meta, "rows": rows}, render_union)
 
 
-def _dense(cp: Any, width: int, h: int) -> Any:
-    from glm_ep.checkpoint.weights import DenseWeights
+def _bench_backend(levers: dict[str, Any] | None = None, base: Any = None) -> Any:
+    """A CUDA backend on device 0: the default one, or one whose ring takes ``levers`` on ``base``'s stream and launch
+    mode; either way a world-1 workspace of 8 rows binds its kernels' scratch (fused router, down ring's combine)."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
 
-    return DenseWeights(gpu_bf16(cp, (width, h), h ** -0.5), gpu_bf16(cp, (width, h), h ** -0.5),
-                        gpu_bf16(cp, (h, width), width ** -0.5))
+    be = CudaBackend(0) if base is None else CudaBackend(0, RingConfig(**(levers or {})), stream=base.stream,
+                                                          dependent_launch=base.pdl)
+    bench_workspace(be, world1_cfg(glm_model()), 8)
+    return be
 
 
 def _write(out_dir: Path, name: str, data: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> int:
