@@ -68,13 +68,14 @@ def clamped_swiglu_mlp(be: Backend, w: DenseResident[Any], limit: float, x_TH: A
     return be.linear(clamped_swiglu(be, w, limit, x_TH, ws), w.down, out_TH)
 
 
-@dataclass
-class DenseSite:
+class _DenseFrame:
+    """What both dense sites do around their FFN: a replica that does not contribute (``mlp`` None) writes zeros,
+    and the partial sums are all-reduced where the layout splits the dense FFN."""
+
     be: Backend
     comm: Communicator
     cfg: SiteConfig
-    mlp: DenseResident[Any] | None  # None on a replica that does not contribute
-
+    mlp: Any
     sparse = False
 
     @property
@@ -85,12 +86,26 @@ class DenseSite:
         if self.mlp is None:
             self.be.zero(out_TH)
         else:
-            clamped_swiglu_mlp(self.be, self.mlp, self.cfg.swiglu_limit, x_TH, ws, out_TH)
+            self.ffn(x_TH, ws, out_TH)
         return self.comm.all_reduce(out_TH) if self.reduces else out_TH
+
+    def ffn(self, x_TH: Any, ws: Workspace, out_TH: Any) -> None:
+        raise NotImplementedError
 
 
 @dataclass
-class Nvfp4DenseSite:
+class DenseSite(_DenseFrame):
+    be: Backend
+    comm: Communicator
+    cfg: SiteConfig
+    mlp: DenseResident[Any] | None  # None on a replica that does not contribute
+
+    def ffn(self, x_TH: Any, ws: Workspace, out_TH: Any) -> None:
+        clamped_swiglu_mlp(self.be, self.mlp, self.cfg.swiglu_limit, x_TH, ws, out_TH)
+
+
+@dataclass
+class Nvfp4DenseSite(_DenseFrame):
     """A dense FFN stored NVFP4 (ModelOpt's ``nvfp4_experts_dense_mlp`` exports): ``down(act(gate(x), up(x)))`` over
     this rank's TP shard on the routed experts' kernels, its ``mlp`` ONE expert that every row runs (``dispatch``:
     ``ExpertDispatch.nvfp4_dense``), rounded where a bf16 dense MLP's is (gate, up, act, down)."""
@@ -101,23 +116,13 @@ class Nvfp4DenseSite:
     mlp: RoutedExperts[Any] | None  # one expert, id 0; None on a replica that does not contribute
     dispatch: ExpertDispatch
 
-    sparse = False
-
     def __post_init__(self) -> None:
         if self.dispatch.shape != ExpertShape.nvfp4_dense(self.cfg):
             raise ValueError(f"Nvfp4DenseSite: a dispatch of {self.dispatch.shape}, expected the dense FFN's "
                              f"{ExpertShape.nvfp4_dense(self.cfg)}")
 
-    @property
-    def reduces(self) -> bool:
-        return self.cfg.reduces(sparse=False)
-
-    def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
-        if self.mlp is None:
-            self.be.zero(out_TH)
-        else:
-            self.dispatch.every_row(x_TH, self.mlp, ws, out_TH)
-        return self.comm.all_reduce(out_TH) if self.reduces else out_TH
+    def ffn(self, x_TH: Any, ws: Workspace, out_TH: Any) -> None:
+        self.dispatch.every_row(x_TH, self.mlp, ws, out_TH)
 
 
 @dataclass
