@@ -105,6 +105,21 @@ def shard(w, cfg: SiteConfig):
     return MoeWeights(w.router, w.bias, start, experts, tp(w.shared, True))
 
 
+def site_mismatches(cuda: MlpStack, ref: MlpStack, widths, label: str) -> list[str]:
+    """Each site of two stacks (sites 0 and 1) on the same integer rows of each width: what differs past
+    ``assert_close``, one line each, collected so that every rank reaches the collectives after it."""
+    failures = []
+    for rows in widths:
+        x = int_rows(np.random.default_rng(rows), rows)
+        for site in (0, 1):
+            try:
+                assert_close(host(cuda.site_output(site, dev(x))), ref.site_output(site, x),
+                             f"{label}: site {site}, {rows} rows")
+            except AssertionError as e:
+                failures.append(str(e))
+    return failures
+
+
 def build_stack(be, comm, cfg, weights, levers, max_rows=MAX_ROWS):
     sites = []
     for w in weights:
@@ -347,14 +362,7 @@ def test_two_ranks_one_gpu():
         pytest.fail("\n".join(every))
     cuda = build_stack(be, comm, cfg, weights, PathLevers(), max_rows=20)
     ref = build_stack(NumpyBackend(), MpiComm(world), cfg, weights, PathLevers(), max_rows=20)
-    for rows in (1, 4, 20):
-        x = int_rows(np.random.default_rng(rows), rows)
-        for site in (0, 1):
-            try:
-                assert_close(host(cuda.site_output(site, dev(x))), ref.site_output(site, x),
-                             f"rank {world.Get_rank()}: site {site}, {rows} rows")
-            except AssertionError as e:
-                failures.append(str(e))
+    failures += site_mismatches(cuda, ref, (1, 4, 20), f"rank {world.Get_rank()}")
     # back-to-back calls on fresh inputs: each all-reduce's host-staged copy back to the device must
     # have read its (temporary) host buffer before the next call reuses that memory
     rng = np.random.default_rng(11)
