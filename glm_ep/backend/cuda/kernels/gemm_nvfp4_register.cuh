@@ -1,0 +1,155 @@
+// The grouped GEMM's register engine (WM = 1): every warp on all BM = 16 MT x rows and 32 weight rows of its
+// own, dequantizing its weights in registers; mma.sync m16n8k16 with A = x (16 rows) and B = weights (8 weight
+// rows as the columns), fp32 accumulators. Part of gemm_nvfp4.cu, included after its stage layout, row tiles and
+// dequantization (GemmStage, w_slot, DequantLut, dequant_word, scale_pairs, GEMM_NT) and common.cuh,
+// nvfp4_mma.cuh and async_copy.cuh (glm_ep/backend/cuda/kernel_loader.py inlines them all).
+//
+// NumPy twin: NumpyBackend.moe_gate_up_act_sorted and moe_gemm_sorted (glm_ep/backend/numpy_backend.py); held
+// together by tests/cuda/test_cuda_gemm.py::test_gemm_variants and test_gemm_variants_partial_tiles.
+#pragma once
+
+// The block's K loop and its tile geometry: MT m16 tiles of x rows (BM = 16 MT, every warp covers
+// all of them), WARPS warps of 32 weight rows each (BN = 32 WARPS).
+template <int MT, int WARPS, int BK, int STAGES>
+struct Gemm {
+    static constexpr int BM = 16 * MT, BN = 32 * WARPS, THREADS = 32 * WARPS, WARP_COLS = WARPS, M_TILES = MT,
+                         N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = 16 * MT, K_STEP = BK;
+    static constexpr int XC = BM * BK / 8 / THREADS;  // x copies per thread and stage
+    static constexpr int WC = BN * BK / 32 / THREADS;  // weight copies per thread and stage
+    static_assert(XC >= 1 && XC * THREADS == BM * BK / 8, "x copies split evenly");
+    static_assert(WC * THREADS == BN * BK / 32, "weight copies split evenly");
+    static_assert(STAGES >= 2, "a pipeline");
+    using Stage = GemmStage<BM, BN, BK>;
+
+    // This thread's copies, held as TileCopies holds them: every source stays a valid address (a zero-filled
+    // copy reads x's first row) and moves one stage along per load, so a stage's copies cost no address
+    // arithmetic; the destinations are offsets inside a stage.
+    static constexpr unsigned W_OFF = BM * BK * 2, S_OFF = W_OFF + BN * BK / 2;  // GemmStage's w and s
+    static_assert(S_OFF + BN * BK / 16 == sizeof(Stage), "GemmStage is x, w, s without padding");
+    const unsigned char* xsrc[XC];  // the 16-byte chunk of its x row each x copy takes
+    const unsigned char* wsrc[WC];  // each 16-byte weight piece
+    const unsigned char* ssrc;      // the scale row (THREADS == BN: one a thread)
+    unsigned xdst[XC], wdst[WC];
+    unsigned valid;                 // bit i: x copy i, bit XC + i: weight copy i, bit XC + WC: the scales
+    static_assert(THREADS == BN, "one thread per weight row copies the stage's scales");
+    static_assert(XC + WC < 32, "the copies' valid bits fit a word");
+
+    __device__ __forceinline__ void load_stage(unsigned stage) {
+#pragma unroll
+        for (int i = 0; i < XC; ++i) {
+            cp_async16_zfill(stage + xdst[i], xsrc[i], (valid >> i) & 1u);
+            xsrc[i] += 2 * BK;
+        }
+#pragma unroll
+        for (int i = 0; i < WC; ++i) {
+            cp_async16_zfill(stage + wdst[i], wsrc[i], (valid >> (XC + i)) & 1u);
+            wsrc[i] += BK / 2;
+        }
+        const unsigned sdst = stage + S_OFF + threadIdx.x * (BK / 16);
+        if (BK == 64)
+            cp_async4_zfill(sdst, ssrc, (valid >> (XC + WC)) & 1u);
+        else
+            cp_async8_zfill(sdst, ssrc, (valid >> (XC + WC)) & 1u);
+        ssrc += BK / 16;
+    }
+
+    // The block scales a stage's mma steps take, as bf16 pairs: sc[j][kk] for weight row wr[j] + g of the warp's
+    // n8 tile j at its 32-k step kk (the 16-k group 2 kk + t / 2), two groups from each 4-byte scale word.
+    static __device__ __forceinline__ void stage_scales(const Stage& st, const int (&wr)[GEMM_NT],
+                                                        unsigned (&sc)[GEMM_NT][BK / 32]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const unsigned sel = (t >> 1) | ((2 + (t >> 1)) << 4);  // bytes t / 2 and 2 + t / 2 of a word
+#pragma unroll
+        for (int j = 0; j < GEMM_NT; ++j)
+#pragma unroll
+            for (int w = 0; w < BK / 64; ++w) {
+                unsigned pair[2];
+                scale_pairs(prmt(st.s[wr[j] + g][w], 0u, sel), pair);
+                sc[j][2 * w] = pair[0];
+                sc[j][2 * w + 1] = pair[1];
+            }
+    }
+
+    // One 32-k step of a warp: its 4 n8 tiles of weight rows (wr[j]: the tile's first) against all BM x rows.
+    static __device__ __forceinline__ void mma_step(const Stage& st, const int (&wr)[GEMM_NT], int kk,
+                                                    const unsigned (&sc)[GEMM_NT][BK / 32], const DequantLut& lut,
+                                                    float (&acc)[MT][GEMM_NT][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        unsigned b[GEMM_NT][4];
+#pragma unroll
+        for (int j = 0; j < GEMM_NT; ++j) {
+            const int n = wr[j] + g;
+            const unsigned q = reinterpret_cast<const unsigned*>(&st.w[n][w_slot<BK>(n, kk)])[t];
+            dequant_word(q, sc[j][kk], b[j], lut);
+        }
+        const int ch = (4 * kk + t) ^ ((g & 1) << 2);  // rows g and g + 8 share the swizzle
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const uint4 lo = st.x[16 * i + g][ch], hi = st.x[16 * i + g + 8][ch];
+#pragma unroll
+            for (int j = 0; j < GEMM_NT; ++j) {
+                mma_bf16(acc[i][j], lo.x, hi.x, lo.y, hi.y, b[j][0], b[j][1]);
+                mma_bf16(acc[i][j], lo.z, hi.z, lo.w, hi.w, b[j][2], b[j][3]);
+            }
+        }
+    }
+
+    // Tile row n of half h (n in [h BN/2, (h + 1) BN/2)) is weight row n - h BN/2 of wbase[h] /
+    // sbase[h]; rows at or past n_valid[h] of a half are zero-filled. x rows come through token_ids
+    // (nullptr: the sorted rows themselves).
+    __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
+                                        const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
+                                        const int (&n_valid)[2], int K, int kblocks, const int (&wr)[GEMM_NT],
+                                        int /* m0: 0 */, float (&acc)[MT][GEMM_NT][4]) {
+        Stage* st = reinterpret_cast<Stage*>(dyn_smem);
+        const unsigned st0 = smem_u32(dyn_smem);
+        const unsigned char* const any = reinterpret_cast<const unsigned char*>(x);
+        const int tid = threadIdx.x;
+        valid = 0u;
+#pragma unroll
+        for (int i = 0; i < XC; ++i) {
+            const int c = tid + i * THREADS, r = c / (BK / 8), ch = c % (BK / 8);
+            const bool ok = r < tile.rows;
+            const int i_sorted = tile.row0 + r;  // read only for rows of the tile: past them the ids end
+            const size_t at = !ok ? 0 : token_ids ? (size_t)token_ids[i_sorted] : (size_t)i_sorted;
+            const bf16_t* row = x + at * K;
+            xsrc[i] = reinterpret_cast<const unsigned char*>(row + 8 * ch);
+            xdst[i] = 16u * (r * (BK / 8) + (ch ^ ((r & 1) << 2)));
+            valid |= (unsigned)ok << i;
+        }
+#pragma unroll
+        for (int i = 0; i < WC; ++i) {
+            const int c = tid + i * THREADS, n = c / (BK / 32), h = c % (BK / 32), rn = n % (BN / 2);
+            const bool hi = n >= BN / 2;  // selects, not an index: the pointers stay in registers
+            const bool ok = rn < (hi ? n_valid[1] : n_valid[0]);
+            wsrc[i] = (ok ? (hi ? wbase[1] : wbase[0]) + (size_t)rn * (K >> 1) : any) + 16 * h;
+            wdst[i] = W_OFF + 16u * (n * (BK / 32) + w_slot<BK>(n, h));
+            valid |= (unsigned)ok << (XC + i);
+        }
+        {
+            const int rn = tid % (BN / 2);
+            const bool hi = tid >= BN / 2, ok = rn < (hi ? n_valid[1] : n_valid[0]);
+            ssrc = ok ? (hi ? sbase[1] : sbase[0]) + (size_t)rn * (K >> 4) : any;
+            valid |= (unsigned)ok << (XC + WC);
+        }
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < kblocks) load_stage(st0 + s * (unsigned)sizeof(Stage));
+            cp_async_commit();
+        }
+        const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
+        for (int kb = 0; kb < kblocks; ++kb) {
+            cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
+            __syncthreads();              // ... everyone's, and stage kb - 1 is free again
+            const int next = kb + STAGES - 1;
+            if (next < kblocks) load_stage(st0 + (next % STAGES) * (unsigned)sizeof(Stage));
+            cp_async_commit();
+            const Stage& cur = st[kb % STAGES];
+            unsigned sc[GEMM_NT][BK / 32];
+            stage_scales(cur, wr, sc);
+#pragma unroll
+            for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, sc, lut, acc);
+        }
+        cp_async_wait<0>();
+    }
+};
