@@ -95,6 +95,10 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     with stream:
         dense_nvfp4_site = gpu_nvfp4_site(be, comm, cfg, model, PathLevers())
 
+    def seeded_rows(rows: int) -> Any:  # the same rows, so the same routing, in every run
+        cp.random.seed(rows)
+        return gpu_bf16(cp, (rows, h), 1.0)
+
     def t(fn: Callable[[], Any], rows: int) -> float:
         return time_median(cp, stream, fn, iters=_iters(rows), warmup=2, repeats=5)
 
@@ -119,23 +123,20 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     w_bf16 = None
     results: dict[str, Any] = {"widths": [], "sweep": [], "nvfp4_sweep": []}
     for rows in SWEEP:
-        cp.random.seed(rows)
-        x = gpu_bf16(cp, (rows, h), 1.0)
+        x = seeded_rows(rows)
         o = out[:rows]
         results["sweep"].append({"rows": rows, "union_us": t(lambda: union_site(x, ws, o), rows),
                                  "sorted_us": t(lambda: sorted_site(x, ws, o), rows)})
         log.info("sweep %s", results["sweep"][-1])
     for rows in NVFP4_SWEEP:
-        cp.random.seed(rows)
-        x = gpu_bf16(cp, (rows, h), 1.0)
+        x = seeded_rows(rows)
         o = out[:rows]
         results["nvfp4_sweep"].append({"rows": rows, **{key: t(lambda: st(x, ws, o), rows)
                                                         for key, st in nvfp4_paths.items()
                                                         if key != "union_us" or rows <= NVFP4_UNION_MAX_TIMED}})
         log.info("NVFP4 dense sweep %s", results["nvfp4_sweep"][-1])
     for rows in widths:
-        cp.random.seed(rows)
-        x = gpu_bf16(cp, (rows, h), 1.0)
+        x = seeded_rows(rows)
         o = out[:rows]
         r: dict[str, Any] = {"rows": rows, "path": site.experts.path_for(rows)}
         r["variant"] = NV.GemmGeometry.of(NV.gemm_variant(rows * k, model.n_routed_experts, h, NV.wgmma_here())).suffix
