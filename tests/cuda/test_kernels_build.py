@@ -88,13 +88,16 @@ def test_instantiated_variants():
     gemm = (loader.KERNEL_DIR / "gemm_nvfp4.cu").read_text()
     rows = re.findall(r"^GEMM_VARIANT\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
     tiled = re.findall(r"^GEMM_TILED\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
-    assert rows and tiled
+    narrow = re.findall(r"^GEMM_NARROW\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
+    assert rows and tiled and narrow
     assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
+    assert all(int(bm) == 8 * int(mt) for bm, mt, *_ in narrow), narrow
     assert all(int(bm) == 16 * int(mt) * int(wm) and int(wm) > 1 for bm, mt, wm, *_ in tiled), tiled
     wgmma = re.findall(r"^GEMM_WGMMA\((\d+), (\d+), \d+\)", gemm, re.M)
     found = {(int(bm), 1, int(w), int(bk), int(st), "sync") for bm, _, w, bk, st in rows}
     found |= {(int(bm), int(wm), int(wn), int(bk), int(st), "sync") for bm, _, wm, wn, bk, st in tiled}
     found |= {(128, 1, 4, int(bk), int(st), "wgmma") for bk, st in wgmma}
+    found |= {(int(bm), 1, int(w), int(bk), int(st), "narrow") for bm, _, w, bk, st in narrow}
     assert found == set(loader.GEMM_VARIANTS)
     ring = (loader.KERNEL_DIR / "gemv_nvfp4_ring.cu").read_text()
     for macro, forms in (("RING_ONE_ENTRIES", ("1, f16_", "2, bf16u_", "3, pl_")),  # gemv, down + combine
@@ -122,11 +125,14 @@ def test_split_k():
 
 
 def test_gemm_variant_choice():
-    """Few rows per expert take the 16-row tiles, more the 64-row ones, past 64 the tiled 128-row one,
+    """Few rows per expert take the narrow 8- and 16-row tiles, more the 64-row ones, past 64 the tiled 128-row one,
     and where wgmma runs its 128-row tile past 16; every default is built, and a variant's shared
     memory is its stages of x rows, packed weights and scales (and the two bf16 weight tiles)."""
     nv = grouped
-    assert nv.gemm_variant(16 * 8, 288, 4096)[0] == 16
+    assert nv.gemm_variant(16 * 8, 288, 4096) == (8, 1, 4, 64, 4, "narrow")  # the rows as the mma's n8 side
+    assert nv.gemm_variant(4 * 288, 288, 4096) == (8, 1, 4, 64, 4, "narrow")
+    assert nv.gemm_variant(4 * 288 + 1, 288, 4096) == (16, 1, 4, 64, 4, "narrow")  # many experts past 8 rows
+    assert nv.gemm_variant(16 * 288, 288, 4096) == (16, 1, 4, 64, 4, "narrow")
     # one expert (a dense FFN stored NVFP4): the register engine's 32-row tile to 32 rows, wgmma past it
     assert nv.gemm_variant(24, 1, 4096, wgmma=True) == (32, 1, 4, 64, 4, "sync")
     assert nv.gemm_variant(33, 1, 4096, wgmma=True) == nv.GEMM_WGMMA
@@ -154,11 +160,14 @@ def test_gemm_variant_choice():
     wg = nv.GemmGeometry.of((128, 1, 4, 64, 4, "wgmma"))  # the same tile by one warpgroup: 4 x slots, 3 w slots
     assert (wg.bn, wg.threads, wg.suffix) == (128, 128, "m128wgk64")
     assert wg.smem == 4 * 128 * 64 * 2 + 3 * (128 * 32 + 128 * 4) + 2 * 128 * 64 * 2 + 1024
+    narrow = nv.GemmGeometry.of((8, 1, 4, 64, 4, "narrow"))  # 64 x copies a stage: half the threads take one
+    assert (narrow.bn, narrow.threads, narrow.suffix) == (128, 128, "m8w4k64n")
+    assert narrow.smem == 4 * (8 * 64 * 2 + 128 * 32 + 128 * 4)
     with pytest.raises(ValueError, match="instantiates"):
         nv.GemmGeometry.of((48, 1, 4, 64, 4, "sync"))
 
 
-@pytest.mark.parametrize("bm", [16, 64, 128])
+@pytest.mark.parametrize("bm", [8, 16, 64, 128])
 def test_gemm_tiles_bound_every_routing(bm: int):
     """The grid's row tiles cover every way the slots can fall on the local experts, and the bound is
     reached: the kernel's blocks past the last tile return, a tile beyond the grid would be lost."""

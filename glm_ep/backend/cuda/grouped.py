@@ -25,12 +25,15 @@ from glm_ep.backend.cuda.kernel_loader import (ARCH_SPECIFIC, BF16, F32, GEMM_VA
 from glm_ep.backend.cuda.routed import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
-# the variants (loader.GEMM_VARIANTS) gemm_nvfp4.cu instantiates; the default of each BM, the fastest
-# measured (glm-ep bench --prefill's variant table): the 64-row tile takes 128-k stages where K allows,
-# its 64-k twin otherwise (GEMM_FALLBACK); past 64 rows per expert the tiled engine's 128 x 128 tile;
-# on sm_90a the wgmma engine's 128 x 128 tile from 17 rows per expert on (GEMM_WGMMA_FROM)
-GEMM_DEFAULT = {16: (16, 1, 4, 64, 4, "sync"), 32: (32, 1, 4, 64, 4, "sync"), 64: (64, 1, 4, 128, 3, "sync"),
-                128: (128, 2, 4, 64, 3, "sync")}
+# the variants (loader.GEMM_VARIANTS) gemm_nvfp4.cu instantiates, and the default for calls whose experts get up to
+# (key) rows each on average, the fastest measured (glm-ep bench --prefill's variant table): to 4 rows the narrow
+# 8-row tile (x rows as the mma's n8 side); to 16 the narrow 16-row tile (at 7 rows an expert, a third of the
+# experts pass 8 rows and read their weights twice in 8-row tiles: docs/perf/runs/2026-12-06-h100-narrow); the
+# 64-row tile takes 128-k stages where K allows, its 64-k twin otherwise (GEMM_FALLBACK); past 64 rows per expert
+# the tiled engine's 128 x 128 tile; on sm_90a the wgmma engine's 128 x 128 tile from 17 rows per expert on
+# (GEMM_WGMMA_FROM)
+GEMM_DEFAULT = {4: (8, 1, 4, 64, 4, "narrow"), 16: (16, 1, 4, 64, 4, "narrow"), 32: (32, 1, 4, 64, 4, "sync"),
+                64: (64, 1, 4, 128, 3, "sync"), 128: (128, 2, 4, 64, 3, "sync")}
 GEMM_FALLBACK = {(64, 1, 4, 128, 3, "sync"): (64, 1, 4, 64, 4, "sync")}
 GEMM_WGMMA = (128, 1, 4, 64, 4, "wgmma")
 GEMM_WGMMA_FROM = 16  # rows per expert past which the wgmma engine is the default where it runs
@@ -54,7 +57,7 @@ class GemmGeometry:
     wn: int  # warps along the weight rows, 32 each
     bk: int  # k per pipeline stage
     stages: int
-    mma: str  # "sync" (mma.sync) or "wgmma" (sm_90a)
+    mma: str  # "sync" (mma.sync, the rows as its m16 side), "narrow" (mma.sync, the rows as its n8 side) or "wgmma"
 
     @classmethod
     def of(cls, variant: Variant) -> "GemmGeometry":
@@ -87,8 +90,8 @@ class GemmGeometry:
 
 
 def gemm_variant(slots: int, num_experts: int, k: int, wgmma: bool = False) -> Variant:
-    """The variant for a call: the smallest BM that holds the rows an expert gets on average (slots
-    spread over all experts), so few-row widths do not pay for empty tile rows; where ``wgmma`` runs
+    """The variant for a call: ``GEMM_DEFAULT``'s for the rows an expert gets on average (slots spread over all
+    experts), so few-row widths do not pay for empty tile rows; where ``wgmma`` runs
     (sm_90a), its 128-row tile past ``GEMM_WGMMA_FROM`` rows per expert (``GEMM_WGMMA_FROM_ONE`` for one).
     A variant whose stage does not divide the in width ``k`` gives way to its fallback (the launch names
     the width if it has none)."""
@@ -96,8 +99,8 @@ def gemm_variant(slots: int, num_experts: int, k: int, wgmma: bool = False) -> V
     wgmma_from = GEMM_WGMMA_FROM if num_experts > 1 else GEMM_WGMMA_FROM_ONE
     if wgmma and per_expert > wgmma_from and k % GEMM_WGMMA[3] == 0:
         return GEMM_WGMMA
-    bm = next((bm for bm in sorted(GEMM_DEFAULT) if per_expert <= bm), max(GEMM_DEFAULT))
-    return _fitting(GEMM_DEFAULT[bm], k)
+    most = next((most for most in sorted(GEMM_DEFAULT) if per_expert <= most), max(GEMM_DEFAULT))
+    return _fitting(GEMM_DEFAULT[most], k)
 
 
 def k_splits(blocks: int, kblocks: int, partial_floats: int, scratch_floats: int, sms: int) -> int:

@@ -79,10 +79,12 @@ DEFINES = {
 CAPABILITIES = dataclasses.replace(KERNEL_LIMITS, capture=True)
 
 # ---- the kernel variants and the shared-memory layouts the launches are sized by ----------------
-#: gemm_nvfp4.cu's GEMM_VARIANT (WM = 1), GEMM_TILED (WM > 1) and GEMM_WGMMA lines: (rows per tile BM, warps
-#: along the rows WM, warps of 32 weight rows along the columns WN, k per stage BK, stages, the mma: "sync"
-#: (mma.sync, every arch) or "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
-GEMM_VARIANTS = ((16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4, 64, 4, "sync"),
+#: gemm_nvfp4.cu's GEMM_NARROW / GEMM_VARIANT (WM = 1), GEMM_TILED (WM > 1) and GEMM_WGMMA lines: (rows per tile
+#: BM, warps along the rows WM, warps of 32 weight rows along the columns WN, k per stage BK, stages, the mma:
+#: "sync" (mma.sync with the x rows as its m16 side, every arch), "narrow" (mma.sync with the x rows as its n8
+#: side, every arch) or "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
+GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"),
+                 (16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4, 64, 4, "sync"),
                  (64, 1, 8, 64, 4, "sync"), (64, 1, 4, 128, 3, "sync"), (64, 1, 8, 128, 3, "sync"),
                  (128, 1, 4, 64, 3, "sync"), (128, 1, 8, 64, 3, "sync"),
                  (64, 2, 4, 64, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))
@@ -115,6 +117,8 @@ def gemm_suffix(bm: int, wm: int, wn: int, bk: int, stages: int, mma: str = "syn
     """The entry-point suffix of a variant (``nvfp4_gemm_sorted[_glu]_{suffix}``)."""
     if mma == "wgmma":
         return f"m{bm}wgk{bk}"
+    if mma == "narrow":
+        return f"m{bm}w{wn}k{bk}n"
     return f"m{bm}w{wn}k{bk}" if wm == 1 else f"m{bm}w{wm}x{wn}k{bk}"
 
 

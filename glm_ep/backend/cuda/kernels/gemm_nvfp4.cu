@@ -9,8 +9,8 @@
 //
 // Tiles: a block computes BM sorted rows of ONE expert x BN weight rows (the fused GLU: BN / 2 gate
 // rows and the same BN / 2 up rows). Three engines share the tiling, the copies and the epilogue:
-//   register (WM = 1): every warp on all BM = 16 MT rows and 32 weight rows, dequantizing its own
-//     weights in registers (Gemm, gemm_nvfp4_register.cuh);
+//   register (WM = 1): every warp on all BM rows and 32 weight rows, dequantizing its own weights in
+//     registers, with the x rows as the mma's m16 side or (narrow) as its n8 side (Gemm, gemm_nvfp4_register.cuh);
 //   tiled (WM > 1): a WM x WN warp grid over the tile, the weight tile dequantized ONCE per stage into
 //     shared memory, both operands by ldmatrix (GemmTiled, gemm_nvfp4_tiled.cuh);
 //   wgmma (sm_90a): the tiled engine's 128 x 128 tile by one warpgroup's wgmma (GemmWg, the same file).
@@ -25,7 +25,7 @@
 // filled by cp.async; x rows past the expert's last and weight rows past N are zero-filled.
 //
 // The register engine: mma.sync m16n8k16 with A = x (16 rows) and B = weights (8 weight rows as the
-// columns), fp32 accumulators. The k order inside an mma is free as long as A and B agree lane by lane: lane (g, t)
+// columns), or narrow, A = weights (16 rows) and B = x (8 rows), fp32 accumulators. The k order inside an mma is free as long as A and B agree lane by lane: lane (g, t)
 // of a 32-k step takes the 8 consecutive k 8t .. 8t + 7 of its x rows (one 16-byte load per row) and
 // of its weight row (one 4-byte word of packed weights), the pairs (8t, 8t+1), (8t+2, 8t+3) feeding
 // the first mma and (8t+4, 8t+5), (8t+6, 8t+7) the second.
@@ -38,8 +38,8 @@
 // range, so exact. The fp32 sums are scaled by scale_2 * 2^8 in the epilogue. No per-element float
 // conversion.
 //
-// Entry points, one per GEMM_VARIANT / GEMM_TILED / GEMM_WGMMA line below (grids computed in
-// glm_ep/backend/cuda/grouped.py; SUFFIX m{BM}w{W}k{BK}, m{BM}w{WM}x{WN}k{BK} or m128wgk{BK}):
+// Entry points, one per GEMM_NARROW / GEMM_VARIANT / GEMM_TILED / GEMM_WGMMA line below (grids computed in
+// glm_ep/backend/cuda/grouped.py; SUFFIX m{BM}w{W}k{BK}n, m{BM}w{W}k{BK}, m{BM}w{WM}x{WN}k{BK} or m128wgk{BK}):
 //   nvfp4_gemm_sorted_SUFFIX       one projection                        grid (tiles * ceil(N / BN), splits)
 //   nvfp4_gemm_sorted_glu_SUFFIX   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)), splits)
 //   nvfp4_gemm_reduce[_glu]        a K split's second pass               grid (slots * N / 4 threads)
@@ -308,6 +308,13 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
     GEMM_ENTRIES(m##BM##w##WARPS##k##BK, Gemm_m##BM##w##WARPS##k##BK, 32 * WARPS, MIN_BLOCKS)
 
+// Register engine, narrow (x rows as the mma's n8 side, MT = BM / 8): nvfp4_gemm_sorted[_glu]_m{BM}w{WN}k{BK}n.
+#define GEMM_NARROW(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS)                                                       \
+    typedef Gemm<MT, WARPS, BK, STAGES, true> Gemm_m##BM##w##WARPS##k##BK##n;                                    \
+    static_assert(BM == 8 * MT && STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W##WARPS##K##BK##N, \
+                  "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
+    GEMM_ENTRIES(m##BM##w##WARPS##k##BK##n, Gemm_m##BM##w##WARPS##k##BK##n, 32 * WARPS, MIN_BLOCKS)
+
 // Tiled engine (WM > 1, MT = BM / (16 WM)): nvfp4_gemm_sorted[_glu]_m{BM}w{WM}x{WN}k{BK}.
 #define GEMM_TILED(BM, MT, WM, WN, BK, STAGES, MIN_BLOCKS)                                                      \
     typedef GemmTiled<MT, WM, WN, BK, STAGES> Gemm_m##BM##w##WM##x##WN##k##BK;                                  \
@@ -324,6 +331,8 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
     GEMM_ENTRIES(m128wgk##BK, Gemm_m128wgk##BK, 128, MIN_BLOCKS)
 
 // Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py (a variant it lacks does not compile).
+GEMM_NARROW(8, 1, 4, 64, 4, 4)
+GEMM_NARROW(16, 2, 4, 64, 4, 4)
 GEMM_VARIANT(16, 1, 4, 64, 4, 4)
 GEMM_VARIANT(32, 2, 4, 64, 4, 3)
 GEMM_VARIANT(64, 4, 4, 64, 4, 3)

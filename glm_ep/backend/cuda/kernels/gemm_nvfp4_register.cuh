@@ -1,6 +1,11 @@
-// The grouped GEMM's register engine (WM = 1): every warp on all BM = 16 MT x rows and 32 weight rows of its
-// own, dequantizing its weights in registers; mma.sync m16n8k16 with A = x (16 rows) and B = weights (8 weight
-// rows as the columns), fp32 accumulators. Part of gemm_nvfp4.cu, included after its stage layout, row tiles and
+// The grouped GEMM's register engine (WM = 1): every warp on all BM x rows and 32 weight rows of its own,
+// dequantizing its weights in registers; mma.sync m16n8k16, fp32 accumulators, in one of two orientations:
+//   wide (BM = 16 MT): A = x (16 rows), B = weights (8 weight rows as the columns);
+//   narrow (BM = 8 MT): A = weights (16 rows: two n8 tiles of the warp), B = x (8 rows as the columns). An
+//     8-row tile pays no mma for 8 empty rows, and the operands need no register moves: the x pair of an mma
+//     is one aligned half of a row's 16-byte load, and the weight pairs are the dequantization's own outputs
+//     (the wide A fragment interleaves rows g and g + 8 of two loads, which ptxas assembles by moves).
+//     The sums are moved into the wide layout by warp shuffles once, after the K loop. Part of gemm_nvfp4.cu, included after its stage layout, row tiles and
 // dequantization (GemmStage, w_slot, DequantLut, dequant_word, scale_pairs, GEMM_NT) and common.cuh,
 // nvfp4_mma.cuh and async_copy.cuh (glm_ep/backend/cuda/kernel_loader.py inlines them all).
 //
@@ -8,15 +13,17 @@
 // together by tests/cuda/test_cuda_gemm.py::test_gemm_variants and test_gemm_variants_partial_tiles.
 #pragma once
 
-// The block's K loop and its tile geometry: MT m16 tiles of x rows (BM = 16 MT, every warp covers
-// all of them), WARPS warps of 32 weight rows each (BN = 32 WARPS).
-template <int MT, int WARPS, int BK, int STAGES>
+// The block's K loop and its tile geometry: MT x tiles (m16 wide, n8 narrow; every warp covers all of
+// them), WARPS warps of 32 weight rows each (BN = 32 WARPS). run() leaves the sums in the wide layout
+// (M_TILES m16 tiles) whichever the orientation.
+template <int MT, int WARPS, int BK, int STAGES, bool NARROW = false>
 struct Gemm {
-    static constexpr int BM = 16 * MT, BN = 32 * WARPS, THREADS = 32 * WARPS, WARP_COLS = WARPS, M_TILES = MT,
-                         N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = 16 * MT, K_STEP = BK;
-    static constexpr int XC = BM * BK / 8 / THREADS;  // x copies per thread and stage
+    static constexpr int BM = (NARROW ? 8 : 16) * MT, BN = 32 * WARPS, THREADS = 32 * WARPS, WARP_COLS = WARPS,
+                         M_TILES = (BM + 15) / 16, N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = BM, K_STEP = BK;
+    static constexpr int XCH = BM * BK / 8;  // x copies per stage: one a thread, or fewer copies than threads
+    static constexpr int XC = XCH < THREADS ? 1 : XCH / THREADS;  // x copies per thread and stage
     static constexpr int WC = BN * BK / 32 / THREADS;  // weight copies per thread and stage
-    static_assert(XC >= 1 && XC * THREADS == BM * BK / 8, "x copies split evenly");
+    static_assert(XCH < THREADS || XC * THREADS == XCH, "x copies split evenly");
     static_assert(WC * THREADS == BN * BK / 32, "weight copies split evenly");
     static_assert(STAGES >= 2, "a pipeline");
     using Stage = GemmStage<BM, BN, BK>;
@@ -37,6 +44,7 @@ struct Gemm {
     __device__ __forceinline__ void load_stage(unsigned stage) {
 #pragma unroll
         for (int i = 0; i < XC; ++i) {
+            if (XCH < THREADS && threadIdx.x >= XCH) break;  // a thread past the stage's x copies
             cp_async16_zfill(stage + xdst[i], xsrc[i], (valid >> i) & 1u);
             xsrc[i] += 2 * BK;
         }
@@ -70,10 +78,16 @@ struct Gemm {
             }
     }
 
+    // The sums of the K loop: wide, acc[i][j] (x rows of m16 tile i, weight rows of n8 tile j); narrow, the
+    // transposed T[i][jm] (weight rows of n8 tiles 2 jm and 2 jm + 1 as one m16 tile, x rows of n8 tile i).
+    using Sums = float[MT][NARROW ? GEMM_NT / 2 : GEMM_NT][4];
+
     // One 32-k step of a warp: its 4 n8 tiles of weight rows (wr[j]: the tile's first) against all BM x rows.
+    // Lane (g, t) dequantizes k 8t .. 8t + 7 of weight row wr[j] + g and reads the same k of its x rows; the
+    // pairs (8t, 8t + 1), (8t + 2, 8t + 3) feed the first mma of the step and the next two the second.
     static __device__ __forceinline__ void mma_step(const Stage& st, const int (&wr)[GEMM_NT], int kk,
                                                     const unsigned (&sc)[GEMM_NT][BK / 32], const DequantLut& lut,
-                                                    float (&acc)[MT][GEMM_NT][4]) {
+                                                    Sums& acc) {
         const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
         unsigned b[GEMM_NT][4];
 #pragma unroll
@@ -85,13 +99,40 @@ struct Gemm {
         const int ch = (4 * kk + t) ^ ((g & 1) << 2);  // rows g and g + 8 share the swizzle
 #pragma unroll
         for (int i = 0; i < MT; ++i) {
-            const uint4 lo = st.x[16 * i + g][ch], hi = st.x[16 * i + g + 8][ch];
+            if constexpr (NARROW) {
+                const uint4 xv = st.x[8 * i + g][ch];
 #pragma unroll
-            for (int j = 0; j < GEMM_NT; ++j) {
-                mma_bf16(acc[i][j], lo.x, hi.x, lo.y, hi.y, b[j][0], b[j][1]);
-                mma_bf16(acc[i][j], lo.z, hi.z, lo.w, hi.w, b[j][2], b[j][3]);
+                for (int jm = 0; jm < GEMM_NT / 2; ++jm) {
+                    const unsigned(&p)[4] = b[2 * jm], (&q)[4] = b[2 * jm + 1];
+                    mma_bf16(acc[i][jm], p[0], q[0], p[1], q[1], xv.x, xv.y);
+                    mma_bf16(acc[i][jm], p[2], q[2], p[3], q[3], xv.z, xv.w);
+                }
+            } else {
+                const uint4 lo = st.x[16 * i + g][ch], hi = st.x[16 * i + g + 8][ch];
+#pragma unroll
+                for (int j = 0; j < GEMM_NT; ++j) {
+                    mma_bf16(acc[i][j], lo.x, hi.x, lo.y, hi.y, b[j][0], b[j][1]);
+                    mma_bf16(acc[i][j], lo.z, hi.z, lo.w, hi.w, b[j][2], b[j][3]);
+                }
             }
         }
+    }
+
+    // The narrow sums in the wide layout: acc[i][j][2h + c] of lane (g, t) is x row 16 i + 8 h + g against weight
+    // row wr[j] + 2t + c, which lane 4 (2t + c) + g / 2 holds as T[2i + h][j / 2][2 (j % 2) + g % 2].
+    static __device__ __forceinline__ void widen(const Sums& T, float (&acc)[M_TILES][GEMM_NT][4]) {
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+        for (int ix = 0; ix < MT; ++ix)
+#pragma unroll
+            for (int j = 0; j < GEMM_NT; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int src = 4 * (2 * t + c) + (g >> 1);
+                    const float v0 = __shfl_sync(0xffffffffu, T[ix][j >> 1][2 * (j & 1)], src);
+                    const float v1 = __shfl_sync(0xffffffffu, T[ix][j >> 1][2 * (j & 1) + 1], src);
+                    acc[ix >> 1][j][2 * (ix & 1) + c] = (g & 1) ? v1 : v0;
+                }
     }
 
     // Tile row n of half h (n in [h BN/2, (h + 1) BN/2)) is weight row n - h BN/2 of wbase[h] /
@@ -100,7 +141,7 @@ struct Gemm {
     __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
                                         const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
                                         const int (&n_valid)[2], int K, int kblocks, const int (&wr)[GEMM_NT],
-                                        int /* m0: 0 */, float (&acc)[MT][GEMM_NT][4]) {
+                                        int /* m0: 0 */, float (&acc)[M_TILES][GEMM_NT][4]) {
         Stage* st = reinterpret_cast<Stage*>(dyn_smem);
         const unsigned st0 = smem_u32(dyn_smem);
         const unsigned char* const any = reinterpret_cast<const unsigned char*>(x);
@@ -138,6 +179,8 @@ struct Gemm {
             cp_async_commit();
         }
         const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
+        Sums narrow_sums = {};
+        Sums& sums = NARROW ? narrow_sums : reinterpret_cast<Sums&>(acc);  // wide: the caller's own
         for (int kb = 0; kb < kblocks; ++kb) {
             cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
             __syncthreads();              // ... everyone's, and stage kb - 1 is free again
@@ -148,8 +191,9 @@ struct Gemm {
             unsigned sc[GEMM_NT][BK / 32];
             stage_scales(cur, wr, sc);
 #pragma unroll
-            for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, sc, lut, acc);
+            for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, sc, lut, sums);
         }
         cp_async_wait<0>();
+        if constexpr (NARROW) widen(sums, acc);
     }
 };
