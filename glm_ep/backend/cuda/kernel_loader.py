@@ -83,7 +83,7 @@ CAPABILITIES = dataclasses.replace(KERNEL_LIMITS, capture=True)
 #: BM, warps along the rows WM, warps of 32 weight rows along the columns WN, k per stage BK, stages, the mma:
 #: "sync" (mma.sync with the x rows as its m16 side, every arch), "narrow" (mma.sync with the x rows as its n8
 #: side, every arch) or "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
-GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"),
+GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"), (16, 1, 4, 128, 3, "narrow"),
                  (16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4, 64, 4, "sync"),
                  (64, 1, 8, 64, 4, "sync"), (64, 1, 4, 128, 3, "sync"), (64, 1, 8, 128, 3, "sync"),
                  (128, 1, 4, 64, 3, "sync"), (128, 1, 8, 64, 3, "sync"),

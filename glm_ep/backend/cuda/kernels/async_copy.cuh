@@ -34,6 +34,24 @@ __device__ __forceinline__ void cp_async8_zfill(unsigned dst, const void* src, b
                  : "memory");
 }
 
+// The same three copies with an L2 prefetch of the 128-byte block around the source (.L2::128B): a stream that
+// reads a few bytes of each of many rows a stage (the grouped GEMM's 32-byte weight pieces and 4-byte scale words
+// of 128 rows) has the next stages' bytes of the same rows fetched from DRAM in one request.
+__device__ __forceinline__ void cp_async16_zfill_pf(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async4_zfill_pf(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async8_zfill_pf(unsigned dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0)
+                 : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>

@@ -333,6 +333,7 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
 // Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py (a variant it lacks does not compile).
 GEMM_NARROW(8, 1, 4, 64, 4, 4)
 GEMM_NARROW(16, 2, 4, 64, 4, 4)
+GEMM_NARROW(16, 2, 4, 128, 3, 4)
 GEMM_VARIANT(16, 1, 4, 64, 4, 4)
 GEMM_VARIANT(32, 2, 4, 64, 4, 3)
 GEMM_VARIANT(64, 4, 4, 64, 4, 3)

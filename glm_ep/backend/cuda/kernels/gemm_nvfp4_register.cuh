@@ -41,23 +41,25 @@ struct Gemm {
     static_assert(THREADS == BN, "one thread per weight row copies the stage's scales");
     static_assert(XC + WC < 32, "the copies' valid bits fit a word");
 
+    // Every copy prefetches its 128-byte block into L2: a stage reads 32 bytes of weights and 4 or 8 of scales
+    // from each of BN rows (H100, 2026-12-06: gate + up of the narrow 8-row tile 9-13% faster).
     __device__ __forceinline__ void load_stage(unsigned stage) {
 #pragma unroll
         for (int i = 0; i < XC; ++i) {
             if (XCH < THREADS && threadIdx.x >= XCH) break;  // a thread past the stage's x copies
-            cp_async16_zfill(stage + xdst[i], xsrc[i], (valid >> i) & 1u);
+            cp_async16_zfill_pf(stage + xdst[i], xsrc[i], (valid >> i) & 1u);
             xsrc[i] += 2 * BK;
         }
 #pragma unroll
         for (int i = 0; i < WC; ++i) {
-            cp_async16_zfill(stage + wdst[i], wsrc[i], (valid >> (XC + i)) & 1u);
+            cp_async16_zfill_pf(stage + wdst[i], wsrc[i], (valid >> (XC + i)) & 1u);
             wsrc[i] += BK / 2;
         }
         const unsigned sdst = stage + S_OFF + threadIdx.x * (BK / 16);
         if (BK == 64)
-            cp_async4_zfill(sdst, ssrc, (valid >> (XC + WC)) & 1u);
+            cp_async4_zfill_pf(sdst, ssrc, (valid >> (XC + WC)) & 1u);
         else
-            cp_async8_zfill(sdst, ssrc, (valid >> (XC + WC)) & 1u);
+            cp_async8_zfill_pf(sdst, ssrc, (valid >> (XC + WC)) & 1u);
         ssrc += BK / 16;
     }
 
