@@ -18,9 +18,22 @@ blocks)  # run 2: blocks per SM of the narrow tiles; ncu of the 8-row narrow til
   stage ncu; timeout 150 ncu --kernel-name regex:"nvfp4_gemm_sorted_glu_m8w4k64n" --launch-count 1 $S python .devrun/probe.py once 64 m8w4k64n > $OUT/ncu_m8n_glu_64.txt 2>&1; tail -80 $OUT/ncu_m8n_glu_64.txt
   ;;
 prefetch)  # run 3: an L2 prefetch of 128 / 256 bytes around every cp.async
-  for k in "" --kdir=kernels_pf128 --kdir=kernels_pf256 "" --kdir=kernels_pf256; do
+  for k in "" --kdir=kernels_pf128 --kdir=kernels_pf256 --kdir=kernels_k128 "" --kdir=kernels_pf256; do
     stage "probe $k"; timeout 100 python .devrun/probe.py times $k 2>&1 | grep "{" | tee -a $OUT/times.txt
   done
+  ;;
+final)  # run 4: the L2 prefetch and the narrow 16-row tile's 128-k stages (the tree) against kernels_base (1ce8466)
+  stage gemm tests; timeout 240 python -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py tests/cuda/test_cuda_dense.py 2>&1 | tail -8 | tee $OUT/tests.txt
+  for k in --kdir=kernels_base "" --kdir=kernels_base ""; do
+    stage "probe $k"; timeout 100 python .devrun/probe.py times $k 2>&1 | grep "{" | tee -a $OUT/times.txt
+  done
+  stage bench; timeout 330 python -m glm_ep bench --prefill --out $OUT 2>&1 | tail -40
+  ;;
+tests)  # run 5: the CUDA tests of the grouped GEMM and everything that launches it
+  stage tests; timeout 420 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py tests/cuda/test_cuda_dense.py tests/cuda/test_cuda_balance.py tests/cuda/test_cuda_routed.py 2>&1 | tail -8 | tee $OUT/tests.txt
+  ;;
+bench)  # run 6: the shipped bench on the final tree
+  stage bench; timeout 330 python -m glm_ep bench --prefill --out $OUT 2>&1 | tail -3
   ;;
 esac
 stage done
