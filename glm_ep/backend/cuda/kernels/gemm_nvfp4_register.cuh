@@ -181,21 +181,27 @@ struct Gemm {
             cp_async_commit();
         }
         const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
-        Sums narrow_sums = {};
-        Sums& sums = NARROW ? narrow_sums : reinterpret_cast<Sums&>(acc);  // wide: the caller's own
-        for (int kb = 0; kb < kblocks; ++kb) {
-            cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
-            __syncthreads();              // ... everyone's, and stage kb - 1 is free again
-            const int next = kb + STAGES - 1;
-            if (next < kblocks) load_stage(st0 + (next % STAGES) * (unsigned)sizeof(Stage));
-            cp_async_commit();
-            const Stage& cur = st[kb % STAGES];
-            unsigned sc[GEMM_NT][BK / 32];
-            stage_scales(cur, wr, sc);
+        auto k_loop = [&](Sums& sums) {  // wide: the caller's acc itself; narrow: the transposed sums
+            for (int kb = 0; kb < kblocks; ++kb) {
+                cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
+                __syncthreads();              // ... everyone's, and stage kb - 1 is free again
+                const int next = kb + STAGES - 1;
+                if (next < kblocks) load_stage(st0 + (next % STAGES) * (unsigned)sizeof(Stage));
+                cp_async_commit();
+                const Stage& cur = st[kb % STAGES];
+                unsigned sc[GEMM_NT][BK / 32];
+                stage_scales(cur, wr, sc);
 #pragma unroll
-            for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, sc, lut, sums);
+                for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, sc, lut, sums);
+            }
+            cp_async_wait<0>();
+        };
+        if constexpr (NARROW) {
+            Sums sums = {};
+            k_loop(sums);
+            widen(sums, acc);
+        } else {
+            k_loop(acc);
         }
-        cp_async_wait<0>();
-        if constexpr (NARROW) widen(sums, acc);
     }
 };
