@@ -77,7 +77,7 @@ if "--cross" not in sys.argv:
     json.dump(res, open(os.path.join(os.environ.get("OUT", "."), f"probe_{KDIR or 'tree'}.json"), "w"), indent=1)
     sys.exit(0)
 gemm = site(PathLevers(prefill_gemm_min_rows=2))
-for rows in (8, 9, 10, 12, 16):
+for rows in (9, 12, 16, 20, 24):
     x = gpu_bf16(cp, (rows, h), 1.0)
     t = lambda fn: time_median(cp, stream, fn, iters=20, warmup=3, repeats=5)
     r = {"rows": rows, "default_us": t(lambda: base(x, ws, out[:rows])), "gemm_us": t(lambda: gemm(x, ws, out[:rows])),

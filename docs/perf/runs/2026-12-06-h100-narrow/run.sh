@@ -35,5 +35,9 @@ tests)  # run 5: the CUDA tests of the grouped GEMM and everything that launches
 bench)  # run 6: the shipped bench on the final tree
   stage bench; timeout 330 python -m glm_ep bench --prefill --out $OUT 2>&1 | tail -3
   ;;
+h200)  # run 7: the H200 (if lent): the site's crossover with the narrow tiles, then the shipped bench
+  stage cross; timeout 120 python .devrun/probe.py times --cross 2>&1 | grep "{" | tee $OUT/times.txt
+  stage bench; timeout 300 python -m glm_ep bench --prefill --out $OUT 2>&1 | tail -3
+  ;;
 esac
 stage done
