@@ -317,21 +317,19 @@ def test_gemm_k_split_needs_its_scratch(rng):
 
 @pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
 def test_gemm_variants_partial_tiles(rng, variant):
-    """The edges of every variant: a K of 1 and 3 pipeline stages (down at width 64, gate/up at 192
-    hidden), an out width that ends inside a block (gate/up 224 wide, down 192), ragged experts, an EP
-    window. Variants whose stage does not divide the in width are skipped."""
+    """The edges of every variant: a K of 1 and 3 pipeline stages (down at width BK, gate/up at 3 BK hidden),
+    an out width that ends inside a block (gate/up 224 wide, down 3 BK), ragged experts, an EP window."""
     runs_here(variant)
     geo = grouped.GemmGeometry.of(variant)
-    h, start, count = 192, 2, 28
-    if h % geo.bk:
-        pytest.skip(f"{geo.suffix}: a stage of {geo.bk} k does not divide {h}")
+    dk, start, count = geo.bk, 2, 28
+    h = 3 * dk
     t, route = ragged_route(rng, start, count)
     s = t * TOP_K
-    cu, nu = both(weights(rng, h=h, m=224, start=start, count=count))  # gate/up: N = 224, K = 192
-    cu64, nu64 = both(weights(rng, h=h, m=64, start=start, count=count))  # down: N = 192, K = 64
-    cu, nu = replace(cu, down=cu64.down), replace(nu, down=nu64.down)
-    check_variant(variant, rand_bf16(rng, (t, h), 4.0), rand_bf16(rng, (s, 64)), cu, nu, route,
-                  f"{geo.suffix}, gate/up N 224 K 192, down N 192 K 64")
-    if h // geo.bk > 1:  # gate + up split over every stage of k, their out width ending inside a block
-        check_variant(variant, rand_bf16(rng, (t, h), 4.0), rand_bf16(rng, (s, 64)), cu, nu, route,
-                      f"{geo.suffix}, gate/up N 224 K 192 in {h // geo.bk} K splits", splits=h // geo.bk)
+    cu, nu = both(weights(rng, h=h, m=224, start=start, count=count))  # gate/up: N = 224, K = 3 BK
+    cud, nud = both(weights(rng, h=h, m=dk, start=start, count=count))  # down: N = 3 BK, K = BK
+    cu, nu = replace(cu, down=cud.down), replace(nu, down=nud.down)
+    check_variant(variant, rand_bf16(rng, (t, h), 4.0), rand_bf16(rng, (s, dk)), cu, nu, route,
+                  f"{geo.suffix}, gate/up N 224 K {h}, down N {h} K {dk}")
+    # gate + up split over every stage of k, their out width ending inside a block
+    check_variant(variant, rand_bf16(rng, (t, h), 4.0), rand_bf16(rng, (s, dk)), cu, nu, route,
+                  f"{geo.suffix}, gate/up N 224 K {h} in 3 K splits", splits=3)
