@@ -5,9 +5,10 @@
 //     8-row tile pays no mma for 8 empty rows, and the operands need no register moves: the x pair of an mma
 //     is one aligned half of a row's 16-byte load, and the weight pairs are the dequantization's own outputs
 //     (the wide A fragment interleaves rows g and g + 8 of two loads, which ptxas assembles by moves).
-//     The sums are moved into the wide layout by warp shuffles once, after the K loop. Part of gemm_nvfp4.cu, included after its stage layout, row tiles and
-// dequantization (GemmStage, w_slot, DequantLut, dequant_word, scale_pairs, GEMM_NT) and common.cuh,
-// nvfp4_mma.cuh and async_copy.cuh (glm_ep/backend/cuda/kernel_loader.py inlines them all).
+//     The sums are moved into the wide layout by warp shuffles once, after the K loop.
+// Part of gemm_nvfp4.cu, included after its stage layout, row tiles and dequantization (GemmStage, w_slot,
+// DequantLut, dequant_word, scale_pairs, GEMM_NT) and common.cuh, nvfp4_mma.cuh and async_copy.cuh
+// (glm_ep/backend/cuda/kernel_loader.py inlines them all).
 //
 // NumPy twin: NumpyBackend.moe_gate_up_act_sorted and moe_gemm_sorted (glm_ep/backend/numpy_backend.py); held
 // together by tests/cuda/test_cuda_gemm.py::test_gemm_variants and test_gemm_variants_partial_tiles.
