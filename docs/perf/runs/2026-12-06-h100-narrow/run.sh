@@ -39,5 +39,8 @@ h200)  # run 7: the H200 (if lent): the site's crossover with the narrow tiles, 
   stage cross; timeout 120 python .devrun/probe.py times --cross 2>&1 | grep "{" | tee $OUT/times.txt
   stage bench; timeout 300 python -m glm_ep bench --prefill --out $OUT 2>&1 | tail -3
   ;;
+final_tests)  # run 8: the CUDA GEMM, path and dense tests on the final tree (128-k variants' partial tiles included)
+  stage tests; timeout 300 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py tests/cuda/test_cuda_dense.py 2>&1 | tail -8 | tee $OUT/tests.txt
+  ;;
 esac
 stage done
