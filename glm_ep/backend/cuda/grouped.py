@@ -30,9 +30,8 @@ _GEMM = "gemm_nvfp4.cu"
 # 8-row tile (x rows as the mma's n8 side); to 16 the narrow 16-row tile (from 3.6 rows an expert, 128 rows, the
 # experts past 8 rows read their weights twice in 8-row tiles: docs/perf/runs/2026-12-06-h100-narrow); the
 # narrow 16-row and the 64-row tiles take 128-k stages where K allows, their 64-k twins otherwise
-# (GEMM_FALLBACK); past 64 rows per expert
-# the tiled engine's 128 x 128 tile; on sm_90a the wgmma engine's 128 x 128 tile from 17 rows per expert on
-# (GEMM_WGMMA_FROM)
+# (GEMM_FALLBACK); past 64 rows per expert the tiled engine's 128 x 128 tile; on sm_90a the wgmma engine's
+# 128 x 128 tile from 17 rows per expert on (GEMM_WGMMA_FROM)
 GEMM_DEFAULT = {2: (8, 1, 4, 64, 4, "narrow"), 16: (16, 1, 4, 128, 3, "narrow"), 32: (32, 1, 4, 64, 4, "sync"),
                 64: (64, 1, 4, 128, 3, "sync"), 128: (128, 2, 4, 64, 3, "sync")}
 GEMM_FALLBACK = {(64, 1, 4, 128, 3, "sync"): (64, 1, 4, 64, 4, "sync"),

@@ -25,10 +25,10 @@
 // filled by cp.async; x rows past the expert's last and weight rows past N are zero-filled.
 //
 // The register engine: mma.sync m16n8k16 with A = x (16 rows) and B = weights (8 weight rows as the
-// columns), or narrow, A = weights (16 rows) and B = x (8 rows), fp32 accumulators. The k order inside an mma is free as long as A and B agree lane by lane: lane (g, t)
-// of a 32-k step takes the 8 consecutive k 8t .. 8t + 7 of its x rows (one 16-byte load per row) and
-// of its weight row (one 4-byte word of packed weights), the pairs (8t, 8t+1), (8t+2, 8t+3) feeding
-// the first mma and (8t+4, 8t+5), (8t+6, 8t+7) the second.
+// columns), or narrow, A = weights (16 rows) and B = x (8 rows), fp32 accumulators. The k order inside an
+// mma is free as long as A and B agree lane by lane: lane (g, t) of a 32-k step takes the 8 consecutive
+// k 8t .. 8t + 7 of its x rows (one 16-byte load per row) and of its weight row (one 4-byte word of packed
+// weights), the pairs (8t, 8t+1), (8t+2, 8t+3) feeding the first mma and (8t+4, 8t+5), (8t+6, 8t+7) the second.
 //
 // Dequantization, exact: a nibble's magnitude picks (PRMT, as a byte index into two constant words) the
 // low and the high byte of the bf16 e2m1 value in {0, 0.5, 1, 1.5, 2, 3, 4, 6}, its sign is ORed into the
