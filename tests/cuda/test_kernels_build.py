@@ -130,8 +130,8 @@ def test_gemm_variant_choice():
     memory is its stages of x rows, packed weights and scales (and the two bf16 weight tiles)."""
     nv = grouped
     assert nv.gemm_variant(16 * 8, 288, 4096) == (8, 1, 4, 64, 4, "narrow")  # the rows as the mma's n8 side
-    assert nv.gemm_variant(2 * 288, 288, 4096) == (8, 1, 4, 64, 4, "narrow")
-    assert nv.gemm_variant(2 * 288 + 1, 288, 4096) == (16, 1, 4, 128, 3, "narrow")  # experts past 8 rows
+    assert nv.gemm_variant(288, 288, 4096) == (8, 1, 4, 64, 4, "narrow")
+    assert nv.gemm_variant(288 + 1, 288, 4096) == (16, 1, 4, 128, 3, "narrow")  # from 1 row an expert on average
     assert nv.gemm_variant(16 * 288, 288, 4096 + 64) == (16, 1, 4, 64, 4, "narrow")  # 128 k does not divide K
     # one expert (a dense FFN stored NVFP4): the register engine's 32-row tile to 32 rows, wgmma past it
     assert nv.gemm_variant(24, 1, 4096, wgmma=True) == (32, 1, 4, 64, 4, "sync")

@@ -26,13 +26,13 @@ from glm_ep.backend.cuda.routed import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
 # the variants (loader.GEMM_VARIANTS) gemm_nvfp4.cu instantiates, and the default for calls whose experts get up to
-# (key) rows each on average, the fastest measured (glm-ep bench --prefill's variant table): to 2 rows the narrow
-# 8-row tile (x rows as the mma's n8 side); to 16 the narrow 16-row tile (from 3.6 rows an expert, 128 rows, the
-# experts past 8 rows read their weights twice in 8-row tiles: docs/perf/runs/2026-12-06-h100-narrow); the
+# (key) rows each on average, the fastest measured (glm-ep bench --prefill's variant table): to 1 row the narrow
+# 8-row tile (x rows as the mma's n8 side); to 16 the narrow 16-row tile (whose experts of at most 8 rows skip its
+# second x tile; from 1.8 rows an expert, 64 rows, it is ahead: docs/perf/runs/2026-12-06-h100-wide); the
 # narrow 16-row and the 64-row tiles take 128-k stages where K allows, their 64-k twins otherwise
 # (GEMM_FALLBACK); past 64 rows per expert the tiled engine's 128 x 128 tile; on sm_90a the wgmma engine's
 # 128 x 128 tile from 17 rows per expert on (GEMM_WGMMA_FROM)
-GEMM_DEFAULT = {2: (8, 1, 4, 64, 4, "narrow"), 16: (16, 1, 4, 128, 3, "narrow"), 32: (32, 1, 4, 64, 4, "sync"),
+GEMM_DEFAULT = {1: (8, 1, 4, 64, 4, "narrow"), 16: (16, 1, 4, 128, 3, "narrow"), 32: (32, 1, 4, 64, 4, "sync"),
                 64: (64, 1, 4, 128, 3, "sync"), 128: (128, 2, 4, 64, 3, "sync")}
 GEMM_FALLBACK = {(64, 1, 4, 128, 3, "sync"): (64, 1, 4, 64, 4, "sync"),
                  (16, 1, 4, 128, 3, "narrow"): (16, 1, 4, 64, 4, "narrow")}

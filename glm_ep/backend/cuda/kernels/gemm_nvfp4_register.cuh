@@ -27,6 +27,8 @@ struct Gemm {
     static_assert(XCH < THREADS || XC * THREADS == XCH, "x copies split evenly");
     static_assert(WC * THREADS == BN * BK / 32, "weight copies split evenly");
     static_assert(STAGES >= 2, "a pipeline");
+    static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8, "x tiles are left out by powers of two");
+    static constexpr int X_TILE = NARROW ? 8 : 16;  // x rows of an mma
     using Stage = GemmStage<BM, BN, BK>;
 
     // This thread's copies, held as TileCopies holds them: every source stays a valid address (a zero-filled
@@ -85,9 +87,11 @@ struct Gemm {
     // transposed T[i][jm] (weight rows of n8 tiles 2 jm and 2 jm + 1 as one m16 tile, x rows of n8 tile i).
     using Sums = float[MT][NARROW ? GEMM_NT / 2 : GEMM_NT][4];
 
-    // One 32-k step of a warp: its 4 n8 tiles of weight rows (wr[j]: the tile's first) against all BM x rows.
+    // One 32-k step of a warp: its 4 n8 tiles of weight rows (wr[j]: the tile's first) against the first
+    // ACTIVE x tiles (16 rows wide, 8 narrow; run() leaves out those past the tile's rows).
     // Lane (g, t) dequantizes k 8t .. 8t + 7 of weight row wr[j] + g and reads the same k of its x rows; the
     // pairs (8t, 8t + 1), (8t + 2, 8t + 3) feed the first mma of the step and the next two the second.
+    template <int ACTIVE>
     static __device__ __forceinline__ void mma_step(const Stage& st, const int (&wr)[GEMM_NT], int kk,
                                                     const unsigned (&sc)[GEMM_NT][BK / 32], const DequantLut& lut,
                                                     Sums& acc) {
@@ -101,7 +105,7 @@ struct Gemm {
         }
         const int ch = (4 * kk + t) ^ ((g & 1) << 2);  // rows g and g + 8 share the swizzle
 #pragma unroll
-        for (int i = 0; i < MT; ++i) {
+        for (int i = 0; i < ACTIVE; ++i) {
             if constexpr (NARROW) {
                 const uint4 xv = st.x[8 * i + g][ch];
 #pragma unroll
@@ -145,7 +149,6 @@ struct Gemm {
                                         const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
                                         const int (&n_valid)[2], int K, int kblocks, const int (&wr)[GEMM_NT],
                                         int /* m0: 0 */, float (&acc)[M_TILES][GEMM_NT][4]) {
-        Stage* st = reinterpret_cast<Stage*>(dyn_smem);
         const unsigned st0 = smem_u32(dyn_smem);
         const unsigned char* const any = reinterpret_cast<const unsigned char*>(x);
         const int tid = threadIdx.x;
@@ -181,28 +184,59 @@ struct Gemm {
             if (s < kblocks) load_stage(st0 + s * (unsigned)sizeof(Stage));
             cp_async_commit();
         }
-        const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
-        auto k_loop = [&](Sums& sums) {  // wide: the caller's acc itself; narrow: the transposed sums
-            for (int kb = 0; kb < kblocks; ++kb) {
-                cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
-                __syncthreads();              // ... everyone's, and stage kb - 1 is free again
-                const int next = kb + STAGES - 1;
-                if (next < kblocks) load_stage(st0 + (next % STAGES) * (unsigned)sizeof(Stage));
-                cp_async_commit();
-                const Stage& cur = st[kb % STAGES];
-                unsigned sc[GEMM_NT][BK / 32];
-                stage_scales(cur, wr, sc);
-#pragma unroll
-                for (int kk = 0; kk < BK / 32; ++kk) mma_step(cur, wr, kk, sc, lut, sums);
-            }
-            cp_async_wait<0>();
-        };
         if constexpr (NARROW) {
             Sums sums = {};
-            k_loop(sums);
+            k_loop_rows(tile.rows, kblocks, wr, sums);
             widen(sums, acc);
         } else {
-            k_loop(acc);
+            k_loop_rows(tile.rows, kblocks, wr, acc);
         }
+    }
+
+    // An expert's last tile pays no mma (nor x reads) for its empty x tiles: the K loop over the smallest power
+    // of two of x tiles, up to MT, that covers the tile's `rows` (block-uniform); one loop is built for each.
+    __device__ __forceinline__ void k_loop_rows(int rows, int kblocks, const int (&wr)[GEMM_NT], Sums& sums) {
+        const int need = (rows + X_TILE - 1) / X_TILE;
+        if constexpr (MT > 4) {
+            if (need > 4) {
+                k_loop<MT>(kblocks, wr, sums);
+                return;
+            }
+        }
+        if constexpr (MT > 2) {
+            if (need > 2) {
+                k_loop<(MT < 4 ? MT : 4)>(kblocks, wr, sums);
+                return;
+            }
+        }
+        if constexpr (MT > 1) {
+            if (need > 1) {
+                k_loop<2>(kblocks, wr, sums);
+                return;
+            }
+        }
+        k_loop<1>(kblocks, wr, sums);
+    }
+
+    // The K loop over the first ACTIVE x tiles, the prologue's STAGES - 1 stages in flight: wide, into the
+    // caller's acc itself; narrow, into the transposed sums.
+    template <int ACTIVE>
+    __device__ __forceinline__ void k_loop(int kblocks, const int (&wr)[GEMM_NT], Sums& sums) {
+        const Stage* st = reinterpret_cast<const Stage*>(dyn_smem);
+        const unsigned st0 = smem_u32(dyn_smem);
+        const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
+        for (int kb = 0; kb < kblocks; ++kb) {
+            cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
+            __syncthreads();              // ... everyone's, and stage kb - 1 is free again
+            const int next = kb + STAGES - 1;
+            if (next < kblocks) load_stage(st0 + (next % STAGES) * (unsigned)sizeof(Stage));
+            cp_async_commit();
+            const Stage& cur = st[kb % STAGES];
+            unsigned sc[GEMM_NT][BK / 32];
+            stage_scales(cur, wr, sc);
+#pragma unroll
+            for (int kk = 0; kk < BK / 32; ++kk) mma_step<ACTIVE>(cur, wr, kk, sc, lut, sums);
+        }
+        cp_async_wait<0>();
     }
 };
