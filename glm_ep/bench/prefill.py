@@ -305,7 +305,7 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
     lines += ["", "## Grouped-GEMM variants: gate+up+SwiGLU / down µs", "",
               "m: rows per tile; w: warps of 32 weight rows, each on all rows (register engine), or WM x WN "
               "(tiled engine); wg: one warpgroup's wgmma (sm_90a); k: k per stage; a closing n: the rows as the "
-              "mma's narrow (n8) side.",
+              "mma's narrow (n8) side; a closing p: the same with the placed dequantization.",
               "",
               "| rows | chosen | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
     for r in w:

@@ -89,15 +89,17 @@ def test_instantiated_variants():
     rows = re.findall(r"^GEMM_VARIANT\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
     tiled = re.findall(r"^GEMM_TILED\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
     narrow = re.findall(r"^GEMM_NARROW\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
-    assert rows and tiled and narrow
+    placed = re.findall(r"^GEMM_PLACED\((\d+), (\d+), (\d+), (\d+), (\d+), \d+\)", gemm, re.M)
+    assert rows and tiled and narrow and placed
     assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
-    assert all(int(bm) == 8 * int(mt) for bm, mt, *_ in narrow), narrow
+    assert all(int(bm) == 8 * int(mt) for bm, mt, *_ in narrow + placed), narrow + placed
     assert all(int(bm) == 16 * int(mt) * int(wm) and int(wm) > 1 for bm, mt, wm, *_ in tiled), tiled
     wgmma = re.findall(r"^GEMM_WGMMA\((\d+), (\d+), \d+\)", gemm, re.M)
     found = {(int(bm), 1, int(w), int(bk), int(st), "sync") for bm, _, w, bk, st in rows}
     found |= {(int(bm), int(wm), int(wn), int(bk), int(st), "sync") for bm, _, wm, wn, bk, st in tiled}
     found |= {(128, 1, 4, int(bk), int(st), "wgmma") for bk, st in wgmma}
     found |= {(int(bm), 1, int(w), int(bk), int(st), "narrow") for bm, _, w, bk, st in narrow}
+    found |= {(int(bm), 1, int(w), int(bk), int(st), "placed") for bm, _, w, bk, st in placed}
     assert found == set(loader.GEMM_VARIANTS)
     ring = (loader.KERNEL_DIR / "gemv_nvfp4_ring.cu").read_text()
     for macro, forms in (("RING_ONE_ENTRIES", ("1, f16_", "2, bf16u_", "3, pl_")),  # gemv, down + combine
@@ -125,35 +127,36 @@ def test_split_k():
 
 
 def test_gemm_variant_choice():
-    """Few rows per expert take the narrow 8- and 16-row tiles, more the 64-row ones, past 64 the tiled 128-row one,
-    and where wgmma runs its 128-row tile past 16; every default is built, and a variant's shared
-    memory is its stages of x rows, packed weights and scales (and the two bf16 weight tiles)."""
+    """Few rows per expert take the narrow 16-row tile (to 2 rows an expert with the placed dequantization), more
+    the narrow 64-row one, and where wgmma runs its 128-row tile past 32; every default is built, and a variant's
+    shared memory is its stages of x rows, packed weights and scales (and the two bf16 weight tiles)."""
     nv = grouped
-    assert nv.gemm_variant(16 * 8, 288, 4096) == (8, 1, 4, 64, 4, "narrow")  # the rows as the mma's n8 side
-    assert nv.gemm_variant(288, 288, 4096) == (8, 1, 4, 64, 4, "narrow")
-    assert nv.gemm_variant(288 + 1, 288, 4096) == (16, 1, 4, 128, 3, "narrow")  # from 1 row an expert on average
+    placed, narrow16, narrow64 = (16, 1, 4, 128, 3, "placed"), (16, 1, 4, 128, 3, "narrow"), (64, 1, 4, 64, 4, "narrow")
+    assert nv.gemm_variant(16 * 8, 288, 4096) == placed  # the rows as the mma's n8 side
+    assert nv.gemm_variant(2 * 288, 288, 4096) == placed
+    assert nv.gemm_variant(2 * 288 + 1, 288, 4096) == narrow16  # past 2 rows an expert on average: the lookup
+    assert nv.gemm_variant(16 * 288, 288, 4096) == narrow16
+    assert nv.gemm_variant(16 * 288 + 1, 288, 4096) == narrow64
+    assert nv.gemm_variant(4096 * 8, 288, 4096) == narrow64  # past the largest key: its variant
     assert nv.gemm_variant(16 * 288, 288, 4096 + 64) == (16, 1, 4, 64, 4, "narrow")  # 128 k does not divide K
-    # one expert (a dense FFN stored NVFP4): the register engine's 32-row tile to 32 rows, wgmma past it
-    assert nv.gemm_variant(24, 1, 4096, wgmma=True) == (32, 1, 4, 64, 4, "sync")
+    assert nv.gemm_variant(2 * 288, 288, 4096 + 64) == (16, 1, 4, 64, 4, "narrow")
+    # one expert (a dense FFN stored NVFP4): the register engine to 32 rows, wgmma past it
+    assert nv.gemm_variant(24, 1, 4096, wgmma=True) == narrow64
     assert nv.gemm_variant(33, 1, 4096, wgmma=True) == nv.GEMM_WGMMA
-    assert nv.gemm_variant(24 * 288, 288, 4096, wgmma=True) == nv.GEMM_WGMMA
-    assert nv.gemm_variant(1024 * 8, 288, 4096)[0] == 32
-    assert nv.gemm_variant(2048 * 8, 288, 4096) == (64, 1, 4, 128, 3, "sync")
-    assert nv.gemm_variant(2048 * 8, 288, 4096 + 64) == (64, 1, 4, 64, 4, "sync")  # 128 k does not divide K
-    assert nv.gemm_variant(4096 * 8, 288, 4096) == (128, 2, 4, 64, 3, "sync")  # the tiled engine past 64 per expert
-    # where wgmma runs (sm_90a): its engine past 16 rows per expert, the same choice below
-    assert nv.gemm_variant(4096 * 8, 288, 4096, wgmma=True) == nv.GEMM_WGMMA == (128, 1, 4, 64, 4, "wgmma")
-    assert nv.gemm_variant(1024 * 8, 288, 4096, wgmma=True) == nv.GEMM_WGMMA
+    # where wgmma runs (sm_90a): its engine past 32 rows per expert, the same choice below
+    assert nv.gemm_variant(32 * 288, 288, 4096, wgmma=True) == narrow64
+    assert nv.gemm_variant(32 * 288 + 1, 288, 4096, wgmma=True) == nv.GEMM_WGMMA == (128, 1, 4, 64, 4, "wgmma")
+    assert nv.gemm_variant(4096 * 8, 288, 4096, wgmma=True) == nv.GEMM_WGMMA
     assert nv.gemm_variant(256 * 8, 288, 4096, wgmma=True) == nv.gemm_variant(256 * 8, 288, 4096)
-    assert nv.gemm_variant(4096 * 8, 288, 4096 + 32, wgmma=True)[5] == "sync"  # a stage of 64 k does not divide K
+    assert nv.gemm_variant(4096 * 8, 288, 4096 + 32, wgmma=True) == narrow64  # a stage of 64 k does not divide K
     assert set(nv.GEMM_DEFAULT.values()) | set(nv.GEMM_FALLBACK.values()) | {nv.GEMM_WGMMA} <= set(nv.GEMM_VARIANTS)
     for v in nv.GEMM_DEFAULT.values():
         assert 64 % v[3] == 0 or v in nv.GEMM_FALLBACK, f"{v}: no fallback for an in width of 64 k steps"
-    geo = nv.GemmGeometry.of((64, 1, 4, 64, 4, "sync"))
-    assert (geo.bn, geo.threads, geo.smem) == (128, 128, 4 * (64 * 64 * 2 + 128 * 32 + 128 * 4))
+    geo = nv.GemmGeometry.of((64, 1, 8, 128, 3, "sync"))
+    assert (geo.bn, geo.threads, geo.smem) == (256, 256, 3 * (64 * 128 * 2 + 256 * 64 + 256 * 8))
     assert geo.tiles(slots=1000, count=16) == 16 + 15  # ceil(1000 / 64) row tiles + a partial per expert but one
     assert geo.tiles(slots=64, count=1) == 1 and geo.tiles(slots=0, count=5) == geo.tiles(slots=5, count=0) == 0
-    assert geo.suffix == "m64w4k64"
+    assert geo.suffix == "m64w8k128"
     tiled = nv.GemmGeometry.of((128, 2, 4, 64, 3, "sync"))  # + the two bf16 weight tiles it dequantizes into
     assert (tiled.bn, tiled.threads, tiled.suffix) == (128, 256, "m128w2x4k64")
     assert tiled.smem == 3 * (128 * 64 * 2 + 128 * 32 + 128 * 4) + 2 * 128 * 64 * 2
@@ -163,6 +166,8 @@ def test_gemm_variant_choice():
     narrow = nv.GemmGeometry.of((8, 1, 4, 64, 4, "narrow"))  # 64 x copies a stage: half the threads take one
     assert (narrow.bn, narrow.threads, narrow.suffix) == (128, 128, "m8w4k64n")
     assert narrow.smem == 4 * (8 * 64 * 2 + 128 * 32 + 128 * 4)
+    p16 = nv.GemmGeometry.of(placed)  # the narrow tile's stages; the dequantization is the kernel's
+    assert (p16.bn, p16.threads, p16.suffix, p16.smem) == (128, 128, "m16w4k128p", 3 * (16 * 128 * 2 + 128 * 64 + 128 * 8))
     with pytest.raises(ValueError, match="instantiates"):
         nv.GemmGeometry.of((48, 1, 4, 64, 4, "sync"))
 
@@ -220,8 +225,7 @@ def test_gemm_large_x_takes_the_register_engine(monkeypatch):
 
     monkeypatch.setattr(grouped, "wgmma_here", lambda: True)
     monkeypatch.setattr(grouped, "block_smem_limit", lambda: H200_BLOCK_SMEM)
-    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "sync"
-    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").wm == 1
+    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t") == grouped.GemmGeometry.of((64, 1, 4, 64, 4, "narrow"))
     X.size = grouped.X_OFFSET_LIMIT - 1
     assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "wgmma"
     X.size = grouped.X_OFFSET_LIMIT
@@ -242,7 +246,7 @@ def test_wgmma_variant_refused_where_it_does_not_run(monkeypatch):
 
     with pytest.raises(ValueError, match=r"m128wgk64 needs wgmma .*\(12, 1\)"):
         grouped._geometry(grouped.GEMM_WGMMA, X(), 4096 * 8, 288, 4096, "t")
-    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "sync"
+    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "narrow"
 
 
 @pytest.mark.parametrize("limit", [GB10_BLOCK_SMEM, H200_BLOCK_SMEM], ids=["GB10", "H200"])

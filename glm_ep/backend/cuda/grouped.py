@@ -26,18 +26,18 @@ from glm_ep.backend.cuda.routed import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
 # the variants (loader.GEMM_VARIANTS) gemm_nvfp4.cu instantiates, and the default for calls whose experts get up to
-# (key) rows each on average, the fastest measured (glm-ep bench --prefill's variant table): to 1 row the narrow
-# 8-row tile (x rows as the mma's n8 side); to 16 the narrow 16-row tile (whose experts of at most 8 rows skip its
-# second x tile; from 1.8 rows an expert, 64 rows, it is ahead: docs/perf/runs/2026-12-06-h100-wide); the
-# narrow 16-row and the 64-row tiles take 128-k stages where K allows, their 64-k twins otherwise
-# (GEMM_FALLBACK); past 64 rows per expert the tiled engine's 128 x 128 tile; on sm_90a the wgmma engine's
-# 128 x 128 tile from 17 rows per expert on (GEMM_WGMMA_FROM)
-GEMM_DEFAULT = {1: (8, 1, 4, 64, 4, "narrow"), 16: (16, 1, 4, 128, 3, "narrow"), 32: (32, 1, 4, 64, 4, "sync"),
-                64: (64, 1, 4, 128, 3, "sync"), 128: (128, 2, 4, 64, 3, "sync")}
-GEMM_FALLBACK = {(64, 1, 4, 128, 3, "sync"): (64, 1, 4, 64, 4, "sync"),
+# (key) rows each on average (past the largest key: its variant), the fastest measured (glm-ep bench --prefill's
+# variant table, docs/perf/runs/2026-12-06-h100-wide): to 2 rows the narrow 16-row tile (x rows as the mma's n8
+# side) with the placed dequantization, which leaves the integer pipe half the work of the lookup but pairs
+# every x chunk (ahead at 16 and 64 rows, behind at 256); to 16 rows the same tile with the lookup; past that the
+# narrow 64-row tile, whose experts' last tiles leave out their empty 8-row x tiles; the 16-row tiles take 128-k
+# stages where K allows, their 64-k twin otherwise (GEMM_FALLBACK); on sm_90a the wgmma engine's 128 x 128 tile
+# past 32 rows per expert (GEMM_WGMMA_FROM)
+GEMM_DEFAULT = {2: (16, 1, 4, 128, 3, "placed"), 16: (16, 1, 4, 128, 3, "narrow"), 64: (64, 1, 4, 64, 4, "narrow")}
+GEMM_FALLBACK = {(16, 1, 4, 128, 3, "placed"): (16, 1, 4, 64, 4, "narrow"),
                  (16, 1, 4, 128, 3, "narrow"): (16, 1, 4, 64, 4, "narrow")}
 GEMM_WGMMA = (128, 1, 4, 64, 4, "wgmma")
-GEMM_WGMMA_FROM = 16  # rows per expert past which the wgmma engine is the default where it runs
+GEMM_WGMMA_FROM = 32  # rows per expert past which the wgmma engine is the default where it runs
 # ONE expert (a dense FFN stored NVFP4: 192 blocks for gate + up, two thirds of a wave): the register engine up to
 # 32 rows, where its 32-row tile measured faster than wgmma's (docs/perf/DESIGN-NOTES.md)
 GEMM_WGMMA_FROM_ONE = 32
@@ -58,7 +58,8 @@ class GemmGeometry:
     wn: int  # warps along the weight rows, 32 each
     bk: int  # k per pipeline stage
     stages: int
-    mma: str  # "sync" (mma.sync, the rows as its m16 side), "narrow" (mma.sync, the rows as its n8 side) or "wgmma"
+    mma: str  # "sync" (mma.sync, the rows as its m16 side), "narrow" (mma.sync, the rows as its n8 side), "placed"
+    # (narrow, the placed dequantization) or "wgmma"
 
     @classmethod
     def of(cls, variant: Variant) -> "GemmGeometry":
@@ -183,7 +184,7 @@ def _geometry(variant: Variant | None, x: Any, slots: int, num_experts: int, k: 
         if variant is not None:
             raise ValueError(f"{what}: x has {x.size} elements; variant {geo.suffix} addresses it with 32-bit "
                              f"offsets (fewer than {X_OFFSET_LIMIT}); split the call")
-        geo = GemmGeometry.of(_fitting(GEMM_DEFAULT[64], k))
+        geo = GemmGeometry.of(_fitting(GEMM_DEFAULT[max(GEMM_DEFAULT)], k))  # the register engine
     return geo
 
 

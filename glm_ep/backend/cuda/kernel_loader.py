@@ -82,8 +82,9 @@ CAPABILITIES = dataclasses.replace(KERNEL_LIMITS, capture=True)
 #: gemm_nvfp4.cu's GEMM_NARROW / GEMM_VARIANT (WM = 1), GEMM_TILED (WM > 1) and GEMM_WGMMA lines: (rows per tile
 #: BM, warps along the rows WM, warps of 32 weight rows along the columns WN, k per stage BK, stages, the mma:
 #: "sync" (mma.sync with the x rows as its m16 side, every arch), "narrow" (mma.sync with the x rows as its n8
-#: side, every arch) or "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
+#: side, every arch), "placed" (narrow, dequantized by bit placement instead of the lookup) or "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
 GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"), (16, 1, 4, 128, 3, "narrow"),
+                 (16, 1, 4, 128, 3, "placed"), (64, 1, 4, 64, 4, "narrow"),
                  (16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4, 64, 4, "sync"),
                  (64, 1, 4, 128, 3, "sync"), (64, 1, 8, 128, 3, "sync"),
                  (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))
@@ -116,8 +117,8 @@ def gemm_suffix(bm: int, wm: int, wn: int, bk: int, stages: int, mma: str = "syn
     """The entry-point suffix of a variant (``nvfp4_gemm_sorted[_glu]_{suffix}``)."""
     if mma == "wgmma":
         return f"m{bm}wgk{bk}"
-    if mma == "narrow":
-        return f"m{bm}w{wn}k{bk}n"
+    if mma in ("narrow", "placed"):
+        return f"m{bm}w{wn}k{bk}{mma[0]}"
     return f"m{bm}w{wn}k{bk}" if wm == 1 else f"m{bm}w{wm}x{wn}k{bk}"
 
 

@@ -36,10 +36,12 @@
 // 21 for placing the bits into a bf16 that reads e2m1 * 2^-126); one bf16 multiply by the block scale
 // held as e4m3 * 2^-8 gives e2m1 * e4m3 * 2^-8: at most 6 significant bits and inside bf16's normal
 // range, so exact. The fp32 sums are scaled by scale_2 * 2^8 in the epilogue. No per-element float
-// conversion.
+// conversion. The placed variants (GEMM_PLACED) make the same products by bit placement instead
+// (dequant_word_placed: fewer integer-pipe instructions, the x chunks paired to match).
 //
-// Entry points, one per GEMM_NARROW / GEMM_VARIANT / GEMM_TILED / GEMM_WGMMA line below (grids computed in
-// glm_ep/backend/cuda/grouped.py; SUFFIX m{BM}w{W}k{BK}n, m{BM}w{W}k{BK}, m{BM}w{WM}x{WN}k{BK} or m128wgk{BK}):
+// Entry points, one per GEMM_NARROW / GEMM_PLACED / GEMM_VARIANT / GEMM_TILED / GEMM_WGMMA line below (grids
+// computed in glm_ep/backend/cuda/grouped.py; SUFFIX m{BM}w{W}k{BK}n, m{BM}w{W}k{BK}p, m{BM}w{W}k{BK},
+// m{BM}w{WM}x{WN}k{BK} or m128wgk{BK}):
 //   nvfp4_gemm_sorted_SUFFIX       one projection                        grid (tiles * ceil(N / BN), splits)
 //   nvfp4_gemm_sorted_glu_SUFFIX   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)), splits)
 //   nvfp4_gemm_reduce[_glu]        a K split's second pass               grid (slots * N / 4 threads)
@@ -154,12 +156,27 @@ __device__ __forceinline__ unsigned scale_pair(unsigned byte, float factor = 1.0
     return prmt(__float_as_uint(lo * factor), 0u, 0x3232u);
 }
 
-// Both E4M3 bytes of s16 (bytes 0 and 1) at once: s[i] = scale_pair(byte i), one fp16 pair widened.
-__device__ __forceinline__ void scale_pairs(unsigned s16, unsigned (&s)[2]) {
+// Both E4M3 bytes of s16 (bytes 0 and 1) at once: s[i] = scale_pair(byte i, factor), one fp16 pair widened.
+__device__ __forceinline__ void scale_pairs(unsigned s16, unsigned (&s)[2], float factor = 1.0f) {
     float f[2];
     chunk_scales_f32(s16, f[0], f[1]);
-    s[0] = prmt(__float_as_uint(f[0]), 0u, 0x3232u);
-    s[1] = prmt(__float_as_uint(f[1]), 0u, 0x3232u);
+    s[0] = prmt(__float_as_uint(f[0] * factor), 0u, 0x3232u);
+    s[1] = prmt(__float_as_uint(f[1] * factor), 0u, 0x3232u);
+}
+
+// The placed form of one word (nvfp4_mma.cuh's decode_chunk_placed: no lookup) times a block scale held as the
+// bf16 pair (e4m3 * 2^118, twice): b[p] = k p and p + 4 of the word as e2m1 x e4m3 x 2^-8, the products
+// dequant_word makes (the placed e2m1 x 2^-126, +-0.5 a bf16 subnormal, times e4m3 x 2^118: at most 6
+// significant bits and normal, so exact). Its left shifts are IMAD and its right shifts IMAD.HI, on the FMA
+// pipe; 8 LOP3 a word on the integer pipe, against 15 integer instructions of the lookup. The x pair an mma
+// meets must hold the same two k (pair_halves).
+__device__ __forceinline__ void dequant_word_placed(unsigned v, unsigned scale2x, unsigned (&b)[4]) {
+    constexpr unsigned MAG = 0x01c001c0u, SGN = 0x80008000u;
+    const unsigned p[4] = {((v << 6) & MAG) | ((v << 12) & SGN), ((v << 2) & MAG) | ((v << 8) & SGN),
+                           (umulhi_asm(v, 1u << 30) & MAG) | ((v << 4) & SGN),  // v >> 2
+                           (umulhi_asm(v, 1u << 26) & MAG) | (v & SGN)};        // v >> 6
+#pragma unroll
+    for (int i = 0; i < 4; ++i) b[i] = fma_bf16x2(p[i], scale2x, 0x80008000u);  // exact product (+ -0)
 }
 
 #include "gemm_nvfp4_register.cuh"
@@ -315,6 +332,13 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
     GEMM_ENTRIES(m##BM##w##WARPS##k##BK##n, Gemm_m##BM##w##WARPS##k##BK##n, 32 * WARPS, MIN_BLOCKS)
 
+// Register engine, narrow, the placed dequantization (dequant_word_placed): nvfp4_gemm_sorted[_glu]_m{BM}w{WN}k{BK}p.
+#define GEMM_PLACED(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS)                                                       \
+    typedef Gemm<MT, WARPS, BK, STAGES, true, true> Gemm_m##BM##w##WARPS##k##BK##p;                              \
+    static_assert(BM == 8 * MT && STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W##WARPS##K##BK##P, \
+                  "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
+    GEMM_ENTRIES(m##BM##w##WARPS##k##BK##p, Gemm_m##BM##w##WARPS##k##BK##p, 32 * WARPS, MIN_BLOCKS)
+
 // Tiled engine (WM > 1, MT = BM / (16 WM)): nvfp4_gemm_sorted[_glu]_m{BM}w{WM}x{WN}k{BK}.
 #define GEMM_TILED(BM, MT, WM, WN, BK, STAGES, MIN_BLOCKS)                                                      \
     typedef GemmTiled<MT, WM, WN, BK, STAGES> Gemm_m##BM##w##WM##x##WN##k##BK;                                  \
@@ -334,6 +358,8 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
 GEMM_NARROW(8, 1, 4, 64, 4, 4)
 GEMM_NARROW(16, 2, 4, 64, 4, 4)
 GEMM_NARROW(16, 2, 4, 128, 3, 4)
+GEMM_PLACED(16, 2, 4, 128, 3, 4)
+GEMM_NARROW(64, 8, 4, 64, 4, 3)
 GEMM_VARIANT(16, 1, 4, 64, 4, 4)
 GEMM_VARIANT(32, 2, 4, 64, 4, 3)
 GEMM_VARIANT(64, 4, 4, 64, 4, 3)

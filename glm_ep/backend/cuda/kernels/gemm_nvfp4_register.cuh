@@ -17,7 +17,7 @@
 // The block's K loop and its tile geometry: MT x tiles (m16 wide, n8 narrow; every warp covers all of
 // them), WARPS warps of 32 weight rows each (BN = 32 WARPS). run() leaves the sums in the wide layout
 // (M_TILES m16 tiles) whichever the orientation.
-template <int MT, int WARPS, int BK, int STAGES, bool NARROW = false>
+template <int MT, int WARPS, int BK, int STAGES, bool NARROW = false, bool PLACED = false>
 struct Gemm {
     static constexpr int BM = (NARROW ? 8 : 16) * MT, BN = 32 * WARPS, THREADS = 32 * WARPS, WARP_COLS = WARPS,
                          M_TILES = (BM + 15) / 16, N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = BM, K_STEP = BK;
@@ -27,6 +27,7 @@ struct Gemm {
     static_assert(XCH < THREADS || XC * THREADS == XCH, "x copies split evenly");
     static_assert(WC * THREADS == BN * BK / 32, "weight copies split evenly");
     static_assert(STAGES >= 2, "a pipeline");
+    static_assert(NARROW || !PLACED, "the placed form pairs the x rows of the narrow orientation");
     static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8, "x tiles are left out by powers of two");
     static constexpr int X_TILE = NARROW ? 8 : 16;  // x rows of an mma
     using Stage = GemmStage<BM, BN, BK>;
@@ -77,7 +78,7 @@ struct Gemm {
 #pragma unroll
             for (int w = 0; w < BK / 64; ++w) {
                 unsigned pair[2];
-                scale_pairs(prmt(st.s[wr[j] + g][w], 0u, sel), pair);
+                scale_pairs(prmt(st.s[wr[j] + g][w], 0u, sel), pair, PLACED ? 0x1p126f : 1.0f);
                 sc[j][2 * w] = pair[0];
                 sc[j][2 * w + 1] = pair[1];
             }
@@ -101,18 +102,26 @@ struct Gemm {
         for (int j = 0; j < GEMM_NT; ++j) {
             const int n = wr[j] + g;
             const unsigned q = reinterpret_cast<const unsigned*>(&st.w[n][w_slot<BK>(n, kk)])[t];
-            dequant_word(q, sc[j][kk], b[j], lut);
+            if constexpr (PLACED)
+                dequant_word_placed(q, sc[j][kk], b[j]);
+            else
+                dequant_word(q, sc[j][kk], b[j], lut);
         }
         const int ch = (4 * kk + t) ^ ((g & 1) << 2);  // rows g and g + 8 share the swizzle
 #pragma unroll
         for (int i = 0; i < ACTIVE; ++i) {
             if constexpr (NARROW) {
                 const uint4 xv = st.x[8 * i + g][ch];
+                unsigned xp[4] = {xv.x, xv.y, xv.z, xv.w};  // the x pairs the weight pairs hold
+                if constexpr (PLACED) {
+                    const unsigned xw[4] = {xv.x, xv.y, xv.z, xv.w};
+                    pair_halves(xw, xp);  // (k p, k p + 4)
+                }
 #pragma unroll
                 for (int jm = 0; jm < GEMM_NT / 2; ++jm) {
                     const unsigned(&p)[4] = b[2 * jm], (&q)[4] = b[2 * jm + 1];
-                    mma_bf16(acc[i][jm], p[0], q[0], p[1], q[1], xv.x, xv.y);
-                    mma_bf16(acc[i][jm], p[2], q[2], p[3], q[3], xv.z, xv.w);
+                    mma_bf16(acc[i][jm], p[0], q[0], p[1], q[1], xp[0], xp[1]);
+                    mma_bf16(acc[i][jm], p[2], q[2], p[3], q[3], xp[2], xp[3]);
                 }
             } else {
                 const uint4 lo = st.x[16 * i + g][ch], hi = st.x[16 * i + g + 8][ch];
