@@ -84,9 +84,7 @@ CAPABILITIES = dataclasses.replace(KERNEL_LIMITS, capture=True)
 #: "sync" (mma.sync with the x rows as its m16 side, every arch), "narrow" (mma.sync with the x rows as its n8
 #: side, every arch), "placed" (narrow, dequantized by bit placement instead of the lookup) or "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
 GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"), (16, 1, 4, 128, 3, "narrow"),
-                 (16, 1, 4, 128, 3, "placed"), (64, 1, 4, 64, 4, "narrow"),
-                 (16, 1, 4, 64, 4, "sync"), (32, 1, 4, 64, 4, "sync"), (64, 1, 4, 64, 4, "sync"),
-                 (64, 1, 4, 128, 3, "sync"), (64, 1, 8, 128, 3, "sync"),
+                 (16, 1, 4, 128, 3, "placed"), (64, 1, 4, 64, 4, "narrow"), (64, 1, 8, 128, 3, "sync"),
                  (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))
 #: gemv_nvfp4_ring.cu's RING_ONE_ENTRIES / RING_GLU_ENTRY lines: (steps of 128 k per slab T, ring depth D); one
 #: geometry, the fastest measured (docs/perf/DESIGN-NOTES.md)
