@@ -128,7 +128,7 @@ def test_split_k():
 
 def test_gemm_variant_choice():
     """Few rows per expert take the narrow 16-row tile (to 2 rows an expert with the placed dequantization), more
-    the narrow 64-row one, and where wgmma runs its 128-row tile past 32; every default is built, and a variant's
+    the narrow 64-row one, and where wgmma runs its 128-row tile past 48; every default is built, and a variant's
     shared memory is its stages of x rows, packed weights and scales (and the two bf16 weight tiles)."""
     nv = grouped
     placed, narrow16, narrow64 = (16, 1, 4, 128, 3, "placed"), (16, 1, 4, 128, 3, "narrow"), (64, 1, 4, 64, 4, "narrow")
@@ -143,9 +143,9 @@ def test_gemm_variant_choice():
     # one expert (a dense FFN stored NVFP4): the register engine to 32 rows, wgmma past it
     assert nv.gemm_variant(24, 1, 4096, wgmma=True) == narrow64
     assert nv.gemm_variant(33, 1, 4096, wgmma=True) == nv.GEMM_WGMMA
-    # where wgmma runs (sm_90a): its engine past 32 rows per expert, the same choice below
-    assert nv.gemm_variant(32 * 288, 288, 4096, wgmma=True) == narrow64
-    assert nv.gemm_variant(32 * 288 + 1, 288, 4096, wgmma=True) == nv.GEMM_WGMMA == (128, 1, 4, 64, 4, "wgmma")
+    # where wgmma runs (sm_90a): its engine past 48 rows per expert, the same choice below
+    assert nv.gemm_variant(48 * 288, 288, 4096, wgmma=True) == narrow64
+    assert nv.gemm_variant(48 * 288 + 1, 288, 4096, wgmma=True) == nv.GEMM_WGMMA == (128, 1, 4, 64, 4, "wgmma")
     assert nv.gemm_variant(4096 * 8, 288, 4096, wgmma=True) == nv.GEMM_WGMMA
     assert nv.gemm_variant(256 * 8, 288, 4096, wgmma=True) == nv.gemm_variant(256 * 8, 288, 4096)
     assert nv.gemm_variant(4096 * 8, 288, 4096 + 32, wgmma=True) == narrow64  # a stage of 64 k does not divide K

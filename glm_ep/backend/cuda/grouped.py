@@ -32,12 +32,12 @@ _GEMM = "gemm_nvfp4.cu"
 # every x chunk (ahead at 16 and 64 rows, behind at 256); to 16 rows the same tile with the lookup; past that the
 # narrow 64-row tile, whose experts' last tiles leave out their empty 8-row x tiles; the 16-row tiles take 128-k
 # stages where K allows, their 64-k twin otherwise (GEMM_FALLBACK); on sm_90a the wgmma engine's 128 x 128 tile
-# past 32 rows per expert (GEMM_WGMMA_FROM)
+# past 48 rows per expert (GEMM_WGMMA_FROM: the 64-row narrow tile ahead at 42.7 rows an expert, wgmma at 56.9)
 GEMM_DEFAULT = {2: (16, 1, 4, 128, 3, "placed"), 16: (16, 1, 4, 128, 3, "narrow"), 64: (64, 1, 4, 64, 4, "narrow")}
 GEMM_FALLBACK = {(16, 1, 4, 128, 3, "placed"): (16, 1, 4, 64, 4, "narrow"),
                  (16, 1, 4, 128, 3, "narrow"): (16, 1, 4, 64, 4, "narrow")}
 GEMM_WGMMA = (128, 1, 4, 64, 4, "wgmma")
-GEMM_WGMMA_FROM = 32  # rows per expert past which the wgmma engine is the default where it runs
+GEMM_WGMMA_FROM = 48  # rows per expert past which the wgmma engine is the default where it runs
 # ONE expert (a dense FFN stored NVFP4: 192 blocks for gate + up, two thirds of a wave): the register engine up to
 # 32 rows, where its 32-row tile measured faster than wgmma's (docs/perf/DESIGN-NOTES.md)
 GEMM_WGMMA_FROM_ONE = 32

@@ -67,5 +67,8 @@ final2)  # evening run 3: the final tree (the placed 16-row tile to 2 rows an ex
   stage tests; timeout 200 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py tests/cuda/test_cuda_dense.py 2>&1 | tail -6 | tee $OUT/tests.txt
   stage bench; timeout 250 python -m glm_ep bench --prefill --out $OUT 2>&1 | tail -3
   ;;
+switch)  # evening run 4: the narrow 64-row tile against wgmma between 28 and 114 rows an expert (the switch at 32)
+  stage probe; timeout 200 python .devrun/probe2.py --rows=1536,2048,3072 --variants=m64w4k64n,m128wgk64 2>&1 | grep -E "^[{]|not here|rror" | tee $OUT/times_switch.txt
+  ;;
 esac
 stage done
