@@ -5,7 +5,10 @@
 //     8-row tile pays no mma for 8 empty rows, and the operands need no register moves: the x pair of an mma
 //     is one aligned half of a row's 16-byte load, and the weight pairs are the dequantization's own outputs
 //     (the wide A fragment interleaves rows g and g + 8 of two loads, which ptxas assembles by moves).
-//     The sums are moved into the wide layout by warp shuffles once, after the K loop.
+//     The sums are moved into the wide layout by warp shuffles once, after the K loop;
+//   placed (narrow, PLACED): the weights dequantized by bit placement (dequant_word_placed), whose pairs hold
+//     k p and p + 4 of a word, so the x chunk of every mma is paired to match (pair_halves).
+// An expert's last tile runs the K loop over as many x tiles as its rows need (k_loop_rows).
 // Part of gemm_nvfp4.cu, included after its stage layout, row tiles and dequantization (GemmStage, w_slot,
 // DequantLut, dequant_word, scale_pairs, GEMM_NT) and common.cuh, nvfp4_mma.cuh and async_copy.cuh
 // (glm_ep/backend/cuda/kernel_loader.py inlines them all).
@@ -91,7 +94,8 @@ struct Gemm {
     // One 32-k step of a warp: its 4 n8 tiles of weight rows (wr[j]: the tile's first) against the first
     // ACTIVE x tiles (16 rows wide, 8 narrow; run() leaves out those past the tile's rows).
     // Lane (g, t) dequantizes k 8t .. 8t + 7 of weight row wr[j] + g and reads the same k of its x rows; the
-    // pairs (8t, 8t + 1), (8t + 2, 8t + 3) feed the first mma of the step and the next two the second.
+    // pairs (8t, 8t + 1), (8t + 2, 8t + 3) feed the first mma of the step and the next two the second (placed:
+    // (8t, 8t + 4), (8t + 1, 8t + 5), then (8t + 2, 8t + 6), (8t + 3, 8t + 7)).
     template <int ACTIVE>
     static __device__ __forceinline__ void mma_step(const Stage& st, const int (&wr)[GEMM_NT], int kk,
                                                     const unsigned (&sc)[GEMM_NT][BK / 32], const DequantLut& lut,
