@@ -79,10 +79,11 @@ DEFINES = {
 CAPABILITIES = dataclasses.replace(KERNEL_LIMITS, capture=True)
 
 # ---- the kernel variants and the shared-memory layouts the launches are sized by ----------------
-#: gemm_nvfp4.cu's GEMM_NARROW / GEMM_VARIANT (WM = 1), GEMM_TILED (WM > 1) and GEMM_WGMMA lines: (rows per tile
-#: BM, warps along the rows WM, warps of 32 weight rows along the columns WN, k per stage BK, stages, the mma:
-#: "sync" (mma.sync with the x rows as its m16 side, every arch), "narrow" (mma.sync with the x rows as its n8
-#: side, every arch), "placed" (narrow, dequantized by bit placement instead of the lookup) or "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
+#: gemm_nvfp4.cu's GEMM_NARROW / GEMM_PLACED / GEMM_VARIANT (WM = 1), GEMM_TILED (WM > 1) and GEMM_WGMMA lines:
+#: (rows per tile BM, warps along the rows WM, warps of 32 weight rows along the columns WN, k per stage BK,
+#: stages, the mma: "sync" (mma.sync with the x rows as its m16 side, every arch), "narrow" (mma.sync with the
+#: x rows as its n8 side, every arch), "placed" (narrow, dequantized by bit placement instead of the lookup) or
+#: "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
 GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"), (16, 1, 4, 128, 3, "narrow"),
                  (16, 1, 4, 128, 3, "placed"), (64, 1, 4, 64, 4, "narrow"), (64, 1, 8, 128, 3, "sync"),
                  (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))

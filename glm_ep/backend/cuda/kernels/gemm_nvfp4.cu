@@ -164,17 +164,15 @@ __device__ __forceinline__ void scale_pairs(unsigned s16, unsigned (&s)[2], floa
     s[1] = prmt(__float_as_uint(f[1] * factor), 0u, 0x3232u);
 }
 
-// The placed form of one word (nvfp4_mma.cuh's decode_chunk_placed: no lookup) times a block scale held as the
+// The placed form of one word (nvfp4_mma.cuh's placed_pairs: no lookup) times a block scale held as the
 // bf16 pair (e4m3 * 2^118, twice): b[p] = k p and p + 4 of the word as e2m1 x e4m3 x 2^-8, the products
 // dequant_word makes (the placed e2m1 x 2^-126, +-0.5 a bf16 subnormal, times e4m3 x 2^118: at most 6
 // significant bits and normal, so exact). Its left shifts are IMAD and its right shifts IMAD.HI, on the FMA
 // pipe; 8 LOP3 a word on the integer pipe, against 15 integer instructions of the lookup. The x pair an mma
 // meets must hold the same two k (pair_halves).
 __device__ __forceinline__ void dequant_word_placed(unsigned v, unsigned scale2x, unsigned (&b)[4]) {
-    constexpr unsigned MAG = 0x01c001c0u, SGN = 0x80008000u;
-    const unsigned p[4] = {((v << 6) & MAG) | ((v << 12) & SGN), ((v << 2) & MAG) | ((v << 8) & SGN),
-                           (umulhi_asm(v, 1u << 30) & MAG) | ((v << 4) & SGN),  // v >> 2
-                           (umulhi_asm(v, 1u << 26) & MAG) | (v & SGN)};        // v >> 6
+    unsigned p[4];
+    placed_pairs(v, p);
 #pragma unroll
     for (int i = 0; i < 4; ++i) b[i] = fma_bf16x2(p[i], scale2x, 0x80008000u);  // exact product (+ -0)
 }
@@ -325,19 +323,18 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
     GEMM_ENTRIES(m##BM##w##WARPS##k##BK, Gemm_m##BM##w##WARPS##k##BK, 32 * WARPS, MIN_BLOCKS)
 
-// Register engine, narrow (x rows as the mma's n8 side, MT = BM / 8): nvfp4_gemm_sorted[_glu]_m{BM}w{WN}k{BK}n.
-#define GEMM_NARROW(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS)                                                       \
-    typedef Gemm<MT, WARPS, BK, STAGES, true> Gemm_m##BM##w##WARPS##k##BK##n;                                    \
-    static_assert(BM == 8 * MT && STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W##WARPS##K##BK##N, \
+// Register engine, narrow (x rows as the mma's n8 side, MT = BM / 8), the lookup (GEMM_NARROW,
+// nvfp4_gemm_sorted[_glu]_m{BM}w{WN}k{BK}n) or the placed dequantization (GEMM_PLACED, dequant_word_placed,
+// ..._m{BM}w{WN}k{BK}p); TAG / UTAG: the suffix's closing letter in lower / upper case.
+#define GEMM_NARROW_OF(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS, PLACED, TAG, UTAG)                                  \
+    typedef Gemm<MT, WARPS, BK, STAGES, true, PLACED> Gemm_m##BM##w##WARPS##k##BK##TAG;                          \
+    static_assert(BM == 8 * MT && STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W##WARPS##K##BK##UTAG, \
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
-    GEMM_ENTRIES(m##BM##w##WARPS##k##BK##n, Gemm_m##BM##w##WARPS##k##BK##n, 32 * WARPS, MIN_BLOCKS)
-
-// Register engine, narrow, the placed dequantization (dequant_word_placed): nvfp4_gemm_sorted[_glu]_m{BM}w{WN}k{BK}p.
-#define GEMM_PLACED(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS)                                                       \
-    typedef Gemm<MT, WARPS, BK, STAGES, true, true> Gemm_m##BM##w##WARPS##k##BK##p;                              \
-    static_assert(BM == 8 * MT && STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W##WARPS##K##BK##P, \
-                  "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
-    GEMM_ENTRIES(m##BM##w##WARPS##k##BK##p, Gemm_m##BM##w##WARPS##k##BK##p, 32 * WARPS, MIN_BLOCKS)
+    GEMM_ENTRIES(m##BM##w##WARPS##k##BK##TAG, Gemm_m##BM##w##WARPS##k##BK##TAG, 32 * WARPS, MIN_BLOCKS)
+#define GEMM_NARROW(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS) \
+    GEMM_NARROW_OF(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS, false, n, N)
+#define GEMM_PLACED(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS) \
+    GEMM_NARROW_OF(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS, true, p, P)
 
 // Tiled engine (WM > 1, MT = BM / (16 WM)): nvfp4_gemm_sorted[_glu]_m{BM}w{WM}x{WN}k{BK}.
 #define GEMM_TILED(BM, MT, WM, WN, BK, STAGES, MIN_BLOCKS)                                                      \

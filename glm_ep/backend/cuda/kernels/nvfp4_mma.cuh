@@ -167,17 +167,19 @@ __device__ __forceinline__ unsigned umulhi_asm(unsigned a, unsigned b) {
     return d;
 }
 
+// One word's four placed pairs: b[p] = nibbles p and p + 4.
+__device__ __forceinline__ void placed_pairs(unsigned v, unsigned* b) {
+    constexpr unsigned MAG = 0x01c001c0u, SGN = 0x80008000u;
+    b[0] = ((v << 6) & MAG) | ((v << 12) & SGN);
+    b[1] = ((v << 2) & MAG) | ((v << 8) & SGN);
+    b[2] = (umulhi_asm(v, 1u << 30) & MAG) | ((v << 4) & SGN);  // v >> 2 on the FMA pipe
+    b[3] = (umulhi_asm(v, 1u << 26) & MAG) | (v & SGN);         // v >> 6
+}
+
 __device__ __forceinline__ void decode_chunk_placed(const uint4& w, unsigned (&b)[16]) {
     const unsigned words[4] = {w.x, w.y, w.z, w.w};
-    constexpr unsigned MAG = 0x01c001c0u, SGN = 0x80008000u;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const unsigned v = words[q];
-        b[4 * q] = ((v << 6) & MAG) | ((v << 12) & SGN);
-        b[4 * q + 1] = ((v << 2) & MAG) | ((v << 8) & SGN);
-        b[4 * q + 2] = (umulhi_asm(v, 1u << 30) & MAG) | ((v << 4) & SGN);  // v >> 2 on the FMA pipe
-        b[4 * q + 3] = (umulhi_asm(v, 1u << 26) & MAG) | (v & SGN);         // v >> 6
-    }
+    for (int q = 0; q < 4; ++q) placed_pairs(words[q], b + 4 * q);
 }
 
 // Eight consecutive bf16 (words w[0..3] = k 0..7) as the pairs decode_chunk_placed makes: (k p, k p + 4).
