@@ -68,7 +68,7 @@ def test_every_kernel_file_names_its_numpy_twin_and_its_test(path: Path):
                                        ("RING_STAGE_BYTES_P2_T4", "gemv_nvfp4_ring.cu"),
                                        ("GEMM_SMEM_M64W8K128", "gemm_nvfp4.cu"),
                                        ("GEMM_SMEM_M128W2X4K64", "gemm_nvfp4.cu"),
-                                       ("GEMM_SMEM_M128WGK64", "gemm_nvfp4.cu"),
+                                       ("GEMM_SMEM_M128WG8K64", "gemm_nvfp4.cu"),
                                        ("WSTREAM_STAGE_K", "mma_bf16.cu")])
 def test_a_constant_that_differs_from_the_kernel_does_not_compile(name: str, file: str, tmp_path: Path):
     """The .cu files static_assert the values and layouts the wrappers size their launches by: a
@@ -95,9 +95,10 @@ def test_instantiated_variants():
     assert all(int(bm) == 8 * int(mt) for bm, mt, *_ in narrow + placed), narrow + placed
     assert all(int(bm) == 16 * int(mt) * int(wm) and int(wm) > 1 for bm, mt, wm, *_ in tiled), tiled
     wgmma = re.findall(r"^GEMM_WGMMA\((\d+), (\d+), \d+\)", gemm, re.M)
+    assert wgmma
     found = {(int(bm), 1, int(w), int(bk), int(st), "sync") for bm, _, w, bk, st in rows}
     found |= {(int(bm), int(wm), int(wn), int(bk), int(st), "sync") for bm, _, wm, wn, bk, st in tiled}
-    found |= {(128, 1, 4, int(bk), int(st), "wgmma") for bk, st in wgmma}
+    found |= {(128, 2, int(wn), 64, int(st), "wgmma") for wn, st in wgmma}
     found |= {(int(bm), 1, int(w), int(bk), int(st), "narrow") for bm, _, w, bk, st in narrow}
     found |= {(int(bm), 1, int(w), int(bk), int(st), "placed") for bm, _, w, bk, st in placed}
     assert found == set(loader.GEMM_VARIANTS)
@@ -145,7 +146,7 @@ def test_gemm_variant_choice():
     assert nv.gemm_variant(33, 1, 4096, wgmma=True) == nv.GEMM_WGMMA
     # where wgmma runs (sm_90a): its engine past 48 rows per expert, the same choice below
     assert nv.gemm_variant(48 * 288, 288, 4096, wgmma=True) == narrow64
-    assert nv.gemm_variant(48 * 288 + 1, 288, 4096, wgmma=True) == nv.GEMM_WGMMA == (128, 1, 4, 64, 4, "wgmma")
+    assert nv.gemm_variant(48 * 288 + 1, 288, 4096, wgmma=True) == nv.GEMM_WGMMA == (128, 2, 8, 64, 6, "wgmma")
     assert nv.gemm_variant(4096 * 8, 288, 4096, wgmma=True) == nv.GEMM_WGMMA
     assert nv.gemm_variant(256 * 8, 288, 4096, wgmma=True) == nv.gemm_variant(256 * 8, 288, 4096)
     assert nv.gemm_variant(4096 * 8, 288, 4096 + 32, wgmma=True) == narrow64  # a stage of 64 k does not divide K
@@ -160,9 +161,9 @@ def test_gemm_variant_choice():
     tiled = nv.GemmGeometry.of((128, 2, 4, 64, 3, "sync"))  # + the two bf16 weight tiles it dequantizes into
     assert (tiled.bn, tiled.threads, tiled.suffix) == (128, 256, "m128w2x4k64")
     assert tiled.smem == 3 * (128 * 64 * 2 + 128 * 32 + 128 * 4) + 2 * 128 * 64 * 2
-    wg = nv.GemmGeometry.of((128, 1, 4, 64, 4, "wgmma"))  # the same tile by one warpgroup: 4 x slots, 3 w slots
-    assert (wg.bn, wg.threads, wg.suffix) == (128, 128, "m128wgk64")
-    assert wg.smem == 4 * 128 * 64 * 2 + 3 * (128 * 32 + 128 * 4) + 2 * 128 * 64 * 2 + 1024
+    wg = nv.GemmGeometry.of((128, 2, 8, 64, 6, "wgmma"))  # four warpgroups of 64 weight rows; 6 stages, aligned
+    assert (wg.bn, wg.threads, wg.suffix) == (256, 512, "m128wg8k64")
+    assert wg.smem == 6 * (128 * 64 * 2 + 256 * 32 + 256 * 4) + 1024
     narrow = nv.GemmGeometry.of((8, 1, 4, 64, 4, "narrow"))  # 64 x copies a stage: half the threads take one
     assert (narrow.bn, narrow.threads, narrow.suffix) == (128, 128, "m8w4k64n")
     assert narrow.smem == 4 * (8 * 64 * 2 + 128 * 32 + 128 * 4)
@@ -244,7 +245,7 @@ def test_wgmma_variant_refused_where_it_does_not_run(monkeypatch):
     class X:
         size = 4096 * 4096
 
-    with pytest.raises(ValueError, match=r"m128wgk64 needs wgmma .*\(12, 1\)"):
+    with pytest.raises(ValueError, match=r"m128wg8k64 needs wgmma .*\(12, 1\)"):
         grouped._geometry(grouped.GEMM_WGMMA, X(), 4096 * 8, 288, 4096, "t")
     assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "narrow"
 

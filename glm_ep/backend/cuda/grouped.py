@@ -31,12 +31,13 @@ _GEMM = "gemm_nvfp4.cu"
 # side) with the placed dequantization, which leaves the integer pipe half the work of the lookup but pairs
 # every x chunk (ahead at 16 and 64 rows, behind at 256); to 16 rows the same tile with the lookup; past that the
 # narrow 64-row tile, whose experts' last tiles leave out their empty 8-row x tiles; the 16-row tiles take 128-k
-# stages where K allows, their 64-k twin otherwise (GEMM_FALLBACK); on sm_90a the wgmma engine's 128 x 128 tile
-# past 48 rows per expert (GEMM_WGMMA_FROM: the 64-row narrow tile ahead at 42.7 rows an expert, wgmma at 56.9)
+# stages where K allows, their 64-k twin otherwise (GEMM_FALLBACK); on sm_90a the wgmma engine (256 weight rows x
+# up to 128 rows a block, the weights in wgmma's registers) past 48 rows per expert (GEMM_WGMMA_FROM: the 64-row
+# narrow tile level with wgmma between 42.7 and 56.9 rows an expert; docs/perf/runs/2026-12-06-h100-wgmma)
 GEMM_DEFAULT = {2: (16, 1, 4, 128, 3, "placed"), 16: (16, 1, 4, 128, 3, "narrow"), 64: (64, 1, 4, 64, 4, "narrow")}
 GEMM_FALLBACK = {(16, 1, 4, 128, 3, "placed"): (16, 1, 4, 64, 4, "narrow"),
                  (16, 1, 4, 128, 3, "narrow"): (16, 1, 4, 64, 4, "narrow")}
-GEMM_WGMMA = (128, 1, 4, 64, 4, "wgmma")
+GEMM_WGMMA = (128, 2, 8, 64, 6, "wgmma")
 GEMM_WGMMA_FROM = 48  # rows per expert past which the wgmma engine is the default where it runs
 # ONE expert (a dense FFN stored NVFP4: 192 blocks for gate + up, two thirds of a wave): the register engine up to
 # 32 rows, where its tiles measured faster than wgmma's (docs/perf/DESIGN-NOTES.md)
@@ -94,7 +95,7 @@ class GemmGeometry:
 def gemm_variant(slots: int, num_experts: int, k: int, wgmma: bool = False) -> Variant:
     """The variant for a call: ``GEMM_DEFAULT``'s for the rows an expert gets on average (slots spread over all
     experts), so few-row widths do not pay for empty tile rows; where ``wgmma`` runs
-    (sm_90a), its 128-row tile past ``GEMM_WGMMA_FROM`` rows per expert (``GEMM_WGMMA_FROM_ONE`` for one).
+    (sm_90a), its engine past ``GEMM_WGMMA_FROM`` rows per expert (``GEMM_WGMMA_FROM_ONE`` for one).
     A variant whose stage does not divide the in width ``k`` gives way to its fallback (the launch names
     the width if it has none)."""
     per_expert = slots / max(num_experts, 1)

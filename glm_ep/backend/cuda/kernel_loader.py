@@ -83,10 +83,11 @@ CAPABILITIES = dataclasses.replace(KERNEL_LIMITS, capture=True)
 #: (rows per tile BM, warps along the rows WM, warps of 32 weight rows along the columns WN, k per stage BK,
 #: stages, the mma: "sync" (mma.sync with the x rows as its m16 side, every arch), "narrow" (mma.sync with the
 #: x rows as its n8 side, every arch), "placed" (narrow, dequantized by bit placement instead of the lookup) or
-#: "wgmma" (sm_90a: the WN = 4 warps are one warpgroup over the whole tile))
+#: "wgmma" (sm_90a: the weights as wgmma's A operand in registers, the x rows its n side; WN / 2 warpgroups of 64
+#: weight rows each, WM = 2))
 GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"), (16, 1, 4, 128, 3, "narrow"),
-                 (16, 1, 4, 128, 3, "placed"), (64, 1, 4, 64, 4, "narrow"), (64, 1, 8, 128, 3, "sync"),
-                 (128, 2, 4, 64, 3, "sync"), (128, 1, 4, 64, 4, "wgmma"))
+                 (16, 1, 4, 128, 3, "placed"), (64, 1, 4, 64, 4, "narrow"),
+                 (64, 1, 8, 128, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 2, 8, 64, 6, "wgmma"))
 #: gemv_nvfp4_ring.cu's RING_ONE_ENTRIES / RING_GLU_ENTRY lines: (steps of 128 k per slab T, ring depth D); one
 #: geometry, the fastest measured (docs/perf/DESIGN-NOTES.md)
 RING_KERNELS = ((4, 2),)
@@ -104,18 +105,17 @@ def gemm_stage_bytes(bm: int, bn: int, bk: int) -> int:
 
 def gemm_smem_bytes(bm: int, wm: int, wn: int, bk: int, stages: int, mma: str = "sync") -> int:
     """A variant's dynamic shared memory: its stages, and for the tiled engine (WM > 1) two bf16 weight
-    tiles (the dequantized stage and the next). The wgmma engine: ``stages`` slots of x rows, one fewer
-    of packed weights, the two bf16 tiles, and 1024 bytes to align them."""
+    tiles (the dequantized stage and the next). The wgmma engine: its stages and 1024 bytes to align them."""
     bn = 32 * wn
     if mma == "wgmma":
-        return stages * bm * bk * 2 + (stages - 1) * (gemm_stage_bytes(0, bn, bk)) + 2 * bn * bk * 2 + 1024
+        return stages * gemm_stage_bytes(bm, bn, bk) + 1024
     return stages * gemm_stage_bytes(bm, bn, bk) + (2 * bn * bk * 2 if wm > 1 else 0)
 
 
 def gemm_suffix(bm: int, wm: int, wn: int, bk: int, stages: int, mma: str = "sync") -> str:
     """The entry-point suffix of a variant (``nvfp4_gemm_sorted[_glu]_{suffix}``)."""
     if mma == "wgmma":
-        return f"m{bm}wgk{bk}"
+        return f"m{bm}wg{wn}k{bk}"
     if mma in ("narrow", "placed"):
         return f"m{bm}w{wn}k{bk}{mma[0]}"
     return f"m{bm}w{wn}k{bk}" if wm == 1 else f"m{bm}w{wm}x{wn}k{bk}"

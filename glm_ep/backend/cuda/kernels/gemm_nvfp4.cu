@@ -13,7 +13,8 @@
 //     registers, with the x rows as the mma's m16 side or (narrow) as its n8 side (Gemm, gemm_nvfp4_register.cuh);
 //   tiled (WM > 1): a WM x WN warp grid over the tile, the weight tile dequantized ONCE per stage into
 //     shared memory, both operands by ldmatrix (GemmTiled, gemm_nvfp4_tiled.cuh);
-//   wgmma (sm_90a): the tiled engine's 128 x 128 tile by one warpgroup's wgmma (GemmWg, the same file).
+//   wgmma (sm_90a): the weights dequantized straight into wgmma's register A operand, the x rows its n side,
+//     four warpgroups of 64 weight rows (GemmWg, gemm_nvfp4_wgmma.cuh).
 // The variants (BM 16 .. 128) let a width whose experts hold few rows each skip the mma work and
 // x staging of empty rows; the wrapper picks one from the expected rows per expert. blockIdx.x =
 // tile * n_blocks + n_block, so the blocks of one row tile sweep the weight rows back to back while
@@ -41,7 +42,7 @@
 //
 // Entry points, one per GEMM_NARROW / GEMM_PLACED / GEMM_VARIANT / GEMM_TILED / GEMM_WGMMA line below (grids
 // computed in glm_ep/backend/cuda/grouped.py; SUFFIX m{BM}w{W}k{BK}n, m{BM}w{W}k{BK}p, m{BM}w{W}k{BK},
-// m{BM}w{WM}x{WN}k{BK} or m128wgk{BK}):
+// m{BM}w{WM}x{WN}k{BK} or m128wg{WN}k64):
 //   nvfp4_gemm_sorted_SUFFIX       one projection                        grid (tiles * ceil(N / BN), splits)
 //   nvfp4_gemm_sorted_glu_SUFFIX   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)), splits)
 //   nvfp4_gemm_reduce[_glu]        a K split's second pass               grid (slots * N / 4 threads)
@@ -133,18 +134,26 @@ struct DequantLut {
     }
 };
 
-// 8 nibbles (one word, k 2j in the low and 2j + 1 in the high nibble of byte j) times a block scale
-// held as the bf16 pair (e4m3 * 2^-8, e4m3 * 2^-8): b[j] = (k 2j, k 2j + 1) as an exact bf16 pair.
-__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsigned (&b)[4],
-                                             const DequantLut& lut = DequantLut::constants()) {
+// 8 nibbles (one word, k 2j in the low and 2j + 1 in the high nibble of byte j) times block scales held as
+// bf16 pairs (e4m3 * 2^-8, e4m3 * 2^-8), scale_lo for bytes 0 and 1, scale_hi for bytes 2 and 3: b[j] = (k 2j,
+// k 2j + 1) as an exact bf16 pair.
+__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale_lo, unsigned scale_hi, unsigned (&b)[4],
+                                             const DequantLut& lut) {
     const unsigned m = q & 0x77777777u, sh = q << 4;  // magnitudes; byte j's high nibble = q byte j's low nibble
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // nibbles 4h .. 4h + 3: bytes 2h and 2h + 1
         unsigned p0, p1;  // |e2m1| with its sign
         lookup_bf16_pairs(q, m, sh, h, lut.lo0, lut.lo1, lut.hi0, lut.hi1, p0, p1);
-        b[2 * h] = fma_bf16x2(p0, scale2x, 0x80008000u);  // exact product (+ -0)
-        b[2 * h + 1] = fma_bf16x2(p1, scale2x, 0x80008000u);
+        const unsigned s = h ? scale_hi : scale_lo;
+        b[2 * h] = fma_bf16x2(p0, s, 0x80008000u);  // exact product (+ -0)
+        b[2 * h + 1] = fma_bf16x2(p1, s, 0x80008000u);
     }
+}
+
+// The same under one block scale (a word of 8 consecutive k lies in one 16-k block).
+__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsigned (&b)[4],
+                                             const DequantLut& lut = DequantLut::constants()) {
+    dequant_word(q, scale2x, scale2x, b, lut);
 }
 
 // An E4M3 byte as the bf16 pair (e4m3 * 2^-8 * factor, twice): the bits shifted into an fp16 (e4m3 * 2^-8,
@@ -179,6 +188,7 @@ __device__ __forceinline__ void dequant_word_placed(unsigned v, unsigned scale2x
 
 #include "gemm_nvfp4_register.cuh"
 #include "gemm_nvfp4_tiled.cuh"
+#include "gemm_nvfp4_wgmma.cuh"
 #include "gemm_nvfp4_split.cuh"
 
 template <class G>
@@ -197,36 +207,60 @@ __device__ __forceinline__ void gemm_sorted(const bf16_t* __restrict__ x, const 
     const unsigned char* const wb[2] = {packed + (size_t)n0 * (K >> 1), packed + (size_t)(n0 + half) * (K >> 1)};
     const unsigned char* const sb[2] = {scale + (size_t)n0 * (K >> 4), scale + (size_t)(n0 + half) * (K >> 4)};
     const int valid[2] = {N - n0, N - n0 - half};
-    constexpr int MT = G::M_TILES, NT = G::N_TILES;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * G::M0_STEP;  // the warp's weight rows and x rows
-    int wr[NT];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) wr[j] = 8 * NT * wn + 8 * j;
-    float acc[MT][NT][4] = {};  // the engines add to it
-    G gemm;
-    gemm.run(x + ks.k0, sorted_token_ids, tile, wb, sb, valid, K, ks.blocks, wr, m0, acc);
     const float f = scale2[tile.e] * 256.0f;
     const bool split = gridDim.y > 1;
+    G gemm;
+    if constexpr (G::TRANSPOSED) {  // d[4 j + 2 h + c]: tile row h half + r against x row 8 j + 2 t + c
+        float d[64] = {};
+        gemm.run(x + ks.k0, sorted_token_ids, tile, wb, sb, valid, K, ks.blocks, d);
+        const int r = G::row(), t = threadIdx.x & 3;
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < 16; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of m16 tile i
-            const int r = m0 + G::M_STRIDE * i + g + 8 * h;
-            if (r >= tile.rows) continue;
-            bf16_t* o = out + (size_t)(tile.row0 + r) * N;
-            float* p = split ? partial_row(partials, 1, 0, slots, tile.row0 + r, N) : nullptr;
+            for (int c = 0; c < 2; ++c) {
+                const int i = 8 * j + 2 * t + c;
+                if (i >= tile.rows) continue;
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                const int n = n0 + 8 * NT * wn + 8 * j + 2 * t;
-                if (n >= N) continue;
-                const float v0 = acc[i][j][2 * h] * f, v1 = acc[i][j][2 * h + 1] * f;
-                if (split)
-                    *reinterpret_cast<float2*>(p + n) = make_float2(v0, v1);
-                else
-                    *reinterpret_cast<unsigned*>(o + n) = (unsigned)f32_to_bf16(v0) | ((unsigned)f32_to_bf16(v1) << 16);
+                for (int h = 0; h < 2; ++h) {
+                    if (r >= valid[h]) continue;
+                    const int n = n0 + h * half + r;
+                    const float v = d[4 * j + 2 * h + c] * f;
+                    if (split)
+                        partial_row(partials, 1, 0, slots, tile.row0 + i, N)[n] = v;
+                    else
+                        out[(size_t)(tile.row0 + i) * N + n] = f32_to_bf16(v);
+                }
             }
-        }
+    } else {
+        constexpr int MT = G::M_TILES, NT = G::N_TILES;
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        // the warp's weight rows and x rows
+        const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * G::M0_STEP;
+        int wr[NT];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) wr[j] = 8 * NT * wn + 8 * j;
+        float acc[MT][NT][4] = {};  // the engines add to it
+        gemm.run(x + ks.k0, sorted_token_ids, tile, wb, sb, valid, K, ks.blocks, wr, m0, acc);
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // rows g and g + 8 of m16 tile i
+                const int r = m0 + G::M_STRIDE * i + g + 8 * h;
+                if (r >= tile.rows) continue;
+                bf16_t* o = out + (size_t)(tile.row0 + r) * N;
+                float* p = split ? partial_row(partials, 1, 0, slots, tile.row0 + r, N) : nullptr;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const int n = n0 + 8 * NT * wn + 8 * j + 2 * t;
+                    if (n >= N) continue;
+                    const float v0 = acc[i][j][2 * h] * f, v1 = acc[i][j][2 * h + 1] * f;
+                    if (split)
+                        *reinterpret_cast<float2*>(p + n) = make_float2(v0, v1);
+                    else
+                        *reinterpret_cast<unsigned*>(o + n) = (unsigned)f32_to_bf16(v0) | ((unsigned)f32_to_bf16(v1) << 16);
+                }
+            }
+    }
 }
 
 template <class G>
@@ -249,46 +283,67 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
     const unsigned char* const sb[2] = {(const unsigned char*)gate_scale[tile.e] + s0,
                                         (const unsigned char*)up_scale[tile.e] + s0};
     const int valid[2] = {N - n0, N - n0};
-    constexpr int MT = G::M_TILES, NT = G::N_TILES, NH = NT / 2;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * G::M0_STEP;
-    int wr[NT];  // n8 tiles [0, NH): gate rows; [NH, NT): the same up rows
-#pragma unroll
-    for (int j = 0; j < NT; ++j) wr[j] = (j / NH) * half + 8 * NH * wn + 8 * (j % NH);
-    float acc[MT][NT][4] = {};  // the engines add to it
-    G gemm;
-    gemm.run(x + ks.k0, sorted_token_ids, tile, wb, sb, valid, K, ks.blocks, wr, m0, acc);
     const float fg = gate_scale2[tile.e] * 256.0f, fu = up_scale2[tile.e] * 256.0f;
     const bool split = gridDim.y > 1;
+    G gemm;
+    if constexpr (G::TRANSPOSED) {  // d[4 j + c]: gate row r, d[4 j + 2 + c]: up row r, x row 8 j + 2 t + c
+        float d[64] = {};
+        gemm.run(x + ks.k0, sorted_token_ids, tile, wb, sb, valid, K, ks.blocks, d);
+        const int r = G::row(), t = threadIdx.x & 3, n = n0 + r;
+        if (r >= valid[0]) return;
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < 16; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = m0 + G::M_STRIDE * i + g + 8 * h;
-            if (r >= tile.rows) continue;
-            bf16_t* o = act + (size_t)(tile.row0 + r) * N;
-            float* pg = split ? partial_row(partials, 2, 0, slots, tile.row0 + r, N) : nullptr;
-            float* pu = split ? partial_row(partials, 2, 1, slots, tile.row0 + r, N) : nullptr;
-#pragma unroll
-            for (int j = 0; j < NH; ++j) {
-                const int n = n0 + 8 * NH * wn + 8 * j + 2 * t;
-                if (n >= N) continue;
-                if (split) {  // the sums go on unrounded; the reduce rounds gate and up and applies the SwiGLU
-                    *reinterpret_cast<float2*>(pg + n) = make_float2(acc[i][j][2 * h] * fg, acc[i][j][2 * h + 1] * fg);
-                    *reinterpret_cast<float2*>(pu + n) =
-                        make_float2(acc[i][j + NH][2 * h] * fu, acc[i][j + NH][2 * h + 1] * fu);
-                    continue;
+            for (int c = 0; c < 2; ++c) {
+                const int i = 8 * j + 2 * t + c;
+                if (i >= tile.rows) continue;
+                if (split) {  // as below: unrounded sums, the reduce rounds and applies the SwiGLU
+                    partial_row(partials, 2, 0, slots, tile.row0 + i, N)[n] = d[4 * j + c] * fg;
+                    partial_row(partials, 2, 1, slots, tile.row0 + i, N)[n] = d[4 * j + 2 + c] * fu;
+                } else {
+                    act[(size_t)(tile.row0 + i) * N + n] =
+                        swiglu_one(round_bf16(d[4 * j + c] * fg), round_bf16(d[4 * j + 2 + c] * fu), limit);
                 }
-                unsigned pair = 0;
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const float gv = round_bf16(acc[i][j][2 * h + c] * fg);
-                    const float uv = round_bf16(acc[i][j + NH][2 * h + c] * fu);
-                    pair |= (unsigned)swiglu_one(gv, uv, limit) << (16 * c);
-                }
-                *reinterpret_cast<unsigned*>(o + n) = pair;
             }
-        }
+    } else {
+        constexpr int MT = G::M_TILES, NT = G::N_TILES, NH = NT / 2;
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const int wn = warp % G::WARP_COLS, m0 = (warp / G::WARP_COLS) * G::M0_STEP;
+        int wr[NT];  // n8 tiles [0, NH): gate rows; [NH, NT): the same up rows
+#pragma unroll
+        for (int j = 0; j < NT; ++j) wr[j] = (j / NH) * half + 8 * NH * wn + 8 * (j % NH);
+        float acc[MT][NT][4] = {};  // the engines add to it
+        gemm.run(x + ks.k0, sorted_token_ids, tile, wb, sb, valid, K, ks.blocks, wr, m0, acc);
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = m0 + G::M_STRIDE * i + g + 8 * h;
+                if (r >= tile.rows) continue;
+                bf16_t* o = act + (size_t)(tile.row0 + r) * N;
+                float* pg = split ? partial_row(partials, 2, 0, slots, tile.row0 + r, N) : nullptr;
+                float* pu = split ? partial_row(partials, 2, 1, slots, tile.row0 + r, N) : nullptr;
+#pragma unroll
+                for (int j = 0; j < NH; ++j) {
+                    const int n = n0 + 8 * NH * wn + 8 * j + 2 * t;
+                    if (n >= N) continue;
+                    if (split) {  // the sums go on unrounded; the reduce rounds gate and up and applies the SwiGLU
+                        *reinterpret_cast<float2*>(pg + n) = make_float2(acc[i][j][2 * h] * fg, acc[i][j][2 * h + 1] * fg);
+                        *reinterpret_cast<float2*>(pu + n) =
+                            make_float2(acc[i][j + NH][2 * h] * fu, acc[i][j + NH][2 * h + 1] * fu);
+                        continue;
+                    }
+                    unsigned pair = 0;
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const float gv = round_bf16(acc[i][j][2 * h + c] * fg);
+                        const float uv = round_bf16(acc[i][j + NH][2 * h + c] * fu);
+                        pair |= (unsigned)swiglu_one(gv, uv, limit) << (16 * c);
+                    }
+                    *reinterpret_cast<unsigned*>(o + n) = pair;
+                }
+            }
+    }
 }
 
 // The entry points of engine G (THREADS threads): nvfp4_gemm_sorted[_glu]_SUFFIX.
@@ -344,12 +399,13 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
     GEMM_ENTRIES(m##BM##w##WM##x##WN##k##BK, Gemm_m##BM##w##WM##x##WN##k##BK, 32 * WM * WN, MIN_BLOCKS)
 
-// wgmma engine (sm_90a; the 128 x 128 tile of one warpgroup): nvfp4_gemm_sorted[_glu]_m128wgk{BK}.
-#define GEMM_WGMMA(BK, STAGES, MIN_BLOCKS)                                                                       \
-    typedef GemmWg<BK, STAGES> Gemm_m128wgk##BK;                                                                 \
-    static_assert(Gemm_m128wgk##BK::SMEM + 1024 == GEMM_SMEM_M128WGK##BK,                                      \
+// wgmma engine (sm_90a; the weights as wgmma's A operand in registers, WN / 2 warpgroups of 64 weight rows each:
+// 32 WN weight rows x up to 128 rows): nvfp4_gemm_sorted[_glu]_m128wg{WN}k64.
+#define GEMM_WGMMA(WN, STAGES, MIN_BLOCKS)                                                                       \
+    typedef GemmWg<WN / 2, STAGES> Gemm_m128wg##WN##k64;                                                         \
+    static_assert(Gemm_m128wg##WN##k64::SMEM + 1024 == GEMM_SMEM_M128WG##WN##K64,                               \
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
-    GEMM_ENTRIES(m128wgk##BK, Gemm_m128wgk##BK, 128, MIN_BLOCKS)
+    GEMM_ENTRIES(m128wg##WN##k64, Gemm_m128wg##WN##k64, 64 * WN, MIN_BLOCKS)
 
 // Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py (a variant it lacks does not compile).
 GEMM_NARROW(8, 1, 4, 64, 4, 4)
@@ -359,6 +415,6 @@ GEMM_PLACED(16, 2, 4, 128, 3, 4)
 GEMM_NARROW(64, 8, 4, 64, 4, 3)
 GEMM_VARIANT(64, 4, 8, 128, 3, 1)
 GEMM_TILED(128, 4, 2, 4, 64, 3, 2)
-GEMM_WGMMA(64, 4, 2)
+GEMM_WGMMA(8, 6, 1)
 
 #include "gemm_nvfp4_dequant.cuh"

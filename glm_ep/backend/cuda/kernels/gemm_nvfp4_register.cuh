@@ -24,6 +24,7 @@ template <int MT, int WARPS, int BK, int STAGES, bool NARROW = false, bool PLACE
 struct Gemm {
     static constexpr int BM = (NARROW ? 8 : 16) * MT, BN = 32 * WARPS, THREADS = 32 * WARPS, WARP_COLS = WARPS,
                          M_TILES = (BM + 15) / 16, N_TILES = GEMM_NT, M_STRIDE = 16, M0_STEP = BM, K_STEP = BK;
+    static constexpr bool TRANSPOSED = false;  // run() leaves the sums in acc (gemm_sorted's epilogue)
     static constexpr int XCH = BM * BK / 8;  // x copies per stage: one a thread, or fewer copies than threads
     static constexpr int XC = XCH < THREADS ? 1 : XCH / THREADS;  // x copies per thread and stage
     static constexpr int WC = BN * BK / 32 / THREADS;  // weight copies per thread and stage

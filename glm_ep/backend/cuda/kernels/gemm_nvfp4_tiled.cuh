@@ -1,5 +1,5 @@
-// The grouped GEMM's engines that dequantize each weight tile ONCE into shared memory: the tiled engine
-// (mma.sync, a WM x WN warp grid) and the wgmma engine (sm_90a). Part of gemm_nvfp4.cu, included after
+// The grouped GEMM's tiled engine, which dequantizes each weight tile ONCE into shared memory (mma.sync, a WM x WN
+// warp grid), and the copies it shares with the wgmma engine. Part of gemm_nvfp4.cu, included after
 // its register engine: it uses GemmStage, RowTile, GEMM_NT, DequantLut, dequant_word and scale_pairs from there, and
 // common.cuh, nvfp4_mma.cuh and async_copy.cuh (glm_ep/backend/cuda/kernel_loader.py inlines them all).
 //
@@ -21,8 +21,10 @@ __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// The copies and the dequantization of a BM x BN tile by THREADS threads (the tiled and wgmma engines).
-template <int BM, int BN, int BK, int THREADS>
+// The copies and the dequantization of a BM x BN tile by THREADS threads (the tiled engine; the wgmma engine takes
+// the copies only). PF: the
+// weight and scale copies prefetch their 128-byte blocks into L2 (as the register engine's do).
+template <int BM, int BN, int BK, int THREADS, bool PF = false>
 struct TileCopies {
     static constexpr int CH = BK / 8, ROW = 2 * BK;   // 16-byte chunks and bytes of an x row / a bf16 weight row
     static constexpr int XC = BM * CH / THREADS;       // x copies per thread and stage
@@ -31,6 +33,7 @@ struct TileCopies {
     // a stage: x rows, then the packed weights (unswizzled), then the scales; then the two bf16 tiles
     static constexpr int X_BYTES = BM * ROW, W_BYTES = BN * BK / 2, STAGE = X_BYTES + W_BYTES + BN * BK / 16;
     static constexpr int DEQ = BN * ROW;
+    static constexpr bool TRANSPOSED = false;  // the engines on these copies leave their sums in acc
     static_assert(XC * THREADS == BM * CH && WP >= 1 && WP * THREADS == PIECES, "copies and pieces split evenly");
     static_assert(CH >= 8 && (THREADS / CH) % 8 == 0, "the swizzle needs 8 chunks a row; a thread's x copies "
                   "share one swizzle");
@@ -61,13 +64,20 @@ struct TileCopies {
         }
 #pragma unroll
         for (int i = 0; i < WP; ++i) {
-            cp_async16_zfill(wst + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
+            if (PF)
+                cp_async16_zfill_pf(wst + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
+            else
+                cp_async16_zfill(wst + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
             wsrc[i] += BK / 2;
         }
         if (tid < BN) {
             const unsigned sdst = wst + W_BYTES + tid * (BK / 16);
-            if (BK == 64)
+            if (BK == 64 && PF)
+                cp_async4_zfill_pf(sdst, ssrc, svalid);
+            else if (BK == 64)
                 cp_async4_zfill(sdst, ssrc, svalid);
+            else if (PF)
+                cp_async8_zfill_pf(sdst, ssrc, svalid);
             else
                 cp_async8_zfill(sdst, ssrc, svalid);
             ssrc += BK / 16;
@@ -195,140 +205,6 @@ struct GemmTiled : TileCopies<16 * MT * WM, 32 * WN, BK, 32 * WM * WN> {
             mma_stage(smem + cur * STAGE, deq + (kb & 1) * DEQ, a_off, b_off, acc);
             cur = nxt;
         }
-        cp_async_wait<0>();
-    }
-};
-
-// ---- The wgmma engine (sm_90a): the tiled engine's 128 x 128 tile and shared-memory layout, its mma on
-// the asynchronous warpgroup instruction -----------------------------------------------------------------
-// ONE warpgroup of 4 warps per block covers the whole tile as two wgmma m64n128k16 per 16 k (x rows 0-63
-// and 64-127; a tile of at most 64 rows, an expert's last, issues only the first), both operands read
-// from shared memory by descriptor. The x rows and the dequantized weight tile already lie as wgmma's
-// K-major 128-byte-swizzled layout wants them (128-byte rows, chunk c of row r at c ^ (r & 7), 8-row
-// groups 1024 bytes apart, every tile 1024-byte aligned), so step kk of 16 k is the descriptor moved
-// 32 kk bytes. The wgmma of k block kb stays in flight while the same
-// threads refill the stage of block kb - 1 and dequantize block kb + 1, and across the next barrier:
-// one warpgroup per block means "my wgmma of kb - 1 is done" frees its buffers for the whole block.
-// Accumulators: per n8 tile j, d[4j .. 4j + 3] is the mma.sync C fragment of rows 16 warp + g, + 8
-// (+ 64 for the second half).
-
-// A K-major, 128-byte-swizzled operand at shared address addr: rows 128 bytes apart, groups of 8 rows
-// 1024 bytes apart (the stride byte offset), the leading byte offset unused (1).
-__device__ __forceinline__ u64_t sw128_desc(unsigned addr) {
-    return (u64_t)((addr & 0x3ffffu) >> 4) | ((u64_t)1 << 16) | ((u64_t)(1024 >> 4) << 32) | ((u64_t)1 << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-#endif
-}
-
-// Generic-proxy writes (cp.async, st.shared) made visible to the async proxy (wgmma's operand reads).
-__device__ __forceinline__ void fence_proxy_async() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-
-// d += A (64 x 16, descriptor da) * B (128 x 16, descriptor db), bf16 operands, fp32 accumulators.
-__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64_t da, u64_t db) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-        "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
-        "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
-        "%62, %63 "
-        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db));
-#else
-    __trap();  // sm_90a only: the wrappers never launch it elsewhere
-#endif
-}
-
-template <int BK, int STAGES>
-struct GemmWg : TileCopies<128, 128, BK, 128> {
-    using C = TileCopies<128, 128, BK, 128>;
-    static constexpr int BM = 128, BN = 128, THREADS = 128, WARP_COLS = 1, M_TILES = 2, N_TILES = 16, M_STRIDE = 64,
-                         M0_STEP = 16, K_STEP = BK;
-    static constexpr int X_BYTES = C::X_BYTES, W_BYTES = C::W_BYTES, S_BYTES = BN * BK / 16, DEQ = C::DEQ;
-    static constexpr int XS = STAGES, WS = STAGES - 1;  // x slots, packed-weight slots
-    static_assert(BK == 64 && STAGES == 4, "one 128-byte swizzled row is 64 bf16; the slot arithmetic below");
-    // 1024-byte aligned: the x slots, the two bf16 tiles; then the packed weights and scales of each w slot
-    static constexpr int SMEM = XS * X_BYTES + 2 * DEQ + WS * (W_BYTES + S_BYTES);
-
-    // k block j's copies (x rows and packed weights, one cp.async group) are issued in iteration j - 3
-    // (the prologue for j < 3) into x slot j % 4 and w slot j % 3. Iteration kb then needs x of kb (its
-    // wgmma) and the weights of kb + 1 (dequantized there): groups 0 .. kb + 1, one of 3 + kb left in
-    // flight. When it loads block kb + 3, its wgmma of kb - 1 is done (x slot (kb - 1) % 4 free) and
-    // the weights of kb were dequantized in iteration kb - 1 (w slot kb % 3 free).
-    __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
-                                        const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
-                                        const int (&n_valid)[2], int K, int kblocks, const int (&)[N_TILES] /* wr */,
-                                        int /* m0 */, float (&acc)[M_TILES][N_TILES][4]) {
-        this->sources(x, token_ids, tile, wbase, sbase, n_valid, K);
-        float(&d0)[64] = reinterpret_cast<float(&)[64]>(acc[0]);  // x rows 0 .. 63
-        float(&d1)[64] = reinterpret_cast<float(&)[64]>(acc[1]);  // x rows 64 .. 127
-        const unsigned raw = smem_u32(dyn_smem), pad = ((raw + 1023u) & ~1023u) - raw;
-        unsigned char* base = dyn_smem + pad;
-        const unsigned smem = raw + pad, dq = smem + XS * X_BYTES, ws = dq + 2 * DEQ;
-        auto xs_at = [&](int s) { return smem + s * X_BYTES; };
-        auto ws_at = [&](int s) { return ws + s * (W_BYTES + S_BYTES); };
-        auto generic = [&](unsigned a) { return base + (a - smem); };
-        const bool upper = tile.rows > 64;
-#pragma unroll
-        for (int s = 0; s < 3; ++s) {
-            if (s < kblocks) this->load_split(xs_at(s), ws_at(s), x);
-            cp_async_commit();
-        }
-        cp_async_wait<2>();  // block 0
-        __syncthreads();
-        C::dequant_split(generic(ws_at(0)), generic(dq));
-        int xcur = 0, xld = 3, wdq = 1, wld = 0;  // x slot of kb, of kb + 3; w slot of kb + 1, of kb + 3
-        for (int kb = 0; kb < kblocks; ++kb) {
-            cp_async_wait<1>();   // x of kb, weights of kb + 1 (this thread's copies)
-            fence_proxy_async();  // this thread's copies and bf16 stores, visible to wgmma ...
-            __syncthreads();      // ... everyone's: x of kb and bf16 tile kb are ready
-            const u64_t da = sw128_desc(xs_at(xcur)), db = sw128_desc(dq + (kb & 1) * DEQ);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n128k16(d0, da + 2 * kk, db + 2 * kk);
-            if (upper) {  // block-uniform: a tile of at most 64 rows leaves x rows 64 .. 127 out
-#pragma unroll
-                for (int kk = 0; kk < BK / 16; ++kk) wgmma_m64n128k16(d1, da + (64 * 128 >> 4) + 2 * kk, db + 2 * kk);
-            }
-            wgmma_commit();
-            wgmma_wait<1>();  // k block kb - 1's wgmma is done: its x slot and its bf16 tile are free
-            if (kb + 3 < kblocks) this->load_split(xs_at(xld), ws_at(wld), x);
-            cp_async_commit();
-            if (kb + 1 < kblocks) C::dequant_split(generic(ws_at(wdq)), generic(dq + ((kb + 1) & 1) * DEQ));
-            xcur = xcur == XS - 1 ? 0 : xcur + 1, xld = xld == XS - 1 ? 0 : xld + 1;
-            wdq = wdq == WS - 1 ? 0 : wdq + 1, wld = wld == WS - 1 ? 0 : wld + 1;
-        }
-        wgmma_wait<0>();
         cp_async_wait<0>();
     }
 };

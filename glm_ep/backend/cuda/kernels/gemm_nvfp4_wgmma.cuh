@@ -1,0 +1,235 @@
+// The grouped GEMM's wgmma engine (sm_90a): the weights are wgmma's A operand, dequantized straight into its
+// register fragments, and the x rows its B operand (the n side) in shared memory. Part of gemm_nvfp4.cu, included
+// after gemm_nvfp4_tiled.cuh: it uses TileCopies' copies there, and dequant_word, scale_pairs and DequantLut from
+// gemm_nvfp4.cu.
+//
+// Why this orientation: an engine that dequantizes the weight tile into shared memory as bf16 and reads it back
+// as wgmma's B (the engine this one replaced) moves 16 KB in and 32 KB out of shared memory a stage of
+// 128 x 128 x 64 beside the x rows; here the bf16 weights never touch shared memory, only their packed bytes.
+//
+// A block: WGS warpgroups (128 WGS threads), 64 WGS weight rows (the fused GLU: 32 WGS gate rows and the same up
+// rows) x up to 128 sorted rows of one expert, 64 k a stage. Warpgroup wg's wgmma is m64 x n{32, 64, 128} x k16:
+// its row 16 w + g (warp w, lane (g, t)) is tile row r = 32 wg + 8 w + g, its row 16 w + g + 8 is tile row
+// 32 WGS + r, so one thread holds the sums of gate row r and up row r for the same x rows (the SwiGLU needs no
+// exchange). The n side is the smallest of 32, 64 and 128 that covers the tile's rows (an expert's last tile
+// pays no mma for its empty x rows); x rows past the tile's are zero-filled and never stored. More warpgroups
+// read each stage of x rows (from L2) for more weight rows: at 4096 rows the x rows are most of a stage's bytes.
+//
+// The k order of an A fragment is fixed by the x rows in shared memory (lane (g, t) of k step s holds k
+// 16 s + 2 t, + 1 and 16 s + 8 + 2 t, + 1): in each 16-byte chunk of packed weights (32 k), the lane needs bytes
+// t, t + 4, t + 8 and t + 12, gathered into one word by 3 PRMT (the 4 lanes of a quad read the same chunk:
+// a broadcast), whose dequant_word pairs are then k 2 t, 8 + 2 t (step 2 q) and 16 + 2 t, 24 + 2 t (step
+// 2 q + 1) of chunk q, each under its own 16-k block scale.
+//
+// Pipeline: STAGES slots of (x rows; packed weights and scales) filled by cp.async, STAGES - 1 stages ahead (the
+// weights' and scales' copies prefetch their 128-byte blocks into L2). Stage kb, its fragments made: one barrier
+// (everyone's copies of kb and kb + 1 landed, everyone's wgmma of kb - 1 done, so its slot is refilled now), the
+// 4 wgmma of kb issued, the fragments of kb + 1 made while they run, then a wait for them. The fragments of
+// kb + 1 go to registers of their own and are moved into the wgmma operands after the wait: ptxas serializes
+// every wgmma of a kernel in which register arithmetic defines an operand of a wgmma while one is in flight
+// (C7513), which writing them in place would do.
+//
+// Accumulators d[4 j + e], n8 tile j of x rows: e = 0, 1: tile row r against x rows 8 j + 2 t, + 1; e = 2, 3:
+// tile row 32 WGS + r against the same x rows.
+//
+// NumPy twin: NumpyBackend.moe_gate_up_act_sorted and moe_gemm_sorted (glm_ep/backend/numpy_backend.py); held
+// together by tests/cuda/test_cuda_gemm.py::test_gemm_variants and test_gemm_variants_partial_tiles.
+#pragma once
+
+// A K-major, 128-byte-swizzled operand at shared address addr: rows 128 bytes apart, groups of 8 rows
+// 1024 bytes apart (the stride byte offset), the leading byte offset unused (1).
+__device__ __forceinline__ u64_t sw128_desc(unsigned addr) {
+    return (u64_t)((addr & 0x3ffffu) >> 4) | ((u64_t)1 << 16) | ((u64_t)(1024 >> 4) << 32) | ((u64_t)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+
+// Generic-proxy writes (cp.async, st.shared) made visible to the async proxy (wgmma's operand reads).
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// d += A (64 x 16 of the warpgroup: this thread's bf16 pairs a) * B (N x 16 x rows, descriptor db).
+template <int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const unsigned (&a)[4], u64_t db);
+
+template <>
+__device__ __forceinline__ void wgmma_rs<32>(float (&d)[64], const unsigned (&a)[4], u64_t db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+                 "}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+#else
+    __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<64>(float (&d)[64], const unsigned (&a)[4], u64_t db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                 "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+#else
+    __trap();
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_rs<128>(float (&d)[64], const unsigned (&a)[4], u64_t db) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+#else
+    __trap();
+#endif
+}
+
+template <int WGS, int STAGES>
+struct GemmWg : TileCopies<128, 64 * WGS, 64, 128 * WGS, true> {
+    using C = TileCopies<128, 64 * WGS, 64, 128 * WGS, true>;
+    static constexpr int BM = 128, BN = 64 * WGS, BK = 64, THREADS = 128 * WGS, K_STEP = BK, HALF = BN / 2;
+    static constexpr bool TRANSPOSED = true;  // the sums are d[4 j + e] (above), not the engines' acc
+    static constexpr int X_BYTES = C::X_BYTES, W_BYTES = C::W_BYTES, WS_BYTES = W_BYTES + BN * BK / 16;
+    // 1024-byte aligned: the x slots (wgmma's 128-byte swizzle), then the packed weights and scales of each slot
+    static constexpr int SMEM = STAGES * (X_BYTES + WS_BYTES);
+    static_assert(STAGES >= 3, "the copies run STAGES - 1 stages ahead, the fragments one");
+
+    // This thread's tile rows: r and HALF + r.
+    static __device__ __forceinline__ int row() {
+        return 32 * (threadIdx.x >> 7) + 8 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2);
+    }
+
+    __device__ __forceinline__ void run(const bf16_t* x, const int* token_ids, const RowTile& tile,
+                                        const unsigned char* const (&wbase)[2], const unsigned char* const (&sbase)[2],
+                                        const int (&n_valid)[2], int K, int kblocks, float (&d)[64]) {
+        this->sources(x, token_ids, tile, wbase, sbase, n_valid, K);
+        const unsigned raw = smem_u32(dyn_smem), pad = ((raw + 1023u) & ~1023u) - raw;
+        const unsigned xs = raw + pad, ws = xs + STAGES * X_BYTES;
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < kblocks) this->load_split(xs + s * X_BYTES, ws + s * WS_BYTES, x);
+            cp_async_commit();
+        }
+        const unsigned char* wgen = dyn_smem + pad + STAGES * X_BYTES;
+        if (tile.rows > 64)  // block-uniform
+            k_loop<128>(xs, ws, wgen, kblocks, x, d);
+        else if (tile.rows > 32)
+            k_loop<64>(xs, ws, wgen, kblocks, x, d);
+        else
+            k_loop<32>(xs, ws, wgen, kblocks, x, d);
+    }
+
+    // This thread's A fragments of a stage (its packed weights and scales at w): a[s] for k step s of 16.
+    static __device__ __forceinline__ void fragments(const unsigned char* w, int r, unsigned sel, const DequantLut& lut,
+                                                     unsigned (&a)[BK / 16][4]) {
+        unsigned sw[2];  // the stage's 4 scale bytes of rows r and HALF + r
+        sw[0] = *reinterpret_cast<const unsigned*>(w + W_BYTES + 4 * r);
+        sw[1] = *reinterpret_cast<const unsigned*>(w + W_BYTES + 4 * (HALF + r));
+#pragma unroll
+        for (int q = 0; q < BK / 32; ++q) {
+            unsigned b[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint4 v = *reinterpret_cast<const uint4*>(w + 32 * (h * HALF + r) + 16 * q);
+                const unsigned word = prmt(prmt(v.x, v.y, sel), prmt(v.z, v.w, sel), 0x5410u);
+                unsigned sp[2];
+                scale_pairs(sw[h] >> (16 * q), sp);
+                dequant_word(word, sp[0], sp[1], b[h], lut);
+            }
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                a[2 * q + s][0] = b[0][2 * s];
+                a[2 * q + s][1] = b[1][2 * s];
+                a[2 * q + s][2] = b[0][2 * s + 1];
+                a[2 * q + s][3] = b[1][2 * s + 1];
+            }
+        }
+    }
+
+    // One stage kb in slot `slot` (its fragments a already made); the copies of stage kb + STAGES - 1 go to slot
+    // `ld`, that of kb - 1; the fragments of stage kb + 1 are made while the wgmma of kb run.
+    template <int N>
+    __device__ __forceinline__ void stage(int kb, int kblocks, int slot, int ld, unsigned xs, unsigned ws,
+                                          const unsigned char* wgen, const bf16_t* x, int r, unsigned sel,
+                                          const DequantLut& lut, unsigned (&a)[BK / 16][4], float (&d)[64]) {
+        cp_async_wait<STAGES - 3>();  // stages kb and kb + 1 (this thread's copies) ...
+        fence_proxy_async();          // ... visible to wgmma ...
+        __syncthreads();              // ... everyone's; everyone's wgmma of kb - 1 is done: slot ld is free
+        if (kb + STAGES - 1 < kblocks) this->load_split(xs + ld * X_BYTES, ws + ld * WS_BYTES, x);
+        cp_async_commit();
+        const u64_t db = sw128_desc(xs + slot * X_BYTES);
+        wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < BK / 16; ++s) wgmma_rs<N>(d, a[s], db + 2 * s);
+        wgmma_commit();
+        unsigned nxt[BK / 16][4];
+        if (kb + 1 < kblocks) fragments(wgen + (slot == STAGES - 1 ? 0 : slot + 1) * WS_BYTES, r, sel, lut, nxt);
+        wgmma_wait<0>();
+#pragma unroll
+        for (int s = 0; s < BK / 16; ++s)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(a[s][i]) : "r"(nxt[s][i]));
+    }
+
+    // The K loop with the n side N.
+    template <int N>
+    __device__ __forceinline__ void k_loop(unsigned xs, unsigned ws, const unsigned char* wgen, int kblocks,
+                                           const bf16_t* x, float (&d)[64]) {
+        const int r = row(), t = threadIdx.x & 3;
+        const unsigned sel = (unsigned)t | ((unsigned)(t + 4) << 4);  // byte t of two words
+        const DequantLut lut = DequantLut::per_thread();
+        int slot = 0, ld = STAGES - 1;
+        unsigned a[BK / 16][4];
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        fragments(wgen, r, sel, lut, a);
+#pragma unroll 1
+        for (int kb = 0; kb < kblocks; ++kb) {
+            stage<N>(kb, kblocks, slot, ld, xs, ws, wgen, x, r, sel, lut, a, d);
+            ld = slot, slot = slot == STAGES - 1 ? 0 : slot + 1;
+        }
+        cp_async_wait<0>();
+    }
+};
