@@ -8,13 +8,14 @@
 // Without expert_offsets (nullptr) one expert, local 0, owns every one of the `slots` rows in order.
 //
 // Tiles: a block computes BM sorted rows of ONE expert x BN weight rows (the fused GLU: BN / 2 gate
-// rows and the same BN / 2 up rows). Three engines share the tiling, the copies and the epilogue:
+// rows and the same BN / 2 up rows). Three engines share the tiling and the copies; the wgmma engine's sums are
+// transposed (a thread holds weight rows, not x rows), so the epilogue has a branch for them (G::TRANSPOSED):
 //   register (WM = 1): every warp on all BM rows and 32 weight rows, dequantizing its own weights in
 //     registers, with the x rows as the mma's m16 side or (narrow) as its n8 side (Gemm, gemm_nvfp4_register.cuh);
 //   tiled (WM > 1): a WM x WN warp grid over the tile, the weight tile dequantized ONCE per stage into
 //     shared memory, both operands by ldmatrix (GemmTiled, gemm_nvfp4_tiled.cuh);
 //   wgmma (sm_90a): the weights dequantized straight into wgmma's register A operand, the x rows its n side,
-//     four warpgroups of 64 weight rows (GemmWg, gemm_nvfp4_wgmma.cuh).
+//     four warpgroups of 64 weight rows (GemmWg, gemm_nvfp4_wgmma.cuh; the copies are the tiled engine's).
 // The variants (BM 16 .. 128) let a width whose experts hold few rows each skip the mma work and
 // x staging of empty rows; the wrapper picks one from the expected rows per expert. blockIdx.x =
 // tile * n_blocks + n_block, so the blocks of one row tile sweep the weight rows back to back while
