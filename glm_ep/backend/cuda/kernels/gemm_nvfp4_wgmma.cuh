@@ -68,63 +68,39 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// d += A (64 x 16 of the warpgroup: this thread's bf16 pairs a) * B (N x 16 x rows, descriptor db).
+// d += A (64 x 16 of the warpgroup: this thread's bf16 pairs a) * B (N x 16 x rows, descriptor db): the
+// accumulators d[0 .. N / 2), the operands %0 .. %(N / 2 - 1), then a as the next four and db after them.
 template <int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[64], const unsigned (&a)[4], u64_t db);
 
-template <>
-__device__ __forceinline__ void wgmma_rs<32>(float (&d)[64], const unsigned (&a)[4], u64_t db) {
+#define WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+                 "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WG_R16_0 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define WG_R16_16 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WG_R16_32 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+#define WG_R16_48 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-                 "}, {%16, %17, %18, %19}, %20, 1, 1, 1, 0;"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+#define WGMMA_RS(N, D_REGS, A_DB_REGS, ...)                                                                     \
+    template <>                                                                                                 \
+    __device__ __forceinline__ void wgmma_rs<N>(float (&d)[64], const unsigned (&a)[4], u64_t db) {            \
+        asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" D_REGS "}, " A_DB_REGS        \
+                     ", 1, 1, 1, 0;"                                                                            \
+                     : __VA_ARGS__                                                                              \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));                                    \
+    }
 #else
-    __trap();
+#define WGMMA_RS(N, D_REGS, A_DB_REGS, ...)                                                                     \
+    template <>                                                                                                 \
+    __device__ __forceinline__ void wgmma_rs<N>(float (&)[64], const unsigned (&)[4], u64_t) {                 \
+        __trap(); /* sm_90a only: the wrappers never launch it elsewhere */                                     \
+    }
 #endif
-}
-
-template <>
-__device__ __forceinline__ void wgmma_rs<64>(float (&d)[64], const unsigned (&a)[4], u64_t db) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-#else
-    __trap();
-#endif
-}
-
-template <>
-__device__ __forceinline__ void wgmma_rs<128>(float (&d)[64], const unsigned (&a)[4], u64_t db) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-                 "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-#else
-    __trap();
-#endif
-}
+WGMMA_RS(32, WG_R16_0, "{%16, %17, %18, %19}, %20", WG_D8(0), WG_D8(8))
+WGMMA_RS(64, WG_R16_0 ", " WG_R16_16, "{%32, %33, %34, %35}, %36", WG_D8(0), WG_D8(8), WG_D8(16), WG_D8(24))
+WGMMA_RS(128, WG_R16_0 ", " WG_R16_16 ", " WG_R16_32 ", " WG_R16_48, "{%64, %65, %66, %67}, %68", WG_D8(0),
+         WG_D8(8), WG_D8(16), WG_D8(24), WG_D8(32), WG_D8(40), WG_D8(48), WG_D8(56))
+#undef WGMMA_RS
+#undef WG_D8
 
 template <int WGS, int STAGES>
 struct GemmWg : TileCopies<128, 64 * WGS, 64, 128 * WGS, true> {
