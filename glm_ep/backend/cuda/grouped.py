@@ -40,7 +40,8 @@ GEMM_FALLBACK = {(16, 1, 4, 128, 3, "placed"): (16, 1, 4, 64, 4, "narrow"),
 GEMM_WGMMA = (128, 2, 8, 64, 6, "wgmma")
 GEMM_WGMMA_FROM = 48  # rows per expert past which the wgmma engine is the default where it runs
 # ONE expert (a dense FFN stored NVFP4: 192 blocks for gate + up, two thirds of a wave): the register engine up to
-# 32 rows, where its tiles measured faster than wgmma's (docs/perf/DESIGN-NOTES.md)
+# 32 rows, where its tiles measured faster than the wgmma engine before the current one (docs/perf/DESIGN-NOTES.md;
+# not re-measured against the current one)
 GEMM_WGMMA_FROM_ONE = 32
 Variant = tuple[int, int, int, int, int, str]
 SPLIT_MAX = 8  # K splits of one launch at most
