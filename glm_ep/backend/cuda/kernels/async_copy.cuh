@@ -52,6 +52,25 @@ __device__ __forceinline__ void cp_async8_zfill_pf(unsigned dst, const void* src
                  : "memory");
 }
 
+// One of the six copies above, by its size (4, 8 or 16 bytes) and whether it prefetches into L2, both known at
+// compile time (a stage's scale bytes are BK / 16 of a row; an engine prefetches or does not).
+template <int BYTES, bool PF>
+__device__ __forceinline__ void cp_async_zfill(unsigned dst, const void* src, bool valid) {
+    static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
+    if constexpr (BYTES == 16 && PF)
+        cp_async16_zfill_pf(dst, src, valid);
+    else if constexpr (BYTES == 16)
+        cp_async16_zfill(dst, src, valid);
+    else if constexpr (BYTES == 8 && PF)
+        cp_async8_zfill_pf(dst, src, valid);
+    else if constexpr (BYTES == 8)
+        cp_async8_zfill(dst, src, valid);
+    else if constexpr (PF)
+        cp_async4_zfill_pf(dst, src, valid);
+    else
+        cp_async4_zfill(dst, src, valid);
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>

@@ -63,11 +63,7 @@ struct Gemm {
             cp_async16_zfill_pf(stage + wdst[i], wsrc[i], (valid >> (XC + i)) & 1u);
             wsrc[i] += BK / 2;
         }
-        const unsigned sdst = stage + S_OFF + threadIdx.x * (BK / 16);
-        if (BK == 64)
-            cp_async4_zfill_pf(sdst, ssrc, (valid >> (XC + WC)) & 1u);
-        else
-            cp_async8_zfill_pf(sdst, ssrc, (valid >> (XC + WC)) & 1u);
+        cp_async_zfill<BK / 16, true>(stage + S_OFF + threadIdx.x * (BK / 16), ssrc, (valid >> (XC + WC)) & 1u);
         ssrc += BK / 16;
     }
 

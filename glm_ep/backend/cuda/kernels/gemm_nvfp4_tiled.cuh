@@ -22,8 +22,8 @@ __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
 }
 
 // The copies and the dequantization of a BM x BN tile by THREADS threads (the tiled engine; the wgmma engine takes
-// the copies only). PF: the
-// weight and scale copies prefetch their 128-byte blocks into L2 (as the register engine's do).
+// the copies only). PF: the weight and scale copies prefetch their 128-byte blocks into L2 (as the register
+// engine's do).
 template <int BM, int BN, int BK, int THREADS, bool PF = false>
 struct TileCopies {
     static constexpr int CH = BK / 8, ROW = 2 * BK;   // 16-byte chunks and bytes of an x row / a bf16 weight row
@@ -64,22 +64,11 @@ struct TileCopies {
         }
 #pragma unroll
         for (int i = 0; i < WP; ++i) {
-            if (PF)
-                cp_async16_zfill_pf(wst + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
-            else
-                cp_async16_zfill(wst + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
+            cp_async_zfill<16, PF>(wst + 16 * (tid + i * THREADS), wsrc[i], (wvalid >> i) & 1u);
             wsrc[i] += BK / 2;
         }
         if (tid < BN) {
-            const unsigned sdst = wst + W_BYTES + tid * (BK / 16);
-            if (BK == 64 && PF)
-                cp_async4_zfill_pf(sdst, ssrc, svalid);
-            else if (BK == 64)
-                cp_async4_zfill(sdst, ssrc, svalid);
-            else if (PF)
-                cp_async8_zfill_pf(sdst, ssrc, svalid);
-            else
-                cp_async8_zfill(sdst, ssrc, svalid);
+            cp_async_zfill<BK / 16, PF>(wst + W_BYTES + tid * (BK / 16), ssrc, svalid);
             ssrc += BK / 16;
         }
     }
