@@ -397,6 +397,18 @@ class Backend(ABC, Generic[A, P]):
         self.moe_gemv_union(a_RK, experts.up, u_eid_U, u_slot_UR, up_RKM, per_slot_input=False)
         self.swiglu(gate_RKM, up_RKM, limit, act_RKM)
 
+    def moe_experts_sorted(self, x_TK: Any, experts: RoutedExperts[P], sorted_token_ids_S: Any,
+                           expert_offsets: Any, limit: float, gate_SM: Any, up_SM: Any, act_SM: Any, out_SH: Any,
+                           scratch: Any = None) -> None:
+        """Prefill: the routed experts of the expert-sorted slots, gate + up + SwiGLU then down into ``out``.
+        ``gate``/``up``/``act`` are its scratch: a backend may hold ``act`` in an order of its own between
+        the two projections (the CUDA backend's wgmma engine reads x and act in a staged k order, and stages x
+        in ``up``). ``scratch``: as ``moe_gemm_sorted``'s."""
+        self.moe_gate_up_act_sorted(x_TK, experts, sorted_token_ids_S, expert_offsets, limit, gate_SM, up_SM, act_SM,
+                                    scratch=scratch)
+        self.moe_gemm_sorted(act_SM, experts.down, sorted_token_ids_S, expert_offsets, out_SH, gather_rows=False,
+                             scratch=scratch)
+
     def moe_gate_up_act_sorted(self, x_TK: Any, experts: RoutedExperts[P], sorted_token_ids_S: Any,
                                expert_offsets: Any, limit: float, gate_SM: Any, up_SM: Any, act_SM: Any,
                                scratch: Any = None) -> None:

@@ -139,7 +139,8 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         x = seeded_rows(rows)
         o = out[:rows]
         r: dict[str, Any] = {"rows": rows, "path": site.experts.path_for(rows)}
-        r["variant"] = NV.GemmGeometry.of(NV.gemm_variant(rows * k, model.n_routed_experts, h, NV.wgmma_here())).suffix
+        r["variant"] = NV.experts_geometry(x, rows * k, model.n_routed_experts, moe.experts,
+                                           ws.view("a_up", rows * k, m))[0].suffix
         r["sparse_us"] = t(lambda: site(x, ws, o), rows)
         r["sparse_sorted_us"] = t(lambda: sorted_site(x, ws, o), rows)
         if rows <= UNION_MAX_TIMED:
@@ -154,19 +155,34 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         gate, up, act = (ws.view(b, s, m) for b in ("a_gate", "a_up", "a_act"))
         routed = ws.view("expert_out", s, h)
         r["sort_us"] = t(lambda: be.sort_by_expert(ids_TK, model.n_routed_experts, tok, eid, offsets, perm), rows)
-        r["glu_us"] = t(lambda: be.moe_gate_up_act_sorted(x, moe.experts, tok, offsets, cfg.swiglu_limit, gate, up,
-                                                          act), rows)
-        r["down_us"] = t(lambda: be.moe_gemm_sorted(act, moe.experts.down, tok, offsets, routed, False), rows)
-        r["gemm_tflops"] = 6 * s * m * h / ((r["glu_us"] + r["down_us"]) * 1e-6) / 1e12
+        # the launches moe_experts_sorted makes, one at a time: x staged (the wgmma variant), gate + up, down
+        xs = up.reshape(-1)[:x.size].reshape(x.shape)  # where the backend stages x
+        glu_geo, down_geo = NV.experts_geometry(x, s, model.n_routed_experts, moe.experts, xs)
+        staged = glu_geo.staged
+        with stream:
+            r["stage_us"] = t(lambda: NV.stage_k(x, xs), rows) if staged else 0.0
+            r["glu_us"] = t(lambda: NV.nvfp4_gemm_sorted_glu(xs if staged else x, tok, offsets, model.n_routed_experts,
+                                                             moe.experts, cfg.swiglu_limit, act,
+                                                             variant=glu_geo.variant, x_staged=staged,
+                                                             act_staged=staged), rows)
+            r["down_us"] = t(lambda: NV.nvfp4_gemm_sorted(act, False, tok, offsets, model.n_routed_experts,
+                                                          moe.experts.down, routed, variant=down_geo.variant,
+                                                          x_staged=staged), rows)
+        r["gemm_tflops"] = 6 * s * m * h / ((r["stage_us"] + r["glu_us"] + r["down_us"]) * 1e-6) / 1e12
         r["variants"] = {}
+        if not staged:
+            with stream:
+                NV.stage_k(x, xs)  # the wgmma variant's x
         for v in NV.GEMM_VARIANTS:  # every tile shape on this width: the evidence for gemm_variant
             if not NV.runs_here(v):
                 continue
+            st = NV.GemmGeometry.of(v).staged
             with stream:
-                glu = t(lambda: NV.nvfp4_gemm_sorted_glu(x, tok, offsets, model.n_routed_experts, moe.experts,
-                                                         cfg.swiglu_limit, act, variant=v), rows)
+                glu = t(lambda: NV.nvfp4_gemm_sorted_glu(xs if st else x, tok, offsets, model.n_routed_experts,
+                                                         moe.experts, cfg.swiglu_limit, act, variant=v, x_staged=st,
+                                                         act_staged=st), rows)
                 down = t(lambda: NV.nvfp4_gemm_sorted(act, False, tok, offsets, model.n_routed_experts,
-                                                      moe.experts.down, routed, variant=v), rows)
+                                                      moe.experts.down, routed, variant=v, x_staged=st), rows)
             r["variants"][NV.GemmGeometry.of(v).suffix] = [glu, down]
         r["dense_us"] = t(lambda: dense_site(x, ws, o), rows)
         r["dense_nvfp4_us"] = t(lambda: dense_nvfp4_site(x, ws, o), rows)
@@ -293,14 +309,17 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
                      f"{r['sparse_sorted_us']:.1f} | {_f(hf)} ({r.get('hf_moe_best', '—')}) | "
                      f"{_f(hf / r['sparse_us'] if hf else None, '{:.2f}x')} |")
     lines += ["", "## Routed-expert GEMMs alone (grouped path)", "",
-              "| rows | sort | gate+up+SwiGLU | down | GEMMs TFLOP/s | `torch._grouped_mm` bf16 (gate_up + down) "
-              "| its TFLOP/s |",
-              "|---:|---:|---:|---:|---:|---:|---:|"]
+              "x staged: the wgmma variant's x in its k order (one pass; 0 for the other variants); GEMMs TFLOP/s "
+              "over the three.", "",
+              "| rows | sort | x staged | gate+up+SwiGLU | down | GEMMs TFLOP/s | `torch._grouped_mm` bf16 "
+              "(gate_up + down) | its TFLOP/s |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in w:
         gm = r.get("grouped_mm_us")  # the same FLOPs as the routed GEMMs' measured rate
-        gm_tflops = r["gemm_tflops"] * (r["glu_us"] + r["down_us"]) / gm if gm else None
-        lines.append(f"| {r['rows']} | {r['sort_us']:.1f} | {r['glu_us']:.1f} | {r['down_us']:.1f} | "
-                     f"{r['gemm_tflops']:.0f} | {_f(gm)} | {_f(gm_tflops, '{:.0f}')} |")
+        ours = r.get("stage_us", 0.0) + r["glu_us"] + r["down_us"]
+        gm_tflops = r["gemm_tflops"] * ours / gm if gm else None
+        lines.append(f"| {r['rows']} | {r['sort_us']:.1f} | {r.get('stage_us', 0.0):.1f} | {r['glu_us']:.1f} | "
+                     f"{r['down_us']:.1f} | {r['gemm_tflops']:.0f} | {_f(gm)} | {_f(gm_tflops, '{:.0f}')} |")
     names = list(w[0]["variants"]) if w else []
     lines += ["", "## Grouped-GEMM variants: gate+up+SwiGLU / down µs", "",
               "m: rows per tile; w: warps of 32 weight rows, each on all rows (register engine), or WM x WN "
@@ -373,7 +392,8 @@ def plot(path: Path, meta: dict[str, Any], res: dict[str, Any]) -> None:
         ax.legend()
     for ax, (title, lines) in zip(axes, series):
         for label, key in lines:
-            ys = [r["glu_us"] + r["down_us"] for r in w] if key is None else [r.get(key) for r in w]
+            ys = ([r.get("stage_us", 0.0) + r["glu_us"] + r["down_us"] for r in w] if key is None
+                  else [r.get(key) for r in w])
             pts = [(x, y) for x, y in zip(rows, ys) if y]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=label)

@@ -241,8 +241,7 @@ class ExpertDispatch:
         # a_gate holds nothing live here (the shared expert keeps only its act; the fused GEMM writes only
         # act): all of it is the GEMMs' scratch for a K split, first the glu's, then the down projection's
         scratch = ws.as_f32("a_gate") if self.levers.prefill_k_split else None
-        be.moe_gate_up_act_sorted(x_TH, experts, tok_S, offsets, lim, gate_SM, up_SM, act_SM, scratch=scratch)
-        be.moe_gemm_sorted(act_SM, experts.down, tok_S, offsets, routed_SH, gather_rows=False, scratch=scratch)
+        be.moe_experts_sorted(x_TH, experts, tok_S, offsets, lim, gate_SM, up_SM, act_SM, routed_SH, scratch=scratch)
         return RoutedRows(routed_SH, perm_TK)
 
     def _dequant(self, x_TH, ids_TK, experts, ws, routed_SH):

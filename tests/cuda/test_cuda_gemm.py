@@ -128,8 +128,9 @@ def test_gemm_dequant_bit_exact(rng, variant):
     if variant is None:
         backend().moe_gemm_sorted(dev(x), cu.gate, dev(tok), dev(offsets), out, False)
     else:
+        xv, kw = as_read(variant, dev(x))
         with backend().stream:
-            grouped.nvfp4_gemm_sorted(dev(x), False, dev(tok), dev(offsets), 1, cu.gate, out, variant=variant)
+            grouped.nvfp4_gemm_sorted(xv, False, dev(tok), dev(offsets), 1, cu.gate, out, variant=variant, **kw)
     got = host(out)
     assert_written(got, "one-hot rows")
     bad = got.view(np.uint16) != ref.view(np.uint16)
@@ -217,6 +218,17 @@ def runs_here(variant) -> None:
         pytest.skip(why)
 
 
+def as_read(variant, x):
+    """``x`` (a device array) as ``variant`` reads it, and the keywords that say so: in the staged k order
+    (``stage_k``) for the wgmma variant, as it is for the others."""
+    if not grouped.GemmGeometry.of(variant).staged:
+        return x, {}
+    out = poisoned(x.shape, BF16)
+    with backend().stream:
+        grouped.stage_k(x, out)
+    return out, {"x_staged": True}
+
+
 def check_variant(variant, x, a, cu, nu, route, what, splits: int = 1):
     """``variant``'s gate + up + SwiGLU on token rows ``x`` and its down projection on sorted rows
     ``a`` (None: NumPy's act), each against NumPy into poisoned outputs; K split ``splits`` ways where
@@ -228,17 +240,19 @@ def check_variant(variant, x, a, cu, nu, route, what, splits: int = 1):
     gate, up, act_ref = (np.zeros((s, m), BF16) for _ in range(3))
     NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
     act = poisoned((s, m), BF16)
+    xv, kw = as_read(variant, dev(x))
     with backend().stream:
-        grouped.nvfp4_gemm_sorted_glu(dev(x), tok, offsets, E, cu, 2.0, act, variant=variant, scratch=scratch,
-                                      splits=min(splits, cu.gate.weights.k // bk))
+        grouped.nvfp4_gemm_sorted_glu(xv, tok, offsets, E, cu, 2.0, act, variant=variant, scratch=scratch,
+                                      splits=min(splits, cu.gate.weights.k // bk), **kw)
     check_rows(host(act), act_ref, local, f"glu {what}")
     a = act_ref if a is None else a
     ref = np.zeros((s, h), BF16)
     NP.moe_gemm_sorted(a, nu.down, srt.sorted_token_ids, srt.expert_offsets, ref, False)
     out = poisoned((s, h), BF16)
+    av, kw = as_read(variant, dev(a))
     with backend().stream:
-        grouped.nvfp4_gemm_sorted(dev(a), False, tok, offsets, E, cu.down, out, variant=variant, scratch=scratch,
-                                  splits=min(splits, cu.down.weights.k // bk))
+        grouped.nvfp4_gemm_sorted(av, False, tok, offsets, E, cu.down, out, variant=variant, scratch=scratch,
+                                  splits=min(splits, cu.down.weights.k // bk), **kw)
     check_rows(host(out), ref, local, f"down {what}")
 
 
@@ -288,16 +302,82 @@ def test_gemm_k_split(split_case, variant):
     geo = grouped.GemmGeometry.of(variant)
     cu, x, tok, offsets, local, act_ref, down_ref = split_case
     (s, m), h = act_ref.shape, down_ref.shape[1]
+    xv, kw = as_read(variant, x)
+    av, _ = as_read(variant, dev(act_ref))
     for splits in (2, 3, 8):
         scratch = poisoned((4 * splits * s * max(h, m),), BF16).view(np.float32)
         act, out = poisoned((s, m), BF16), poisoned((s, h), BF16)
         with backend().stream:
-            grouped.nvfp4_gemm_sorted_glu(x, tok, offsets, E, cu, 2.0, act, variant=variant, scratch=scratch,
-                                          splits=splits)
-            grouped.nvfp4_gemm_sorted(dev(act_ref), False, tok, offsets, E, cu.down, out, variant=variant,
-                                      scratch=scratch, splits=splits)
+            grouped.nvfp4_gemm_sorted_glu(xv, tok, offsets, E, cu, 2.0, act, variant=variant, scratch=scratch,
+                                          splits=splits, **kw)
+            grouped.nvfp4_gemm_sorted(av, False, tok, offsets, E, cu.down, out, variant=variant,
+                                      scratch=scratch, splits=splits, **kw)
         check_rows(host(act), act_ref, local, f"glu {geo.suffix}, {splits} K splits")
         check_rows(host(out), down_ref, local, f"down {geo.suffix}, {splits} K splits")
+
+
+def test_stage_k_is_the_staged_order(rng):
+    """``stage_k`` writes x in ``staged_order`` bit for bit, into a poisoned output (one 64-k block, a few, and
+    the hidden width over rows that leave the grid-stride loop a partial round); a width that is not a multiple
+    of 64 is refused."""
+    for t, k in ((1, 64), (5, 192), (37, 4096)):
+        x = rand_bf16(rng, (t, k), 4.0)
+        out = poisoned((t, k), BF16)
+        with backend().stream:
+            grouped.stage_k(dev(x), out)
+        got = host(out)
+        assert (got.view(np.uint16) == x[:, grouped.staged_order(k)].view(np.uint16)).all(), f"{t} x {k}"
+    with pytest.raises(ValueError, match=r"expected \[rows, a multiple of 64\]"):
+        grouped.stage_k(dev(rand_bf16(rng, (2, 96))), poisoned((2, 96), BF16))
+
+
+@pytest.mark.parametrize("start,count", [(0, E), (4, 24)], ids=["ep1", "ep-window"])
+def test_experts_sorted(rng, start, count):
+    """The backend's routed experts of sorted rows (``moe_experts_sorted``: gate + up + SwiGLU, then down) against
+    NumPy's, ragged experts (300, 17, 1 and 0 rows), an EP window, poisoned outputs. At 80 rows an expert, on sm_90a
+    that is the wgmma variant: x staged into ``up``, act written in the staged k order and read so by down."""
+    cu, nu = both(weights(rng, start=start, count=count))
+    t, (srt, tok, offsets, local) = ragged_route(rng, start, count)
+    s = t * TOP_K
+    x = rand_bf16(rng, (t, H), 4.0)
+    gate, up, act_ref = (np.zeros((s, M), BF16) for _ in range(3))
+    NP.moe_gate_up_act_sorted(x, nu, srt.sorted_token_ids, srt.expert_offsets, 2.0, gate, up, act_ref)
+    ref = np.zeros((s, H), BF16)
+    NP.moe_gemm_sorted(act_ref, nu.down, srt.sorted_token_ids, srt.expert_offsets, ref, False)
+    act, out = poisoned((s, M), BF16), poisoned((s, H), BF16)
+    backend().moe_experts_sorted(dev(x), cu, tok, offsets, 2.0, poisoned((s, M), BF16), poisoned((s, M), BF16), act,
+                                 out)
+    glu, down = grouped.experts_geometry(dev(x), s, E, cu, poisoned((t, H), BF16))
+    assert glu.staged == down.staged == grouped.wgmma_here()
+    check_rows(host(act), act_ref[:, grouped.staged_order(M)] if glu.staged else act_ref, local,
+               f"act ({glu.suffix})")
+    check_rows(host(out), ref, local, f"routed experts ({glu.suffix} / {down.suffix})")
+
+
+def test_staged_x_is_said(rng):
+    """The wgmma variant reads x only in the staged k order and the others only in the natural one; an x_staged
+    or act_staged that does not match the variant is a clear error before any launch."""
+    wg = grouped.GEMM_WGMMA
+    runs_here(wg)
+    cu, _ = both(weights(rng, start=0, count=E))
+    t, (srt, tok, offsets, _) = ragged_route(rng, 0, E)
+    s = t * TOP_K
+    x, a, act, out = dev(rand_bf16(rng, (t, H))), dev(rand_bf16(rng, (s, M))), poisoned((s, M), BF16), \
+        poisoned((s, H), BF16)
+    with pytest.raises(ValueError, match=r"m128wg8k64 reads x in the staged k order"):
+        grouped.nvfp4_gemm_sorted(a, False, tok, offsets, E, cu.down, out, variant=wg)
+    with pytest.raises(ValueError, match=r"m128wg8k64 reads x in the staged k order"):
+        grouped.nvfp4_gemm_sorted_glu(x, tok, offsets, E, cu, 2.0, act, variant=wg)
+    with pytest.raises(ValueError, match=r"reads x in the natural k order"):
+        grouped.nvfp4_gemm_sorted(a, False, tok, offsets, E, cu.down, out, variant=grouped.GEMM_DEFAULT[64],
+                                  x_staged=True)
+    with pytest.raises(ValueError, match=r"act_staged is for the wgmma variant"):
+        grouped.nvfp4_gemm_sorted_glu(x, tok, offsets, E, cu, 2.0, act, variant=grouped.GEMM_DEFAULT[64],
+                                      act_staged=True)
+    with pytest.raises(ValueError, match=r"natural k order"):  # a staged x with too few rows an expert for wgmma
+        grouped.nvfp4_gemm_sorted(a[:64], False, tok[:64], dev(np.array([0] + [64] * E, np.int32)), E, cu.down,
+                                  out[:64], x_staged=True)
+    assert unwritten(host(act)).all() and unwritten(host(out)).all()
 
 
 def test_gemm_k_split_needs_its_scratch(rng):

@@ -127,6 +127,24 @@ def test_split_k():
     assert split(768, 1, 128, 8, 16, 16, sms=132) == (384, 4)  # the dense FFN at 9..64 rows
 
 
+def test_staged_order_feeds_the_wgmma_fragments():
+    """The staged k order (grouped.staged_order) is a permutation within each 64 k, and puts under each wgmma
+    fragment pair the k its lane's placed pair holds: lane t of k step s, register j (a0 / a2 of a row) takes
+    positions 16 s + 8 j + 2 t, + 1, and dequant_word_placed makes word j of the lane's 8 bytes (k 16 t + 8 j ..
+    + 7) into pairs (k 16 t + 8 j + s, + 4), pair s for step s."""
+    order = grouped.staged_order(192)
+    assert sorted(order.tolist()) == list(range(192))
+    assert all(set(order[c:c + 64] // 64) == {c // 64} for c in range(0, 192, 64))
+    assert (order[:64] != np.arange(64)).any()
+    for s in range(4):
+        for j in range(2):
+            for t in range(4):
+                pos = 16 * s + 8 * j + 2 * t
+                assert order[pos:pos + 2].tolist() == [16 * t + 8 * j + s, 16 * t + 8 * j + s + 4]
+    with pytest.raises(ValueError, match="not a multiple of 64"):
+        grouped.staged_order(96)
+
+
 def test_gemm_variant_choice():
     """Few rows per expert take the narrow 16-row tile (to 2 rows an expert with the placed dequantization), more
     the narrow 64-row one, and where wgmma runs its 128-row tile past 48; every default is built, and a variant's
@@ -226,12 +244,14 @@ def test_gemm_large_x_takes_the_register_engine(monkeypatch):
 
     monkeypatch.setattr(grouped, "wgmma_here", lambda: True)
     monkeypatch.setattr(grouped, "block_smem_limit", lambda: H200_BLOCK_SMEM)
-    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t") == grouped.GemmGeometry.of((64, 1, 4, 64, 4, "narrow"))
+    assert grouped._geometry(None, X.size, 4096 * 8, 288, 4096, "t", True) == grouped.GemmGeometry.of((64, 1, 4, 64, 4, "narrow"))
     X.size = grouped.X_OFFSET_LIMIT - 1
-    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "wgmma"
+    assert grouped._geometry(None, X.size, 4096 * 8, 288, 4096, "t", True).mma == "wgmma"
+    # an x in the natural k order never takes the wgmma variant by default (it reads x staged)
+    assert grouped._geometry(None, X.size, 4096 * 8, 288, 4096, "t", False).mma == "narrow"
     X.size = grouped.X_OFFSET_LIMIT
     with pytest.raises(ValueError, match="32-bit offsets"):
-        grouped._geometry((128, 2, 4, 64, 3, "sync"), X(), 4096 * 8, 288, 4096, "t")
+        grouped._geometry((128, 2, 4, 64, 3, "sync"), X.size, 4096 * 8, 288, 4096, "t", False)
 
 
 def test_wgmma_variant_refused_where_it_does_not_run(monkeypatch):
@@ -246,8 +266,8 @@ def test_wgmma_variant_refused_where_it_does_not_run(monkeypatch):
         size = 4096 * 4096
 
     with pytest.raises(ValueError, match=r"m128wg8k64 needs wgmma .*\(12, 1\)"):
-        grouped._geometry(grouped.GEMM_WGMMA, X(), 4096 * 8, 288, 4096, "t")
-    assert grouped._geometry(None, X(), 4096 * 8, 288, 4096, "t").mma == "narrow"
+        grouped._geometry(grouped.GEMM_WGMMA, X.size, 4096 * 8, 288, 4096, "t", True)
+    assert grouped._geometry(None, X.size, 4096 * 8, 288, 4096, "t", True).mma == "narrow"
 
 
 @pytest.mark.parametrize("limit", [GB10_BLOCK_SMEM, H200_BLOCK_SMEM], ids=["GB10", "H200"])
@@ -266,7 +286,7 @@ def test_gemm_variant_past_the_block_shared_memory_does_not_run(monkeypatch, lim
 
     if limit == GB10_BLOCK_SMEM:
         with pytest.raises(ValueError, match=rf"t: variant m64w8k128 needs 104448 bytes .* allows {limit}"):
-            grouped._geometry(big, X(), 4096 * 8, 288, 4096, "t")
+            grouped._geometry(big, X.size, 4096 * 8, 288, 4096, "t", False)
     for v in set(grouped.GEMM_DEFAULT.values()) | set(grouped.GEMM_FALLBACK.values()):
         assert grouped.runs_here(v), f"default variant {v} does not fit {limit} bytes a block"
 

@@ -86,6 +86,14 @@ class GemmGeometry:
     def suffix(self) -> str:
         return gemm_suffix(self.bm, self.wm, self.wn, self.bk, self.stages, self.mma)
 
+    @property
+    def staged(self) -> bool:  # reads its x in the staged k order (``stage_k``): the wgmma engine
+        return self.mma == "wgmma"
+
+    @property
+    def variant(self) -> Variant:
+        return (self.bm, self.wm, self.wn, self.bk, self.stages, self.mma)
+
     def tiles(self, slots: int, count: int) -> int:
         """Row tiles a launch must cover at most: every local expert's ceil(rows / BM), whatever the
         routing. ceil(a) + ceil(b) <= ceil(a + b) + 1, so c experts that hold the ``slots`` rows
@@ -105,6 +113,35 @@ def gemm_variant(slots: int, num_experts: int, k: int, wgmma: bool = False) -> V
         return GEMM_WGMMA
     most = next((most for most in sorted(GEMM_DEFAULT) if per_expert <= most), max(GEMM_DEFAULT))
     return _fitting(GEMM_DEFAULT[most], k)
+
+
+STAGE_K = 64  # the span of k the staged order permutes within
+STAGE_THREADS = 256
+STAGE_BLOCKS_PER_SM = 8  # the grid-stride loop's blocks an SM
+
+
+def staged_order(k: int) -> np.ndarray:
+    """The staged k order the wgmma engine reads its x rows in (``stage_k``): ``x_staged = x[:, staged_order(k)]``.
+    In each 64 k, position ``16 s + 8 j + 2 t + e`` holds k ``16 t + 8 j + 4 e + s``: lane t's 16 k of a weight
+    row, dequantized by bit placement, are then its wgmma fragments as they come (gemm_nvfp4_wgmma.cuh)."""
+    if k % STAGE_K:
+        raise ValueError(f"staged k order: width {k} is not a multiple of {STAGE_K}")
+    s, j, t, e = np.meshgrid(np.arange(4), np.arange(2), np.arange(4), np.arange(2), indexing="ij")
+    within = (16 * t + 8 * j + 4 * e + s).reshape(-1)  # position 16 s + 8 j + 2 t + e, in order
+    return (np.arange(0, k, STAGE_K)[:, None] + within[None, :]).reshape(-1)
+
+
+def stage_k(x_TK: Any, out_TK: Any) -> None:
+    """``out = x[:, staged_order(k)]``: the rows of ``x`` in the wgmma engine's staged k order (one pass, a
+    thread per 16 bytes of the output)."""
+    check("x", x_TK, BF16, 16), check("out", out_TK, BF16, 16)
+    if x_TK.ndim != 2 or x_TK.shape[1] % STAGE_K:
+        raise ValueError(f"stage_k: x has shape {tuple(x_TK.shape)}, expected [rows, a multiple of {STAGE_K}]")
+    check_shape("out", out_TK, x_TK.shape)
+    pieces = x_TK.size // 8  # 16-byte pieces of the output, a thread each
+    if pieces:
+        grid = min(cdiv(pieces, STAGE_THREADS), STAGE_BLOCKS_PER_SM * sm_count())
+        launch(_GEMM, "stage_k64", (grid, 1, 1), (STAGE_THREADS, 1, 1), (x_TK, out_TK, i64(pieces)))
 
 
 def k_splits(blocks: int, kblocks: int, partial_floats: int, scratch_floats: int, sms: int) -> int:
@@ -175,16 +212,24 @@ def runs_here(variant: Variant) -> bool:
 X_OFFSET_LIMIT = 2 ** 32
 
 
-def _geometry(variant: Variant | None, x: Any, slots: int, num_experts: int, k: int, what: str) -> GemmGeometry:
-    """The call's variant: the one asked for (a wgmma one only where it runs), or ``gemm_variant``'s; an
-    x too large for the tiled and wgmma engines' 32-bit offsets takes the register engine (asked for: a
-    clear error)."""
-    geo = GemmGeometry.of(variant or gemm_variant(slots, num_experts, k, wgmma_here()))
+def _staged_checks(geo: GemmGeometry, x_staged: bool, what: str) -> None:
+    if geo.staged != x_staged:
+        raise ValueError(f"{what}: variant {geo.suffix} reads x in the "
+                         + ("staged k order (stage_k's output; pass x_staged=True)" if geo.staged else
+                            "natural k order; x_staged=True is for the wgmma variant"))
+
+
+def _geometry(variant: Variant | None, x_size: int, slots: int, num_experts: int, k: int, what: str,
+              staged: bool) -> GemmGeometry:
+    """The call's variant: the one asked for (a wgmma one only where it runs), or ``gemm_variant``'s (the
+    wgmma engine only for an x in the staged k order: ``staged``); an x too large for the tiled and wgmma
+    engines' 32-bit offsets takes the register engine (asked for: a clear error)."""
+    geo = GemmGeometry.of(variant or gemm_variant(slots, num_experts, k, staged and wgmma_here()))
     if variant is not None and (why := why_not_here(variant)):  # gemm_variant offers wgmma only where it runs
         raise ValueError(f"{what}: {why}")
-    if (geo.wm > 1 or geo.mma == "wgmma") and x.size >= X_OFFSET_LIMIT:
+    if (geo.wm > 1 or geo.mma == "wgmma") and x_size >= X_OFFSET_LIMIT:
         if variant is not None:
-            raise ValueError(f"{what}: x has {x.size} elements; variant {geo.suffix} addresses it with 32-bit "
+            raise ValueError(f"{what}: x has {x_size} elements; variant {geo.suffix} addresses it with 32-bit "
                              f"offsets (fewer than {X_OFFSET_LIMIT}); split the call")
         geo = GemmGeometry.of(_fitting(GEMM_DEFAULT[max(GEMM_DEFAULT)], k))  # the register engine
     return geo
@@ -238,16 +283,18 @@ def _reduce(entry: str, scratch: Any, splits: int, s: int, expert_offsets: Any, 
 
 def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                       table: ExpertTable[Nvfp4Pointers], out_SN: Any, variant: Variant | None = None,
-                      scratch: Any = None, splits: int | None = None) -> None:
+                      scratch: Any = None, splits: int | None = None, x_staged: bool = False) -> None:
     """Every local expert's expert-sorted rows in ONE tensor-core launch: sorted row i of expert e
     reads ``x[sorted_token_ids[i]]`` (``gather_rows``) or ``x[i]``; rows of remote experts untouched.
     Without a routing (``sorted_token_ids`` and ``expert_offsets`` None) the table's one expert takes
     every row of x in order. ``variant``: one of ``GEMM_VARIANTS`` (default: ``gemm_variant``'s).
     ``scratch``: a float32 buffer whose contents are dead, for a K split's partial sums (``k_splits``;
-    ``splits`` forces a count)."""
+    ``splits`` forces a count). ``x_staged``: x is in the staged k order (``stage_k``), which the wgmma
+    variant reads and the others do not; the default variant for a natural x is never the wgmma one."""
     proj, start, count = table.weights, table.start, table.count
     s = _slots(sorted_token_ids_S, expert_offsets, out_SN, count, "nvfp4_gemm_sorted")
-    geo = _geometry(variant, x, s, num_experts, proj.k, "nvfp4_gemm_sorted")
+    geo = _geometry(variant, x.size, s, num_experts, proj.k, "nvfp4_gemm_sorted", x_staged)
+    _staged_checks(geo, x_staged, "nvfp4_gemm_sorted")
     _gemm_checks(x, gather_rows, sorted_token_ids_S, expert_offsets, num_experts, proj.k, out_SN, proj.n, s, geo,
                  "nvfp4_gemm_sorted")
     n_blocks = cdiv(proj.n, geo.bn)
@@ -265,17 +312,25 @@ def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert
 
 def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                           experts: RoutedExperts[Nvfp4Pointers], limit: float, act_SN: Any,
-                          variant: Variant | None = None, scratch: Any = None, splits: int | None = None) -> None:
+                          variant: Variant | None = None, scratch: Any = None, splits: int | None = None,
+                          x_staged: bool = False, act_staged: bool = False) -> None:
     """Gate, up and the clamped SwiGLU of every local expert's sorted rows in ONE launch (the token
     rows gathered through ``sorted_token_ids``; without a routing, as ``nvfp4_gemm_sorted``, every row
     of x in order); writes only ``act`` (gate and up stay in registers, each rounded to bf16 before the
-    SwiGLU, as the separate ops round them). ``scratch`` / ``splits``: as ``nvfp4_gemm_sorted``'s (a
-    split writes gate's and up's partial sums)."""
+    SwiGLU, as the separate ops round them). ``scratch`` / ``splits`` / ``x_staged``: as
+    ``nvfp4_gemm_sorted``'s (a split writes gate's and up's partial sums). ``act_staged`` (the wgmma variant):
+    act written in the staged k order, as the down projection's wgmma variant reads it."""
     gate, up, start, count = experts.gate.weights, experts.up.weights, experts.start, experts.count
     if (gate.n, gate.k) != (up.n, up.k):
         raise ValueError(f"nvfp4_gemm_sorted_glu: gate [{gate.n}, {gate.k}] and up [{up.n}, {up.k}] differ")
     s = _slots(sorted_token_ids_S, expert_offsets, act_SN, count, "nvfp4_gemm_sorted_glu")
-    geo = _geometry(variant, x_TK, s, num_experts, gate.k, "nvfp4_gemm_sorted_glu")
+    geo = _geometry(variant, x_TK.size, s, num_experts, gate.k, "nvfp4_gemm_sorted_glu", x_staged)
+    _staged_checks(geo, x_staged, "nvfp4_gemm_sorted_glu")
+    if act_staged and not geo.staged:
+        raise ValueError(f"nvfp4_gemm_sorted_glu: act_staged is for the wgmma variant; this call takes {geo.suffix}")
+    if act_staged and gate.n % STAGE_K:
+        raise ValueError(f"nvfp4_gemm_sorted_glu: act_staged needs a width that is a multiple of {STAGE_K}; "
+                         f"got {gate.n}")
     _gemm_checks(x_TK, True, sorted_token_ids_S, expert_offsets, num_experts, gate.k, act_SN, gate.n, s, geo,
                  "nvfp4_gemm_sorted_glu")
     n_blocks = cdiv(gate.n, geo.bn // 2)
@@ -286,11 +341,46 @@ def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: An
     launch(_GEMM, f"nvfp4_gemm_sorted_glu_{geo.suffix}", (blocks, ks, 1), (geo.threads, 1, 1),
            (x_TK, _ptr(sorted_token_ids_S), _ptr(expert_offsets), gate.packed_ptrs, gate.scale_ptrs, gate.scale2,
             up.packed_ptrs, up.scale_ptrs, up.scale2, i32(start), i32(count), act_SN, i32(gate.n),
-            i32(gate.k), i32(n_blocks), np.float32(limit), _ptr(scratch if ks > 1 else None), i32(s)),
+            i32(gate.k), i32(n_blocks), np.float32(limit), _ptr(scratch if ks > 1 else None), i32(s),
+            i32(act_staged)),
            smem=geo.smem)
     if ks > 1:
         _reduce("nvfp4_gemm_reduce_glu", scratch, ks, s, expert_offsets, start, count, act_SN, gate.n,
                 np.float32(limit))
+
+
+def experts_geometry(x_TK: Any, slots: int, num_experts: int, experts: RoutedExperts[Nvfp4Pointers],
+                     stage_TK: Any) -> tuple[GemmGeometry, GemmGeometry]:
+    """The geometries ``nvfp4_experts_sorted`` gives gate + up and down: the defaults, except that the wgmma
+    variant runs for both or for neither (its act is in the staged k order, which only it reads), and only
+    with a ``stage_TK`` buffer of x's shape to stage x into."""
+    sizes = ((x_TK.size, experts.gate.weights.k), (slots * experts.gate.weights.n, experts.down.weights.k))
+    glu, down = (_geometry(None, size, slots, num_experts, k, "nvfp4_experts_sorted", True) for size, k in sizes)
+    if glu.staged and down.staged and stage_TK is not None:
+        return glu, down
+    glu, down = (_geometry(None, size, slots, num_experts, k, "nvfp4_experts_sorted", False) for size, k in sizes)
+    return glu, down
+
+
+def nvfp4_experts_sorted(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
+                         experts: RoutedExperts[Nvfp4Pointers], limit: float, act_SM: Any, out_SN: Any,
+                         stage_TK: Any = None, scratch: Any = None) -> None:
+    """The routed experts of every local expert's sorted rows: gate + up + SwiGLU into ``act``, then down into
+    ``out`` (``experts_geometry``'s variants). Where that is the wgmma variant, x is first staged into
+    ``stage_TK`` (``stage_k``) and act written and read in the staged k order; ``act`` then holds the staged
+    order. ``scratch``: as ``nvfp4_gemm_sorted``'s."""
+    s = _slots(sorted_token_ids_S, expert_offsets, act_SM, experts.count, "nvfp4_experts_sorted")
+    if stage_TK is not None:
+        check("stage", stage_TK, BF16, 16), check_shape("stage", stage_TK, x_TK.shape)
+    glu, down = experts_geometry(x_TK, s, num_experts, experts, stage_TK)
+    xs = x_TK
+    if glu.staged:
+        stage_k(x_TK, stage_TK)
+        xs = stage_TK
+    nvfp4_gemm_sorted_glu(xs, sorted_token_ids_S, expert_offsets, num_experts, experts, limit, act_SM,
+                          variant=glu.variant, scratch=scratch, x_staged=glu.staged, act_staged=glu.staged)
+    nvfp4_gemm_sorted(act_SM, False, sorted_token_ids_S, expert_offsets, num_experts, experts.down, out_SN,
+                      variant=down.variant, scratch=scratch, x_staged=down.staged)
 
 
 DEQUANT_THREADS = 256

@@ -14,7 +14,8 @@
 //     registers, with the x rows as the mma's m16 side or (narrow) as its n8 side (Gemm, gemm_nvfp4_register.cuh);
 //   tiled (WM > 1): a WM x WN warp grid over the tile, the weight tile dequantized ONCE per stage into
 //     shared memory, both operands by ldmatrix (GemmTiled, gemm_nvfp4_tiled.cuh);
-//   wgmma (sm_90a): the weights dequantized straight into wgmma's register A operand, the x rows its n side,
+//   wgmma (sm_90a): the weights dequantized straight into wgmma's register A operand by bit placement, the x
+//     rows its n side, read in a staged k order (stage_k64 writes it once a call; gate + up writes act in it),
 //     four warpgroups of 64 weight rows (GemmWg, gemm_nvfp4_wgmma.cuh; the copies are the tiled engine's).
 // The variants (BM 16 .. 128) let a width whose experts hold few rows each skip the mma work and
 // x staging of empty rows; the wrapper picks one from the expected rows per expert. blockIdx.x =
@@ -187,6 +188,32 @@ __device__ __forceinline__ void dequant_word_placed(unsigned v, unsigned scale2x
     for (int i = 0; i < 4; ++i) b[i] = fma_bf16x2(p[i], scale2x, 0x80008000u);  // exact product (+ -0)
 }
 
+// The staged k order the wgmma engine reads x in (gemm_nvfp4_wgmma.cuh): in each 64 k of a row, position
+// 16 s + 8 j + 2 t + e holds k 16 t + 8 j + 4 e + s. staged_column(k): where k goes.
+__device__ __forceinline__ int staged_column(int k) {
+    const int c = k & 63;
+    return (k & ~63) | (16 * (c & 3) + 8 * ((c >> 3) & 1) + 2 * (c >> 4) + ((c >> 2) & 1));
+}
+
+// out[row] = x[row] in the staged k order, for rows x K (K a multiple of 64): a thread per 16-byte piece of the
+// output (8 threads a 64-k block: their loads hit the block's one 128-byte line, their stores are one contiguous
+// run), grid-stride. Output word 4 c + i of piece c is positions 16 s + 8 j + 2 t, + 1 with s = c / 2, j = c % 2,
+// t = i: the pair (k 16 t + 8 j + s, + 4), half s % 2 of input words 8 t + 4 j + s / 2 and that + 2.
+extern "C" __global__ void __launch_bounds__(256) stage_k64(const unsigned* __restrict__ x, uint4* __restrict__ out,
+                                                           long long pieces) {
+    pdl_enter();
+    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < pieces;
+         p += (long long)gridDim.x * blockDim.x) {
+        const int c = (int)(p & 7);
+        const unsigned* in = x + 32 * (p >> 3) + 4 * (c & 1) + (c >> 2);
+        const unsigned sel = (c & 2) ? 0x7632u : 0x5410u;
+        unsigned o[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] = prmt(in[8 * i], in[8 * i + 2], sel);
+        out[p] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
 #include "gemm_nvfp4_register.cuh"
 #include "gemm_nvfp4_tiled.cuh"
 #include "gemm_nvfp4_wgmma.cuh"
@@ -273,7 +300,8 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
                                                 const u64_t* __restrict__ up_packed,
                                                 const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2,
                                                 int start, int count, bf16_t* __restrict__ act, int N, int K,
-                                                int n_blocks, float limit, float* __restrict__ partials, int slots) {
+                                                int n_blocks, float limit, float* __restrict__ partials, int slots,
+                                                int act_staged) {
     const RowTile tile = find_tile<G::BM>(expert_offsets, start, count, blockIdx.x / n_blocks, slots);
     if (tile.e < 0) return;
     const KSlice ks = k_slice<G::K_STEP>(K);
@@ -290,8 +318,9 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
     if constexpr (G::TRANSPOSED) {  // d[4 j + c]: gate row r, d[4 j + 2 + c]: up row r, x row 8 j + 2 t + c
         float d[64] = {};
         gemm.run(x + ks.k0, sorted_token_ids, tile, wb, sb, valid, K, ks.blocks, d);
-        const int r = G::row(), t = threadIdx.x & 3, n = n0 + r;
+        const int r = G::row(), t = threadIdx.x & 3;
         if (r >= valid[0]) return;
+        const int n = act_staged ? staged_column(n0 + r) : n0 + r;  // the down projection's x order (stage_k64)
 #pragma unroll
         for (int j = 0; j < 16; ++j)
 #pragma unroll
@@ -364,10 +393,11 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
         const u64_t* __restrict__ gate_scale, const float* __restrict__ gate_scale2,                              \
         const u64_t* __restrict__ up_packed, const u64_t* __restrict__ up_scale,                                 \
         const float* __restrict__ up_scale2, int start, int count, bf16_t* __restrict__ act, int N, int K,        \
-        int n_blocks, float limit, float* __restrict__ partials, int slots) {                                    \
+        int n_blocks, float limit, float* __restrict__ partials, int slots, int act_staged) {                    \
         pdl_enter();                                                                                              \
         gemm_sorted_glu<G>(x, sorted_token_ids, expert_offsets, gate_packed, gate_scale, gate_scale2, up_packed, \
-                           up_scale, up_scale2, start, count, act, N, K, n_blocks, limit, partials, slots);       \
+                           up_scale, up_scale2, start, count, act, N, K, n_blocks, limit, partials, slots,        \
+                           act_staged);                                                                           \
     }
 
 // The variants, (BM, WM, WN, BK, STAGES, mma) in glm_ep/backend/cuda/kernel_loader.py's GEMM_VARIANTS; each one's

@@ -1,6 +1,6 @@
 // The grouped GEMM's wgmma engine (sm_90a): the weights are wgmma's A operand, dequantized straight into its
 // register fragments, and the x rows its B operand (the n side) in shared memory. Part of gemm_nvfp4.cu, included
-// after gemm_nvfp4_tiled.cuh: it uses TileCopies' copies there, and dequant_word, scale_pairs and DequantLut from
+// after gemm_nvfp4_tiled.cuh: it uses TileCopies' copies there, and dequant_word_placed and scale_pairs from
 // gemm_nvfp4.cu.
 //
 // Why this orientation: an engine that dequantizes the weight tile into shared memory as bf16 and reads it back
@@ -15,11 +15,14 @@
 // pays no mma for its empty x rows); x rows past the tile's are zero-filled and never stored. More warpgroups
 // read each stage of x rows (from L2) for more weight rows: at 4096 rows the x rows are most of a stage's bytes.
 //
-// The k order of an A fragment is fixed by the x rows in shared memory (lane (g, t) of k step s holds k
-// 16 s + 2 t, + 1 and 16 s + 8 + 2 t, + 1): in each 16-byte chunk of packed weights (32 k), the lane needs bytes
-// t, t + 4, t + 8 and t + 12, gathered into one word by 3 PRMT (the 4 lanes of a quad read the same chunk:
-// a broadcast), whose dequant_word pairs are then k 2 t, 8 + 2 t (step 2 q) and 16 + 2 t, 24 + 2 t (step
-// 2 q + 1) of chunk q, each under its own 16-k block scale.
+// The k order: wgmma takes lane (g, t)'s A pairs at positions 16 s + 2 t, + 1 and 16 s + 8 + 2 t, + 1 of k step s
+// and reads B (the x rows) in the order shared memory holds it. x arrives in the staged k order (stage_k64, once a
+// call before the GEMM): in each 64 k of a row, position 16 s + 8 j + 2 t + e holds k 16 t + 8 j + 4 e + s. Then
+// lane t's own 8 bytes of a weight row a stage (k 16 t .. 16 t + 15, one 16-k block scale) dequantized by bit
+// placement (dequant_word_placed: word j's pair s = k 16 t + 8 j + s and + 4) are its fragments as they come: no
+// gather, no lookup, one scale a row a stage. The products are the lookup's (e2m1 x e4m3 x 2^-8, exact), and the
+// fp32 sums run over the same k, in wgmma's order. The gate + up launch writes act in the staged order too
+// (act_staged), so the down projection reads it as it is.
 //
 // Pipeline: STAGES slots of (x rows; packed weights and scales) filled by cp.async, STAGES - 1 stages ahead (the
 // weights' and scales' copies prefetch their 128-byte blocks into L2). Stage kb, its fragments made: one barrier
@@ -137,30 +140,29 @@ struct GemmWg : TileCopies<128, 64 * WGS, 64, 128 * WGS, true> {
             k_loop<32>(xs, ws, wgen, kblocks, x, d);
     }
 
-    // This thread's A fragments of a stage (its packed weights and scales at w): a[s] for k step s of 16.
-    static __device__ __forceinline__ void fragments(const unsigned char* w, int r, unsigned sel, const DequantLut& lut,
+    // This thread's A fragments of a stage (its packed weights and scales at w): a[s] for k step s of 16. Lane t
+    // takes k 16 t .. 16 t + 15 of rows r and HALF + r (one 8-byte read and one block scale each), whose placed
+    // pairs (k 16 t + 8 j + s, + 4: word j's pair s) are the fragment's pairs at positions 16 s + 8 j + 2 t in the
+    // staged k order x is read in (stage_k64).
+    static __device__ __forceinline__ void fragments(const unsigned char* w, int r, unsigned sel,
                                                      unsigned (&a)[BK / 16][4]) {
-        unsigned sw[2];  // the stage's 4 scale bytes of rows r and HALF + r
-        sw[0] = *reinterpret_cast<const unsigned*>(w + W_BYTES + 4 * r);
-        sw[1] = *reinterpret_cast<const unsigned*>(w + W_BYTES + 4 * (HALF + r));
+        const unsigned s0 = *reinterpret_cast<const unsigned*>(w + W_BYTES + 4 * r);
+        const unsigned s1 = *reinterpret_cast<const unsigned*>(w + W_BYTES + 4 * (HALF + r));
+        unsigned sp[2];  // the block scales of rows r and HALF + r as bf16 pairs e4m3 * 2^118
+        scale_pairs(prmt(s0, s1, sel), sp, 0x1p126f);
+        unsigned b[2][2][4];  // [row][word j][pair s]
 #pragma unroll
-        for (int q = 0; q < BK / 32; ++q) {
-            unsigned b[2][4];
+        for (int h = 0; h < 2; ++h) {
+            const uint2 v = *reinterpret_cast<const uint2*>(w + 32 * (h * HALF + r) + 8 * (threadIdx.x & 3));
+            dequant_word_placed(v.x, sp[h], b[h][0]);
+            dequant_word_placed(v.y, sp[h], b[h][1]);
+        }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint4 v = *reinterpret_cast<const uint4*>(w + 32 * (h * HALF + r) + 16 * q);
-                const unsigned word = prmt(prmt(v.x, v.y, sel), prmt(v.z, v.w, sel), 0x5410u);
-                unsigned sp[2];
-                scale_pairs(sw[h] >> (16 * q), sp);
-                dequant_word(word, sp[0], sp[1], b[h], lut);
-            }
-#pragma unroll
-            for (int s = 0; s < 2; ++s) {
-                a[2 * q + s][0] = b[0][2 * s];
-                a[2 * q + s][1] = b[1][2 * s];
-                a[2 * q + s][2] = b[0][2 * s + 1];
-                a[2 * q + s][3] = b[1][2 * s + 1];
-            }
+        for (int s = 0; s < BK / 16; ++s) {
+            a[s][0] = b[0][0][s];
+            a[s][1] = b[1][0][s];
+            a[s][2] = b[0][1][s];
+            a[s][3] = b[1][1][s];
         }
     }
 
@@ -169,7 +171,7 @@ struct GemmWg : TileCopies<128, 64 * WGS, 64, 128 * WGS, true> {
     template <int N>
     __device__ __forceinline__ void stage(int kb, int kblocks, int slot, int ld, unsigned xs, unsigned ws,
                                           const unsigned char* wgen, const bf16_t* x, int r, unsigned sel,
-                                          const DequantLut& lut, unsigned (&a)[BK / 16][4], float (&d)[64]) {
+                                          unsigned (&a)[BK / 16][4], float (&d)[64]) {
         cp_async_wait<STAGES - 3>();  // stages kb and kb + 1 (this thread's copies) ...
         fence_proxy_async();          // ... visible to wgmma ...
         __syncthreads();              // ... everyone's; everyone's wgmma of kb - 1 is done: slot ld is free
@@ -181,7 +183,7 @@ struct GemmWg : TileCopies<128, 64 * WGS, 64, 128 * WGS, true> {
         for (int s = 0; s < BK / 16; ++s) wgmma_rs<N>(d, a[s], db + 2 * s);
         wgmma_commit();
         unsigned nxt[BK / 16][4];
-        if (kb + 1 < kblocks) fragments(wgen + (slot == STAGES - 1 ? 0 : slot + 1) * WS_BYTES, r, sel, lut, nxt);
+        if (kb + 1 < kblocks) fragments(wgen + (slot == STAGES - 1 ? 0 : slot + 1) * WS_BYTES, r, sel, nxt);
         wgmma_wait<0>();
 #pragma unroll
         for (int s = 0; s < BK / 16; ++s)
@@ -194,16 +196,15 @@ struct GemmWg : TileCopies<128, 64 * WGS, 64, 128 * WGS, true> {
     __device__ __forceinline__ void k_loop(unsigned xs, unsigned ws, const unsigned char* wgen, int kblocks,
                                            const bf16_t* x, float (&d)[64]) {
         const int r = row(), t = threadIdx.x & 3;
-        const unsigned sel = (unsigned)t | ((unsigned)(t + 4) << 4);  // byte t of two words
-        const DequantLut lut = DequantLut::per_thread();
+        const unsigned sel = (unsigned)t | ((unsigned)(t + 4) << 4);  // byte t of two words: the lane's block scales
         int slot = 0, ld = STAGES - 1;
         unsigned a[BK / 16][4];
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        fragments(wgen, r, sel, lut, a);
+        fragments(wgen, r, sel, a);
 #pragma unroll 1
         for (int kb = 0; kb < kblocks; ++kb) {
-            stage<N>(kb, kblocks, slot, ld, xs, ws, wgen, x, r, sel, lut, a, d);
+            stage<N>(kb, kblocks, slot, ld, xs, ws, wgen, x, r, sel, a, d);
             ld = slot, slot = slot == STAGES - 1 ? 0 : slot + 1;
         }
         cp_async_wait<0>();
