@@ -323,8 +323,8 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
     names = list(w[0]["variants"]) if w else []
     lines += ["", "## Grouped-GEMM variants: gate+up+SwiGLU / down µs", "",
               "m: rows per tile; w: warps of 32 weight rows, each on all rows (register engine), or WM x WN "
-              "(tiled engine); wg8: wgmma with the weights in registers as its A operand, four warpgroups of 64 "
-              "weight rows (sm_90a); k: k per stage; a closing n: the rows as the "
+              "(tiled engine); wg8 / wg4: wgmma with the weights in registers as its A operand, four / two warpgroups "
+              "of 64 weight rows (sm_90a); k: k per stage; a closing n: the rows as the "
               "mma's narrow (n8) side; a closing p: the same with the placed dequantization.",
               "",
               "| rows | chosen | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]

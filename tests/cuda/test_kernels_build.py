@@ -94,11 +94,11 @@ def test_instantiated_variants():
     assert all(int(bm) == 16 * int(mt) for bm, mt, *_ in rows), rows
     assert all(int(bm) == 8 * int(mt) for bm, mt, *_ in narrow + placed), narrow + placed
     assert all(int(bm) == 16 * int(mt) * int(wm) and int(wm) > 1 for bm, mt, wm, *_ in tiled), tiled
-    wgmma = re.findall(r"^GEMM_WGMMA\((\d+), (\d+), \d+\)", gemm, re.M)
+    wgmma = re.findall(r"^GEMM_WGMMA\((\d+), (\d+), (\d+), \d+\)", gemm, re.M)
     assert wgmma
     found = {(int(bm), 1, int(w), int(bk), int(st), "sync") for bm, _, w, bk, st in rows}
     found |= {(int(bm), int(wm), int(wn), int(bk), int(st), "sync") for bm, _, wm, wn, bk, st in tiled}
-    found |= {(128, 2, int(wn), 64, int(st), "wgmma") for wn, st in wgmma}
+    found |= {(int(bm), 2, int(wn), 64, int(st), "wgmma") for bm, wn, st in wgmma}
     found |= {(int(bm), 1, int(w), int(bk), int(st), "narrow") for bm, _, w, bk, st in narrow}
     found |= {(int(bm), 1, int(w), int(bk), int(st), "placed") for bm, _, w, bk, st in placed}
     assert found == set(loader.GEMM_VARIANTS)
@@ -182,6 +182,9 @@ def test_gemm_variant_choice():
     wg = nv.GemmGeometry.of((128, 2, 8, 64, 6, "wgmma"))  # four warpgroups of 64 weight rows; 6 stages, aligned
     assert (wg.bn, wg.threads, wg.suffix) == (256, 512, "m128wg8k64")
     assert wg.smem == 6 * (128 * 64 * 2 + 256 * 32 + 256 * 4) + 1024
+    wg4 = nv.GemmGeometry.of((64, 2, 4, 64, 6, "wgmma"))  # two warpgroups x 64 rows: two blocks an SM
+    assert (wg4.bn, wg4.threads, wg4.suffix) == (128, 256, "m64wg4k64")
+    assert wg4.smem == 6 * (64 * 64 * 2 + 128 * 32 + 128 * 4) + 1024 and 2 * wg4.smem <= H200_BLOCK_SMEM
     narrow = nv.GemmGeometry.of((8, 1, 4, 64, 4, "narrow"))  # 64 x copies a stage: half the threads take one
     assert (narrow.bn, narrow.threads, narrow.suffix) == (128, 128, "m8w4k64n")
     assert narrow.smem == 4 * (8 * 64 * 2 + 128 * 32 + 128 * 4)

@@ -431,12 +431,12 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
     GEMM_ENTRIES(m##BM##w##WM##x##WN##k##BK, Gemm_m##BM##w##WM##x##WN##k##BK, 32 * WM * WN, MIN_BLOCKS)
 
 // wgmma engine (sm_90a; the weights as wgmma's A operand in registers, WN / 2 warpgroups of 64 weight rows each:
-// 32 WN weight rows x up to 128 rows): nvfp4_gemm_sorted[_glu]_m128wg{WN}k64.
-#define GEMM_WGMMA(WN, STAGES, MIN_BLOCKS)                                                                       \
-    typedef GemmWg<WN / 2, STAGES> Gemm_m128wg##WN##k64;                                                         \
-    static_assert(Gemm_m128wg##WN##k64::SMEM + 1024 == GEMM_SMEM_M128WG##WN##K64,                               \
+// 32 WN weight rows x up to BM rows): nvfp4_gemm_sorted[_glu]_m{BM}wg{WN}k64.
+#define GEMM_WGMMA(BM, WN, STAGES, MIN_BLOCKS)                                                                   \
+    typedef GemmWg<BM, WN / 2, STAGES> Gemm_m##BM##wg##WN##k64;                                                  \
+    static_assert(Gemm_m##BM##wg##WN##k64::SMEM + 1024 == GEMM_SMEM_M##BM##WG##WN##K64,                         \
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
-    GEMM_ENTRIES(m128wg##WN##k64, Gemm_m128wg##WN##k64, 64 * WN, MIN_BLOCKS)
+    GEMM_ENTRIES(m##BM##wg##WN##k64, Gemm_m##BM##wg##WN##k64, 64 * WN, MIN_BLOCKS)
 
 // Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py (a variant it lacks does not compile).
 GEMM_NARROW(8, 1, 4, 64, 4, 4)
@@ -446,6 +446,8 @@ GEMM_PLACED(16, 2, 4, 128, 3, 4)
 GEMM_NARROW(64, 8, 4, 64, 4, 3)
 GEMM_VARIANT(64, 4, 8, 128, 3, 1)
 GEMM_TILED(128, 4, 2, 4, 64, 3, 2)
-GEMM_WGMMA(8, 6, 1)
+GEMM_WGMMA(128, 8, 6, 1)
+GEMM_WGMMA(64, 4, 6, 2)
+GEMM_WGMMA(32, 4, 6, 3)
 
 #include "gemm_nvfp4_dequant.cuh"

@@ -8,7 +8,7 @@
 // 128 x 128 x 64 beside the x rows; here the bf16 weights never touch shared memory, only their packed bytes.
 //
 // A block: WGS warpgroups (128 WGS threads), 64 WGS weight rows (the fused GLU: 32 WGS gate rows and the same up
-// rows) x up to 128 sorted rows of one expert, 64 k a stage. Warpgroup wg's wgmma is m64 x n{32, 64, 128} x k16:
+// rows) x up to BM (32, 64 or 128) sorted rows of one expert, 64 k a stage. Warpgroup wg's wgmma is m64 x n{32, 64, 128} x k16:
 // its row 16 w + g (warp w, lane (g, t)) is tile row r = 32 wg + 8 w + g, its row 16 w + g + 8 is tile row
 // 32 WGS + r, so one thread holds the sums of gate row r and up row r for the same x rows (the SwiGLU needs no
 // exchange). The n side is the smallest of 32, 64 and 128 that covers the tile's rows (an expert's last tile
@@ -105,10 +105,11 @@ WGMMA_RS(128, WG_R16_0 ", " WG_R16_16 ", " WG_R16_32 ", " WG_R16_48, "{%64, %65,
 #undef WGMMA_RS
 #undef WG_D8
 
-template <int WGS, int STAGES>
-struct GemmWg : TileCopies<128, 64 * WGS, 64, 128 * WGS, true> {
-    using C = TileCopies<128, 64 * WGS, 64, 128 * WGS, true>;
-    static constexpr int BM = 128, BN = 64 * WGS, BK = 64, THREADS = 128 * WGS, K_STEP = BK, HALF = BN / 2;
+template <int BM_, int WGS, int STAGES>
+struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
+    using C = TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true>;
+    static constexpr int BM = BM_, BN = 64 * WGS, BK = 64, THREADS = 128 * WGS, K_STEP = BK, HALF = BN / 2;
+    static_assert(BM == 32 || BM == 64 || BM == 128, "the n side is n32, n64 or n128");
     static constexpr bool TRANSPOSED = true;  // the sums are d[4 j + e] (above), not the engines' acc
     static constexpr int X_BYTES = C::X_BYTES, W_BYTES = C::W_BYTES, WS_BYTES = W_BYTES + BN * BK / 16;
     // 1024-byte aligned: the x slots (wgmma's 128-byte swizzle), then the packed weights and scales of each slot
@@ -132,10 +133,10 @@ struct GemmWg : TileCopies<128, 64 * WGS, 64, 128 * WGS, true> {
             cp_async_commit();
         }
         const unsigned char* wgen = dyn_smem + pad + STAGES * X_BYTES;
-        if (tile.rows > 64)  // block-uniform
-            k_loop<128>(xs, ws, wgen, kblocks, x, d);
-        else if (tile.rows > 32)
-            k_loop<64>(xs, ws, wgen, kblocks, x, d);
+        if (BM > 64 && tile.rows > 64)  // block-uniform
+            k_loop<(BM > 64 ? 128 : 32)>(xs, ws, wgen, kblocks, x, d);
+        else if (BM > 32 && tile.rows > 32)
+            k_loop<(BM > 32 ? 64 : 32)>(xs, ws, wgen, kblocks, x, d);
         else
             k_loop<32>(xs, ws, wgen, kblocks, x, d);
     }
