@@ -162,13 +162,18 @@ def test_gemm_variant_choice():
     # one expert (a dense FFN stored NVFP4): the register engine to 32 rows, wgmma past it
     assert nv.gemm_variant(24, 1, 4096, wgmma=True) == narrow64
     assert nv.gemm_variant(33, 1, 4096, wgmma=True) == nv.GEMM_WGMMA
-    # where wgmma runs (sm_90a): its engine past 48 rows per expert, the same choice below
-    assert nv.gemm_variant(48 * 288, 288, 4096, wgmma=True) == narrow64
+    # where wgmma runs (sm_90a): its 64-row tile past 20 rows per expert, its 128-row tile past 48, the same
+    # choice below
+    assert nv.gemm_variant(20 * 288, 288, 4096, wgmma=True) == narrow64
+    assert nv.gemm_variant(20 * 288 + 1, 288, 4096, wgmma=True) == nv.GEMM_WGMMA_64 == (64, 2, 4, 64, 6, "wgmma")
+    assert nv.gemm_variant(48 * 288, 288, 4096, wgmma=True) == nv.GEMM_WGMMA_64
     assert nv.gemm_variant(48 * 288 + 1, 288, 4096, wgmma=True) == nv.GEMM_WGMMA == (128, 2, 8, 64, 6, "wgmma")
+    assert nv.gemm_variant(1024 * 8, 288, 4096 + 32, wgmma=True) == narrow64  # 64 k does not divide K
     assert nv.gemm_variant(4096 * 8, 288, 4096, wgmma=True) == nv.GEMM_WGMMA
     assert nv.gemm_variant(256 * 8, 288, 4096, wgmma=True) == nv.gemm_variant(256 * 8, 288, 4096)
     assert nv.gemm_variant(4096 * 8, 288, 4096 + 32, wgmma=True) == narrow64  # a stage of 64 k does not divide K
-    assert set(nv.GEMM_DEFAULT.values()) | set(nv.GEMM_FALLBACK.values()) | {nv.GEMM_WGMMA} <= set(nv.GEMM_VARIANTS)
+    assert (set(nv.GEMM_DEFAULT.values()) | set(nv.GEMM_FALLBACK.values()) | {nv.GEMM_WGMMA, nv.GEMM_WGMMA_64}
+            <= set(nv.GEMM_VARIANTS))
     for v in nv.GEMM_DEFAULT.values():
         assert 64 % v[3] == 0 or v in nv.GEMM_FALLBACK, f"{v}: no fallback for an in width of 64 k steps"
     geo = nv.GemmGeometry.of((64, 1, 8, 128, 3, "sync"))

@@ -38,7 +38,13 @@ GEMM_DEFAULT = {2: (16, 1, 4, 128, 3, "placed"), 16: (16, 1, 4, 128, 3, "narrow"
 GEMM_FALLBACK = {(16, 1, 4, 128, 3, "placed"): (16, 1, 4, 64, 4, "narrow"),
                  (16, 1, 4, 128, 3, "narrow"): (16, 1, 4, 64, 4, "narrow")}
 GEMM_WGMMA = (128, 2, 8, 64, 6, "wgmma")
-GEMM_WGMMA_FROM = 48  # rows per expert past which the wgmma engine is the default where it runs
+GEMM_WGMMA_FROM = 48  # rows per expert past which the wgmma engine's 128-row tile is the default where it runs
+# its 64-row tile (two warpgroups, two blocks an SM) past 20 rows an expert, to 48: H100, x staged, routed experts
+# at 768 / 1024 / 1536 rows 2872 / 3024 / 3422 us against 2930 / 3345 / 3844 on the narrow 64-row tile and
+# 3213 / 3478 on the 128-row one at 1024 / 1536; behind the narrow tile at 512 rows (14 an expert: 2868 against
+# 2544; docs/perf/runs/2026-12-06-h100-staged)
+GEMM_WGMMA_64 = (64, 2, 4, 64, 6, "wgmma")
+GEMM_WGMMA_64_FROM = 20
 # ONE expert (a dense FFN stored NVFP4: 192 blocks for gate + up, two thirds of a wave): the register engine up to
 # 32 rows, where its tiles measured faster than the wgmma engine before the current one (docs/perf/DESIGN-NOTES.md;
 # not re-measured against the current one)
@@ -104,13 +110,16 @@ class GemmGeometry:
 def gemm_variant(slots: int, num_experts: int, k: int, wgmma: bool = False) -> Variant:
     """The variant for a call: ``GEMM_DEFAULT``'s for the rows an expert gets on average (slots spread over all
     experts), so few-row widths do not pay for empty tile rows; where ``wgmma`` runs
-    (sm_90a), its engine past ``GEMM_WGMMA_FROM`` rows per expert (``GEMM_WGMMA_FROM_ONE`` for one).
+    (sm_90a), its engine past ``GEMM_WGMMA_FROM`` rows per expert (``GEMM_WGMMA_FROM_ONE`` for one), its 64-row
+    tile past ``GEMM_WGMMA_64_FROM`` (several experts).
     A variant whose stage does not divide the in width ``k`` gives way to its fallback (the launch names
     the width if it has none)."""
     per_expert = slots / max(num_experts, 1)
     wgmma_from = GEMM_WGMMA_FROM if num_experts > 1 else GEMM_WGMMA_FROM_ONE
     if wgmma and per_expert > wgmma_from and k % GEMM_WGMMA[3] == 0:
         return GEMM_WGMMA
+    if wgmma and num_experts > 1 and per_expert > GEMM_WGMMA_64_FROM and k % GEMM_WGMMA_64[3] == 0:
+        return GEMM_WGMMA_64
     most = next((most for most in sorted(GEMM_DEFAULT) if per_expert <= most), max(GEMM_DEFAULT))
     return _fitting(GEMM_DEFAULT[most], k)
 

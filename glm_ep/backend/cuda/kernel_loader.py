@@ -88,7 +88,7 @@ CAPABILITIES = dataclasses.replace(KERNEL_LIMITS, capture=True)
 GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"), (16, 1, 4, 128, 3, "narrow"),
                  (16, 1, 4, 128, 3, "placed"), (64, 1, 4, 64, 4, "narrow"),
                  (64, 1, 8, 128, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 2, 8, 64, 6, "wgmma"),
-                 (64, 2, 4, 64, 6, "wgmma"), (32, 2, 4, 64, 6, "wgmma"))
+                 (64, 2, 4, 64, 6, "wgmma"))
 #: gemv_nvfp4_ring.cu's RING_ONE_ENTRIES / RING_GLU_ENTRY lines: (steps of 128 k per slab T, ring depth D); one
 #: geometry, the fastest measured (docs/perf/DESIGN-NOTES.md)
 RING_KERNELS = ((4, 2),)

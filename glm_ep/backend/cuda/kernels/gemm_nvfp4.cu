@@ -448,6 +448,5 @@ GEMM_VARIANT(64, 4, 8, 128, 3, 1)
 GEMM_TILED(128, 4, 2, 4, 64, 3, 2)
 GEMM_WGMMA(128, 8, 6, 1)
 GEMM_WGMMA(64, 4, 6, 2)
-GEMM_WGMMA(32, 4, 6, 3)
 
 #include "gemm_nvfp4_dequant.cuh"
