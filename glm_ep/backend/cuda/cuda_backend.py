@@ -417,10 +417,8 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         """One grouped-GEMM launch a projection (``grouped.nvfp4_experts_sorted``); where it takes the wgmma
         variant, x is staged into ``up`` (dead here: the fused gate + up launch writes only act) and act holds the
         staged k order."""
-        n = x_TK.size
-        stage = up_SM.reshape(-1)[:n].reshape(x_TK.shape) if up_SM.size >= n and up_SM.flags.c_contiguous else None
         grouped.nvfp4_experts_sorted(x_TK, sorted_token_ids_S, expert_offsets, _experts(expert_offsets), experts,
-                                     limit, act_SM, out_SH, stage_TK=stage, scratch=scratch)
+                                     limit, act_SM, out_SH, stage=up_SM, scratch=scratch)
 
     @_on_stream
     def expert_linear(self, a_1K, table: ExpertTable[Nvfp4Pointers], local, out_1N):

@@ -12,6 +12,7 @@ Shape suffixes: T rows, S expert-sorted slots, N/K a projection's out/in width.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -359,37 +360,50 @@ def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: An
 
 
 def experts_geometry(x_TK: Any, slots: int, num_experts: int, experts: RoutedExperts[Nvfp4Pointers],
-                     stage_TK: Any) -> tuple[GemmGeometry, GemmGeometry]:
+                     stage: Any) -> tuple[GemmGeometry, GemmGeometry]:
     """The geometries ``nvfp4_experts_sorted`` gives gate + up and down: the defaults, except that the wgmma
     variant runs for both or for neither (its act is in the staged k order, which only it reads), and only
-    with a ``stage_TK`` buffer of x's shape to stage x into."""
-    sizes = ((x_TK.size, experts.gate.weights.k), (slots * experts.gate.weights.n, experts.down.weights.k))
-    glu, down = (_geometry(None, size, slots, num_experts, k, "nvfp4_experts_sorted", True) for size, k in sizes)
-    if glu.staged and down.staged and stage_TK is not None:
-        return glu, down
+    with a ``stage`` buffer to stage x into (None: none)."""
+    return _experts_geometry(x_TK.size, slots, num_experts, experts.gate.weights.k, experts.gate.weights.n,
+                             experts.down.weights.k, stage is not None and stage.size >= x_TK.size, wgmma_here())
+
+
+@functools.lru_cache(maxsize=4096)
+def _experts_geometry(x_size: int, slots: int, num_experts: int, k_glu: int, n_glu: int, k_down: int,
+                      can_stage: bool, wgmma: bool) -> tuple[GemmGeometry, GemmGeometry]:
+    """``experts_geometry``'s choice, cached: a prefill call makes it on the host before its launches."""
+    sizes = ((x_size, k_glu), (slots * n_glu, k_down))
+    if can_stage and wgmma:
+        glu, down = (_geometry(None, size, slots, num_experts, k, "nvfp4_experts_sorted", True) for size, k in sizes)
+        if glu.staged and down.staged:
+            return glu, down
     glu, down = (_geometry(None, size, slots, num_experts, k, "nvfp4_experts_sorted", False) for size, k in sizes)
     return glu, down
 
 
 def nvfp4_experts_sorted(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: Any, num_experts: int,
                          experts: RoutedExperts[Nvfp4Pointers], limit: float, act_SM: Any, out_SN: Any,
-                         stage_TK: Any = None, scratch: Any = None) -> None:
+                         stage: Any = None, scratch: Any = None) -> None:
     """The routed experts of every local expert's sorted rows: gate + up + SwiGLU into ``act``, then down into
-    ``out`` (``experts_geometry``'s variants). Where that is the wgmma variant, x is first staged into
-    ``stage_TK`` (``stage_k``) and act written and read in the staged k order; ``act`` then holds the staged
-    order. ``scratch``: as ``nvfp4_gemm_sorted``'s."""
+    ``out`` (``experts_geometry``'s variants). Where that is the wgmma variant, x is first staged into the first
+    ``x.size`` elements of ``stage`` (a contiguous bf16 buffer whose contents are dead; ``stage_k``) and act
+    written and read in the staged k order; ``act`` then holds the staged order. ``scratch``: as
+    ``nvfp4_gemm_sorted``'s."""
     s = _slots(sorted_token_ids_S, expert_offsets, act_SM, experts.count, "nvfp4_experts_sorted")
-    if stage_TK is not None:
-        check("stage", stage_TK, BF16, 16), check_shape("stage", stage_TK, x_TK.shape)
-    glu, down = experts_geometry(x_TK, s, num_experts, experts, stage_TK)
-    xs = x_TK
-    if glu.staged:
-        stage_k(x_TK, stage_TK)
-        xs = stage_TK
+    glu, down = experts_geometry(x_TK, s, num_experts, experts, stage)
+    if not glu.staged:  # the two launches' own defaults, for an x in the natural k order
+        nvfp4_gemm_sorted_glu(x_TK, sorted_token_ids_S, expert_offsets, num_experts, experts, limit, act_SM,
+                              scratch=scratch)
+        nvfp4_gemm_sorted(act_SM, False, sorted_token_ids_S, expert_offsets, num_experts, experts.down, out_SN,
+                          scratch=scratch)
+        return
+    check("stage", stage, BF16, 16)
+    xs = stage.reshape(-1)[:x_TK.size].reshape(x_TK.shape)
+    stage_k(x_TK, xs)
     nvfp4_gemm_sorted_glu(xs, sorted_token_ids_S, expert_offsets, num_experts, experts, limit, act_SM,
-                          variant=glu.variant, scratch=scratch, x_staged=glu.staged, act_staged=glu.staged)
+                          variant=glu.variant, scratch=scratch, x_staged=True, act_staged=True)
     nvfp4_gemm_sorted(act_SM, False, sorted_token_ids_S, expert_offsets, num_experts, experts.down, out_SN,
-                      variant=down.variant, scratch=scratch, x_staged=down.staged)
+                      variant=down.variant, scratch=scratch, x_staged=True)
 
 
 DEQUANT_THREADS = 256
