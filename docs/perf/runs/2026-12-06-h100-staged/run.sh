@@ -14,11 +14,20 @@ staged)  # run 1: x staged (stage_k64), the placed dequantization in the wgmma e
   stage compare; python .devrun/compare.py tree kernels_prev 2>&1 | grep wg8 | tee $OUT/compare.txt
   stage probe tree again; timeout 70 python .devrun/probe3.py --rows=1024,4096 --variants=m128wg8k64 2>&1 | grep -E "^[{]|not here|rror" | tee -a $OUT/times.txt
   ;;
-staged2)  # run 2: the coalesced stage_k64; the wgmma switch (35.6 and 42.7 rows an expert); ncu of gate + up at 4096 rows; the shipped bench
-  stage tests; timeout 120 python -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_dense.py -k "stage or experts_sorted or staged or nvfp4 or variants" 2>&1 | tail -4 | tee $OUT/tests.txt
-  stage probe; timeout 110 python .devrun/probe3.py --rows=1280,1536,4096 --variants=m64w4k64n,m128wg8k64 2>&1 | grep -E "^[{]|not here|rror" | tee -a $OUT/times.txt
-  stage ncu; timeout 100 ncu --kernel-name regex:"nvfp4_gemm_sorted_glu_m128wg8k64" --launch-count 1 --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__cycles_elapsed.avg" python .devrun/probe3.py --rows=4096 --variants=m128wg8k64 > $OUT/ncu.txt 2>&1
-  stage bench; timeout 300 python -m glm_ep bench --prefill --rows 64 1024 4096 --out $OUT 2>&1 | tail -3
+late4)  # run 2: tests of the staged engine and the 64- and 32-row wgmma tiles, then the bench (its variant table times every tile)
+  stage tests; timeout 110 python -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_dense.py -k "stage or experts_sorted or staged or variants or split" 2>&1 | tail -4 | tee $OUT/tests.txt
+  stage bench; timeout 220 python -m glm_ep bench --prefill --rows 64 1024 4096 --out $OUT 2>&1 | tail -3
+  ;;
+run3)  # run 3 (the machine still warm): the bit-exact dequantization and prefill path tests; the tiles at 1536 and 2048 rows
+  timeout 75 python -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py -k "bit_exact or sorted or wide or prefill" 2>&1 | tail -3
+  timeout 70 python .devrun/probe3.py --rows=1536,2048 --variants=m64w4k64n,m32wg4k64,m64wg4k64,m128wg8k64 2>&1 | grep -E "^[{]|rror"
+  ;;
+run4)  # run 4: the narrow 64-row tile against the 64-row wgmma tile at 384..768 rows
+  timeout 60 python .devrun/probe3.py --rows=384,512,768 --variants=m64w4k64n,m64wg4k64 2>&1 | grep -E "^[{]|rror"
+  ;;
+run5)  # run 5: tree f71acc5 (the 64-row wgmma tile the default past 20 rows an expert, the 32-row one not built): its tests, then the shipped bench
+  timeout 40 python -m pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_gemm.py -k "experts_sorted or m64wg4k64" 2>&1 | tail -1 | tee $OUT/tests.txt
+  timeout 85 python -m glm_ep bench --prefill --rows 64 1024 4096 --out $OUT 2>&1 | tail -2
   ;;
 esac
 stage done
