@@ -140,7 +140,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         o = out[:rows]
         r: dict[str, Any] = {"rows": rows, "path": site.experts.path_for(rows)}
         r["variant"] = NV.experts_geometry(x, rows * k, model.n_routed_experts, moe.experts,
-                                           ws.view("a_up", rows * k, m))[0].suffix
+                                           ws.view("a_up", rows * k, m))[0].suffix  # the backend's stage buffer
         r["sparse_us"] = t(lambda: site(x, ws, o), rows)
         r["sparse_sorted_us"] = t(lambda: sorted_site(x, ws, o), rows)
         if rows <= UNION_MAX_TIMED:
@@ -156,8 +156,9 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         routed = ws.view("expert_out", s, h)
         r["sort_us"] = t(lambda: be.sort_by_expert(ids_TK, model.n_routed_experts, tok, eid, offsets, perm), rows)
         # the launches moe_experts_sorted makes, one at a time: x staged (the wgmma variant), gate + up, down
-        xs = up.reshape(-1)[:x.size].reshape(x.shape)  # where the backend stages x
-        glu_geo, down_geo = NV.experts_geometry(x, s, model.n_routed_experts, moe.experts, xs)
+        # where the backend stages x (a_up; none where it cannot hold x)
+        xs = up.reshape(-1)[:x.size].reshape(x.shape) if up.size >= x.size else None
+        glu_geo, down_geo = NV.experts_geometry(x, s, model.n_routed_experts, moe.experts, up)
         staged = glu_geo.staged
         with stream:
             r["stage_us"] = t(lambda: NV.stage_k(x, xs), rows) if staged else 0.0
@@ -170,13 +171,13 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
                                                           x_staged=staged), rows)
         r["gemm_tflops"] = 6 * s * m * h / ((r["stage_us"] + r["glu_us"] + r["down_us"]) * 1e-6) / 1e12
         r["variants"] = {}
-        if not staged:
+        if not staged and xs is not None and NV.wgmma_here():
             with stream:
-                NV.stage_k(x, xs)  # the wgmma variant's x
+                NV.stage_k(x, xs)  # the wgmma variants' x
         for v in NV.GEMM_VARIANTS:  # every tile shape on this width: the evidence for gemm_variant
-            if not NV.runs_here(v):
-                continue
             st = NV.GemmGeometry.of(v).staged
+            if not NV.runs_here(v) or (st and xs is None):
+                continue
             with stream:
                 glu = t(lambda: NV.nvfp4_gemm_sorted_glu(xs if st else x, tok, offsets, model.n_routed_experts,
                                                          moe.experts, cfg.swiglu_limit, act, variant=v, x_staged=st,

@@ -397,6 +397,9 @@ def nvfp4_experts_sorted(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: Any
         nvfp4_gemm_sorted(act_SM, False, sorted_token_ids_S, expert_offsets, num_experts, experts.down, out_SN,
                           scratch=scratch)
         return
+    if x_TK.ndim != 2 or x_TK.shape[1] != experts.gate.weights.k:  # before x is staged
+        raise ValueError(f"nvfp4_experts_sorted: x has shape {tuple(x_TK.shape)}, expected [rows, "
+                         f"{experts.gate.weights.k}]")
     check("stage", stage, BF16, 16)
     xs = stage.reshape(-1)[:x_TK.size].reshape(x_TK.shape)
     stage_k(x_TK, xs)

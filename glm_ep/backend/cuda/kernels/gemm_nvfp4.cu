@@ -16,7 +16,7 @@
 //     shared memory, both operands by ldmatrix (GemmTiled, gemm_nvfp4_tiled.cuh);
 //   wgmma (sm_90a): the weights dequantized straight into wgmma's register A operand by bit placement, the x
 //     rows its n side, read in a staged k order (stage_k64 writes it once a call; gate + up writes act in it),
-//     four warpgroups of 64 weight rows (GemmWg, gemm_nvfp4_wgmma.cuh; the copies are the tiled engine's).
+//     two or four warpgroups of 64 weight rows (GemmWg, gemm_nvfp4_wgmma.cuh; the copies are the tiled engine's).
 // The variants (BM 16 .. 128) let a width whose experts hold few rows each skip the mma work and
 // x staging of empty rows; the wrapper picks one from the expected rows per expert. blockIdx.x =
 // tile * n_blocks + n_block, so the blocks of one row tile sweep the weight rows back to back while
@@ -44,7 +44,7 @@
 //
 // Entry points, one per GEMM_NARROW / GEMM_PLACED / GEMM_VARIANT / GEMM_TILED / GEMM_WGMMA line below (grids
 // computed in glm_ep/backend/cuda/grouped.py; SUFFIX m{BM}w{W}k{BK}n, m{BM}w{W}k{BK}p, m{BM}w{W}k{BK},
-// m{BM}w{WM}x{WN}k{BK} or m128wg{WN}k64):
+// m{BM}w{WM}x{WN}k{BK} or m{BM}wg{WN}k64):
 //   nvfp4_gemm_sorted_SUFFIX       one projection                        grid (tiles * ceil(N / BN), splits)
 //   nvfp4_gemm_sorted_glu_SUFFIX   gate + up + SwiGLU, writes act only   grid (tiles * ceil(N / (BN / 2)), splits)
 //   nvfp4_gemm_reduce[_glu]        a K split's second pass               grid (slots * N / 4 threads)
