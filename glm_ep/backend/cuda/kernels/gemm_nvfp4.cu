@@ -136,26 +136,18 @@ struct DequantLut {
     }
 };
 
-// 8 nibbles (one word, k 2j in the low and 2j + 1 in the high nibble of byte j) times block scales held as
-// bf16 pairs (e4m3 * 2^-8, e4m3 * 2^-8), scale_lo for bytes 0 and 1, scale_hi for bytes 2 and 3: b[j] = (k 2j,
-// k 2j + 1) as an exact bf16 pair.
-__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale_lo, unsigned scale_hi, unsigned (&b)[4],
-                                             const DequantLut& lut) {
+// 8 nibbles (one word, k 2j in the low and 2j + 1 in the high nibble of byte j) times a block scale
+// held as the bf16 pair (e4m3 * 2^-8, e4m3 * 2^-8): b[j] = (k 2j, k 2j + 1) as an exact bf16 pair.
+__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsigned (&b)[4],
+                                             const DequantLut& lut = DequantLut::constants()) {
     const unsigned m = q & 0x77777777u, sh = q << 4;  // magnitudes; byte j's high nibble = q byte j's low nibble
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // nibbles 4h .. 4h + 3: bytes 2h and 2h + 1
         unsigned p0, p1;  // |e2m1| with its sign
         lookup_bf16_pairs(q, m, sh, h, lut.lo0, lut.lo1, lut.hi0, lut.hi1, p0, p1);
-        const unsigned s = h ? scale_hi : scale_lo;
-        b[2 * h] = fma_bf16x2(p0, s, 0x80008000u);  // exact product (+ -0)
-        b[2 * h + 1] = fma_bf16x2(p1, s, 0x80008000u);
+        b[2 * h] = fma_bf16x2(p0, scale2x, 0x80008000u);  // exact product (+ -0)
+        b[2 * h + 1] = fma_bf16x2(p1, scale2x, 0x80008000u);
     }
-}
-
-// The same under one block scale (a word of 8 consecutive k lies in one 16-k block).
-__device__ __forceinline__ void dequant_word(unsigned q, unsigned scale2x, unsigned (&b)[4],
-                                             const DequantLut& lut = DequantLut::constants()) {
-    dequant_word(q, scale2x, scale2x, b, lut);
 }
 
 // An E4M3 byte as the bf16 pair (e4m3 * 2^-8 * factor, twice): the bits shifted into an fp16 (e4m3 * 2^-8,
@@ -186,32 +178,6 @@ __device__ __forceinline__ void dequant_word_placed(unsigned v, unsigned scale2x
     placed_pairs(v, p);
 #pragma unroll
     for (int i = 0; i < 4; ++i) b[i] = fma_bf16x2(p[i], scale2x, 0x80008000u);  // exact product (+ -0)
-}
-
-// The staged k order the wgmma engine reads x in (gemm_nvfp4_wgmma.cuh): in each 64 k of a row, position
-// 16 s + 8 j + 2 t + e holds k 16 t + 8 j + 4 e + s. staged_column(k): where k goes.
-__device__ __forceinline__ int staged_column(int k) {
-    const int c = k & 63;
-    return (k & ~63) | (16 * (c & 3) + 8 * ((c >> 3) & 1) + 2 * (c >> 4) + ((c >> 2) & 1));
-}
-
-// out[row] = x[row] in the staged k order, for rows x K (K a multiple of 64): a thread per 16-byte piece of the
-// output (8 threads a 64-k block: their loads hit the block's one 128-byte line, their stores are one contiguous
-// run), grid-stride. Output word 4 c + i of piece c is positions 16 s + 8 j + 2 t, + 1 with s = c / 2, j = c % 2,
-// t = i: the pair (k 16 t + 8 j + s, + 4), half s % 2 of input words 8 t + 4 j + s / 2 and that + 2.
-extern "C" __global__ void __launch_bounds__(256) stage_k64(const unsigned* __restrict__ x, uint4* __restrict__ out,
-                                                           long long pieces) {
-    pdl_enter();
-    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < pieces;
-         p += (long long)gridDim.x * blockDim.x) {
-        const int c = (int)(p & 7);
-        const unsigned* in = x + 32 * (p >> 3) + 4 * (c & 1) + (c >> 2);
-        const unsigned sel = (c & 2) ? 0x7632u : 0x5410u;
-        unsigned o[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[i] = prmt(in[8 * i], in[8 * i + 2], sel);
-        out[p] = make_uint4(o[0], o[1], o[2], o[3]);
-    }
 }
 
 #include "gemm_nvfp4_register.cuh"

@@ -1,15 +1,15 @@
 // The grouped GEMM's wgmma engine (sm_90a): the weights are wgmma's A operand, dequantized straight into its
 // register fragments, and the x rows its B operand (the n side) in shared memory. Part of gemm_nvfp4.cu, included
 // after gemm_nvfp4_tiled.cuh: it uses TileCopies' copies there, and dequant_word_placed and scale_pairs from
-// gemm_nvfp4.cu.
+// gemm_nvfp4.cu; it holds the staged k order's pass (stage_k64) and column map (staged_column).
 //
 // Why this orientation: an engine that dequantizes the weight tile into shared memory as bf16 and reads it back
 // as wgmma's B (the engine this one replaced) moves 16 KB in and 32 KB out of shared memory a stage of
 // 128 x 128 x 64 beside the x rows; here the bf16 weights never touch shared memory, only their packed bytes.
 //
 // A block: WGS warpgroups (128 WGS threads), 64 WGS weight rows (the fused GLU: 32 WGS gate rows and the same up
-// rows) x up to BM (32, 64 or 128) sorted rows of one expert, 64 k a stage. Warpgroup wg's wgmma is m64 x n{32, 64, 128} x k16:
-// its row 16 w + g (warp w, lane (g, t)) is tile row r = 32 wg + 8 w + g, its row 16 w + g + 8 is tile row
+// rows) x up to BM (32, 64 or 128) sorted rows of one expert, 64 k a stage. Warpgroup wg's wgmma is
+// m64 x n{32, 64, 128} x k16: its row 16 w + g (warp w, lane (g, t)) is tile row r = 32 wg + 8 w + g, its row 16 w + g + 8 is tile row
 // 32 WGS + r, so one thread holds the sums of gate row r and up row r for the same x rows (the SwiGLU needs no
 // exchange). The n side is the smallest of 32, 64 and 128 that covers the tile's rows (an expert's last tile
 // pays no mma for its empty x rows); x rows past the tile's are zero-filled and never stored. More warpgroups
@@ -38,6 +38,33 @@
 // NumPy twin: NumpyBackend.moe_gate_up_act_sorted and moe_gemm_sorted (glm_ep/backend/numpy_backend.py); held
 // together by tests/cuda/test_cuda_gemm.py::test_gemm_variants and test_gemm_variants_partial_tiles.
 #pragma once
+
+// The staged k order (above): in each 64 k of a row, position 16 s + 8 j + 2 t + e holds k 16 t + 8 j + 4 e + s.
+// staged_column(k): where k goes (the gate + up epilogue's act_staged).
+__device__ __forceinline__ int staged_column(int k) {
+    const int c = k & 63;
+    return (k & ~63) | (16 * (c & 3) + 8 * ((c >> 3) & 1) + 2 * (c >> 4) + ((c >> 2) & 1));
+}
+
+// out[row] = x[row] in the staged k order, for rows x K (K a multiple of 64): a thread per 16-byte piece of the
+// output (8 threads a 64-k block: their loads hit the block's one 128-byte line, their stores are one contiguous
+// run), grid-stride. Output word 4 c + i of piece c is positions 16 s + 8 j + 2 t, + 1 with s = c / 2, j = c % 2,
+// t = i: the pair (k 16 t + 8 j + s, + 4), half s % 2 of input words 8 t + 4 j + s / 2 and that + 2. NumPy twin:
+// glm_ep/backend/cuda/grouped.py's staged_order (tests/cuda/test_cuda_gemm.py::test_stage_k_is_the_staged_order).
+extern "C" __global__ void __launch_bounds__(256) stage_k64(const unsigned* __restrict__ x, uint4* __restrict__ out,
+                                                           long long pieces) {
+    pdl_enter();
+    for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < pieces;
+         p += (long long)gridDim.x * blockDim.x) {
+        const int c = (int)(p & 7);
+        const unsigned* in = x + 32 * (p >> 3) + 4 * (c & 1) + (c >> 2);
+        const unsigned sel = (c & 2) ? 0x7632u : 0x5410u;
+        unsigned o[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] = prmt(in[8 * i], in[8 * i + 2], sel);
+        out[p] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
 
 // A K-major, 128-byte-swizzled operand at shared address addr: rows 128 bytes apart, groups of 8 rows
 // 1024 bytes apart (the stride byte offset), the leading byte offset unused (1).
@@ -133,12 +160,11 @@ struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
             cp_async_commit();
         }
         const unsigned char* wgen = dyn_smem + pad + STAGES * X_BYTES;
-        if (BM > 64 && tile.rows > 64)  // block-uniform
-            k_loop<(BM > 64 ? 128 : 32)>(xs, ws, wgen, kblocks, x, d);
-        else if (BM > 32 && tile.rows > 32)
-            k_loop<(BM > 32 ? 64 : 32)>(xs, ws, wgen, kblocks, x, d);
-        else
-            k_loop<32>(xs, ws, wgen, kblocks, x, d);
+        if constexpr (BM > 64)
+            if (tile.rows > 64) return k_loop<128>(xs, ws, wgen, kblocks, x, d);  // block-uniform
+        if constexpr (BM > 32)
+            if (tile.rows > 32) return k_loop<64>(xs, ws, wgen, kblocks, x, d);
+        k_loop<32>(xs, ws, wgen, kblocks, x, d);
     }
 
     // This thread's A fragments of a stage (its packed weights and scales at w): a[s] for k step s of 16. Lane t
