@@ -395,21 +395,24 @@ def test_gemm_k_split_needs_its_scratch(rng):
     assert unwritten(host(out)).all()
 
 
+@pytest.mark.parametrize("stages", [3, 7], ids=["k3", "k7"])
 @pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
-def test_gemm_variants_partial_tiles(rng, variant):
-    """The edges of every variant: a K of 1 and 3 pipeline stages (down at width BK, gate/up at 3 BK hidden),
-    an out width that ends inside a block (gate/up 224 wide, down 3 BK), ragged experts, an EP window."""
+def test_gemm_variants_partial_tiles(rng, variant, stages):
+    """The edges of every variant: a K of 1 and `stages` pipeline stages (down at width BK, gate/up at that many BK
+    hidden: 3 is fewer than any pipeline's depth, 7 ends one stage into the wgmma engine's second round of six
+    slots), an out width that ends inside a block (gate/up 224 wide, down `stages` BK), ragged experts, an EP
+    window."""
     runs_here(variant)
     geo = grouped.GemmGeometry.of(variant)
     dk, start, count = geo.bk, 2, 28
-    h = 3 * dk
+    h = stages * dk
     t, route = ragged_route(rng, start, count)
     s = t * TOP_K
-    cu, nu = both(weights(rng, h=h, m=224, start=start, count=count))  # gate/up: N = 224, K = 3 BK
-    cud, nud = both(weights(rng, h=h, m=dk, start=start, count=count))  # down: N = 3 BK, K = BK
+    cu, nu = both(weights(rng, h=h, m=224, start=start, count=count))  # gate/up: N = 224, K = stages BK
+    cud, nud = both(weights(rng, h=h, m=dk, start=start, count=count))  # down: N = stages BK, K = BK
     cu, nu = replace(cu, down=cud.down), replace(nu, down=nud.down)
     check_variant(variant, rand_bf16(rng, (t, h), 4.0), rand_bf16(rng, (s, dk)), cu, nu, route,
                   f"{geo.suffix}, gate/up N 224 K {h}, down N {h} K {dk}")
-    # gate + up split over every stage of k, their out width ending inside a block
+    # gate + up split 3 ways over its stages of k, their out width ending inside a block
     check_variant(variant, rand_bf16(rng, (t, h), 4.0), rand_bf16(rng, (s, dk)), cu, nu, route,
                   f"{geo.suffix}, gate/up N 224 K {h} in 3 K splits", splits=3)

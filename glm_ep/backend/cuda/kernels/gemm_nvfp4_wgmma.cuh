@@ -24,13 +24,15 @@
 // fp32 sums run over the same k, in wgmma's order. The gate + up launch writes act in the staged order too
 // (act_staged), so the down projection reads it as it is.
 //
-// Pipeline: STAGES slots of (x rows; packed weights and scales) filled by cp.async, STAGES - 1 stages ahead (the
-// weights' and scales' copies prefetch their 128-byte blocks into L2). Stage kb, its fragments made: one barrier
-// (everyone's copies of kb and kb + 1 landed, everyone's wgmma of kb - 1 done, so its slot is refilled now), the
-// 4 wgmma of kb issued, the fragments of kb + 1 made while they run, then a wait for them. The fragments of
-// kb + 1 go to registers of their own and are moved into the wgmma operands after the wait: ptxas serializes
-// every wgmma of a kernel in which register arithmetic defines an operand of a wgmma while one is in flight
-// (C7513), which writing them in place would do.
+// Pipeline: STAGES slots of (x rows; packed weights and scales) filled by cp.async, STAGES - 2 stages ahead (the
+// weights' and scales' copies prefetch their 128-byte blocks into L2), and one stage's wgmma left in flight across
+// the next stage's barrier, so the tensor pipe has the next stage queued while the fragments are made. Stage kb,
+// its fragments made: one barrier (everyone's copies of kb and kb + 1 landed; everyone has waited for its wgmma of
+// kb - 2, so that slot is refilled now), the 4 wgmma of kb issued, the copies, a wait for the wgmma of kb - 1,
+// then the fragments of kb + 1 into the register set that wgmma read, while those of kb run. The two register
+// sets alternate by name (the loop is unrolled by the STAGES slots, which also makes every slot's shared memory
+// offset a constant): ptxas serializes every wgmma of a kernel in which register arithmetic defines an operand of
+// a wgmma in flight (C7513), and with a set known apart from the one in flight it need not.
 //
 // Accumulators d[4 j + e], n8 tile j of x rows: e = 0, 1: tile row r against x rows 8 j + 2 t, + 1; e = 2, 3:
 // tile row 32 WGS + r against the same x rows.
@@ -141,7 +143,7 @@ struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
     static constexpr int X_BYTES = C::X_BYTES, W_BYTES = C::W_BYTES, WS_BYTES = W_BYTES + BN * BK / 16;
     // 1024-byte aligned: the x slots (wgmma's 128-byte swizzle), then the packed weights and scales of each slot
     static constexpr int SMEM = STAGES * (X_BYTES + WS_BYTES);
-    static_assert(STAGES >= 3, "the copies run STAGES - 1 stages ahead, the fragments one");
+    static_assert(STAGES >= 4, "the copies run STAGES - 2 stages ahead, the fragments one");
 
     // This thread's tile rows: r and HALF + r.
     static __device__ __forceinline__ int row() {
@@ -155,7 +157,7 @@ struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
         const unsigned raw = smem_u32(dyn_smem), pad = ((raw + 1023u) & ~1023u) - raw;
         const unsigned xs = raw + pad, ws = xs + STAGES * X_BYTES;
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s) {
+        for (int s = 0; s < STAGES - 2; ++s) {
             if (s < kblocks) this->load_split(xs + s * X_BYTES, ws + s * WS_BYTES, x);
             cp_async_commit();
         }
@@ -193,47 +195,52 @@ struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
         }
     }
 
-    // One stage kb in slot `slot` (its fragments a already made); the copies of stage kb + STAGES - 1 go to slot
-    // `ld`, that of kb - 1; the fragments of stage kb + 1 are made while the wgmma of kb run.
+    // One stage kb in slot `slot`, its fragments in `a`; the wgmma of kb - 1 (fragments in `b`) may still run. The
+    // copies of stage kb + STAGES - 2 go to the slot of kb - 2, whose wgmma every warpgroup has waited for; the
+    // fragments of stage kb + 1 go to `b` once the wgmma of kb - 1 is done, while those of kb run.
     template <int N>
-    __device__ __forceinline__ void stage(int kb, int kblocks, int slot, int ld, unsigned xs, unsigned ws,
+    __device__ __forceinline__ void stage(int kb, int kblocks, int slot, unsigned xs, unsigned ws,
                                           const unsigned char* wgen, const bf16_t* x, int r, unsigned sel,
-                                          unsigned (&a)[BK / 16][4], float (&d)[64]) {
-        cp_async_wait<STAGES - 3>();  // stages kb and kb + 1 (this thread's copies) ...
+                                          const unsigned (&a)[BK / 16][4], unsigned (&b)[BK / 16][4],
+                                          float (&d)[64]) {
+        cp_async_wait<STAGES - 4>();  // stages kb and kb + 1 (this thread's copies) ...
         fence_proxy_async();          // ... visible to wgmma ...
-        __syncthreads();              // ... everyone's; everyone's wgmma of kb - 1 is done: slot ld is free
-        if (kb + STAGES - 1 < kblocks) this->load_split(xs + ld * X_BYTES, ws + ld * WS_BYTES, x);
-        cp_async_commit();
+        __syncthreads();              // ... everyone's; everyone's wgmma of kb - 2 is done: its slot is free
         const u64_t db = sw128_desc(xs + slot * X_BYTES);
         wgmma_fence();
 #pragma unroll
         for (int s = 0; s < BK / 16; ++s) wgmma_rs<N>(d, a[s], db + 2 * s);
         wgmma_commit();
-        unsigned nxt[BK / 16][4];
-        if (kb + 1 < kblocks) fragments(wgen + (slot == STAGES - 1 ? 0 : slot + 1) * WS_BYTES, r, sel, nxt);
-        wgmma_wait<0>();
-#pragma unroll
-        for (int s = 0; s < BK / 16; ++s)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) asm volatile("mov.b32 %0, %1;" : "=r"(a[s][i]) : "r"(nxt[s][i]));
+        const int ld = slot >= 2 ? slot - 2 : slot + STAGES - 2;
+        if (kb + STAGES - 2 < kblocks) this->load_split(xs + ld * X_BYTES, ws + ld * WS_BYTES, x);
+        cp_async_commit();
+        wgmma_wait<1>();  // the wgmma of kb - 1, which read b
+        if (kb + 1 < kblocks) fragments(wgen + (slot == STAGES - 1 ? 0 : slot + 1) * WS_BYTES, r, sel, b);
     }
 
-    // The K loop with the n side N.
+    // The K loop with the n side N: two stages a round, so that the fragments alternate between two register sets
+    // by name (one feeds the wgmma in flight, the other is made for the next stage).
     template <int N>
     __device__ __forceinline__ void k_loop(unsigned xs, unsigned ws, const unsigned char* wgen, int kblocks,
                                            const bf16_t* x, float (&d)[64]) {
         const int r = row(), t = threadIdx.x & 3;
         const unsigned sel = (unsigned)t | ((unsigned)(t + 4) << 4);  // byte t of two words: the lane's block scales
-        int slot = 0, ld = STAGES - 1;
-        unsigned a[BK / 16][4];
-        cp_async_wait<STAGES - 2>();
+        unsigned a[BK / 16][4], b[BK / 16][4];
+        cp_async_wait<STAGES - 3>();
         __syncthreads();
         fragments(wgen, r, sel, a);
+        static_assert(STAGES % 2 == 0, "a round of STAGES stages alternates the two register sets");
 #pragma unroll 1
-        for (int kb = 0; kb < kblocks; ++kb) {
-            stage<N>(kb, kblocks, slot, ld, xs, ws, wgen, x, r, sel, a, d);
-            ld = slot, slot = slot == STAGES - 1 ? 0 : slot + 1;
+        for (int k0 = 0; k0 < kblocks; k0 += STAGES) {
+#pragma unroll
+            for (int i = 0; i < STAGES; i += 2) {  // slot i: a compile-time offset
+                if (k0 + i >= kblocks) break;
+                stage<N>(k0 + i, kblocks, i, xs, ws, wgen, x, r, sel, a, b, d);
+                if (k0 + i + 1 >= kblocks) break;
+                stage<N>(k0 + i + 1, kblocks, i + 1, xs, ws, wgen, x, r, sel, b, a, d);
+            }
         }
+        wgmma_wait<0>();
         cp_async_wait<0>();
     }
 };
