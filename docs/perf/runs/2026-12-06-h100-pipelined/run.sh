@@ -20,5 +20,13 @@ run2)  # run 2, on the same warm machine right after: every CUDA GEMM, path and 
   timeout 200 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py tests/cuda/test_cuda_dense.py 2>&1 | tail -3 | tee $OUT/tests_full.txt
   for k in "" --kdir=kernels_cur; do OUT=/tmp timeout 60 python .devrun/probe3.py $k --rows=1024,2048,4096 --variants=m64wg4k64,m128wg8k64 2>&1 | grep -E "^[{]|rror" | tee -a $OUT/times2.txt; done
   ;;
+run3)  # run 3: the wgmma variants on 8 slots (kernels_s8, .devrun/stages.py) against the tree's 6; their GEMM tests, outputs compared, times interleaved
+  stage tests s8; timeout 70 python .devrun/stages.py 8 pytest -q -x -p no:cacheprovider tests/cuda/test_cuda_gemm.py -k "wg or experts_sorted or stage" 2>&1 | tail -3 | tee $OUT/tests_s8.txt
+  stage probe tree; OUT=/tmp timeout 45 python .devrun/probe3.py --rows=1024,4096 --variants=m64wg4k64,m128wg8k64 --save 2>&1 | grep -E "^[{]|rror" | tee -a $OUT/times_s8.txt
+  stage probe s8; OUT=/tmp timeout 45 python .devrun/stages.py 8 probe --kdir=kernels_s8 --rows=1024,4096 --variants=m64wg4k64,m128wg8k64 --save 2>&1 | grep -E "^[{]|rror" | tee -a $OUT/times_s8.txt
+  stage compare; python .devrun/compare.py tree kernels_s8 2>&1 | tee $OUT/compare_s8.txt
+  [ $SECONDS -lt 190 ] && { stage probe tree again; OUT=/tmp timeout 45 python .devrun/probe3.py --rows=1024,4096 --variants=m64wg4k64,m128wg8k64 2>&1 | grep -E "^[{]|rror" | tee -a $OUT/times_s8.txt; }
+  [ $SECONDS -lt 240 ] && { stage probe s8 again; OUT=/tmp timeout 45 python .devrun/stages.py 8 probe --kdir=kernels_s8 --rows=1024,4096 --variants=m64wg4k64,m128wg8k64 2>&1 | grep -E "^[{]|rror" | tee -a $OUT/times_s8.txt; }
+  ;;
 esac
 echo "== done ($(date +%T))"
