@@ -143,7 +143,8 @@ struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
     static constexpr int X_BYTES = C::X_BYTES, W_BYTES = C::W_BYTES, WS_BYTES = W_BYTES + BN * BK / 16;
     // 1024-byte aligned: the x slots (wgmma's 128-byte swizzle), then the packed weights and scales of each slot
     static constexpr int SMEM = STAGES * (X_BYTES + WS_BYTES);
-    static_assert(STAGES >= 4, "the copies run STAGES - 2 stages ahead, the fragments one");
+    static_assert(STAGES >= 4 && STAGES % 2 == 0, "the copies run STAGES - 2 stages ahead, the fragments one; a "
+                  "round of STAGES stages alternates the two fragment register sets");
 
     // This thread's tile rows: r and HALF + r.
     static __device__ __forceinline__ int row() {
@@ -218,8 +219,9 @@ struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
         if (kb + 1 < kblocks) fragments(wgen + (slot == STAGES - 1 ? 0 : slot + 1) * WS_BYTES, r, sel, b);
     }
 
-    // The K loop with the n side N: two stages a round, so that the fragments alternate between two register sets
-    // by name (one feeds the wgmma in flight, the other is made for the next stage).
+    // The K loop with the n side N, in rounds of STAGES stages (stage k0 + i in slot i, a compile-time offset), so
+    // that the fragments alternate between two register sets by name: one feeds the wgmma in flight, the other is
+    // made for the next stage.
     template <int N>
     __device__ __forceinline__ void k_loop(unsigned xs, unsigned ws, const unsigned char* wgen, int kblocks,
                                            const bf16_t* x, float (&d)[64]) {
@@ -229,11 +231,10 @@ struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
         cp_async_wait<STAGES - 3>();
         __syncthreads();
         fragments(wgen, r, sel, a);
-        static_assert(STAGES % 2 == 0, "a round of STAGES stages alternates the two register sets");
 #pragma unroll 1
         for (int k0 = 0; k0 < kblocks; k0 += STAGES) {
 #pragma unroll
-            for (int i = 0; i < STAGES; i += 2) {  // slot i: a compile-time offset
+            for (int i = 0; i < STAGES; i += 2) {
                 if (k0 + i >= kblocks) break;
                 stage<N>(k0 + i, kblocks, i, xs, ws, wgen, x, r, sel, a, b, d);
                 if (k0 + i + 1 >= kblocks) break;
