@@ -157,7 +157,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["sort_us"] = t(lambda: be.sort_by_expert(ids_TK, model.n_routed_experts, tok, eid, offsets, perm), rows)
         # the launches moe_experts_sorted makes, one at a time: x staged (the wgmma variant), gate + up, down
         # where the backend stages x (a_up; none where it cannot hold x)
-        xs = up.reshape(-1)[:x.size].reshape(x.shape) if up.size >= x.size else None
+        xs = NV.stage_view(up, x)
         glu_geo, down_geo = NV.experts_geometry(x, s, model.n_routed_experts, moe.experts, up)
         staged = glu_geo.staged
         with stream:

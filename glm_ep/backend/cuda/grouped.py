@@ -359,13 +359,23 @@ def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: An
                 np.float32(limit))
 
 
+def _stage_holds(stage: Any, x_TK: Any) -> bool:
+    return stage is not None and stage.size >= x_TK.size
+
+
+def stage_view(stage: Any, x_TK: Any) -> Any:
+    """Where ``nvfp4_experts_sorted`` stages x: the first ``x.size`` elements of the contiguous buffer ``stage`` in
+    x's shape, or None where there is no buffer or it cannot hold x."""
+    return stage.reshape(-1)[:x_TK.size].reshape(x_TK.shape) if _stage_holds(stage, x_TK) else None
+
+
 def experts_geometry(x_TK: Any, slots: int, num_experts: int, experts: RoutedExperts[Nvfp4Pointers],
                      stage: Any) -> tuple[GemmGeometry, GemmGeometry]:
     """The geometries ``nvfp4_experts_sorted`` gives gate + up and down: the defaults, except that the wgmma
     variant runs for both or for neither (its act is in the staged k order, which only it reads), and only
     with a ``stage`` buffer to stage x into (None: none)."""
     return _experts_geometry(x_TK.size, slots, num_experts, experts.gate.weights.k, experts.gate.weights.n,
-                             experts.down.weights.k, stage is not None and stage.size >= x_TK.size, wgmma_here())
+                             experts.down.weights.k, _stage_holds(stage, x_TK), wgmma_here())
 
 
 @functools.lru_cache(maxsize=4096)
@@ -401,7 +411,7 @@ def nvfp4_experts_sorted(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: Any
         raise ValueError(f"nvfp4_experts_sorted: x has shape {tuple(x_TK.shape)}, expected [rows, "
                          f"{experts.gate.weights.k}]")
     check("stage", stage, BF16, 16)
-    xs = stage.reshape(-1)[:x_TK.size].reshape(x_TK.shape)
+    xs = stage_view(stage, x_TK)
     stage_k(x_TK, xs)
     nvfp4_gemm_sorted_glu(xs, sorted_token_ids_S, expert_offsets, num_experts, experts, limit, act_SM,
                           variant=glu.variant, scratch=scratch, x_staged=True, act_staged=True)
