@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The commands of these runs (one H100, 2026-12-07), each run one device call from the repository root with the lab
-# kernel folders beside it: .devrun/kernels_ws (kernels_ws.patch: one producer warp), kernels_ws2 (the same with
-# two), kernels_mb (kernels_mb.patch), kernels_u (kernels_u.patch), and the helpers in this folder under .devrun/.
+# kernel folders beside it: .devrun/kernels_ws (kernels_ws.patch: one producer warp), kernels_ws2 (the same, its
+# gemm_nvfp4.cu line GEMM_WGMMA_WS(64, 4, 6, 2, 2): two), kernels_mb (kernels_mb.patch), kernels_u (kernels_u.patch),
+# and under .devrun/ the helpers: kdir.py, ws.py and test_union_stale.py (here), compare.py
+# (../2026-12-06-h100-wide/compare.py) and probe3.py (../2026-12-06-h100-staged/probe3.py with probe3.patch).
 export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 T=(-q -x -p no:cacheprovider tests/cuda/test_cuda_gemm.py -k "wg or experts_sorted or stage or variants")
 case "$1" in
