@@ -123,3 +123,26 @@ def test_union_ring_rows_independent(rng):
         for i in range(r):
             for name, g, want in zip(("gate", "up", "act", "down"), got, alone[i]):
                 np.testing.assert_array_equal(g[i], want[0], err_msg=f"row {i} {name}: {r}-row union vs alone")
+
+
+@pytest.mark.parametrize("max_warps", [3, 0])
+def test_union_ring_absent_rows_leak_nothing(rng, max_warps):
+    """The union ring copies only the x rows present in an entry; an absent row's staged x is whatever an
+    earlier entry or batch left there. A batch of NaN rows that all chose the same experts fills the ring's
+    staged x with NaN; the next batch (rows sharing few experts: most of an entry's rows absent) must still
+    match NumPy, its remote slots untouched."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    be = CudaBackend(0, RingConfig(union_max_rows=8, min_items_per_sm=0, max_warps=max_warps),
+                     stream=backend().stream)
+    h, m = 2048, 1024
+    cu, nu = both(moe_weights(rng, h=h, m=m, start=0, count=E), be)
+    same = np.tile(np.arange(TOP_K, dtype=np.int32) * 3, (8, 1))
+    u_eid, u_slot = (dev(a) for a in routing.union_table(same))
+    glu = [poisoned((8, TOP_K, m), BF16) for _ in range(3)]
+    be.moe_gate_up_act_union(dev(np.full((8, h), np.nan, BF16)), cu, u_eid, u_slot, 1.0, *glu)
+    be.moe_gemv_union(dev(np.full((8, TOP_K, m), np.nan, BF16)), cu.down, u_eid, u_slot,
+                      poisoned((8, TOP_K, h), BF16), True)
+    assert np.isnan(host(glu[0]).astype(np.float32)).all(), "the NaN batch did not run"
+    ids = np.stack([rng.choice(E, TOP_K, replace=False) for _ in range(8)]).astype(np.int32)
+    check_moe_union(rng, cu, nu, ids, np.ones_like(ids, bool), h, m, "after a NaN batch", be)

@@ -13,7 +13,7 @@
 
 // ---- the union form (verify, R = 2..8 rows): one sweep of each union expert for all its rows ----
 // Work item i: (local union entry i / groups, sixteen weight rows). x row r of an entry is the
-// mma's B column r; absent rows are zero-filled and not stored. The entry's row slots ride in one
+// mma's B column r; absent rows are neither copied nor stored. The entry's row slots ride in one
 // word (4 bits a row: top_k <= 16) with a presence mask, so the producer and the store need no
 // table reads after the start.
 static_assert(UNION_MAX_IDS <= 64, "a lane holds two compact union entries");
@@ -92,8 +92,10 @@ __device__ __forceinline__ void union_src(int j, int n0, const u64_t (&wb)[2][P]
     src.ent = UnionEntry{__shfl_sync(0xffffffffu, e.slots, lane_of), __shfl_sync(0xffffffffu, e.present, lane_of)};
 }
 
-// Copy slab b of a union item: the weights, then each x row's 256 T bytes (16 T pieces; one row per
-// copy instruction, so its pointer is warp-uniform), zero-filled for an absent row.
+// Copy slab b of a union item: the weights, then each present x row's 256 T bytes (16 T pieces; one row per
+// copy instruction, so its pointer is warp-uniform). An absent row is not copied: its mma column reads what an
+// earlier item left (NaN possibly), and since a column of the mma's output depends on its own B column alone,
+// what it computes stays in that column, which is never stored.
 template <int P, int T, int R>
 __device__ __forceinline__ void issue_union_slab(RingStage<P, T, R>& st, const UnionSrc<P>& src, int b) {
     static_assert(16 * T % 32 == 0, "a copy instruction covers 32 pieces of one x row");
@@ -102,10 +104,9 @@ __device__ __forceinline__ void issue_union_slab(RingStage<P, T, R>& st, const U
 #pragma unroll
     for (int q = 0; q < R * 16 * T / 32; ++q) {
         const int i = 32 * q + lane, r = i / (16 * T), j = i % (16 * T);
-        const bool here = (src.ent.present >> r) & 1u;
+        if (!((src.ent.present >> r) & 1u)) continue;  // warp-uniform; an absent row's columns are never stored
         const bf16_t* row = src.x + r * src.x_row_stride + (long long)((src.ent.slots >> (4 * r)) & 15u) * src.x_slot_stride;
-        cp_async16_zfill(smem_u32(&st.x[r][xswz<R>(r, j)]), here ? (const void*)(row + 128 * T * (size_t)b + 8 * j)
-                                                                  : (const void*)src.x, here);
+        cp_async16(smem_u32(&st.x[r][xswz<R>(r, j)]), row + 128 * T * (size_t)b + 8 * j);
     }
 }
 
