@@ -16,16 +16,21 @@ defaults are set from (``--sweep ring|union`` in ``sweep_ring``, ``--sweep dense
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
+from glm_ep.config.topology import PathLevers, Topology
 from glm_ep.errors import ConfigError
 
 SWEEPS = ("ring", "union", "dense")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``bench`` subcommand's flags (it takes no topology or layout flags: world 1, CUDA)."""
+    """The ``bench`` subcommand's flags (no layout flags: world 1, CUDA; a one-rank topology for its levers)."""
     p.add_argument("--out", default="docs/perf", help="folder for the results table and plot")
+    p.add_argument("--topology", help="a one-rank topology TOML file or shipped name (h100-1, h200-1) whose [levers] "
+                   "the timed sites run with, as a job on that card would (default: the built-in levers); decode and "
+                   "verify, --prefill")
     p.add_argument("--layers", type=int, default=0, help="stack layers to time (0: as many as fit)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
@@ -57,6 +62,23 @@ def require_gpu() -> None:
                           "(check CUDA_VISIBLE_DEVICES and the driver)")
 
 
+def bench_levers(topology: str | None) -> tuple[PathLevers, str]:
+    """The levers the timed sites run with, and how a results file names them: a one-rank topology's
+    ``[levers]``, else the built-in ones. A ConfigError for a topology of more than one rank."""
+    if topology is None:
+        return PathLevers(), "built-in"
+    topo = Topology.load(topology)
+    if topo.world != 1:
+        raise ConfigError(f"glm-ep bench --topology {topology}: topology {topo.name!r} is for {topo.world} ranks "
+                          f"({topo.layout_text}); the bench times one rank on one GPU and takes a topology only for "
+                          "its [levers]: expected a one-rank topology (world = 1), e.g. h100-1 or h200-1")
+    builtin = PathLevers()
+    changed = [f"{f.name} = {getattr(topo.levers, f.name)!r}".replace("True", "true").replace("False", "false")
+               for f in dataclasses.fields(PathLevers) if getattr(topo.levers, f.name) != getattr(builtin, f.name)]
+    return topo.levers, f"topology {topo.name!r}: " + (", ".join(changed) + ", the rest built-in" if changed
+                                                         else "the built-in levers")
+
+
 def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
     if mpi_comm.Get_size() != 1:
         raise ConfigError(f"glm-ep bench runs on one rank (world 1), got {mpi_comm.Get_size()}")
@@ -66,6 +88,12 @@ def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
                           "2..8 rows")
     if args.moe_tp is not None and args.moe_tp < 2:
         raise ConfigError(f"--moe-tp {args.moe_tp}: expected a world of >= 2 ranks to split the experts over")
+    if args.topology and (args.sweep or args.moe_tp is not None):
+        what = f"--sweep {args.sweep}" if args.sweep else f"--moe-tp {args.moe_tp}"
+        raise ConfigError(f"glm-ep bench {what} --topology {args.topology}: {what} times its own lever sets or "
+                          "layouts on the built-in levers; --topology sets the levers of decode and verify (no flag) "
+                          "and of --prefill")
+    args.levers, args.levers_note = bench_levers(args.topology)
     require_gpu()
     if args.sweep in ("ring", "union"):
         from glm_ep.bench import sweep_ring  # needs CuPy

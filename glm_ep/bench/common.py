@@ -187,19 +187,29 @@ def card_tag(device: str) -> str:
     return words[0].lower() if words else "gpu"
 
 
-def bench_meta(device: str, copy_gbs: float) -> dict[str, Any]:
+def bench_meta(device: str, copy_gbs: float, levers: str = "") -> dict[str, Any]:
+    """``levers``: how the timed sites' levers are named (``bench_levers``); empty where a run sets its own."""
     import datetime
 
-    return {"device": device, "copy_gbs": copy_gbs, "command": "glm-ep " + " ".join(sys.argv[1:]),
+    meta = {"device": device, "copy_gbs": copy_gbs, "command": "glm-ep " + " ".join(sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "python": platform.python_version()}
+    return {**meta, "levers": levers} if levers else meta
 
 
 def results_header(title: str, meta: dict[str, Any], rates: str = "") -> list[str]:
-    """The first lines of a results file: what and where, the command, the date, the measured copy
-    bandwidth (``rates`` continues that line)."""
+    """The first lines of a results file: what and where, the command, the date, the levers where the run
+    names them, the measured copy bandwidth (``rates`` continues that line)."""
+    levers = [f"Levers: {meta['levers']}  "] if meta.get("levers") else []
     return [f"# {title}: {meta['device']}", "", f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
-            f"Measured copy bandwidth (read + write): **{meta['copy_gbs']:.0f} GB/s**{rates}"]
+            *levers, f"Measured copy bandwidth (read + write): **{meta['copy_gbs']:.0f} GB/s**{rates}"]
+
+
+def bench_backend(levers: PathLevers) -> Any:
+    """The CUDA backend a job with ``levers`` builds on device 0 (its ring levers, programmatic dependent launch)."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    return CudaBackend(0, RingConfig.from_levers(levers), dependent_launch=levers.pdl)
 
 
 def pyplot() -> Any:

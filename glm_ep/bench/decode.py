@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.bench.common import (BF16, bench_meta, card_tag, copy_bandwidth, dense_bytes, dense_nvfp4_bytes, glm_model,
-                                 gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot, results_header, sparse_bytes,
-                                 time_median, torch_time_us, world1_cfg)
+from glm_ep.bench.common import (BF16, bench_backend, bench_meta, card_tag, copy_bandwidth, dense_bytes,
+                                 dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot,
+                                 results_header, sparse_bytes, time_median, torch_time_us, world1_cfg)
 from glm_ep.dist.comm import SelfComm
 from glm_ep.config.model import ModelConfig
 from glm_ep.mlp.dispatch import ExpertDispatch
@@ -112,17 +112,15 @@ def _peers(model: ModelConfig, iters: int) -> Peers | None:
 def run_bench(args: argparse.Namespace) -> int:
     import cupy as cp
 
-    from glm_ep.backend.cuda import CudaBackend
-
     model, iters = glm_model(), args.iters
     peer = _peers(model, iters) if args.peer else None
-    be = CudaBackend(0)
+    be = bench_backend(args.levers)
     stream = be.stream
     device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     copy_gbs = copy_bandwidth(cp, stream)
     log.info("copy bandwidth %.0f GB/s", copy_gbs)
     cfg = world1_cfg(model)
-    comm, levers = SelfComm(), PathLevers()
+    comm, levers = SelfComm(), args.levers
     dispatch = ExpertDispatch.routed(be, cfg, levers)
 
     per_sparse = sparse_bytes(model, model.n_routed_experts)
@@ -216,7 +214,7 @@ def run_bench(args: argparse.Namespace) -> int:
                         copy_gbs, f"the same step captured without programmatic dependent launch (levers.pdl = "
                         f"false): {us_plain / us:.3f}x the time"))
     out_dir = Path(args.out)
-    stem = write_results(out_dir, rows, bench_meta(device, copy_gbs))
+    stem = write_results(out_dir, rows, bench_meta(device, copy_gbs, args.levers_note))
     plot_results(out_dir / f"{stem}.json")
     print((out_dir / f"{stem.upper()}.md").read_text())
     return 0

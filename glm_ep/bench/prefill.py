@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from glm_ep.backend.cuda import grouped as NV
-from glm_ep.bench.common import (BF16, bench_meta, bench_workspace, card_tag, copy_bandwidth, cupy_gemm_tflops,
-                                 dense_bytes, dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense, gpu_moe,
-                                 gpu_nvfp4_site, pyplot, results_header, sparse_roofline, time_median, torch_time_us,
-                                 world1_cfg)
+from glm_ep.bench.common import (BF16, bench_backend, bench_meta, bench_workspace, card_tag, copy_bandwidth,
+                                 cupy_gemm_tflops, dense_bytes, dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense,
+                                 gpu_moe, gpu_nvfp4_site, pyplot, results_header, sparse_roofline, time_median,
+                                 torch_time_us, world1_cfg)
 from glm_ep.dist.comm import SelfComm
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite, clamped_swiglu_mlp
@@ -67,13 +67,11 @@ def crossover(sweep: list[dict[str, Any]], slow: str = "union_us", fast: str = "
 def run_prefill_bench(args: argparse.Namespace) -> int:
     import cupy as cp
 
-    from glm_ep.backend.cuda import CudaBackend
-
     model = glm_model()
     cfg = world1_cfg(model)
     widths = sorted(set(args.rows or WIDTHS))
     max_rows = max(widths + list(SWEEP) + list(NVFP4_SWEEP))
-    be = CudaBackend(0)
+    be = bench_backend(args.levers)
     stream = be.stream
     device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     copy_gbs = copy_bandwidth(cp, stream)
@@ -89,11 +87,12 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     def sparse(levers: PathLevers) -> MoeSite:
         return MoeSite(be, comm, cfg, moe, ExpertDispatch.routed(be, cfg, levers))
 
-    site, union_site, sorted_site = sparse(PathLevers()), sparse(PathLevers(prefill_gemm=False)), \
-        sparse(PathLevers(prefill_gemm_min_rows=9))
+    lv = args.levers
+    site, union_site, sorted_site = sparse(lv), sparse(replace(lv, prefill_gemm=False)), \
+        sparse(replace(lv, prefill_gemm=True, prefill_gemm_min_rows=9))
     dense_site = DenseSite(be, comm, cfg, dense)
     with stream:
-        dense_nvfp4_site = gpu_nvfp4_site(be, comm, cfg, model, PathLevers())
+        dense_nvfp4_site = gpu_nvfp4_site(be, comm, cfg, model, lv)
 
     def seeded_rows(rows: int) -> Any:  # the same rows, so the same routing, in every run
         cp.random.seed(rows)
@@ -110,10 +109,10 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     # the dense FFN stored NVFP4 on each path: row groups, the grouped GEMM without and with its K split, its
     # projections dequantized to bf16 for cuBLAS (each forced where the levers allow)
     nvfp4_paths = {key: replace(dense_nvfp4_site, dispatch=ExpertDispatch.nvfp4_dense(be, cfg, lv)) for key, lv in (
-        ("union_us", PathLevers(prefill_gemm=False, nvfp4_dense_dequant_min_rows=0)),
-        ("sorted_nosplit_us", PathLevers(prefill_k_split=False, nvfp4_dense_dequant_min_rows=0)),
-        ("sorted_us", PathLevers(nvfp4_dense_dequant_min_rows=0)),
-        ("dequant_us", PathLevers(nvfp4_dense_dequant_min_rows=SWEEP[0])))}
+        ("union_us", replace(lv, prefill_gemm=False, nvfp4_dense_dequant_min_rows=0)),
+        ("sorted_nosplit_us", replace(lv, prefill_gemm=True, prefill_k_split=False, nvfp4_dense_dequant_min_rows=0)),
+        ("sorted_us", replace(lv, prefill_gemm=True, prefill_k_split=True, nvfp4_dense_dequant_min_rows=0)),
+        ("dequant_us", replace(lv, prefill_gemm=True, nvfp4_dense_dequant_min_rows=SWEEP[0])))}
     # the dequant path's own pass: one projection of the dense FFN to bf16, against the copy bandwidth
     gate = dense_nvfp4_site.mlp.gate.weights
     w_bf16 = cp.empty((gate.n, gate.k), dtype=BF16)
@@ -195,7 +194,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     ws = out = None  # drop the workspace before the peers allocate theirs
     cp.get_default_memory_pool().free_all_blocks()
     peers = _peer_rows(model, widths, args) if args.peer else {"note": "peers skipped (--no-peer)"}
-    meta = bench_meta(device, copy_gbs)
+    meta = bench_meta(device, copy_gbs, args.levers_note)
     gemm_tflops = peers.get("gemm_tflops")
     if gemm_tflops is None:  # no PyTorch peer: the same rate through CuPy's cuBLAS
         gemm_tflops = cupy_gemm_tflops(cp, stream)
