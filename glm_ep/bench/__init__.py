@@ -7,7 +7,8 @@ Bytes are the fewest the site must read: the chosen (union of) experts' NVFP4 by
 bf16 shared expert, the router; a dense site its three bf16 matrices.
 
 This module is the command: its flags and the job. The measuring modules need CuPy and are
-imported only once the job runs: ``decode`` (decode and verify; PyTorch peer in ``decode_peer``),
+imported only once the job runs: ``decode`` (decode and verify, where the sparse site's time goes by
+``stages``; PyTorch peer in ``decode_peer``),
 ``prefill`` (``--prefill``; HF transformers' peers in ``prefill_peer``), the sweeps the kernel
 defaults are set from (``--sweep ring|union`` in ``sweep_ring``, ``--sweep dense`` in ``sweep_dense``) and
 ``shares`` (``--moe-tp N``: the one-row sparse site per rank share of ep N and moe_tp N), all on ``common``.

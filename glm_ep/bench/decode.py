@@ -23,6 +23,8 @@ from glm_ep.dist.comm import SelfComm
 from glm_ep.config.model import ModelConfig
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite
+from glm_ep.bench.stages import OpRecorder, stage_bytes, stage_lines, stage_names
+from glm_ep.bench.stages import label as stage_label
 from glm_ep.mlp.stack import MlpStack
 from glm_ep.config.topology import PathLevers
 
@@ -194,6 +196,8 @@ def run_bench(args: argparse.Namespace) -> int:
         if peer is not None and k in peer.hf_sparse:
             note += f"; {peer.hf_ratio(k, us)} faster"
         rows.append(Row(f"verify {k} rows, sparse site (graph)", us, nbytes, copy_gbs, note))
+    stages = _stage_times(be, model, cfg, levers, sparse_sites[:g], ws, out, iters)
+    launch = _launch_cost(be, iters)
     step_bytes = n_dense * dense_bytes(model) + n_sparse * sparse_bytes(model, model.num_experts_per_tok)
     stack.step(x1)  # captures the decode graph
     us = time_median(cp, stream, lambda: stack.step(x1), iters=max(iters // 10, 5))
@@ -214,10 +218,64 @@ def run_bench(args: argparse.Namespace) -> int:
                         copy_gbs, f"the same step captured without programmatic dependent launch (levers.pdl = "
                         f"false): {us_plain / us:.3f}x the time"))
     out_dir = Path(args.out)
-    stem = write_results(out_dir, rows, bench_meta(device, copy_gbs, args.levers_note))
+    stem = write_results(out_dir, rows, bench_meta(device, copy_gbs, args.levers_note), stages, launch)
     plot_results(out_dir / f"{stem}.json")
     print((out_dir / f"{stem.upper()}.md").read_text())
     return 0
+
+
+def _stage_times(be: Any, model: ModelConfig, cfg: Any, levers: PathLevers, sites: list[Any], ws: Any, out: Any,
+                 iters: int) -> list[dict[str, Any]]:
+    """Per width 1..8: the sparse sites' graph time and each of their stages (``stages.OpRecorder``) replayed alone
+    over the same sites as a graph, µs a layer, with the stage's bytes."""
+    import cupy as cp
+
+    rec = OpRecorder(be)
+    recorded = [replace(s, be=rec, experts=ExpertDispatch.routed(rec, cfg, levers)) for s in sites]
+    n, result = len(sites), []
+    for rows in range(1, 9):
+        x = gpu_bf16(cp, (rows, model.hidden_size), 1.0)
+        o = out[:rows]
+
+        def replay(fn: Any) -> float:
+            fn()  # warm-up outside the capture
+            return time_median(cp, be.stream, be.capture(fn), iters=max(iters // n, 5)) / n
+
+        site_us = replay(lambda: [s(x, ws, o) for s in sites])
+        records = [rec.record(lambda s=s: s(x, ws, o)) for s in recorded]
+        names = stage_names(records)
+        ids = next(op.args[5] for op in records[-1] if op.name == "route")  # the routing the replays read
+        union = len(np.unique(be.to_host(ids)))
+        st = []
+        for j, name in enumerate(names):
+            us = replay(lambda j=j: [ops[j]() for ops in records])
+            st.append({"op": name, "label": stage_label(name, rows), "us": us,
+                       "bytes": stage_bytes(model, records[-1][j], union)})
+        result.append({"rows": rows, "union": union, "site_us": site_us, "stages": st})
+        log.info("stages %d rows: site %.1f us, %s", rows, site_us, ", ".join(f"{t['op']} {t['us']:.1f}" for t in st))
+    return result
+
+
+def _launch_cost(be: Any, iters: int, launches: int = 64) -> dict[str, Any]:
+    """µs a launch of the smallest kernel (a 1 x 8 bf16 add), ``launches`` of them in one graph, with and without
+    programmatic dependent launch (as the backend launches every kernel)."""
+    import cupy as cp
+
+    a, b = cp.ones((1, 8), dtype=BF16), cp.empty((1, 8), dtype=BF16)
+    res: dict[str, Any] = {"launches": launches}
+    pdl = be.pdl
+    try:
+        for key, on in (("dependent_us", pdl), ("plain_us", False)):
+            be.pdl = on
+
+            def body() -> None:
+                for _ in range(launches):
+                    be.add(a, a, b)
+            body()
+            res[key] = time_median(cp, be.stream, be.capture(body), iters=max(iters // 10, 5)) / launches
+    finally:
+        be.pdl = pdl
+    return res
 
 
 def _nvfp4_dense_rows(be: Any, cfg: Any, model: ModelConfig, levers: PathLevers, n_dense: int, graph_of_sites: Any,
@@ -244,11 +302,14 @@ def _nvfp4_dense_rows(be: Any, cfg: Any, model: ModelConfig, levers: PathLevers,
     return out
 
 
-def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> str:
-    """Writes ``bench_<card>.json`` and ``BENCH_<CARD>.md`` into ``out_dir``; returns the stem (``bench_<card>``)."""
+def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any], stages: list[dict[str, Any]] | None = None,
+                  launch: dict[str, Any] | None = None) -> str:
+    """Writes ``bench_<card>.json`` and ``BENCH_<CARD>.md`` into ``out_dir``; returns the stem (``bench_<card>``).
+    ``stages`` / ``launch``: where the sparse site's time goes (``_stage_times``, ``_launch_cost``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{card_tag(meta['device'])}"
-    data = {"meta": meta, "rows": [dict(r.__dict__, gbs=r.gbs, pct=r.pct, floor_us=r.floor_us) for r in rows]}
+    data = {"meta": meta, "rows": [dict(r.__dict__, gbs=r.gbs, pct=r.pct, floor_us=r.floor_us) for r in rows],
+            "stages": stages or [], "launch": launch}
     (out_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     lines = results_header("glm-ep bench", meta) + [
         "", "At 1..8 rows a site's byte floor is its roofline: its FLOPs at the bf16 GEMM rate take about 2% of it "
@@ -259,6 +320,7 @@ def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any]) -> str:
     for r in rows:
         lines.append(f"| {r.name} | {r.median_us:.1f} | {r.bytes_read / 1e6:.1f} | {r.floor_us:.1f} | "
                      f"{r.gbs:.0f} | {r.pct:.1f} | {r.note} |")
+    lines += stage_lines(stages or [], launch, meta["copy_gbs"])
     (out_dir / f"{stem.upper()}.md").write_text("\n".join(lines) + "\n")
     return stem
 

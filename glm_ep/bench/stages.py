@@ -1,0 +1,140 @@
+"""Where a sparse site's time goes at 1..8 rows: the backend ops one call queues, each timed alone.
+
+``OpRecorder`` stands in for a backend while a site runs once and keeps every op the site and its dispatch call on
+it (``route``, ``union_table``, ``moe_gate_up_act_union``, ..., ``combine_site``), with its arguments; what those ops
+call inside the backend is not recorded, so a record is the site's stages as the levers chose them. ``glm-ep bench``
+records one call of each of several sites (distinct weights, one width), times each stage replayed alone over those
+sites as a CUDA graph, and sets the stages' sum beside the whole site's time: the difference is what the launches
+overlap (programmatic dependent launch) or what the stages cost only together. Each stage's bytes (``stage_bytes``)
+put it beside the copy bandwidth. The fixed cost of one launch is timed the same way, as a graph of many launches
+of the smallest kernel. The tables are ``stage_lines`` (no GPU needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from glm_ep.app.footprint import nvfp4_bytes
+from glm_ep.config.model import ModelConfig
+
+# What each recorded op is, as the table names it (a 1-row combine_site also runs the routed down projection)
+LABELS = {
+    "route": "router + top-k (+ shared gate + up)",
+    "map_expert_ids": "placement's id map",
+    "union_table": "union table",
+    "moe_gate_up_act_union": "routed gate + up + SwiGLU (union)",
+    "moe_gemv_union": "routed down (union)",
+    "moe_gate_up_act": "routed gate + up + SwiGLU",
+    "moe_gemv": "routed down",
+    "gate_up_act": "shared gate + up + SwiGLU",
+    "combine_site": "shared down + combine",
+}
+
+
+@dataclass(frozen=True)
+class Op:
+    """One recorded backend call: ``op()`` queues it again with the same arguments."""
+
+    name: str
+    fn: Callable[..., Any] = field(repr=False)
+    args: tuple[Any, ...] = field(repr=False)
+    kwargs: dict[str, Any] = field(repr=False)
+
+    def __call__(self) -> Any:
+        return self.fn(*self.args, **self.kwargs)
+
+
+class OpRecorder:
+    """A backend's stand-in: every attribute is the backend's; while ``record`` runs, each public method called on
+    the recorder is also kept as an ``Op`` (calls the backend makes on itself are not: they are inside an op)."""
+
+    def __init__(self, be: Any):
+        self._be = be
+        self._ops: list[Op] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._be, name)
+        if self._ops is None or name.startswith("_") or not callable(attr):
+            return attr
+        ops = self._ops
+
+        def op(*args: Any, **kwargs: Any) -> Any:
+            ops.append(Op(name, attr, args, kwargs))
+            return attr(*args, **kwargs)
+
+        return op
+
+    def record(self, fn: Callable[[], Any]) -> list[Op]:
+        """The ops ``fn`` (one site call on this recorder) queues, in order."""
+        self._ops = []
+        try:
+            fn()
+            return self._ops
+        finally:
+            self._ops = None
+
+
+def stage_names(records: list[list[Op]]) -> list[str]:
+    """The ops of one call, the same in every record (sites of one width take one path); a ValueError otherwise."""
+    names = [[o.name for o in ops] for ops in records]
+    if not names or any(n != names[0] for n in names):
+        raise ValueError(f"sites of one width queued different ops: {names}")
+    return names[0]
+
+
+def label(name: str, rows: int) -> str:
+    if name == "combine_site" and rows == 1:
+        return "routed down + shared down + combine"
+    return LABELS.get(name, name)
+
+
+def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
+    """The weight bytes ``op`` reads at least, with ``union`` distinct experts chosen: the router and its bias, the
+    shared expert's gate and up (beside the router, or on their own), the union's routed projections, the shared
+    expert's down projection (and at one row the routed down projection left to the combine). 0 for an op that
+    reads no weights. Over one sparse site's ops: ``common.sparse_bytes(model, union)`` at world 1."""
+    h, m = model.hidden_size, model.moe_intermediate_size
+    a = op.args
+    if op.name == "route":
+        beside = a[7] if len(a) > 7 else op.kwargs.get("beside")
+        return a[1].nbytes + a[2].nbytes + (beside.w.gate.nbytes + beside.w.up.nbytes if beside is not None else 0)
+    if op.name == "gate_up_act":  # the shared expert's first half where it did not run beside the router
+        return a[1].gate.nbytes + a[1].up.nbytes
+    if op.name in ("moe_gate_up_act_union", "moe_gate_up_act"):
+        return union * 2 * nvfp4_bytes(m, h)
+    if op.name in ("moe_gemv_union", "moe_gemv"):
+        return union * nvfp4_bytes(h, m)
+    if op.name == "combine_site":
+        routed, shared = a[0], a[2]
+        return ((shared.down_HI.nbytes if shared is not None else 0)
+                + (union * nvfp4_bytes(h, m) if routed.down is not None else 0))
+    return 0
+
+
+def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, copy_gbs: float) -> list[str]:
+    """The results file's section: per width, the site's graph time, each stage alone (µs, % of the copy bandwidth
+    over its bytes), their sum; then the fixed cost of a launch."""
+    if not stages:
+        return []
+    lines = ["", "## Where the sparse site's time goes", "",
+             "Each stage of the site (the backend ops one call queues, as the levers chose them) timed alone over "
+             "the same layers' distinct weights, a CUDA graph each; µs a layer, % of the copy bandwidth over the "
+             "stage's bytes (the union of the call's experts). The stages' sum beside the whole site: what is left "
+             "over is what the stages cost only together, a negative one what their launches overlap.", "",
+             "| rows | site µs | stages: µs (% of copy bw) | sum of stages µs | site − sum µs |",
+             "|---:|---:|---|---:|---:|"]
+    for s in stages:
+        parts = []
+        for st in s["stages"]:
+            pct = (f" ({100.0 * st['bytes'] / (st['us'] * 1e-6) / 1e9 / copy_gbs:.0f}%)"
+                   if st["bytes"] and st["us"] > 0 else "")
+            parts.append(f"{st['label']} {st['us']:.1f}{pct}")
+        total = sum(st["us"] for st in s["stages"])
+        lines.append(f"| {s['rows']} | {s['site_us']:.1f} | {'; '.join(parts)} | {total:.1f} | "
+                     f"{s['site_us'] - total:+.1f} |")
+    if launch:
+        lines += ["", "The fixed cost of one launch, the smallest kernel (a 1 x 8 bf16 add) launched "
+                  f"{launch['launches']} times in one CUDA graph: {launch['dependent_us']:.2f} µs as programmatic "
+                  f"dependents, {launch['plain_us']:.2f} µs plain."]
+    return lines

@@ -1,0 +1,88 @@
+"""The host side of ``glm-ep bench``'s stage table (no GPU): the recorder keeps a sparse site's ops as the levers
+chose them, replaying them reproduces the site exactly, their bytes add up to the site's, and the table."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from glm_ep.bench.common import sparse_bytes
+from glm_ep.bench.stages import OpRecorder, label, stage_bytes, stage_lines, stage_names
+from glm_ep.config.topology import PathLevers
+from glm_ep.mlp.dispatch import ExpertDispatch
+
+from helpers import build_stack, random_weights, random_x, tiny_model
+
+MODEL = tiny_model()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    return build_stack(random_weights(MODEL, seed=3), MODEL, max_rows=8)
+
+
+def _recorded(stack, levers=PathLevers()):
+    site = next(s for s in stack.sites if s.sparse)
+    rec = OpRecorder(site.be)
+    return rec, replace(site, be=rec, experts=ExpertDispatch.routed(rec, site.cfg, levers))
+
+
+@pytest.mark.parametrize("rows, ops", [
+    (1, ["route", "moe_gate_up_act", "combine_site"]),
+    (3, ["route", "union_table", "moe_gate_up_act_union", "moe_gemv_union", "combine_site"]),
+])
+def test_the_recorded_ops_replay_the_site_exactly_and_read_its_bytes(stack, rows, ops):
+    rec, site = _recorded(stack)
+    ws = stack.workspaces[0]
+    x = random_x(rows, rows, MODEL.hidden_size)
+    want = site(x, ws, np.zeros((rows, MODEL.hidden_size), x.dtype)).copy()
+    out = np.full((rows, MODEL.hidden_size), np.nan, x.dtype)
+    recorded = rec.record(lambda: site(x, ws, out))
+    assert [o.name for o in recorded] == ops
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+    out[:] = np.nan
+    for op in recorded:  # the same ops, replayed alone in order: the same output, bit for bit
+        op()
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+    ids = next(o.args[5] for o in recorded if o.name == "route")
+    union = len(np.unique(ids))
+    assert sum(stage_bytes(MODEL, o, union) for o in recorded) == sparse_bytes(MODEL, union)
+    assert rec.record(lambda: None) == []
+
+
+def test_outside_a_record_the_recorder_is_the_backend(stack):
+    rec, site = _recorded(stack)
+    be = next(s for s in stack.sites if s.sparse).be
+    assert rec.name == be.name and rec.zero == be.zero  # the backend's own attributes and bound methods
+    a = np.ones(3, np.float32)
+    assert [o.name for o in rec.record(lambda: rec.zero(a))] == ["zero"] and not a.any()
+    x = random_x(0, 2, MODEL.hidden_size)
+    site(x, stack.workspaces[0], np.zeros((2, MODEL.hidden_size), x.dtype))  # not recording: nothing kept
+    assert rec._ops is None
+
+
+def test_sites_of_one_width_must_queue_the_same_ops(stack):
+    rec, site = _recorded(stack)
+    ws = stack.workspaces[0]
+    one = rec.record(lambda: site(random_x(1, 1, MODEL.hidden_size), ws, np.zeros((1, MODEL.hidden_size), "f4")))
+    two = rec.record(lambda: site(random_x(2, 2, MODEL.hidden_size), ws, np.zeros((2, MODEL.hidden_size), "f4")))
+    assert stage_names([one, one]) == [o.name for o in one]
+    with pytest.raises(ValueError, match="sites of one width queued different ops"):
+        stage_names([one, two])
+
+
+def test_the_stage_table():
+    stages = [{"rows": 1, "union": 8, "site_us": 74.5, "stages": [
+        {"op": "route", "label": label("route", 1), "us": 13.0, "bytes": 36_000_000},
+        {"op": "moe_gate_up_act", "label": label("moe_gate_up_act", 1), "us": 34.0, "bytes": 75_500_000},
+        {"op": "combine_site", "label": label("combine_site", 1), "us": 27.5, "bytes": 54_500_000}]},
+        {"rows": 2, "union": 16, "site_us": 130.0, "stages": [
+            {"op": "union_table", "label": label("union_table", 2), "us": 3.0, "bytes": 0}]}]
+    text = "\n".join(stage_lines(stages, {"launches": 64, "dependent_us": 1.25, "plain_us": 2.5}, 3000.0))
+    assert "| 1 | 74.5 | router + top-k (+ shared gate + up) 13.0 (92%); routed gate + up + SwiGLU 34.0 (74%); " \
+           "routed down + shared down + combine 27.5 (66%) | 74.5 | +0.0 |" in text
+    assert "| 2 | 130.0 | union table 3.0 | 3.0 | +127.0 |" in text  # no bytes: no percentage
+    assert "1.25 µs as programmatic dependents, 2.50 µs plain" in text
+    assert stage_lines([], None, 3000.0) == []
