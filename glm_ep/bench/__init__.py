@@ -65,7 +65,8 @@ def require_gpu() -> None:
 
 def bench_levers(topology: str | None) -> tuple[PathLevers, str]:
     """The levers the timed sites run with, and how a results file names them: a one-rank topology's
-    ``[levers]``, else the built-in ones. A ConfigError for a topology of more than one rank."""
+    ``[levers]``, else the built-in ones. A ConfigError for a topology of more than one rank, or levers the CUDA
+    backend refuses."""
     if topology is None:
         return PathLevers(), "built-in"
     topo = Topology.load(topology)
@@ -73,11 +74,26 @@ def bench_levers(topology: str | None) -> tuple[PathLevers, str]:
         raise ConfigError(f"glm-ep bench --topology {topology}: topology {topo.name!r} is for {topo.world} ranks "
                           f"({topo.layout_text}); the bench times one rank on one GPU and takes a topology only for "
                           "its [levers]: expected a one-rank topology (world = 1), e.g. h100-1 or h200-1")
+    _check_cuda_levers(topo.levers, f"glm-ep bench --topology {topology}")
     builtin = PathLevers()
     changed = [f"{f.name} = {getattr(topo.levers, f.name)!r}".replace("True", "true").replace("False", "false")
                for f in dataclasses.fields(PathLevers) if getattr(topo.levers, f.name) != getattr(builtin, f.name)]
     return topo.levers, f"topology {topo.name!r}: " + (", ".join(changed) + ", the rest built-in" if changed
                                                          else "the built-in levers")
+
+
+def _check_cuda_levers(levers: PathLevers, what: str) -> None:
+    """What building the CUDA backend refuses in a job (``glm_ep.backend.make_backend``), on the host: a lever past
+    the kernels' bounds, or a ring form GLM-5.3-Flash's ``swiglu_limit`` does not bound."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+    from glm_ep.bench.common import glm_model
+
+    model = glm_model()
+    try:
+        CudaBackend.capabilities.check("cuda", levers, model.num_experts_per_tok)
+        RingConfig.from_levers(levers).forms(model.swiglu_limit)
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {e}") from None
 
 
 def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:

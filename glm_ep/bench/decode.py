@@ -19,12 +19,12 @@ import numpy as np
 from glm_ep.bench.common import (BF16, bench_backend, bench_meta, card_tag, copy_bandwidth, dense_bytes,
                                  dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot,
                                  results_header, sparse_bytes, time_median, torch_time_us, world1_cfg)
+from glm_ep.bench.stages import OpRecorder, stage_bytes, stage_lines, stage_names
+from glm_ep.bench.stages import label as stage_label
 from glm_ep.dist.comm import SelfComm
 from glm_ep.config.model import ModelConfig
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite
-from glm_ep.bench.stages import OpRecorder, stage_bytes, stage_lines, stage_names
-from glm_ep.bench.stages import label as stage_label
 from glm_ep.mlp.stack import MlpStack
 from glm_ep.config.topology import PathLevers
 

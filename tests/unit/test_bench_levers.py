@@ -68,3 +68,13 @@ def test_topology_flags_are_checked_before_any_device():
         r = _bench(*flags, "--topology", "h100-1")
         assert r.returncode == EXIT_USER and "--topology sets the levers of decode and verify" in r.stderr, \
             (flags, r.stderr)
+
+
+def test_levers_the_cuda_backend_refuses_are_refused_before_any_device(tmp_path):
+    f = tmp_path / "wide.toml"
+    f.write_text("world = 1\n[levers]\nrow_batch_max = 99\n")
+    with pytest.raises(ConfigError, match=r"glm-ep bench --topology .*wide.toml: levers.row_batch_max = 99, expected "
+                                          r"1..8 on backend 'cuda'"):
+        bench_levers(str(f))
+    r = _bench("--topology", str(f))
+    assert r.returncode == EXIT_USER and "row_batch_max = 99" in r.stderr and "CUDA GPU" not in r.stderr, r.stderr
