@@ -74,6 +74,9 @@ def bench_levers(topology: str | None) -> tuple[PathLevers, str]:
         raise ConfigError(f"glm-ep bench --topology {topology}: topology {topo.name!r} is for {topo.world} ranks "
                           f"({topo.layout_text}); the bench times one rank on one GPU and takes a topology only for "
                           "its [levers]: expected a one-rank topology (world = 1), e.g. h100-1 or h200-1")
+    if topo.levers.host_dispatch:
+        raise ConfigError(f"glm-ep bench --topology {topology}: levers.host_dispatch = true reads each call's ids to "
+                          "the host, which a CUDA graph (what the bench times) cannot; expected host_dispatch = false")
     _check_cuda_levers(topo.levers, f"glm-ep bench --topology {topology}")
     builtin = PathLevers()
     changed = [f"{f.name} = {getattr(topo.levers, f.name)!r}".replace("True", "true").replace("False", "false")

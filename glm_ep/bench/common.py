@@ -208,8 +208,12 @@ def results_header(title: str, meta: dict[str, Any], rates: str = "") -> list[st
 def bench_backend(levers: PathLevers) -> Any:
     """The CUDA backend a job with ``levers`` builds on device 0 (its ring levers, programmatic dependent launch)."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
+    from glm_ep.backend.cuda.kernel_loader import block_smem_limit
 
-    return CudaBackend(0, RingConfig.from_levers(levers), dependent_launch=levers.pdl)
+    ring = RingConfig.from_levers(levers)
+    be = CudaBackend(0, ring, dependent_launch=levers.pdl)
+    ring.check_fits(block_smem_limit())  # the device's own limit, as a job checks it
+    return be
 
 
 def pyplot() -> Any:

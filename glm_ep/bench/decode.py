@@ -19,7 +19,7 @@ import numpy as np
 from glm_ep.bench.common import (BF16, bench_backend, bench_meta, card_tag, copy_bandwidth, dense_bytes,
                                  dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot,
                                  results_header, sparse_bytes, time_median, torch_time_us, world1_cfg)
-from glm_ep.bench.stages import OpRecorder, stage_bytes, stage_lines, stage_names
+from glm_ep.bench.stages import OpRecorder, splittable, stage_bytes, stage_lines, stage_names
 from glm_ep.bench.stages import label as stage_label
 from glm_ep.dist.comm import SelfComm
 from glm_ep.config.model import ModelConfig
@@ -247,11 +247,12 @@ def _stage_times(be: Any, model: ModelConfig, cfg: Any, levers: PathLevers, site
         ids = next(op.args[5] for op in records[-1] if op.name == "route")  # the routing the replays read
         union = len(np.unique(be.to_host(ids)))
         st = []
-        for j, name in enumerate(names):
+        for j, name in enumerate(names if splittable(names) else []):
             us = replay(lambda j=j: [ops[j]() for ops in records])
-            st.append({"op": name, "label": stage_label(name, rows), "us": us,
+            st.append({"op": name, "label": stage_label(records[-1][j]), "us": us,
                        "bytes": stage_bytes(model, records[-1][j], union)})
-        result.append({"rows": rows, "union": union, "site_us": site_us, "stages": st})
+        note = "" if st else f"the call queues {', '.join(names)} (an op more than once: several row groups, or a row at a time)"
+        result.append({"rows": rows, "union": union, "site_us": site_us, "stages": st, "note": note})
         log.info("stages %d rows: site %.1f us, %s", rows, site_us, ", ".join(f"{t['op']} {t['us']:.1f}" for t in st))
     return result
 
@@ -262,10 +263,10 @@ def _launch_cost(be: Any, iters: int, launches: int = 64) -> dict[str, Any]:
     import cupy as cp
 
     a, b = cp.ones((1, 8), dtype=BF16), cp.empty((1, 8), dtype=BF16)
-    res: dict[str, Any] = {"launches": launches}
     pdl = be.pdl
+    res: dict[str, Any] = {"launches": launches, "dependent_us": None}
     try:
-        for key, on in (("dependent_us", pdl), ("plain_us", False)):
+        for key, on in (("dependent_us", True), ("plain_us", False)) if pdl else (("plain_us", False),):
             be.pdl = on
 
             def body() -> None:

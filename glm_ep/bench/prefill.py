@@ -108,11 +108,13 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
 
     # the dense FFN stored NVFP4 on each path: row groups, the grouped GEMM without and with its K split, its
     # projections dequantized to bf16 for cuBLAS (each forced where the levers allow)
-    nvfp4_paths = {key: replace(dense_nvfp4_site, dispatch=ExpertDispatch.nvfp4_dense(be, cfg, lv)) for key, lv in (
+    gemm = replace(lv, prefill_gemm=True, nvfp4_dense_gemm_min_rows=KERNEL_LIMITS.max_row_group + 1)
+    nvfp4_paths = {key: replace(dense_nvfp4_site, dispatch=ExpertDispatch.nvfp4_dense(be, cfg, path_levers))
+                   for key, path_levers in (
         ("union_us", replace(lv, prefill_gemm=False, nvfp4_dense_dequant_min_rows=0)),
-        ("sorted_nosplit_us", replace(lv, prefill_gemm=True, prefill_k_split=False, nvfp4_dense_dequant_min_rows=0)),
-        ("sorted_us", replace(lv, prefill_gemm=True, prefill_k_split=True, nvfp4_dense_dequant_min_rows=0)),
-        ("dequant_us", replace(lv, prefill_gemm=True, nvfp4_dense_dequant_min_rows=SWEEP[0])))}
+        ("sorted_nosplit_us", replace(gemm, prefill_k_split=False, nvfp4_dense_dequant_min_rows=0)),
+        ("sorted_us", replace(gemm, prefill_k_split=True, nvfp4_dense_dequant_min_rows=0)),
+        ("dequant_us", replace(gemm, nvfp4_dense_dequant_min_rows=SWEEP[0])))}
     # the dequant path's own pass: one projection of the dense FFN to bf16, against the copy bandwidth
     gate = dense_nvfp4_site.mlp.gate.weights
     w_bf16 = cp.empty((gate.n, gate.k), dtype=BF16)

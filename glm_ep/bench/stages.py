@@ -83,10 +83,17 @@ def stage_names(records: list[list[Op]]) -> list[str]:
     return names[0]
 
 
-def label(name: str, rows: int) -> str:
-    if name == "combine_site" and rows == 1:
+def splittable(names: list[str]) -> bool:
+    """Whether each op replayed alone times what it did in the call: not where the call queues an op more than once
+    (several row groups, or one row at a time), whose later tables overwrite the earlier ones' in the workspace."""
+    return len(set(names)) == len(names)
+
+
+def label(op: Op) -> str:
+    """What the table calls ``op``: a combine that also runs a pending one-row routed down projection says so."""
+    if op.name == "combine_site" and op.args[0].down is not None:
         return "routed down + shared down + combine"
-    return LABELS.get(name, name)
+    return LABELS.get(op.name, op.name)
 
 
 def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
@@ -125,6 +132,9 @@ def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, c
              "| rows | site µs | stages: µs (% of copy bw) | sum of stages µs | site − sum µs |",
              "|---:|---:|---|---:|---:|"]
     for s in stages:
+        if not s["stages"]:
+            lines.append(f"| {s['rows']} | {s['site_us']:.1f} | not split: {s.get('note', '')} | — | — |")
+            continue
         parts = []
         for st in s["stages"]:
             pct = (f" ({100.0 * st['bytes'] / (st['us'] * 1e-6) / 1e9 / copy_gbs:.0f}%)"
@@ -134,7 +144,9 @@ def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, c
         lines.append(f"| {s['rows']} | {s['site_us']:.1f} | {'; '.join(parts)} | {total:.1f} | "
                      f"{s['site_us'] - total:+.1f} |")
     if launch:
+        dependent = (f"{launch['dependent_us']:.2f} µs as programmatic dependents, " if launch.get("dependent_us")
+                     is not None else "programmatic dependent launch off here (levers.pdl = false, or before "
+                     "sm_90), ")
         lines += ["", "The fixed cost of one launch, the smallest kernel (a 1 x 8 bf16 add) launched "
-                  f"{launch['launches']} times in one CUDA graph: {launch['dependent_us']:.2f} µs as programmatic "
-                  f"dependents, {launch['plain_us']:.2f} µs plain."]
+                  f"{launch['launches']} times in one CUDA graph: {dependent}{launch['plain_us']:.2f} µs plain."]
     return lines

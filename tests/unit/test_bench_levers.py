@@ -78,3 +78,6 @@ def test_levers_the_cuda_backend_refuses_are_refused_before_any_device(tmp_path)
         bench_levers(str(f))
     r = _bench("--topology", str(f))
     assert r.returncode == EXIT_USER and "row_batch_max = 99" in r.stderr and "CUDA GPU" not in r.stderr, r.stderr
+    f.write_text("world = 1\n[levers]\nhost_dispatch = true\n")
+    with pytest.raises(ConfigError, match="host_dispatch = true reads each call's ids to the host, which a CUDA graph"):
+        bench_levers(str(f))

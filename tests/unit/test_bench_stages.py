@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from glm_ep.bench.common import sparse_bytes
-from glm_ep.bench.stages import OpRecorder, label, stage_bytes, stage_lines, stage_names
+from glm_ep.bench.stages import LABELS, OpRecorder, label, splittable, stage_bytes, stage_lines, stage_names
 from glm_ep.config.topology import PathLevers
 from glm_ep.mlp.dispatch import ExpertDispatch
 
@@ -49,6 +49,9 @@ def test_the_recorded_ops_replay_the_site_exactly_and_read_its_bytes(stack, rows
     ids = next(o.args[5] for o in recorded if o.name == "route")
     union = len(np.unique(ids))
     assert sum(stage_bytes(MODEL, o, union) for o in recorded) == sparse_bytes(MODEL, union)
+    assert splittable([o.name for o in recorded])
+    combine = recorded[-1]
+    assert label(combine) == ("routed down + shared down + combine" if rows == 1 else LABELS["combine_site"])
     assert rec.record(lambda: None) == []
 
 
@@ -73,16 +76,31 @@ def test_sites_of_one_width_must_queue_the_same_ops(stack):
         stage_names([one, two])
 
 
+def test_an_op_queued_twice_is_not_split(stack):
+    """Two row groups (row_batch_max 2 at 4 rows): each group's union table overwrites the one before in the
+    workspace, so a replay alone would time only the last group's; the bench leaves such a width whole."""
+    rec, site = _recorded(stack, PathLevers(row_batch_max=2))
+    ws = stack.workspaces[0]
+    ops = rec.record(lambda: site(random_x(4, 4, MODEL.hidden_size), ws, np.zeros((4, MODEL.hidden_size), "f4")))
+    names = [o.name for o in ops]
+    assert names.count("union_table") == 2 and not splittable(names)
+
+
 def test_the_stage_table():
     stages = [{"rows": 1, "union": 8, "site_us": 74.5, "stages": [
-        {"op": "route", "label": label("route", 1), "us": 13.0, "bytes": 36_000_000},
-        {"op": "moe_gate_up_act", "label": label("moe_gate_up_act", 1), "us": 34.0, "bytes": 75_500_000},
-        {"op": "combine_site", "label": label("combine_site", 1), "us": 27.5, "bytes": 54_500_000}]},
+        {"op": "route", "label": LABELS["route"], "us": 13.0, "bytes": 36_000_000},
+        {"op": "moe_gate_up_act", "label": LABELS["moe_gate_up_act"], "us": 34.0, "bytes": 75_500_000},
+        {"op": "combine_site", "label": "routed down + shared down + combine", "us": 27.5, "bytes": 54_500_000}]},
         {"rows": 2, "union": 16, "site_us": 130.0, "stages": [
-            {"op": "union_table", "label": label("union_table", 2), "us": 3.0, "bytes": 0}]}]
+            {"op": "union_table", "label": LABELS["union_table"], "us": 3.0, "bytes": 0}]},
+        {"rows": 8, "union": 57, "site_us": 430.0, "stages": [], "note": "the call queues route, union_table, "
+         "union_table"}]
     text = "\n".join(stage_lines(stages, {"launches": 64, "dependent_us": 1.25, "plain_us": 2.5}, 3000.0))
     assert "| 1 | 74.5 | router + top-k (+ shared gate + up) 13.0 (92%); routed gate + up + SwiGLU 34.0 (74%); " \
            "routed down + shared down + combine 27.5 (66%) | 74.5 | +0.0 |" in text
     assert "| 2 | 130.0 | union table 3.0 | 3.0 | +127.0 |" in text  # no bytes: no percentage
     assert "1.25 µs as programmatic dependents, 2.50 µs plain" in text
+    assert "| 8 | 430.0 | not split: the call queues route, union_table, union_table | — | — |" in text
+    off = "\n".join(stage_lines(stages, {"launches": 64, "dependent_us": None, "plain_us": 2.5}, 3000.0))
+    assert "programmatic dependent launch off here (levers.pdl = false, or before sm_90), 2.50 µs plain" in off
     assert stage_lines([], None, 3000.0) == []
