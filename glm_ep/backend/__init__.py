@@ -28,13 +28,9 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
 
         NumpyBackend.capabilities.check("cpu", topology.levers, cfg.top_k)
         return NumpyBackend()
-    from glm_ep.backend.cuda import CudaBackend, RingConfig
-    from glm_ep.backend.cuda.kernel_loader import block_smem_limit
+    from glm_ep.backend.cuda import CudaBackend
 
-    CudaBackend.capabilities.check("cuda", topology.levers, cfg.top_k)
-    _check_expert_slice(cfg)
-    ring = RingConfig.from_levers(topology.levers)
-    ring.forms(cfg.swiglu_limit)  # the check the upload repeats, here on every rank before any weight is read
+    ring = cuda_ring(topology.levers, cfg)
     try:
         import cupy
 
@@ -44,15 +40,35 @@ def make_backend(topology: Any, placement: Placement, cfg: SiteConfig) -> Backen
                           f"{placement.host} ({type(e).__name__}: {e}); install the cuda13 or cuda12 extra (pip "
                           "install '.[cuda13]' from the checkout) or use backend = 'cpu'") from None
     be = CudaBackend(device_index(topology.devices, placement, visible), ring, dependent_launch=topology.levers.pdl)
+    check_cuda_device(ring, topology.levers, cfg, topology.workspace_rows)
+    return be
+
+
+def cuda_ring(levers: Any, cfg: SiteConfig) -> Any:
+    """The CUDA backend's ``RingConfig`` for ``levers``, after the refusals made on the host before any device is
+    touched: a lever or the model's top-k past the backend's ``Capabilities``, an expert slice the kernels cannot
+    take, a ring kernel that is not built or an fp16 form the site's ``swiglu_limit`` does not bound."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    CudaBackend.capabilities.check("cuda", levers, cfg.top_k)
+    _check_expert_slice(cfg)
+    ring = RingConfig.from_levers(levers)
+    ring.forms(cfg.swiglu_limit)  # the check the upload repeats, here on every rank before any weight is read
+    return ring
+
+
+def check_cuda_device(ring: Any, levers: Any, cfg: SiteConfig, rows: int) -> None:
+    """Once the device is current: a ConfigError where a ring block, or the sort by expert of calls up to ``rows``
+    rows, would need more shared memory than the device gives one block."""
+    from glm_ep.backend.cuda.kernel_loader import block_smem_limit
+
     ring.check_fits(block_smem_limit())  # the device's own limit
-    lv = topology.levers
-    if lv.prefill_gemm and not lv.host_dispatch and topology.workspace_rows >= lv.prefill_gemm_min_rows:
+    if levers.prefill_gemm and not levers.host_dispatch and rows >= levers.prefill_gemm_min_rows:
         # the routed experts' sorted path can run (a dense FFN stored NVFP4 sorts one expert: it always fits)
         from glm_ep.backend.cuda import route_kernels as route
         from glm_ep.backend.cuda.kernel_loader import compute_capability, current_device
 
         route.check_sort_fits(cfg.num_experts, block_smem_limit(), "sm_%d%d" % compute_capability(current_device()))
-    return be
 
 
 def _check_expert_slice(cfg: SiteConfig) -> None:

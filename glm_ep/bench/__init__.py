@@ -77,26 +77,18 @@ def bench_levers(topology: str | None) -> tuple[PathLevers, str]:
     if topo.levers.host_dispatch:
         raise ConfigError(f"glm-ep bench --topology {topology}: levers.host_dispatch = true reads each call's ids to "
                           "the host, which a CUDA graph (what the bench times) cannot; expected host_dispatch = false")
-    _check_cuda_levers(topo.levers, f"glm-ep bench --topology {topology}")
+    from glm_ep.backend import cuda_ring
+    from glm_ep.bench.common import glm_model, world1_cfg
+
+    try:  # what a job's backend refuses on the host
+        cuda_ring(topo.levers, world1_cfg(glm_model()))
+    except ConfigError as e:
+        raise ConfigError(f"glm-ep bench --topology {topology}: {e}") from None
     builtin = PathLevers()
     changed = [f"{f.name} = {getattr(topo.levers, f.name)!r}".replace("True", "true").replace("False", "false")
                for f in dataclasses.fields(PathLevers) if getattr(topo.levers, f.name) != getattr(builtin, f.name)]
     return topo.levers, f"topology {topo.name!r}: " + (", ".join(changed) + ", the rest built-in" if changed
                                                          else "the built-in levers")
-
-
-def _check_cuda_levers(levers: PathLevers, what: str) -> None:
-    """What building the CUDA backend refuses in a job (``glm_ep.backend.make_backend``), on the host: a lever past
-    the kernels' bounds, or a ring form GLM-5.3-Flash's ``swiglu_limit`` does not bound."""
-    from glm_ep.backend.cuda import CudaBackend, RingConfig
-    from glm_ep.bench.common import glm_model
-
-    model = glm_model()
-    try:
-        CudaBackend.capabilities.check("cuda", levers, model.num_experts_per_tok)
-        RingConfig.from_levers(levers).forms(model.swiglu_limit)
-    except ConfigError as e:
-        raise ConfigError(f"{what}: {e}") from None
 
 
 def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:

@@ -205,14 +205,16 @@ def results_header(title: str, meta: dict[str, Any], rates: str = "") -> list[st
             *levers, f"Measured copy bandwidth (read + write): **{meta['copy_gbs']:.0f} GB/s**{rates}"]
 
 
-def bench_backend(levers: PathLevers) -> Any:
-    """The CUDA backend a job with ``levers`` builds on device 0 (its ring levers, programmatic dependent launch)."""
-    from glm_ep.backend.cuda import CudaBackend, RingConfig
-    from glm_ep.backend.cuda.kernel_loader import block_smem_limit
+def bench_backend(levers: PathLevers, rows: int) -> Any:
+    """The CUDA backend a one-rank job with ``levers`` and a workspace of ``rows`` rows builds on device 0, with the
+    checks that job's ``glm_ep.backend.make_backend`` makes."""
+    from glm_ep.backend import check_cuda_device, cuda_ring
+    from glm_ep.backend.cuda import CudaBackend
 
-    ring = RingConfig.from_levers(levers)
+    cfg = world1_cfg(glm_model())
+    ring = cuda_ring(levers, cfg)
     be = CudaBackend(0, ring, dependent_launch=levers.pdl)
-    ring.check_fits(block_smem_limit())  # the device's own limit, as a job checks it
+    check_cuda_device(ring, levers, cfg, rows)
     return be
 
 

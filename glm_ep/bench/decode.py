@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -116,7 +116,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     model, iters = glm_model(), args.iters
     peer = _peers(model, iters) if args.peer else None
-    be = bench_backend(args.levers)
+    be = bench_backend(args.levers, 8)
     stream = be.stream
     device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     copy_gbs = copy_bandwidth(cp, stream)
@@ -159,9 +159,11 @@ def run_bench(args: argparse.Namespace) -> int:
         return sizes
 
     g = min(len(sparse_sites), 16)
+    stages_of = _stage_timer(be, model, cfg, levers, sparse_sites[:g], ws, out, iters)
     x1 = gpu_bf16(cp, (1, model.hidden_size), 1.0)
     replay = graph_of_sites(sparse_sites[:g], x1)
     us = time_median(cp, stream, replay, iters=max(iters // g, 5)) / g
+    stages = [stages_of(x1, us)]
     rows.append(Row("sparse site, 1 row (graph)", us, sparse_bytes(model, model.num_experts_per_tok), copy_gbs,
                     f"mean over {g} layers' distinct weights"))
     if peer is not None:
@@ -196,7 +198,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if peer is not None and k in peer.hf_sparse:
             note += f"; {peer.hf_ratio(k, us)} faster"
         rows.append(Row(f"verify {k} rows, sparse site (graph)", us, nbytes, copy_gbs, note))
-    stages = _stage_times(be, model, cfg, levers, sparse_sites[:g], ws, out, iters)
+        stages.append(stages_of(xk, us))
     launch = _launch_cost(be, iters)
     step_bytes = n_dense * dense_bytes(model) + n_sparse * sparse_bytes(model, model.num_experts_per_tok)
     stack.step(x1)  # captures the decode graph
@@ -224,37 +226,36 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stage_times(be: Any, model: ModelConfig, cfg: Any, levers: PathLevers, sites: list[Any], ws: Any, out: Any,
-                 iters: int) -> list[dict[str, Any]]:
-    """Per width 1..8: the sparse sites' graph time and each of their stages (``stages.OpRecorder``) replayed alone
-    over the same sites as a graph, µs a layer, with the stage's bytes."""
+def _stage_timer(be: Any, model: ModelConfig, cfg: Any, levers: PathLevers, sites: list[Any], ws: Any, out: Any,
+                 iters: int) -> Callable[[Any, float], dict[str, Any]]:
+    """``stages_of(x, site_us)``: the stages of ``sites`` called on ``x`` (``stages.OpRecorder``), each replayed alone
+    over the same sites as a graph, µs a layer, with its bytes, beside ``site_us``, the sites' graph time on ``x``."""
     import cupy as cp
 
     rec = OpRecorder(be)
     recorded = [replace(s, be=rec, experts=ExpertDispatch.routed(rec, cfg, levers)) for s in sites]
-    n, result = len(sites), []
-    for rows in range(1, 9):
-        x = gpu_bf16(cp, (rows, model.hidden_size), 1.0)
-        o = out[:rows]
 
-        def replay(fn: Any) -> float:
-            fn()  # warm-up outside the capture
-            return time_median(cp, be.stream, be.capture(fn), iters=max(iters // n, 5)) / n
-
-        site_us = replay(lambda: [s(x, ws, o) for s in sites])
+    def stages_of(x: Any, site_us: float) -> dict[str, Any]:
+        rows, o = x.shape[0], out[:x.shape[0]]
         records = [rec.record(lambda s=s: s(x, ws, o)) for s in recorded]
         names = stage_names(records)
         ids = next(op.args[5] for op in records[-1] if op.name == "route")  # the routing the replays read
         union = len(np.unique(be.to_host(ids)))
         st = []
         for j, name in enumerate(names if splittable(names) else []):
-            us = replay(lambda j=j: [ops[j]() for ops in records])
+            def body(j: int = j) -> None:
+                for ops in records:
+                    ops[j]()
+            body()  # warm-up outside the capture
+            us = time_median(cp, be.stream, be.capture(body), iters=max(iters // len(sites), 5)) / len(sites)
             st.append({"op": name, "label": stage_label(records[-1][j]), "us": us,
                        "bytes": stage_bytes(model, records[-1][j], union)})
-        note = "" if st else f"the call queues {', '.join(names)} (an op more than once: several row groups, or a row at a time)"
-        result.append({"rows": rows, "union": union, "site_us": site_us, "stages": st, "note": note})
+        note = "" if st else (f"the call queues {', '.join(names)} (an op more than once: several row groups, or a "
+                              "row at a time)")
         log.info("stages %d rows: site %.1f us, %s", rows, site_us, ", ".join(f"{t['op']} {t['us']:.1f}" for t in st))
-    return result
+        return {"rows": rows, "union": union, "site_us": site_us, "stages": st, "note": note}
+
+    return stages_of
 
 
 def _launch_cost(be: Any, iters: int, launches: int = 64) -> dict[str, Any]:
@@ -306,7 +307,7 @@ def _nvfp4_dense_rows(be: Any, cfg: Any, model: ModelConfig, levers: PathLevers,
 def write_results(out_dir: Path, rows: list[Row], meta: dict[str, Any], stages: list[dict[str, Any]] | None = None,
                   launch: dict[str, Any] | None = None) -> str:
     """Writes ``bench_<card>.json`` and ``BENCH_<CARD>.md`` into ``out_dir``; returns the stem (``bench_<card>``).
-    ``stages`` / ``launch``: where the sparse site's time goes (``_stage_times``, ``_launch_cost``)."""
+    ``stages`` / ``launch``: where the sparse site's time goes (``_stage_timer``, ``_launch_cost``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{card_tag(meta['device'])}"
     data = {"meta": meta, "rows": [dict(r.__dict__, gbs=r.gbs, pct=r.pct, floor_us=r.floor_us) for r in rows],

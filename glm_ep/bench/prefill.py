@@ -71,7 +71,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     cfg = world1_cfg(model)
     widths = sorted(set(args.rows or WIDTHS))
     max_rows = max(widths + list(SWEEP) + list(NVFP4_SWEEP))
-    be = bench_backend(args.levers)
+    be = bench_backend(args.levers, max_rows)
     stream = be.stream
     device = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     copy_gbs = copy_bandwidth(cp, stream)
