@@ -60,21 +60,6 @@ def graph_median_us(cp: Any, stream: Any, capture: Callable[[Callable[[], None]]
     return time_median(cp, stream, graph, 1, warmup=1, repeats=iters) / per  # each replay timed alone
 
 
-def eager_host_us(cp: Any, stream: Any, fn: Callable[[], None], calls: int = 20) -> tuple[float, float]:
-    """(``time_median`` of ``calls`` eager calls back to back, the host time of one of them): both in
-    microseconds; eager about equal to host says the call is bound by its host work."""
-    import time
-
-    eager = time_median(cp, stream, fn, iters=calls, warmup=3, repeats=5)
-    stream.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) / calls * 1e6
-    stream.synchronize()
-    return eager, host
-
-
 def torch_time_us(fn: Callable[[], Any], iters: int, warmup: int = 3, repeats: int = 7) -> float:
     """``time_median`` for the PyTorch peers: the median over ``repeats`` of the mean of ``iters``
     calls, with torch's CUDA events on its current stream, under ``no_grad``; microseconds."""
