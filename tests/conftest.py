@@ -41,3 +41,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("mpi") is None:
             item.own_markers = [m for m in item.own_markers
                                 if not (m.name == "skip" and m.kwargs.get("reason") == "need --with-mpi option to run")]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Where a collected test reads the kernel builds (``tests/cuda/test_kernels_build.py``), start them now, at a low
+    priority: they run on what the tests before them leave idle instead of all at once when the first one asks."""
+    import _kernel_builds
+
+    if _kernel_builds.HAVE_NVCC and any(_kernel_builds.FIXTURE in getattr(item, "fixturenames", ())
+                                        for item in session.items):
+        _kernel_builds.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import _kernel_builds
+
+    _kernel_builds.close()

@@ -8,12 +8,8 @@ is a failure there, reported with nvcc's own message.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +17,11 @@ import pytest
 
 from glm_ep.backend.cuda import grouped, kernel_loader as loader
 
-NVCC = shutil.which("nvcc") or next((str(p) for p in [Path("/usr/local/cuda/bin/nvcc")] if p.is_file()), None)
-PTXAS = str(Path(NVCC).with_name("ptxas")) if NVCC else None
-needs_nvcc = pytest.mark.skipif(NVCC is None or not Path(PTXAS).is_file(),
+import _kernel_builds as kb
+from _kernel_builds import ARCHS, FILES, NVCC, Build, built_for as _built_for
+
+needs_nvcc = pytest.mark.skipif(not kb.HAVE_NVCC,
                                 reason="nvcc and ptxas not found (no CUDA toolkit on PATH or in /usr/local/cuda)")
-FILES = loader.kernel_files()
 H200_BLOCK_SMEM, GB10_BLOCK_SMEM = 232448, 101376  # shared memory one block may opt into (sm_90, sm_121)
 
 
@@ -318,48 +314,11 @@ def test_arch_build_falls_back_to_the_plain_build(monkeypatch, caplog):
         loader.arch_build.cache_clear()
 
 
-ARCHS = ("sm_90", "sm_121", "sm_90a")
-
-
-def _built_for(path: Path, arch: str) -> bool:
-    return not arch.endswith("a") or arch in loader.ARCH_SPECIFIC.get(path.name, {}).values()
-
-
-@dataclass
-class Build:
-    ptx: Path
-    ptx_rc: int
-    ptx_log: str
-    cubin_rc: int = -1  # ptxas's, once the PTX built
-    cubin_log: str = ""
-
-
-def _build(root: Path, path: Path, arch: str) -> Build:
-    """nvcc's PTX of a kernel file for ``arch`` (the text NVRTC gets), then ptxas's cubin of it: the two halves of
-    ``nvcc --cubin``."""
-    src, ptx = root / f"{path.stem}.{arch}.cu", root / f"{path.stem}.{arch}.ptx"
-    src.write_text(loader.kernel_source(path.name))
-    r = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o", str(ptx),
-                        str(src)], capture_output=True, text=True)
-    b = Build(ptx, r.returncode, r.stdout + r.stderr)
-    if b.ptx_rc == 0:
-        r = subprocess.run([PTXAS, f"-arch={arch}", "-o", str(ptx.with_suffix(".cubin")), str(ptx)],
-                           capture_output=True, text=True)
-        b.cubin_rc, b.cubin_log = r.returncode, r.stdout + r.stderr
-    return b
-
-
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """``builds(path, arch)``: every kernel file's build for every arch it is built for, started together on all
-    cores when the first test asks (largest file first) and each awaited by the tests that read it."""
-    root = tmp_path_factory.mktemp("builds")
-    jobs = [(p, a) for p in sorted(FILES, key=lambda p: -p.stat().st_size) for a in ARCHS if _built_for(p, a)]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        futures = {(p.name, a): pool.submit(_build, root, p, a) for p, a in jobs}
-        yield lambda path, arch: futures[path.name, arch].result()
-        for f in futures.values():
-            f.cancel()
+def builds():
+    """``builds(path, arch)``: every kernel file's build for every arch it is built for (``_kernel_builds``), started
+    by ``conftest.py`` once collected (else now); each awaited by the tests that read it."""
+    return kb.start().get
 
 
 def _ptx(b: Build, path: Path, arch: str) -> Path:
