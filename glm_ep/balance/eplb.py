@@ -3,7 +3,8 @@
 ``balanced_placement`` takes a recorded load (``logical_count`` [L, E]) and, per sparse layer:
 
 1. replicates: each of the ``redundant`` extra slots goes, one at a time, to the expert whose load per replica
-   is the largest (a slot that chose it then takes one replica: ``glm_ep.mlp.expert_map``'s rule);
+   is the largest (a slot that chose it then takes one replica: ``glm_ep.mlp.expert_map``'s rule) among those
+   with fewer replicas than ranks (``redundant`` is at most ``E * (ep - 1)``);
 2. packs the ``P = E + redundant`` physical slots onto the ``ep`` groups, ``P / ep`` each (equal counts:
    every rank holds as many experts): heaviest first (load per replica), each onto the least-loaded group with
    room that does not hold that expert yet.
@@ -70,13 +71,18 @@ class ExpertPlacement:
         return p
 
 
-def replicate(load_E: np.ndarray, redundant: int) -> np.ndarray:
+def replicate(load_E: np.ndarray, redundant: int, most: int | None = None) -> np.ndarray:
     """int64 [E]: replicas per expert, each of the ``redundant`` extra ones given to the largest load per
-    replica (ties: the lower id)."""
+    replica (ties: the lower id) among the experts with fewer than ``most`` (the ranks: one copy a rank)."""
     load = np.asarray(load_E, dtype=np.float64)
     nrep = np.ones(load.size, dtype=np.int64)
+    if most is not None and redundant > load.size * (most - 1):
+        raise ValueError(f"{redundant} replicas of {load.size} experts at most {most} each")
     for _ in range(redundant):
-        nrep[int(np.argmax(load / nrep))] += 1
+        share = load / nrep
+        if most is not None:
+            share[nrep >= most] = -np.inf
+        nrep[int(np.argmax(share))] += 1
     return nrep
 
 
@@ -97,6 +103,7 @@ def pack(load_E: np.ndarray, nrep_E: np.ndarray, ep: int) -> np.ndarray:
     return np.array([e for g in groups for e in sorted(g)], dtype=np.int32)
 
 
+
 def balanced_placement(logical_count_LE: np.ndarray, layers: tuple[int, ...], ep: int,
                        redundant: int = 0) -> ExpertPlacement:
     """EPLB per layer from recorded loads (the module's docstring); ConfigError by name where the slots do not
@@ -106,7 +113,11 @@ def balanced_placement(logical_count_LE: np.ndarray, layers: tuple[int, ...], ep
     if ep < 1 or redundant < 0 or (e + redundant) % ep:
         raise ConfigError(f"--ep {ep} --redundant {redundant}: {e} experts + {redundant} replicas = {e + redundant} "
                           f"slots do not split evenly over ep = {ep}; expected ep to divide experts + redundant")
-    phys = tuple(pack(c, replicate(c, redundant), ep) for c in counts)
+    if redundant > e * (ep - 1):
+        raise ConfigError(f"--ep {ep} --redundant {redundant}: a rank holds an expert at most once, so {e} experts "
+                          f"take at most {e} x (ep - 1) = {e * (ep - 1)} replicas; expected --redundant <= "
+                          f"{e * (ep - 1)}")
+    phys = tuple(pack(c, replicate(c, redundant, most=ep), ep) for c in counts)
     return ExpertPlacement(ep, e, redundant, tuple(layers), phys)
 
 

@@ -96,3 +96,24 @@ def test_a_placement_that_is_not_one_is_refused(tmp_path) -> None:
         read(tmp_path / "x.json", tiny_model(), 2)
     with pytest.raises(ConfigError, match="nothing.json: expert placement file not found"):
         read(tmp_path / "nothing.json", tiny_model(), 2)
+
+
+def test_replicas_stop_at_one_a_rank_and_every_count_up_to_the_bound_gives_a_valid_file(tmp_path) -> None:
+    """An expert takes at most ep replicas (one copy a rank): the rest go to the next load per replica. Up to
+    E x (ep - 1) replicas every placement is one ``read`` accepts (no expert twice on a rank); past the bound
+    ``balance`` refuses by name, before any work (it wrote files ``run`` refused, and took minutes on huge counts)."""
+    assert replicate(np.array([1000, 1, 1, 1]), 5, most=3).tolist() == [3, 2, 2, 2]
+    with pytest.raises(ValueError):
+        replicate(np.array([1, 1]), 3, most=2)
+    rng = np.random.default_rng(1)
+    counts = np.stack([rng.zipf(1.3, 32).clip(max=10_000) for _ in range(3)])
+    for ep, redundant in ((2, 32), (2, 30), (4, 96), (4, 40), (8, 224)):
+        placed = balanced_placement(counts, (1, 2, 3), ep=ep, redundant=redundant)
+        again = read(placed.save(tmp_path / f"p{ep}_{redundant}.json"), tiny_model(), ep)
+        for layer in (1, 2, 3):
+            for g in range(ep):
+                held = again.held(layer, g)
+                assert len(set(held)) == len(held), (ep, redundant, layer, g, held)
+    with pytest.raises(ConfigError, match=r"--ep 2 --redundant 34: a rank holds an expert at most once, so 32 "
+                                          r"experts take at most 32 x \(ep - 1\) = 32 replicas"):
+        balanced_placement(counts, (1, 2, 3), ep=2, redundant=34)
