@@ -275,10 +275,8 @@ def _cache_damage(path: Path) -> str | None:
         files = json.loads((path / CACHE_MANIFEST).read_text())["sha256"]
         if not isinstance(files, dict) or not files:
             raise TypeError
-    except FileNotFoundError:
-        return "has no manifest (an older or interrupted write)"
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"has an unreadable manifest {CACHE_MANIFEST} ({e!r})"
+        return f"has an unreadable manifest {CACHE_MANIFEST} ({type(e).__name__}: {str(e)[:200]})"
     differ = [name for name, digest in sorted(files.items()) if _sha256(path / str(name)) != digest]
     return f"differs from what was written ({', '.join(differ[:4])}{' ...' if len(differ) > 4 else ''})" \
         if differ else None
@@ -294,13 +292,18 @@ def _sha256(path: Path) -> str | None:
 def ensure_default_checkpoint(cache_dir: str | Path) -> Path:
     """``cache_dir/tiny``: the ``tiny`` preset, seed 0, a weight-only (W4A16) export, written once (atomically)
     with a manifest of its files' digests, then reused while every file matches it; one that does not (a
-    damaged or interrupted cache) is written again, with a warning.
+    damaged cache) is written again, with a warning. Anything else at that path (a folder without the manifest,
+    a file: not this cache's) is never replaced: an InputError names it.
 
     Safe to call from several processes at once: each writes a private temporary folder and renames it into
     place; a loser of the race removes its copy and uses the winner's.
     """
     cache = Path(cache_dir)
     target = cache / "tiny"
+    if os.path.lexists(target) and not (target.is_dir() and os.path.lexists(target / CACHE_MANIFEST)):
+        raise InputError(f"{target}: not a checkpoint this cache wrote (no {CACHE_MANIFEST} in a folder there), so it is "
+                         f"left as it is; expected the built-in checkpoint's place: move it away, or give another "
+                         f"--cache-dir (or --model {target} to run on it)")
     damage = _cache_damage(target) if os.path.lexists(target) else "missing"
     if damage is None:
         return target

@@ -155,7 +155,7 @@ def test_default_checkpoint_is_a_weight_only_export(tmp_path: Path) -> None:
                                                                                      preset("tiny"))))
 
 
-@pytest.mark.parametrize("damage", ["flipped-byte", "truncated", "manifest-gone", "file-gone"])
+@pytest.mark.parametrize("damage", ["flipped-byte", "truncated", "manifest-garbled", "file-gone"])
 def test_damaged_default_checkpoint_is_written_again(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                      damage: str) -> None:
     path = synth.ensure_default_checkpoint(tmp_path / "cache")
@@ -167,13 +167,34 @@ def test_damaged_default_checkpoint_is_written_again(tmp_path: Path, caplog: pyt
         shard.write_bytes(bytes(data))
     elif damage == "truncated":
         shard.write_bytes(shard.read_bytes()[:-10])
+    elif damage == "manifest-garbled":  # bytes that are not text: the warning names the error, not the bytes
+        (path / synth.CACHE_MANIFEST).write_bytes(bytes(range(128, 256)) * 200)
     else:
-        (path / (synth.CACHE_MANIFEST if damage == "manifest-gone" else "config.json")).unlink()
+        (path / "config.json").unlink()
     with caplog.at_level("WARNING"):
         assert synth.ensure_default_checkpoint(tmp_path / "cache") == path
     assert "the cached tiny checkpoint" in caplog.text and "writing it again" in caplog.text
+    assert len(caplog.text) < 1000, caplog.text[:300]
     assert {p.name: p.read_bytes() for p in path.iterdir()} == want
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny"]  # nothing left aside
+
+
+@pytest.mark.parametrize("found", ["checkpoint-of-the-user", "file"])
+def test_what_the_cache_did_not_write_is_never_replaced(tmp_path: Path, found: str) -> None:
+    """A folder without the cache's manifest (a user's own checkpoint written there, say) or a file at the cache's
+    place is left as it is, every byte: an InputError names it and what to do."""
+    cache = tmp_path / "cache"
+    if found == "file":
+        cache.mkdir()
+        (cache / "tiny").write_text("mine")
+    else:
+        synth.write_synthetic(cache / "tiny", preset("tiny"), seed=7)
+        (cache / "tiny" / "NOTES.txt").write_text("mine")
+    before = {p.relative_to(cache): p.read_bytes() for p in cache.rglob("*") if p.is_file()}
+    with pytest.raises(InputError, match=rf"{cache / 'tiny'}: not a checkpoint this cache wrote \(no "
+                                         rf"{synth.CACHE_MANIFEST} in a folder there\), so it is left as it is"):
+        synth.ensure_default_checkpoint(cache)
+    assert {p.relative_to(cache): p.read_bytes() for p in cache.rglob("*") if p.is_file()} == before
 
 
 def test_damaged_default_checkpoint_that_cannot_be_replaced_says_to_delete_it(
