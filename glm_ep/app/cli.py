@@ -114,6 +114,18 @@ def _count(least: int) -> Callable[[str], int]:
     return integer
 
 
+def _path(text: str) -> str:
+    """An argparse type: a path that is not empty (an empty one would name the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}, an empty path; expected a file or folder name")
+    return text
+
+
+#: the flags that name a file or folder, in every subcommand: none may be empty (--topology, a name or a path,
+#: refuses an empty one itself)
+_PATH_DESTS = frozenset({"out", "model", "input", "output", "cache_dir", "hf_model", "load", "expert_load"})
+
+
 def _skew(text: str) -> float:
     """An argparse type: a finite number >= 0 (the router skew)."""
     try:
@@ -128,9 +140,9 @@ def _skew(text: str) -> float:
 def _layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", help=f"a topology TOML file or a shipped name ({', '.join(shipped_names())}); "
                    "default: world = tp = ep = MPI size, backend cpu")
-    p.add_argument("--tp", type=int, help="tensor-parallel degree (overrides the topology)")
-    p.add_argument("--ep", type=int, help="expert-parallel degree (overrides the topology)")
-    p.add_argument("--moe-tp", type=int, help="each routed expert's width split over this many ranks: ep groups of "
+    p.add_argument("--tp", type=_count(1), help="tensor-parallel degree (overrides the topology)")
+    p.add_argument("--ep", type=_count(1), help="expert-parallel degree (overrides the topology)")
+    p.add_argument("--moe-tp", type=_count(1), help="each routed expert's width split over this many ranks: ep groups of "
                    "moe-tp ranks (overrides the topology; without a topology, ep defaults to world / moe-tp)")
     p.add_argument("--backend", choices=("cpu", "cuda"), help="overrides the topology's backend")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -219,7 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     balance_job.add_arguments(sub.add_parser("balance", help="place the experts on the ep ranks from a recorded "
                                              "expert load (EPLB)"), _count)
-    bench.add_arguments(sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)"))
+    bench.add_arguments(sub.add_parser("bench", help="GPU benchmark at the GLM-5.3-Flash shape (CUDA)"), _count)
+    for parser in sub.choices.values():  # every flag that names a file or folder refuses an empty one
+        for action in parser._actions:
+            if action.dest in _PATH_DESTS and action.type is None and action.nargs is None:
+                action.type = _path
     return ap
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from glm_ep.config.topology import PathLevers, Topology
 from glm_ep.errors import ConfigError
@@ -26,14 +26,15 @@ from glm_ep.errors import ConfigError
 SWEEPS = ("ring", "union", "dense")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``bench`` subcommand's flags (no layout flags: world 1, CUDA; a one-rank topology for its levers)."""
+def add_arguments(p: argparse.ArgumentParser, count: Callable[[int], Callable[[str], int]]) -> None:
+    """The ``bench`` subcommand's flags (no layout flags: world 1, CUDA; a one-rank topology for its levers);
+    ``count(least)``: the CLI's integer type of at least ``least``."""
     p.add_argument("--out", default="docs/perf", help="folder for the results table and plot")
     p.add_argument("--topology", help="a one-rank topology TOML file or shipped name (h100-1, h200-1) whose [levers] "
                    "the timed sites run with, as a job on that card would (default: the built-in levers); decode and "
                    "verify, --prefill")
-    p.add_argument("--layers", type=int, default=0, help="stack layers to time (0: as many as fit)")
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--layers", type=count(0), default=0, help="stack layers to time (0: as many as fit)")
+    p.add_argument("--iters", type=count(1), default=200)
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
@@ -42,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "(dense); writes SWEEP_<NAME>.md and sweep_<name>.json")
     what.add_argument("--moe-tp", type=int, metavar="N", help="instead: the one-row sparse site as each rank of a "
                       "world of N runs its share, ep N against moe_tp N (SHARES_<CARD>_<N>.md)")
-    p.add_argument("--rows", type=int, nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096); "
+    p.add_argument("--rows", type=count(1), nargs="+", help="--prefill widths (default 16 64 128 256 1024 4096); "
                    "--sweep dense widths (default 1 2 4 5 8 9 16 24 32 48 64)")
     p.add_argument("-v", "--verbose", action="store_true")
 

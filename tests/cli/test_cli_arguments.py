@@ -19,6 +19,12 @@ from cli_jobs import fails, glm_ep, glm_ep_per_rank
     (["run", "--prefill", "0"], "argument --prefill: 0, expected an integer >= 1"),
     (["footprint", "--preset", "tiny", "--tp", "0"], "argument --tp: 0, expected an integer >= 1"),
     (["synth", "--dense", "fp8"], "argument --dense: invalid choice: 'fp8'"),
+    (["run", "--tp", "0"], "argument --tp: 0, expected an integer >= 1"),
+    (["forward", "--model", "m", "--input", "i", "--output", "o", "--moe-tp", "-2"],
+     "argument --moe-tp: -2, expected an integer >= 1"),
+    (["bench", "--iters", "0"], "argument --iters: 0, expected an integer >= 1"),
+    (["bench", "--layers", "-1"], "argument --layers: -1, expected an integer >= 0"),
+    (["bench", "--prefill", "--rows", "16", "0"], "argument --rows: 0, expected an integer >= 1"),
 ])
 def test_bad_counts_are_refused_by_the_parser(argv: list[str], needle: str, capsys, tmp_path) -> None:
     """A negative seed or warm-up count was a traceback (seed) or taken as it was (warm-up, shard size). Paths
@@ -29,6 +35,29 @@ def test_bad_counts_are_refused_by_the_parser(argv: list[str], needle: str, caps
     with pytest.raises(SystemExit) as e:
         main(argv + where)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["synth", "--out", ""], ["synth", "--out", "ck", "--hf-model", " "], ["run", "--cache-dir", ""],
+    ["run", "--expert-load", ""], ["make-input", "--out", "", "--rows", "1", "--hidden", "8"],
+    ["forward", "--model", "m", "--input", "i", "--output", ""], ["balance", "--load", "", "--ep", "2", "--out", "p"],
+    ["bench", "--out", ""], ["footprint", "--preset", "tiny", "--expert-load", ""],
+    ["generate", "--model", "", "--hf-model", "h", "--prompt-ids", "1"],
+])
+def test_an_empty_path_is_refused_by_the_parser(argv: list[str], capsys, tmp_path, monkeypatch) -> None:
+    """An empty --out / --cache-dir / --hf-model / ... named the current folder: a checkpoint or a model written
+    into it, the cache's folder looked for there, an expert load silently not recorded. Every flag that names a
+    file or folder refuses it, by name, before anything is written."""
+    from glm_ep.app.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    flag = argv[[i for i, a in enumerate(argv) if a.strip() == ""][0] - 1]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2, e.value.code
+    assert f"argument {flag}: " in (err := capsys.readouterr().err) and "an empty path; expected a file or folder" \
+        in err, err
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("argv,needle", [
