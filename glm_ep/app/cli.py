@@ -386,9 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "footprint" and launch_rank() != 0:
             _quiet()  # under mpiexec every rank computes the same report: rank 0 alone prints it (and any error)
         setup_logging(0)
-        from glm_ep.app.balance_job import balance_job
-
-        alone = {"synth": _synth, "make-input": _make_input, "footprint": _footprint, "balance": balance_job}[args.cmd]
+        alone = {"synth": _synth, "make-input": _make_input, "footprint": _footprint, "balance": _balance}[args.cmd]
         return run_guarded(lambda: alone(args), None)
     try:
         comm: Any = mpi_world()
@@ -410,6 +408,15 @@ def main(argv: list[str] | None = None) -> int:
         return job(args, ranks)
 
     return run_guarded(agreed_job, comm)
+
+
+def _balance(args: argparse.Namespace) -> int:
+    from glm_ep.app.balance_job import balance_job
+
+    if (_launch_size() or launch_rank() + 1) > 1:  # every rank would write the same file at once
+        raise InputError("balance writes one placement from one process; expected it run without mpiexec (or with "
+                         "-n 1)")
+    return balance_job(args)
 
 
 def _quiet() -> None:

@@ -182,3 +182,9 @@ def test_a_moe_tp_that_does_not_divide_and_a_bad_balance_request_are_refused_by_
     r = one("synth", "--preset", "tiny", "--router-skew", "-1", "--out", str(tmp_path / "s"))
     assert r.returncode == 2 and "--router-skew: -1.0, expected a finite number >= 0" in r.stderr, r.stderr
     assert not (tmp_path / "p.json").exists()
+    # under mpiexec every rank would write the same placement file at once
+    r = subprocess.run([sys.executable, "-m", "glm_ep", "balance", "--load", str(load), "--ep", "2", "--out",
+                        str(tmp_path / "p.json")], capture_output=True, text=True, timeout=120,
+                       env={**mpi_env(), "OMPI_COMM_WORLD_SIZE": "2"}, cwd=REPO)
+    assert r.returncode == 2 and "balance writes one placement from one process" in r.stderr, r.stderr
+    assert not (tmp_path / "p.json").exists()
