@@ -257,6 +257,11 @@ def _synth(args: argparse.Namespace) -> int:
         from glm_ep.hf.pair import check_hf_folder
 
         check_hf_folder(args.hf_model, args.out, args.force)
+    if held:  # --force: the old checkpoint's weight files go first (shards of another count would stay beside the
+        # new ones); nothing else in the folder is touched
+        for old in [*Path(args.out).glob("model-*-of-*.safetensors"), Path(args.out) / SINGLE_FILE]:
+            if old.is_file():
+                old.unlink()
     cfg = preset(args.preset)
     for key in ("intermediate_size", "moe_intermediate_size"):
         if getattr(args, key) is not None:

@@ -302,6 +302,11 @@ def test_synth_refuses_to_overwrite_a_checkpoint_or_to_run_on_several_ranks(tmp_
     assert "--force writes over its files" in err
     assert (out / "config.json").read_bytes() == config
     assert main(["synth", "--out", str(out), "--seed", "3", "--shard-mb", "1", "--force"]) == 0
+    (out / "NOTES.txt").write_text("mine")
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    assert main(["synth", "--out", str(out), "--seed", "3", "--force"]) == 0  # one shard now: the old ones gone
+    assert sorted(p.name for p in out.iterdir()) == ["NOTES.txt", "config.json", "model-00001-of-00001.safetensors",
+                                                     "model.safetensors.index.json"], sorted(out.iterdir())
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     capsys.readouterr()
     assert main(["synth", "--out", str(tmp_path / "new")]) == 2
