@@ -193,8 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-tp", type=_count(1), help="each routed expert's width split over this many ranks (default: "
                    "the topology's, else 1)")
     p.add_argument("--per-layer", action="store_true", help="one workspace per layer instead of one shared")
-    p.add_argument("--dense", choices=("bf16", "nvfp4"), default="bf16",
-                   help="with --preset: how the dense FFNs are stored (a --model checkpoint says so itself)")
+    p.add_argument("--dense", choices=("bf16", "nvfp4"),
+                   help="with --preset: how the dense FFNs are stored (default bf16; a --model checkpoint says so "
+                   "itself)")
     p.add_argument("--expert-load", metavar="FILE", help="a recorded expert load (run / forward --expert-load): the "
                    "decode row's routed bytes on the busiest rank from it (default: uniform routing)")
 
@@ -316,6 +317,9 @@ def _footprint(args: argparse.Namespace) -> int:
     cfg = site_config(model, topo, 0)
     from glm_ep.app.footprint import weight_bytes_per_rank
 
+    if args.model and args.dense is not None:
+        raise InputError(f"--dense {args.dense} with --model: the checkpoint says how its dense FFNs are stored; "
+                         "expected --dense with --preset only")
     dense_nvfp4, router_itemsize = args.dense == "nvfp4", 2
     if args.model:  # how the checkpoint stores its dense FFNs and its routers, from the headers
         from glm_ep.checkpoint.reader import Checkpoint

@@ -161,3 +161,13 @@ def test_footprint_reports_the_scratch_the_load_makes(rows: int, dense: str, sho
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dequant scratch:")]
     want = f"dequant scratch: {fmt_bytes(12288 // 2 * 4096 * 2)} (the dense FFN stored NVFP4 from 256 rows"
     assert [ln.startswith(want) for ln in lines] == ([True] if shown else []), lines
+
+
+def test_footprint_refuses_dense_beside_a_model(tiny_checkpoint, capsys) -> None:
+    """``--dense`` says how a preset's dense FFNs are stored; beside ``--model`` (whose checkpoint says so itself) it
+    was silently ignored, so a user asking for NVFP4 got the bf16 figures of a bf16 checkpoint without a word."""
+    from glm_ep.app.cli import main
+
+    assert main(["footprint", "--model", str(tiny_checkpoint), "--dense", "nvfp4"]) == 2
+    assert "--dense nvfp4 with --model: the checkpoint says how its dense FFNs are stored" in capsys.readouterr().err
+    assert main(["footprint", "--model", str(tiny_checkpoint)]) == 0
