@@ -22,7 +22,7 @@ import numpy as np
 from glm_ep.check.verdict import check_run, first_overflow
 from glm_ep.check.plan import CheckPlan, memory_available, memory_budget, plan_check
 from glm_ep.checkpoint.layers import dense_is_nvfp4, layer_read_bytes
-from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, NumericError
+from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError, NumericError
 from glm_ep.app import load_record
 from glm_ep.app.files import check_output_path, job_inputs, read_hidden_states, write_outputs
 from glm_ep.checkpoint.finite import nonfinite_mask
@@ -173,9 +173,18 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     plan = None if args.check == "none" else _agreed_plan(args, ckpt, topo, ranks, call_rows)
     rt = load_runtime(ckpt, topo, ranks)
     h = rt.model.hidden_size
-    rng = np.random.default_rng(args.seed)  # the same inputs on every rank
-    calls = [(phase, rng.standard_normal((n, h)).astype(BF16))
-             for phase, n in zip(["prefill"] + ["decode"] * args.decode + ["verify"], call_rows)]
+
+    def inputs() -> list[tuple[str, np.ndarray]]:
+        rng = np.random.default_rng(args.seed)  # the same inputs on every rank
+        try:
+            return [(phase, rng.standard_normal((n, h)).astype(BF16))
+                    for phase, n in zip(["prefill"] + ["decode"] * args.decode + ["verify"], call_rows)]
+        except MemoryError as e:
+            raise InputError(f"--prefill {args.prefill}, --verify {args.verify}: the calls' inputs ({max(call_rows)} "
+                             f"rows of hidden {h}, drawn in float64) do not fit in this rank's memory ({e}); expected "
+                             "fewer rows") from None
+
+    calls = ranks.agree("the run's inputs", inputs)  # refused on every rank alike, printed once
     firsts = {x.shape[0]: x for _, x in reversed(calls)}  # the first call of each row count
     for x in firsts.values():  # untimed: kernel compiles, graph captures
         for _ in range(args.warmup):

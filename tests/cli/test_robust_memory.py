@@ -183,3 +183,12 @@ def test_a_long_load_logs_lines_not_bar_frames(large: Path, tmp_path: Path) -> N
                  "--decode", "1", "--verify", "1")
     assert r.returncode == 0 and "weights: rank 0 holds 352.33 MB" in r.stderr, r.stderr[-3000:]
     assert "\r" not in r.stderr, r.stderr[-3000:]
+
+
+def test_run_inputs_past_the_memory_name_the_rows_once(tiny_checkpoint: Path) -> None:
+    """``run --prefill`` of more rows than a rank's memory holds: each rank raised its own MemoryError (two error
+    lines, an MPI abort, a hint about --check though the check was off). Now one agreed error names the flag."""
+    r = _limited("run", "--model", str(tiny_checkpoint), "--no-check", "--prefill", "50000000", "--decode", "1")
+    fails(r, "--prefill 50000000, --verify 4: the calls' inputs (50000000 rows of hidden 128, drawn in float64) do "
+             "not fit in this rank's memory", "expected fewer rows")
+    assert r.stderr.count("glm-ep: error:") == 1 and "MPI_Abort" not in r.stderr, r.stderr[-2000:]
