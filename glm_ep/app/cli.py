@@ -360,7 +360,11 @@ def _make_input(args: argparse.Namespace) -> int:
         raise InputError("make-input writes one file from one process; expected it run without mpiexec (or with -n 1)")
     hidden = args.hidden if args.model is None else ModelConfig.from_file(Path(args.model) / "config.json").hidden_size
     out = check_output_path(args.out)
-    x = np.random.default_rng(args.seed).standard_normal((args.rows, hidden)).astype(ml_dtypes.bfloat16)
+    try:
+        x = np.random.default_rng(args.seed).standard_normal((args.rows, hidden)).astype(ml_dtypes.bfloat16)
+    except MemoryError as e:
+        raise InputError(f"--rows {args.rows}: {args.rows} rows of hidden {hidden}, drawn in float64, do not fit in "
+                         f"memory ({e}); expected fewer rows") from None
     save_readable({"hidden_states": x}, out)
     print(f"wrote {out}: hidden_states bf16 [{args.rows}, {hidden}] (seed {args.seed})")
     return 0

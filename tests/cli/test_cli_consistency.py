@@ -77,7 +77,10 @@ def test_make_input_writes_what_forward_reads(tiny_checkpoint, tmp_path) -> None
      ["config.json not found"]),
     (["make-input", "--rows", "2", "--out", "{tmp}/x.safetensors"],
      ["one of the arguments --model --hidden is required"]),
-], ids=["out-is-a-folder", "no-model", "no-width"])
+    (["make-input", "--hidden", "4096", "--rows", "99999999999", "--out", "{tmp}/x.safetensors"],
+     ["--rows 99999999999: 99999999999 rows of hidden 4096, drawn in float64, do not fit in memory", "expected fewer "
+      "rows"]),
+], ids=["out-is-a-folder", "no-model", "no-width", "rows-past-memory"])
 def test_make_input_refusals(tmp_path, argv: list[str], needles: list[str]) -> None:
     r = subprocess.run([sys.executable, "-m", "glm_ep", *(a.format(tmp=tmp_path) for a in argv)],
                        capture_output=True, text=True, timeout=60, env=mpi_env(), cwd=REPO)
