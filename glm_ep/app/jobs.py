@@ -245,8 +245,15 @@ def _agreed_plan(args: argparse.Namespace, ckpt: Checkpoint, topo: Topology, ran
     budget = memory_budget(ranks)
     held = ranks.agree("load size", lambda: _host_bytes_of_load(ckpt, topo, ranks.rank))
     available = memory_available(ranks, held)
-    return ranks.agree("check plan", lambda: plan_check(ckpt.config, args.check, call_rows, args.seed, ranks.size,
-                                                        budget, available))
+
+    def plan() -> CheckPlan:
+        if available.bytes == 0 and held > 0:  # the same on every rank: the least over the ranks
+            raise ConfigError(f"the load alone leaves no memory: {available.bound} (its weights and its workspaces of "
+                              f"workspace_rows = {topo.workspace_rows}); expected fewer workspace_rows or more memory "
+                              "per rank (--check none skips the check, not the load)")
+        return plan_check(ckpt.config, args.check, call_rows, args.seed, ranks.size, budget, available)
+
+    return ranks.agree("check plan", plan)
 
 
 def _host_bytes_of_load(ckpt: Checkpoint, topo: Topology, rank: int) -> int:

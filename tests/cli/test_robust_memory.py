@@ -192,3 +192,12 @@ def test_run_inputs_past_the_memory_name_the_rows_once(tiny_checkpoint: Path) ->
     fails(r, "--prefill 50000000, --verify 4: the calls' inputs (50000000 rows of hidden 128, drawn in float64) do "
              "not fit in this rank's memory", "expected fewer rows")
     assert r.stderr.count("glm-ep: error:") == 1 and "MPI_Abort" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_load_past_the_memory_is_named_not_blamed_on_the_check(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """workspace_rows far past what any rank holds: the check's refusal said "0.00 MB is available ... expected
+    --check none", which only moved the failure to the load. The load itself is named, with the lever."""
+    topo = write_topology(tmp_path / "wide.toml", world=2, tp=2, ep=2, workspace_rows=99_999_999_999)
+    r = _limited("run", "--model", str(tiny_checkpoint), "--topology", str(topo), "--decode", "1")
+    fails(r, "the load alone leaves no memory: ", "workspace_rows = 99999999999); expected fewer workspace_rows")
+    assert not loaded_weights(r)
