@@ -100,8 +100,25 @@ def pack(load_E: np.ndarray, nrep_E: np.ndarray, ep: int) -> np.ndarray:
         g = min(fresh, key=lambda g: (weight[g], g))
         groups[g].append(e)
         weight[g] += share[e]
+    spread(groups)
     return np.array([e for g in groups for e in sorted(g)], dtype=np.int32)
 
+
+def spread(groups: list[list[int]]) -> list[list[int]]:
+    """``groups`` with no expert twice in one group, in place: where the greedy packing had to put a replica into a
+    group that holds its expert already (the groups without it full), that copy swaps with an expert of a group
+    that lacks it, one the first group lacks. Where an expert has no more copies than groups (``replicate``'s cap),
+    such a group and such an expert always exist: the first group holds fewer distinct experts than its size, the
+    other group none of the expert."""
+    for items in groups:
+        for i, e in enumerate(items):
+            if items.count(e) < 2:
+                continue
+            other = next((o for o in groups if e not in o), None)  # none: more copies than groups (uncapped)
+            if other is not None:
+                j = next(j for j, f in enumerate(other) if f not in items)
+                items[i], other[j] = other[j], e
+    return groups
 
 
 def balanced_placement(logical_count_LE: np.ndarray, layers: tuple[int, ...], ep: int,

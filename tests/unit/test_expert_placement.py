@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from glm_ep.balance.eplb import balanced_placement, pack, read, replicate
+from glm_ep.balance.eplb import balanced_placement, pack, read, replicate, spread
 from glm_ep.errors import ConfigError
 
 from helpers import tiny_model
@@ -117,3 +117,23 @@ def test_replicas_stop_at_one_a_rank_and_every_count_up_to_the_bound_gives_a_val
     with pytest.raises(ConfigError, match=r"--ep 2 --redundant 34: a rank holds an expert at most once, so 32 "
                                           r"experts take at most 32 x \(ep - 1\) = 32 replicas"):
         balanced_placement(counts, (1, 2, 3), ep=2, redundant=34)
+
+
+
+def test_a_replica_the_greedy_packing_put_twice_on_a_rank_moves_to_one_that_lacks_it() -> None:
+    """``spread``: each copy past the first of an expert in a group swaps with an expert of a group without it, one
+    the first group lacks; every expert keeps its count, every group its size."""
+    for groups in ([[0, 0, 1], [2, 3, 4], [5, 6, 7]], [[3, 3, 3], [3, 1, 2], [4, 5, 6], [7, 8, 9]],
+                   [[1, 2], [1, 1], [3, 4]]):
+        before = sorted(x for g in groups for x in g)
+        sizes = [len(g) for g in groups]
+        out = spread([list(g) for g in groups])
+        assert all(len(set(g)) == len(g) for g in out), out
+        assert sorted(x for g in out for x in g) == before and [len(g) for g in out] == sizes, out
+    rng = np.random.default_rng(3)
+    for _ in range(300):  # whatever the loads, up to the bound: one copy of an expert a rank
+        ep = int(rng.choice([3, 5, 6]))
+        redundant = ep * int(rng.integers(-(-32 // ep), 33)) - 32  # slots a multiple of ep, up to 32 x ep
+        phys = balanced_placement(rng.integers(0, 5, (1, 32)) ** 3, (1,), ep, redundant).phys_expert[0]
+        per = phys.size // ep
+        assert all(len(set(phys[g * per:(g + 1) * per].tolist())) == per for g in range(ep)), (ep, redundant)
