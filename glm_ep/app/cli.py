@@ -258,11 +258,6 @@ def _synth(args: argparse.Namespace) -> int:
         from glm_ep.hf.pair import check_hf_folder
 
         check_hf_folder(args.hf_model, args.out, args.force)
-    if held:  # --force: the old checkpoint's weight files go first (shards of another count would stay beside the
-        # new ones); nothing else in the folder is touched
-        for old in [*Path(args.out).glob("model-*-of-*.safetensors"), Path(args.out) / SINGLE_FILE]:
-            if old.is_file():
-                old.unlink()
     cfg = preset(args.preset)
     for key in ("intermediate_size", "moe_intermediate_size"):
         if getattr(args, key) is not None:
@@ -272,6 +267,14 @@ def _synth(args: argparse.Namespace) -> int:
     path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
                            router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense,
                            router_skew=args.router_skew)
+    if held:  # --force: the old checkpoint's weight files the new index does not name go (shards of another count
+        # stayed beside the new ones); nothing else in the folder is touched
+        import json
+
+        new = set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values())
+        for old in [*path.glob("model-*-of-*.safetensors"), path / SINGLE_FILE]:
+            if old.is_file() and old.name not in new:
+                old.unlink()
     print(f"wrote {path}")
     if args.hf_model is not None:
         from glm_ep.hf.pair import write_hf_model

@@ -307,6 +307,10 @@ def test_synth_refuses_to_overwrite_a_checkpoint_or_to_run_on_several_ranks(tmp_
     assert main(["synth", "--out", str(out), "--seed", "3", "--force"]) == 0  # one shard now: the old ones gone
     assert sorted(p.name for p in out.iterdir()) == ["NOTES.txt", "config.json", "model-00001-of-00001.safetensors",
                                                      "model.safetensors.index.json"], sorted(out.iterdir())
+    kept = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()  # a --force refused on its new config leaves the old checkpoint whole
+    assert main(["synth", "--out", str(out), "--force", "--moe-intermediate-size", "17"]) == 2
+    assert "17" in capsys.readouterr().err and {p.name: p.read_bytes() for p in out.iterdir()} == kept
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     capsys.readouterr()
     assert main(["synth", "--out", str(tmp_path / "new")]) == 2
