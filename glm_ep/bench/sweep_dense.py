@@ -10,7 +10,8 @@ Shapes: the dense FFN's gate + up + SwiGLU ([12288, 4096] each) and down ([4096,
 ``linear``), i.e. the engine the dispatch picks, with the backend's scratch bound as a job binds it. Each call
 reads the next of several copies of the weights, together three times the L2 or more (``weight_copies``), so
 every call streams its weights from HBM as a job's layers do; each engine a captured step can run is timed as a
-CUDA graph over the copies, cuBLAS (which CuPy cannot capture) as back-to-back calls, marked † (``captured``).
+CUDA graph over the copies at the 1..8 rows a step captures, and as back-to-back calls, marked †, where a job calls
+them eagerly (past 8 rows) or a graph cannot hold them (cuBLAS) (``captured``).
 Before, one copy was timed eagerly: the shared expert's 33 MB stayed in the L2 between calls and its small
 launches were bound by the host, which favoured the batch-M GEMV over what a verify site measures. Writes
 SWEEP_DENSE.md / sweep_dense.json to ``--out``.
@@ -68,8 +69,9 @@ def run_sweep_dense(args: argparse.Namespace) -> int:
         with s:
             ws_ = []
             for _ in range(copies):
-                w2 = gpu_bf16(cp, (2, n, k), k ** -0.5)  # gate and up stacked, as upload_dense keeps them
-                ws_.append(DenseResident(w2[0], w2[1], gpu_bf16(cp, (k, n), n ** -0.5)))
+                w2 = gpu_bf16(cp, (2 if glu else 1, n, k), k ** -0.5)  # gate and up stacked, as upload_dense keeps
+                # them; a plain projection's weight as "gate". Only gate and up are read (gate_up_act, linear).
+                ws_.append(DenseResident(w2[0], w2[-1], w2[0]))
         for r in rows:
             x = gpu_bf16(cp, (r, k), 1.0)
             g, u, a = (cp.empty((r, n), BF16) for _ in range(3))
@@ -121,10 +123,11 @@ def weight_copies(nbytes: int, l2_bytes: int) -> int:
 
 
 def captured(engine: str, rows: int) -> bool:
-    """Whether an engine's calls are timed as a CUDA graph (as a captured step runs them): every one but cuBLAS,
-    which CuPy cannot capture, and the backend's own op past the captured widths (1..8 rows), where it may call
-    cuBLAS. Eager calls of a small projection are bound by the host's launch time, not the device's."""
-    return engine not in ("cublas", "cublas_pair") and not (engine == "shipped" and rows > KERNEL_LIMITS.max_gemv_rows)
+    """Whether an engine's calls are timed as a CUDA graph, as a job runs them: at the widths a step captures
+    (1..8 rows) every engine but cuBLAS, which CuPy cannot capture; past them none (a job calls them eagerly, so the
+    engines are compared as it sees them, launch costs included). Eager calls of a small projection are bound by
+    the host's launch time, not the device's: at 1..8 rows only a graph shows the device."""
+    return rows <= KERNEL_LIMITS.max_gemv_rows and engine not in ("cublas", "cublas_pair")
 
 
 def fastest(r: dict[str, Any]) -> str:
@@ -136,7 +139,8 @@ def render_dense(data: dict[str, Any]) -> str:
     meta = data["meta"]
     lines = results_header("glm-ep bench --sweep dense", meta) + [
         "", "µs a call, each on the next of several copies of the weights (three times the L2 or more: streamed "
-        "from HBM), timed as a CUDA graph; † back-to-back eager calls (cuBLAS, which a graph cannot hold). ★ the "
+        "from HBM), timed as a CUDA graph at the 1..8 rows a step captures; † back-to-back eager calls (past 8 rows, "
+        "as a job calls them, and cuBLAS, which a graph cannot hold). ★ the "
         "fastest engine; `shipped` is the backend's own op, the engine the dispatch picks (a captured 1..8-row step "
         "cannot call cuBLAS). TB/s: the weight bytes over the shipped time."]
     for shape in dict.fromkeys(r["shape"] for r in data["results"]):
