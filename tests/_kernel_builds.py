@@ -40,8 +40,8 @@ class Build:
     cubin_log: str = ""
 
 
-def _lower_priority() -> None:
-    os.nice(10)
+#: each build at a low priority (``nice``: a preexec_fn is not safe in the pool's threads)
+NICE = [shutil.which("nice")] + ["-n", "10"] if shutil.which("nice") else []
 
 
 def _build(root: Path, path: Path, arch: str) -> Build:
@@ -49,12 +49,12 @@ def _build(root: Path, path: Path, arch: str) -> Build:
     ``nvcc --cubin``."""
     src, ptx = root / f"{path.stem}.{arch}.cu", root / f"{path.stem}.{arch}.ptx"
     src.write_text(loader.kernel_source(path.name))
-    r = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o", str(ptx),
-                        str(src)], capture_output=True, text=True, preexec_fn=_lower_priority)
+    r = subprocess.run([*NICE, NVCC, "--ptx", f"-arch={arch}", "-std=c++17", *loader.define_options(), "-o", str(ptx),
+                        str(src)], capture_output=True, text=True)
     b = Build(ptx, r.returncode, r.stdout + r.stderr)
     if b.ptx_rc == 0:
-        r = subprocess.run([PTXAS, f"-arch={arch}", "-o", str(ptx.with_suffix(".cubin")), str(ptx)],
-                           capture_output=True, text=True, preexec_fn=_lower_priority)
+        r = subprocess.run([*NICE, PTXAS, f"-arch={arch}", "-o", str(ptx.with_suffix(".cubin")), str(ptx)],
+                           capture_output=True, text=True)
         b.cubin_rc, b.cubin_log = r.returncode, r.stdout + r.stderr
     return b
 

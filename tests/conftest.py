@@ -48,8 +48,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     priority: they run on what the tests before them leave idle instead of all at once when the first one asks."""
     import _kernel_builds
 
-    if _kernel_builds.HAVE_NVCC and any(_kernel_builds.FIXTURE in getattr(item, "fixturenames", ())
-                                        for item in session.items):
+    if (_kernel_builds.HAVE_NVCC and not session.config.option.collectonly
+            and any(_kernel_builds.FIXTURE in getattr(item, "fixturenames", ()) for item in session.items)):
         _kernel_builds.start()
 
 
