@@ -302,8 +302,9 @@ def ensure_default_checkpoint(cache_dir: str | Path) -> Path:
     target = cache / "tiny"
     if os.path.lexists(target) and not (target.is_dir() and os.path.lexists(target / CACHE_MANIFEST)):
         raise InputError(f"{target}: not a checkpoint this cache wrote (no {CACHE_MANIFEST} in a folder there), so it is "
-                         f"left as it is; expected the built-in checkpoint's place: move it away, or give another "
-                         f"--cache-dir (or --model {target} to run on it)")
+                         f"left as it is; expected the built-in checkpoint's place: move it away (a cache of a glm_ep "
+                         f"from before the manifest: delete it), or give another --cache-dir (or --model {target} to "
+                         "run on it)")
     damage = _cache_damage(target) if os.path.lexists(target) else "missing"
     if damage is None:
         return target
