@@ -171,8 +171,7 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     loaded = ckpt.stamps  # the check refuses a checkpoint rewritten after this
     call_rows = [args.prefill] + [1] * args.decode + [args.verify]
     plan = None if args.check == "none" else _agreed_plan(args, ckpt, topo, ranks, call_rows)
-    rt = load_runtime(ckpt, topo, ranks)
-    h = rt.model.hidden_size
+    h = ckpt.config.hidden_size
 
     def inputs() -> list[tuple[str, np.ndarray]]:
         rng = np.random.default_rng(args.seed)  # the same inputs on every rank
@@ -184,7 +183,8 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
                              f"rows of hidden {h}, drawn in float64) do not fit in this rank's memory ({e}); expected "
                              "fewer rows") from None
 
-    calls = ranks.agree("the run's inputs", inputs)  # refused on every rank alike, printed once
+    calls = ranks.agree("run inputs", inputs)  # before the load: refused on every rank alike, printed once
+    rt = load_runtime(ckpt, topo, ranks)
     firsts = {x.shape[0]: x for _, x in reversed(calls)}  # the first call of each row count
     for x in firsts.values():  # untimed: kernel compiles, graph captures
         for _ in range(args.warmup):
