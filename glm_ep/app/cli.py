@@ -149,7 +149,8 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="glm-ep", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[-1])
+    plain = __doc__.replace("``", "")  # the help is read as it prints, not as reStructuredText
+    ap = _Parser(prog="glm-ep", description=plain.split("\n\n")[0], epilog=plain.split("\n\n")[-1])
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("synth", help="write a synthetic checkpoint in the real GLM-5.3 NVFP4 format")
@@ -214,11 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", type=_count(1), default=4, help="rows of the verify call")
     p.add_argument("--seed", type=_count(0), default=0)
     p.add_argument("--warmup", type=_count(0), default=1, help="untimed steps per row count before timing")
-    p.add_argument("--check", choices=("auto", "full", "sampled", "none"), default="auto",
-                   help="the float64 check: full (every site of every call), sampled (chosen layers and rows, "
-                   "only the experts they route to), auto (full where its memory estimate fits, else sampled), "
-                   "none")
-    p.add_argument("--no-check", dest="check", action="store_const", const="none", help="the same as --check none")
+    check = p.add_mutually_exclusive_group()  # both given, the last one won without a word
+    check.add_argument("--check", choices=("auto", "full", "sampled", "none"), default="auto",
+                       help="the float64 check: full (every site of every call), sampled (chosen layers and rows, "
+                       "only the experts they route to), auto (full where its memory estimate fits, else sampled), "
+                       "none")
+    check.add_argument("--no-check", dest="check", action="store_const", const="none",
+                       help="the same as --check none")
     load_record.add_arguments(p)
     _layout_flags(p)
 

@@ -25,6 +25,7 @@ from cli_jobs import fails, glm_ep, glm_ep_per_rank
     (["bench", "--iters", "0"], "argument --iters: 0, expected an integer >= 1"),
     (["bench", "--layers", "-1"], "argument --layers: -1, expected an integer >= 0"),
     (["bench", "--prefill", "--rows", "16", "0"], "argument --rows: 0, expected an integer >= 1"),
+    (["run", "--check", "full", "--no-check"], "argument --no-check: not allowed with argument --check"),
 ])
 def test_bad_counts_are_refused_by_the_parser(argv: list[str], needle: str, capsys, tmp_path) -> None:
     """A negative seed or warm-up count was a traceback (seed) or taken as it was (warm-up, shard size). Paths
