@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from glm_ep import bench
 from glm_ep.app import load_record
-from glm_ep.errors import EXIT_USER, InputError
+from glm_ep.errors import EXIT_USER, ConfigError, InputError
 from glm_ep.dist.mpi_lib import MpiUnavailable
 from glm_ep.dist.ranks import Ranks, mpi_world, run_guarded, setup_logging
 from glm_ep.config.shipped import shipped_names
@@ -316,7 +316,11 @@ def _footprint(args: argparse.Namespace) -> int:
     tp, ep = args.tp or (topo.tp if args.topology else 1), args.ep or (topo.ep if args.topology else 1)
     moe_tp = args.moe_tp or (topo.moe_tp if args.topology else 1)
     lcm = math.lcm(tp, ep * moe_tp)  # the smallest world both divide
-    world = topo.world if args.topology and topo.world % lcm == 0 else lcm
+    if args.topology and topo.world % lcm:  # a job on it would refuse them: so does its footprint
+        raise ConfigError(f"topology {topo.name!r}: tp = {tp}, ep = {ep}, moe_tp = {moe_tp} do not divide its world = "
+                          f"{topo.world} (ep * moe_tp and tp must); expected degrees that divide it, or no --topology "
+                          "(world = lcm(tp, ep * moe_tp))")
+    world = topo.world if args.topology else lcm
     topo = dataclasses.replace(topo, world=world, tp=tp, ep=ep, moe_tp=moe_tp,
                                workspace_rows=args.rows or topo.workspace_rows,
                                shared_workspace=topo.shared_workspace and not args.per_layer)

@@ -166,3 +166,15 @@ def test_an_empty_topology_argument_is_refused(tiny_checkpoint, tmp_path) -> Non
     r = glm_ep(2, "forward", "--model", str(tiny_checkpoint), "--input", str(tmp_path / "x"), "--output",
                str(tmp_path / "o.safetensors"), "--topology", "")
     fails(r, "--topology '': expected a shipped topology name or a TOML path")
+
+
+
+def test_footprint_refuses_degrees_its_topology_world_does_not_hold(capsys) -> None:
+    """``footprint --topology cpu-2 --tp 4`` reported world 4, a layout the topology's job refuses: now refused as
+    the job refuses it; without --topology the world is still the smallest both degrees divide."""
+    from glm_ep.app.cli import main
+
+    assert main(["footprint", "--preset", "tiny", "--topology", "cpu-2", "--tp", "4"]) == 2
+    assert "topology 'cpu-2': tp = 4, ep = 2, moe_tp = 1 do not divide its world = 2" in capsys.readouterr().err
+    assert main(["footprint", "--preset", "tiny", "--tp", "4", "--ep", "2"]) == 0
+    assert "world 4, tp 4, ep 2" in capsys.readouterr().out
