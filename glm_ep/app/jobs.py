@@ -46,7 +46,7 @@ def resolve_topology(args: argparse.Namespace, world: int) -> Topology:
     moe_tp = getattr(args, "moe_tp", None)
     ep = world // moe_tp if moe_tp and moe_tp > 0 and world % moe_tp == 0 else world
     topo = (Topology.load(args.topology) if args.topology is not None
-            else Topology(name="cli", world=world, tp=world, ep=ep))
+            else Topology(name="default, no --topology", world=world, tp=world, ep=ep))
     return topo.with_overrides(tp=args.tp, ep=args.ep, backend=args.backend, moe_tp=moe_tp)
 
 

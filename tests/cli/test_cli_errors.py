@@ -120,7 +120,9 @@ def test_bad_config(ckpt, x_file, tmp_path, edit, needles: list[str]) -> None:
 
 
 def test_ep_not_dividing_world(ckpt, x_file, tmp_path) -> None:
-    fails(_forward(ckpt, x_file, tmp_path, "--ep", "3"), "ep = 3 does not divide world = 2")
+    """Without --topology the message names the default layout, not an internal name ('cli')."""
+    fails(_forward(ckpt, x_file, tmp_path, "--ep", "3"),
+          "topology 'default, no --topology': ep = 3 does not divide world = 2")
 
 
 def test_lever_past_the_backend_limit(ckpt, x_file, tmp_path) -> None:
