@@ -335,6 +335,9 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
         cells = [f"{a:.0f} / {b:.0f}" + (" ★" if n == best else "") for n, (a, b) in r["variants"].items()]
         lines.append(f"| {r['rows']} | {r.get('variant', '')} | " + " | ".join(cells) + " |")
     lines += ["", f"## Dense site, shared expert, router (dense byte floor {meta['dense_floor_us']:.1f} µs)", "",
+              "Every call here is eager, back to back, as a job's prefill runs it (the peers' too): where a call's "
+              "device time is shorter than the host's launch work (the router and the shared expert, whose times stay "
+              "flat over the widths), the column shows the host, not the device.", "",
               "| rows | dense glm_ep | HF `Glm5NextTextMLP` | floor / dense | dense, NVFP4 weights "
               "| NVFP4, grouped GEMM only | shared glm_ep | HF MLP (shared shape) | router glm_ep | torch router |",
               "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
