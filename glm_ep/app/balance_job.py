@@ -14,6 +14,7 @@ import argparse
 from pathlib import Path
 
 from glm_ep.app.files import check_output_path
+from glm_ep.app.launcher import one_process
 from glm_ep.balance import expert_load
 from glm_ep.balance.eplb import balanced_placement
 from glm_ep.balance.report import heat_map, layout_load, pyplot
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser, count) -> None:
 
 
 def balance_job(args: argparse.Namespace) -> int:
+    one_process("balance writes one placement")
     load = expert_load.read(args.load)
     out = Path(args.out)
     if out.resolve() == Path(args.load).resolve():

@@ -18,55 +18,20 @@ kill -9), 130 interrupted (Ctrl-C), 141 stdout closed by its reader (| head), 14
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import logging
 import math
 import os
 import sys
 import typing
-from pathlib import Path
 from typing import Any, Callable
 
 from glm_ep import bench
 from glm_ep.app import load_record
-from glm_ep.errors import EXIT_USER, ConfigError, InputError
+from glm_ep.app.launcher import launch_rank, launch_size
+from glm_ep.errors import EXIT_USER, InputError
 from glm_ep.dist.mpi_lib import MpiUnavailable
 from glm_ep.dist.ranks import Ranks, mpi_world, run_guarded, setup_logging
 from glm_ep.config.shipped import shipped_names
 from glm_ep.hf import generate as hf_generate
-
-
-#: where a launcher puts a process's (rank, rank count) before MPI is initialised: Open MPI, MPICH/Hydra and Intel
-#: MPI, PMIx, MVAPICH2; PMIx launchers (srun --mpi=pmix) give a rank but no count
-_LAUNCH_VARS = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"), ("PMIX_RANK", None),
-                ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
-
-
-def _launch_value(which: int, default: int) -> int:
-    """The first of the launchers' variables ``which`` (0: rank, 1: rank count) that is set, as an integer;
-    ``default`` outside mpiexec or where the value is not one."""
-    for names in _LAUNCH_VARS:
-        value = os.environ.get(names[which], "").strip() if names[which] else ""
-        if value:
-            try:
-                return int(value)
-            except ValueError:
-                return default
-    return default
-
-
-def _launch_size() -> int | None:
-    """The ranks the launcher started (its environment, before MPI is initialised); 1 outside mpiexec; None where
-    a launcher gives a rank but no count (PMIx): then only MPI can tell."""
-    if any(size_var and os.environ.get(size_var, "").strip() for _, size_var in _LAUNCH_VARS):
-        return _launch_value(1, 1)
-    return None if any(os.environ.get(rank_var, "").strip() for rank_var, _ in _LAUNCH_VARS) else 1
-
-
-def launch_rank() -> int:
-    """This process's rank as the launcher's environment says it, before MPI is initialised; 0 outside mpiexec
-    (or where the value is not an integer)."""
-    return _launch_value(0, 0)
 
 
 _ALONE = ("synth", "make-input", "footprint", "balance", "bench")  # commands whose ranks never meet (bench: one rank)
@@ -92,7 +57,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         cmd = self.prog.split()[1:2] or [a for a in self.argv if not a.startswith("-")][:1]
-        size = _launch_size()
+        size = launch_size()
         if (size is None or size > 1) and not (cmd and cmd[0] in _ALONE):
             raise _ArgumentsRefused(self, message)
         if launch_rank() == 0:
@@ -243,143 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _synth(args: argparse.Namespace) -> int:
-    from glm_ep.config.presets import preset
-    from glm_ep.checkpoint.synth import write_synthetic
-
-    if (_launch_size() or launch_rank() + 1) > 1:  # every rank would write the same files at once (PMIx: rank 0
-        # cannot tell, the others refuse)
-        raise InputError("synth writes one checkpoint from one process; expected it run without mpiexec (or with "
-                         "-n 1)")
-    from glm_ep.checkpoint.reader import INDEX_FILE, SINGLE_FILE
-
-    held = [n for n in ("config.json", INDEX_FILE, SINGLE_FILE) if (Path(args.out) / n).exists()]
-    if held and not args.force:
-        raise InputError(f"{args.out}: already holds a checkpoint ({', '.join(held)}); expected an empty or new "
-                         "folder (--force writes over its files)")
-    if args.hf_model is not None:  # refused (torch missing, a folder in use) before anything is written
-        from glm_ep.hf.pair import check_hf_folder
-
-        check_hf_folder(args.hf_model, args.out, args.force)
-    cfg = preset(args.preset)
-    for key in ("intermediate_size", "moe_intermediate_size"):
-        if getattr(args, key) is not None:
-            cfg[key] = getattr(args, key)
-    if args.layers is not None:
-        _cut_layers(cfg, args.layers)
-    path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
-                           router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense,
-                           router_skew=args.router_skew)
-    if held:  # --force: the old checkpoint's weight files the new index does not name go (shards of another count
-        # stayed beside the new ones); nothing else in the folder is touched
-        import json
-
-        new = set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values())
-        for old in [*path.glob("model-*-of-*.safetensors"), path / SINGLE_FILE]:
-            if old.is_file() and old.name not in new:
-                old.unlink()
-    print(f"wrote {path}")
-    if args.hf_model is not None:
-        from glm_ep.hf.pair import write_hf_model
-
-        print(f"wrote {write_hf_model(path, args.hf_model, seed=args.seed)}")
-    return 0
-
-
-def _cut_layers(cfg: dict[str, Any], n: int) -> None:
-    """``cfg``'s schedule cut to ``n`` layers, keeping at least one sparse layer (a checkpoint of dense layers alone
-    would leave the routed experts, the point of the model, untested): the last layer turns sparse where the cut
-    would hold none, and the log says so."""
-    cfg["num_hidden_layers"] = n
-    if "mlp_layer_types" in cfg:  # the schedule itself (a first_k_dense_replace beside it could contradict it)
-        types = (cfg["mlp_layer_types"] * n)[:n]
-        dense = n - 1 if "sparse" not in types else None
-        cfg["mlp_layer_types"] = types[:-1] + ["sparse"] if dense is not None else types
-    else:
-        k = cfg.get("first_k_dense_replace", 0)
-        dense = n - 1 if k >= n else None
-        cfg["first_k_dense_replace"] = min(k, n - 1)
-    if dense is not None:
-        logging.getLogger(__name__).info("--layers %d: layer %d is sparse (the preset's first layers are dense); a "
-                                         "synthetic checkpoint keeps at least one sparse layer", n, n - 1)
-
-
-def _footprint(args: argparse.Namespace) -> int:
-    from glm_ep.config.model import ModelConfig
-    from glm_ep.mlp.runtime import report_lines, site_config
-    from glm_ep.config.presets import preset
-    from glm_ep.config.topology import Topology
-
-    model = (ModelConfig.from_dict(preset(args.preset), source=f"preset {args.preset}") if args.preset
-             else ModelConfig.from_file(f"{args.model}/config.json"))
-    topo = Topology.load(args.topology) if args.topology is not None else Topology(name="footprint")
-    tp, ep = args.tp or (topo.tp if args.topology else 1), args.ep or (topo.ep if args.topology else 1)
-    moe_tp = args.moe_tp or (topo.moe_tp if args.topology else 1)
-    lcm = math.lcm(tp, ep * moe_tp)  # the smallest world both divide
-    if args.topology and topo.world % lcm:  # a job on it would refuse them: so does its footprint
-        raise ConfigError(f"topology {topo.name!r}: tp = {tp}, ep = {ep}, moe_tp = {moe_tp} do not divide its world = "
-                          f"{topo.world} (ep * moe_tp and tp must); expected degrees that divide it, or no --topology "
-                          "(world = lcm(tp, ep * moe_tp))")
-    world = topo.world if args.topology else lcm
-    topo = dataclasses.replace(topo, world=world, tp=tp, ep=ep, moe_tp=moe_tp,
-                               workspace_rows=args.rows or topo.workspace_rows,
-                               shared_workspace=topo.shared_workspace and not args.per_layer)
-    cfg = site_config(model, topo, 0)
-    from glm_ep.app.footprint import weight_bytes_per_rank
-
-    if args.model and args.dense is not None:
-        raise InputError(f"--dense {args.dense} with --model: the checkpoint says how its dense FFNs are stored; "
-                         "expected --dense with --preset only")
-    dense_nvfp4, router_itemsize = args.dense == "nvfp4", 2
-    if args.model:  # how the checkpoint stores its dense FFNs and its routers, from the headers
-        from glm_ep.checkpoint.reader import Checkpoint
-        from glm_ep.checkpoint.layers import dense_is_nvfp4
-
-        with Checkpoint(args.model, check_finite=False) as ck:
-            if ck.note:  # both weight layouts in the folder: which one is read
-                logging.getLogger(__name__).warning("%s", ck.note)
-            if "dense" in model.mlp_layer_types:
-                dense_nvfp4 = dense_is_nvfp4(ck, model.mlp_layer_types.index("dense"))
-            if "sparse" in model.mlp_layer_types:
-                router = f"{ck.layer_prefix(model.mlp_layer_types.index('sparse'))}.mlp.gate.weight"
-                router_itemsize = 4 if ck.info(router).dtype == "F32" else 2
-    from glm_ep.mlp.site import site_buffers
-
-    from glm_ep.balance import expert_load
-    from glm_ep.balance.report import decode_row_line
-
-    load = expert_load.read(args.expert_load, model) if args.expert_load else None
-    # the scratch rank 0's sites declare (it holds a dense FFN's shard), as the load makes it on the NumPy backend
-    buffers = site_buffers(cfg, topo.levers, dense_nvfp4 and bool(model.dense_layers))
-    for line in report_lines(model, topo, weight_bytes_per_rank(model, topo, dense_nvfp4, router_itemsize), buffers):
-        print(line)
-    if model.sparse_layers:
-        print(decode_row_line(model, topo.ep, topo.moe_tp, load))
-    return 0
-
-
-def _make_input(args: argparse.Namespace) -> int:
-    """A ``forward`` input: ``hidden_states`` bf16 ``[rows, hidden]``, standard normal values from ``--seed``."""
-    import ml_dtypes
-    import numpy as np
-
-    from glm_ep.app.files import check_output_path, save_readable
-    from glm_ep.config.model import ModelConfig
-
-    if (_launch_size() or launch_rank() + 1) > 1:
-        raise InputError("make-input writes one file from one process; expected it run without mpiexec (or with -n 1)")
-    hidden = args.hidden if args.model is None else ModelConfig.from_file(Path(args.model) / "config.json").hidden_size
-    out = check_output_path(args.out)
-    try:
-        x = np.random.default_rng(args.seed).standard_normal((args.rows, hidden)).astype(ml_dtypes.bfloat16)
-    except MemoryError as e:
-        raise InputError(f"--rows {args.rows}: {args.rows} rows of hidden {hidden}, drawn in float64, do not fit in "
-                         f"memory ({e}); expected fewer rows") from None
-    save_readable({"hidden_states": x}, out)
-    print(f"wrote {out}: hidden_states bf16 [{args.rows}, {hidden}] (seed {args.seed})")
-    return 0
-
-
 def _refused_with_the_others(refused: _ArgumentsRefused) -> int:
     """Every rank meets the others at the argument check ``agreed_job`` opens with, this one holding its argument
     error: every rank exits 2, and rank 0 prints the error once, naming the ranks it was on where not all."""
@@ -409,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "footprint" and launch_rank() != 0:
             _quiet()  # under mpiexec every rank computes the same report: rank 0 alone prints it (and any error)
         setup_logging(0)
-        alone = {"synth": _synth, "make-input": _make_input, "footprint": _footprint, "balance": _balance}[args.cmd]
+        from glm_ep.app import local_jobs
+        from glm_ep.app.balance_job import balance_job
+
+        alone = {"synth": local_jobs.synth_job, "make-input": local_jobs.make_input_job,
+                 "footprint": local_jobs.footprint_job, "balance": balance_job}[args.cmd]
         return run_guarded(lambda: alone(args), None)
     try:
         comm: Any = mpi_world()
@@ -431,15 +263,6 @@ def main(argv: list[str] | None = None) -> int:
         return job(args, ranks)
 
     return run_guarded(agreed_job, comm)
-
-
-def _balance(args: argparse.Namespace) -> int:
-    from glm_ep.app.balance_job import balance_job
-
-    if (_launch_size() or launch_rank() + 1) > 1:  # every rank would write the same file at once
-        raise InputError("balance writes one placement from one process; expected it run without mpiexec (or with "
-                         "-n 1)")
-    return balance_job(args)
 
 
 def _quiet() -> None:

@@ -138,13 +138,13 @@ def test_argument_errors_of_commands_that_meet_are_agreed_under_any_launcher(mon
     """Which argument errors take the ranks' agreement: run/forward and errors of no known command under a launch of
     several ranks, or of a count the launcher does not give (PMIx sets a rank only; rank 0 too must not exit while
     the others wait for it in MPI's start-up); synth, footprint and bench keep rank 0's one line."""
-    from glm_ep.app import cli
+    from glm_ep.app import cli, launcher
 
     for name in _RANK_VARS + ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    assert cli._launch_size() == 1
+    assert launcher.launch_size() == 1
     monkeypatch.setenv("PMIX_RANK", "0")
-    assert cli._launch_size() is None
+    assert launcher.launch_size() is None
     for argv, agreed in ((["run", "--prefill", "0"], True), (["forward", "--model"], True), (["runn"], True),
                          ([], True), (["footprint", "--rows", "0"], False), (["bench", "--iters", "x"], False)):
         parser = cli.build_parser()

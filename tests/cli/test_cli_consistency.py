@@ -167,12 +167,12 @@ def test_every_exit_code_is_in_help_and_the_readme() -> None:
 def test_the_synthetic_glm_shape_keeps_a_sparse_layer(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
     """``synth --preset glm-5.3-flash --layers 2`` wrote two dense layers (the preset's first three are dense): no
     MoE at all. The cut keeps one sparse layer, and the log says so."""
-    from glm_ep.app.cli import _cut_layers
+    from glm_ep.app.local_jobs import cut_layers
     from glm_ep.config.model import ModelConfig
     from glm_ep.config.presets import preset
 
     cfg = preset("glm-5.3-flash")
     with caplog.at_level(logging.INFO):
-        _cut_layers(cfg, 2)
+        cut_layers(cfg, 2)
     assert ModelConfig.from_dict(cfg).mlp_layer_types == ("dense", "sparse")
     assert "--layers 2: layer 1 is sparse" in caplog.text

@@ -218,7 +218,8 @@ def test_synth_layers_keeps_one_schedule(tmp_path: Path, monkeypatch: pytest.Mon
                                         types, first_k) -> None:
     """``--layers N`` cuts the preset's own schedule: mlp_layer_types where it has one (and no first_k_dense_replace
     beside it, which a reader of that key alone would take as another schedule), else first_k_dense_replace."""
-    from glm_ep.app.cli import _synth, build_parser
+    from glm_ep.app.cli import build_parser
+    from glm_ep.app.local_jobs import synth_job
     from glm_ep.config.model import ModelConfig
 
     args = build_parser().parse_args(["synth", "--preset", name, "--layers", str(layers), "--out", str(tmp_path)])
@@ -226,7 +227,7 @@ def test_synth_layers_keeps_one_schedule(tmp_path: Path, monkeypatch: pytest.Mon
     import glm_ep.checkpoint.synth as synth
 
     monkeypatch.setattr(synth, "write_synthetic", lambda out, cfg, **kw: written.update(cfg) or Path(out))
-    assert _synth(args) == 0
+    assert synth_job(args) == 0
     assert written.get("mlp_layer_types") == types and written.get("first_k_dense_replace") == first_k
     expected = types or ["dense"] * first_k + ["sparse"] * (layers - first_k)
     assert list(ModelConfig.from_dict(written, source="x").mlp_layer_types) == expected
