@@ -277,12 +277,14 @@ def test_warp_streaming_split_leaves_no_slice_empty(monkeypatch, sms: int, smem:
             assert ks == 1 or grid <= resident
 
 
-def test_dense_ffn_engine_by_rows():
+@pytest.mark.parametrize("small_min", [0, 4])
+def test_dense_ffn_engine_by_rows(monkeypatch, small_min):
     """The measured split: the warp-streaming GEMM serves a dense-FFN-sized gate + up at 5..16 rows and a plain
     projection of that size at 5..8, never a smaller weight (shared expert, router: the GEMV and the GEMM above
-    stay ahead there)."""
+    stay ahead there) unless WSTREAM_SMALL_MIN_ROWS opens it to those from that many rows to the GEMV's 8."""
     from glm_ep.backend.cuda import dense
 
+    monkeypatch.setattr(dense, "WSTREAM_SMALL_MIN_ROWS", small_min)
     bf16 = ml_dtypes.bfloat16
     large = np.empty((2 * dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), bf16)
     small = np.empty((dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), bf16)
@@ -291,7 +293,11 @@ def test_dense_ffn_engine_by_rows():
         assert dense.wstream_takes(x, large, glu=True) == (5 <= t <= 16), f"{t} rows, dense-FFN gate + up"
         assert dense.wstream_takes(x, large, glu=False) == (5 <= t <= 8), f"{t} rows, dense-FFN down"
         for glu in (True, False):
-            assert not dense.wstream_takes(x, small, glu), f"{t} rows, shared-expert weight"
+            want = small_min > 0 and small_min <= t <= 8
+            assert dense.wstream_takes(x, small, glu) == want, f"{t} rows, shared-expert weight"
+    odd_k = np.empty((6, 4096 + 16), bf16)  # K not whole 32-k steps: never
+    assert not dense.wstream_takes(odd_k, np.empty((large.shape[0], 4096 + 16), bf16), glu=True)
+    assert not dense.wstream_takes(odd_k, np.empty((small.shape[0], 4096 + 16), bf16), glu=True)
 
 
 GB10_BLOCK_SMEM, H200_BLOCK_SMEM = 101376, 232448  # shared memory one block may opt into (sm_121, sm_90)

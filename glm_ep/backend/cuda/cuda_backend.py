@@ -121,6 +121,10 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
                         "scratch): %s and the other paths that need scratch take their unfused forms", what)
         return scratch is not None
 
+    def _wstream_takes(self, x_RK, w_NK, glu: bool) -> bool:
+        """``dense.wstream_takes`` with its split-K scratch bound."""
+        return dense.wstream_takes(x_RK, w_NK, glu) and self._has(self._wstream, "the warp-streaming GEMM")
+
     @property
     def pci_bus_id(self) -> str:
         return self.xp.cuda.runtime.deviceGetPCIBusId(self.device.id)
@@ -240,7 +244,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     # ---- dense ops -------------------------------------------------------------------------
     @_on_stream
     def linear(self, x_TK, w_NK, out_TN):
-        if dense.wstream_takes(x_TK, w_NK, glu=False) and self._has(self._wstream, "the warp-streaming GEMM"):
+        if self._wstream_takes(x_TK, w_NK, glu=False):
             dense.wstream_gemm_bf16(x_TK, w_NK, out_TN, *self._wstream)
         elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.gemv_bf16(x_TK, w_NK, out_TN)
@@ -284,8 +288,10 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     @_on_stream
     def route_and_gate_up_act(self, x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, w, limit, gate_TI, up_TI,
                               act_TI):
-        """1..8 rows: the fused router and the GLU GEMV in one launch (``route.router_topk_glu_fused``)."""
-        if self._fused_route(logits_TE) and self._has(self._route_done, "the fused router"):
+        """1..8 rows: the fused router and the GLU GEMV in one launch (``route.router_topk_glu_fused``); where the
+        warp-streaming GEMM takes the GLU (``dense.wstream_takes``), the fused router alone, then that GEMM."""
+        if (self._fused_route(logits_TE) and not self._wstream_takes(x_TH, w.gate, glu=True)
+                and self._has(self._route_done, "the fused router")):
             route.router_topk_glu_fused(x_TH, router_EH, bias_E, p, logits_TE, ids_TK, wts_TK, self._route_done,
                                         w.gate, w.up, limit, gate_TI, up_TI, act_TI)
             return act_TI
@@ -304,8 +310,9 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
 
     @_on_stream
     def shared_down_combine(self, act_TI, down_HI, routed_SH, wts_TK, shared_TH, out_TH, perm_TK=None):
-        """1..8 rows in (row, slot) order: one launch (``dense.gemv_combine_bf16``)."""
-        if act_TI.shape[0] <= GEMV_MAX_ROWS and perm_TK is None:
+        """1..8 rows in (row, slot) order: one launch (``dense.gemv_combine_bf16``), unless the warp-streaming GEMM
+        takes the down projection (``dense.wstream_takes``): that GEMM, then the combine."""
+        if act_TI.shape[0] <= GEMV_MAX_ROWS and perm_TK is None and not self._wstream_takes(act_TI, down_HI, False):
             dense.gemv_combine_bf16(act_TI, down_HI, routed_SH, wts_TK, out_TH)
             return out_TH
         return super().shared_down_combine(act_TI, down_HI, routed_SH, wts_TK, shared_TH, out_TH, perm_TK)
@@ -352,7 +359,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
 
     @_on_stream
     def gate_up_act(self, x_TK, w, limit, gate_TI, up_TI, act_TI):
-        if dense.wstream_takes(x_TK, w.gate, glu=True) and self._has(self._wstream, "the warp-streaming GEMM"):
+        if self._wstream_takes(x_TK, w.gate, glu=True):
             dense.wstream_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI, *self._wstream)
         elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)

@@ -185,18 +185,25 @@ WSTREAM_MIN_ROWS = 5  # below: the batch-M GEMV
 WSTREAM_MAX_ROWS = WSTREAM_TIERS[-1]  # gate + up + SwiGLU
 WSTREAM_PLAIN_MAX_ROWS = 8  # a plain projection (the down): past 8 rows cuBLAS, faster there and never captured
 WSTREAM_SMEM = WSTREAM_WARPS * WSTREAM_DEPTH * 16 * WSTREAM_STAGE_K * 2  # a block's rings
+# weights of at most MMA_GEMM_MAX_WEIGHT elements (the shared expert's): from this many rows to GEMV_MAX_ROWS, both
+# its gate + up and its down (0: never, the batch-M GEMV)
+WSTREAM_SMALL_MIN_ROWS = 0
 
 
 def wstream_takes(x_RK: Any, w_NK: Any, glu: bool) -> bool:
-    """Whether the warp-streaming GEMM serves this call: a weight past MMA_GEMM_MAX_WEIGHT elements (the dense
-    FFN's), K in whole 32-k steps, WSTREAM_MIN_ROWS..WSTREAM_MAX_ROWS rows for gate + up + SwiGLU and
-    ..WSTREAM_PLAIN_MAX_ROWS for a plain projection. Measured (``glm-ep bench --sweep dense``;
+    """Whether the warp-streaming GEMM serves this call: K in whole 32-k steps, and for a weight past
+    MMA_GEMM_MAX_WEIGHT elements (the dense FFN's) WSTREAM_MIN_ROWS..WSTREAM_MAX_ROWS rows for gate + up + SwiGLU
+    and ..WSTREAM_PLAIN_MAX_ROWS for a plain projection; for a smaller one (the shared expert's)
+    WSTREAM_SMALL_MIN_ROWS..GEMV_MAX_ROWS rows, 0 never. Measured (``glm-ep bench --sweep dense``;
     docs/perf/DESIGN-NOTES.md): on the [12288, 4096] gate + up it is the fastest engine at 5..16 rows; on the
     [4096, 12288] down it beats the GEMV at 5..8 rows but not cuBLAS, which the captured 1..8-row steps cannot
     call."""
     r, k = x_RK.shape
-    return (WSTREAM_MIN_ROWS <= r <= (WSTREAM_MAX_ROWS if glu else WSTREAM_PLAIN_MAX_ROWS)
-            and w_NK.size > MMA_GEMM_MAX_WEIGHT and k % MMA_GEMM_K_STEP == 0)
+    if k % MMA_GEMM_K_STEP:
+        return False
+    if w_NK.size > MMA_GEMM_MAX_WEIGHT:
+        return WSTREAM_MIN_ROWS <= r <= (WSTREAM_MAX_ROWS if glu else WSTREAM_PLAIN_MAX_ROWS)
+    return 0 < WSTREAM_SMALL_MIN_ROWS <= r <= GEMV_MAX_ROWS
 
 
 def wstream_resident_blocks() -> int:
