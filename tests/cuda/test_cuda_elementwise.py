@@ -58,11 +58,12 @@ def test_combine(rng, t, with_shared, indexed):
     assert_ulps(got, ref, "combine")
 
 
-@pytest.mark.parametrize("t", [1, 3, 8, 12])
+@pytest.mark.parametrize("t", [1, 3, 4, 5, 8, 12])
 @pytest.mark.parametrize("i", [128, 2048])
 def test_shared_down_combine(rng, t, i):
-    """The shared expert's down projection ending in the combine: one launch for 1..8 rows, bit for
-    bit the separate ``linear`` + ``combine`` of the same backend, and within an ulp of NumPy."""
+    """The shared expert's down projection ending in the combine (one launch where the GEMV serves the rows, the
+    warp-streaming GEMM then the combine where it takes them), bit for bit the separate ``linear`` + ``combine`` of
+    the same backend, and within an ulp of NumPy."""
     act, down = rand_bf16(rng, (t, i)), rand_bf16(rng, (H, i), i ** -0.5)
     routed = rand_bf16(rng, (t * TOP_K, H))
     wts = rng.random((t, TOP_K)).astype(np.float32) * 2.5

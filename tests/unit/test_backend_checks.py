@@ -277,7 +277,7 @@ def test_warp_streaming_split_leaves_no_slice_empty(monkeypatch, sms: int, smem:
             assert ks == 1 or grid <= resident
 
 
-@pytest.mark.parametrize("small_min", [0, 4])
+@pytest.mark.parametrize("small_min", [0, 4, 5])
 def test_dense_ffn_engine_by_rows(monkeypatch, small_min):
     """The measured split: the warp-streaming GEMM serves a dense-FFN-sized gate + up at 5..16 rows and a plain
     projection of that size at 5..8, never a smaller weight (shared expert, router: the GEMV and the GEMM above

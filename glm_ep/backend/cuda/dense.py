@@ -186,8 +186,10 @@ WSTREAM_MAX_ROWS = WSTREAM_TIERS[-1]  # gate + up + SwiGLU
 WSTREAM_PLAIN_MAX_ROWS = 8  # a plain projection (the down): past 8 rows cuBLAS, faster there and never captured
 WSTREAM_SMEM = WSTREAM_WARPS * WSTREAM_DEPTH * 16 * WSTREAM_STAGE_K * 2  # a block's rings
 # weights of at most MMA_GEMM_MAX_WEIGHT elements (the shared expert's): from this many rows to GEMV_MAX_ROWS, both
-# its gate + up and its down (0: never, the batch-M GEMV)
-WSTREAM_SMALL_MIN_ROWS = 0
+# its gate + up and its down (0: never, the batch-M GEMV). H100 (docs/perf/runs/2026-12-07-h100-shared/), streamed,
+# as graphs, GEMV / warp-streaming µs: gate + up [2048, 4096] 4 rows 16.8 / 18.9, 5 rows 21.1 / 18.9, 8 rows
+# 27.0 / 19.1; down [4096, 2048] 4 rows 10.6 / 12.6, 5 rows 13.5 / 12.6, 8 rows 17.3 / 12.6
+WSTREAM_SMALL_MIN_ROWS = 5
 
 
 def wstream_takes(x_RK: Any, w_NK: Any, glu: bool) -> bool:
