@@ -18,4 +18,20 @@ default)  # the lever at 5 in the tree, 153 s: tests.log, bench.log (docs/perf/B
       tests/cuda/test_cuda_paths.py > $OUT/tests.log 2>&1
   python -m glm_ep bench --topology h100-1 --out $OUT/bench > $OUT/bench.log 2>&1
   python cli_on.py 5 bench --sweep dense --rows 4 5 8 --out $OUT/sweep > $OUT/sweep.log 2>&1 ;;
+fused)  # router_wstream_glu.patch applied (not kept), 149 s: fused_tests.log, fused_bench.log, fused_memcheck.log,
+        # fused_racecheck.log
+  python -m pytest -q tests/cuda/test_cuda_router.py tests/cuda/test_cuda_elementwise.py tests/cuda/test_cuda_dense.py \
+      tests/cuda/test_cuda_paths.py > $OUT/tests.log 2>&1
+  python -m glm_ep bench --topology h100-1 --out $OUT/bench > $OUT/bench.log 2>&1
+  compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest -q tests/cuda/test_cuda_router.py \
+      -k "glu_fused and 288 and (5 or 8)" > $OUT/memcheck.log 2>&1
+  compute-sanitizer --tool racecheck --error-exitcode 9 python -m pytest -q tests/cuda/test_cuda_router.py \
+      -k "glu_fused and 32-256 and 5" > $OUT/racecheck.log 2>&1 ;;
+ab2)  # the patch applied, 64 s: ab2_fused{1,2}.log against ab2_sep{1,2}.log, alternating on one warm card.
+      # cli_sep.py replaces route_kernels.router_topk_wstream_glu by the two launches it fuses
+      # (route_kernels.router_topk_fused, then dense.wstream_glu_bf16), then runs the CLI
+  for i in 1 2; do
+    python -m glm_ep bench --topology h100-1 --no-peer --out $OUT/fused$i > $OUT/fused$i.log 2>&1
+    python cli_sep.py bench --topology h100-1 --no-peer --out $OUT/sep$i > $OUT/sep$i.log 2>&1
+  done ;;
 esac
