@@ -79,8 +79,9 @@ def check_moe_union(rng, cu, nu, ids, local, h, m, label, be=None):
     dict(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2)),
     dict(union_max_rows=8, max_warps=3),  # several items per warp: the ring crosses entry boundaries
     dict(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2), max_warps=5),
-], ids=["blocks", "t2d3", "t4d2", "t2d3-w3", "t4d2-w5"])
-@pytest.mark.parametrize("r", [2, 3, 5, 8])
+    dict(union_max_rows=8, union_depth=(2, 3)),  # the down projection's ring at depth 2
+], ids=["blocks", "t2d3", "t4d2", "t2d3-w3", "t4d2-w5", "t2d2-down"])
+@pytest.mark.parametrize("r", [2, 3, 5, 6, 8])
 def test_moe_union_ring(rng, ring, r):
     """A backend built with each union config, on the shared backend's stream."""
     from glm_ep.backend.cuda import CudaBackend, RingConfig
@@ -118,7 +119,7 @@ def test_union_ring_rows_independent(rng):
     for i, outs in enumerate(alone):
         for name, o in zip(("gate", "up", "act", "down"), outs):
             np.testing.assert_array_equal(o[0], o[1], err_msg=f"row {i} {name}: the same row in two columns")
-    for r in (2, 5, 8):
+    for r in (2, 5, 6, 8):
         got = union(list(range(r)))
         for i in range(r):
             for name, g, want in zip(("gate", "up", "act", "down"), got, alone[i]):

@@ -94,8 +94,8 @@ GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"), (16, 1
 RING_KERNELS = ((4, 2),)
 #: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x rows a union stage holds (a group's
 #: rows rounded up)
-UNION_RING_KERNELS = ((2, 3), (4, 2))
-UNION_RING_ROWS = (2, 4, 8)
+UNION_RING_KERNELS = ((2, 3), (4, 2), (2, 2))
+UNION_RING_ROWS = (2, 4, 6, 8)
 
 
 def gemm_stage_bytes(bm: int, bn: int, bk: int) -> int:

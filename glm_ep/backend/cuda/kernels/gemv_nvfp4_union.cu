@@ -168,7 +168,7 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
         });
 }
 
-// Union entry points, R x rows staged (the wrapper rounds the group's `rows` up to 2, 4 or 8; rows
+// Union entry points, R x rows staged (the wrapper rounds the group's `rows` up to 2, 4, 6 or 8; rows
 // past it are absent from every entry):
 //   nvfp4_ring_union_gemv_r{R}_t{T}_d{D}   one projection; x [R, Kin] or per slot [R, top_k, Kin]
 //   nvfp4_ring_union_glu_r{R}_t{T}_d{D}    gate + up + clamped SwiGLU fused
@@ -207,7 +207,13 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
 
 RING_UNION_ENTRIES(2, 2, 3)
 RING_UNION_ENTRIES(4, 2, 3)
+RING_UNION_ENTRIES(6, 2, 3)
 RING_UNION_ENTRIES(8, 2, 3)
 RING_UNION_ENTRIES(2, 4, 2)
 RING_UNION_ENTRIES(4, 4, 2)
+RING_UNION_ENTRIES(6, 4, 2)
 RING_UNION_ENTRIES(8, 4, 2)
+RING_UNION_ENTRIES(2, 2, 2)
+RING_UNION_ENTRIES(4, 2, 2)
+RING_UNION_ENTRIES(6, 2, 2)
+RING_UNION_ENTRIES(8, 2, 2)
