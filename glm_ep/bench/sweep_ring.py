@@ -10,8 +10,9 @@ GLM-5.3-Flash shape, against the measured copy bandwidth.
   (a dense FFN stored NVFP4) at one row on the ring, as shipped (``ring_min_items_per_sm``) and on the block
   kernels.
 - ``union``: gate + up + SwiGLU and down of the union of 2..8 rows over all 288 experts (rows drawn as the
-  router would), for the block kernels and each union ring geometry, and the widest row count up to which the
-  shipped ring is never slower than the block kernels (the ``ring_union_max_rows`` lever).
+  router would), for the block kernels and each union ring geometry (slab and depth: ``ring_union_slab`` and
+  ``ring_union_depth``, one projection's and gate + up's), and the widest row count up to which the shipped ring
+  is never slower than the block kernels (the ``ring_union_max_rows`` lever).
 
 Each figure is the median replay time of a CUDA graph over ``--layers`` distinct layers (the weights stream
 from HBM, not L2), per layer; random NVFP4 weights, timing only. Writes SWEEP_RING.md / sweep_ring.json or
@@ -45,9 +46,12 @@ ONE_EXPERT_VARIANTS = (("ring, every launch (ring_min_items_per_sm = 0)", dict(m
 UNION_VARIANTS = (("block kernels (ring_union_max_rows = 0)", dict(union_max_rows=0)),
                   ("union ring, slab 2 depth 3 (as shipped)", dict(union_max_rows=8)),
                   ("union ring, slab 4 depth 2", dict(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2))),
+                  ("union ring, the down at depth 2 (ring_union_depth = [2, 3], h100-1)",
+                   dict(union_max_rows=8, union_depth=(2, 3))),
+                  ("union ring, slab 2 depth 2", dict(union_max_rows=8, union_depth=(2, 2))),
                   ("block kernels (again)", dict(union_max_rows=0)),
                   ("union ring, slab 2 depth 3 (again)", dict(union_max_rows=8)))
-UNION_ROWS = (2, 3, 4, 5, 6, 8)
+UNION_ROWS = (2, 3, 4, 5, 6, 7, 8)
 
 
 def run_sweep_ring(args: argparse.Namespace) -> int:
