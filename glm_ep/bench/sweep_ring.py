@@ -6,7 +6,8 @@ GLM-5.3-Flash shape, against the measured copy bandwidth.
   and the combine (``moe_down_shared_combine``), over 8 slots of 32 local experts, for: the block kernels
   (``ring = false``), the ring as shipped, its down projection unscaled (``ring_placed = false``) or in fp16
   (``ring_f16``), fp16 everywhere (``ring_f16_hidden``), 8 warps an SM, the shared down and combine as their
-  own launch (``ring_down_combine = false``), and the shipped set again (the run's spread); then ONE expert
+  own launch (``ring_down_combine = false``), gate + up at slab 2 (``ring_glu_slab``, ``ring_glu_depth``: more
+  warps an SM), and the shipped set again (the run's spread); then ONE expert
   (a dense FFN stored NVFP4) at one row on the ring, as shipped (``ring_min_items_per_sm``) and on the block
   kernels.
 - ``union``: gate + up + SwiGLU and down of the union of 2..8 rows over all 288 experts (rows drawn as the
@@ -39,6 +40,10 @@ RING_VARIANTS = (("block kernels (ring = false)", dict(enabled=False)),
                  ("ring, fp16 everywhere (ring_f16_hidden)", dict(f16=True, f16_hidden=True)),
                  ("ring, 8 warps an SM (ring_warps_per_sm = 8)", dict(warps_per_sm=8)),
                  ("ring, shared down + combine apart (ring_down_combine = false)", dict(down_combine=False)),
+                 ("ring, gate + up at slab 2, depth 3 (ring_glu_slab = 2, ring_glu_depth = 3)",
+                  dict(glu_slab=2, glu_depth=3)),
+                 ("ring, gate + up at slab 2, depth 2 (ring_glu_slab = 2, ring_glu_depth = 2)",
+                  dict(glu_slab=2, glu_depth=2)),
                  ("ring, as shipped (again)", {}))
 ONE_EXPERT_VARIANTS = (("ring, every launch (ring_min_items_per_sm = 0)", dict(min_items_per_sm=0)),
                        ("as shipped", {}),

@@ -79,8 +79,10 @@ def _unknown_keys(unknown: list[str], known: set[str], lever_names: set[str]) ->
 #: levers that selected a form or geometry of the decode ring that measured slower than the default, removed with
 #: their kernels (docs/perf/DESIGN-NOTES.md): a topology that names one is refused, saying so
 REMOVED_LEVERS = {
-    "ring_slab": "the decode ring has one slab (4 steps of 128 k) and depth (2 stages), the fastest measured",
-    "ring_depth": "the decode ring has one slab (4 steps of 128 k) and depth (2 stages), the fastest measured",
+    "ring_slab": "the decode ring's one projection has one slab (4 steps of 128 k) and depth (2 stages), the "
+                 "fastest measured; gate + up's are ring_glu_slab and ring_glu_depth",
+    "ring_depth": "the decode ring's one projection has one slab (4 steps of 128 k) and depth (2 stages), the "
+                  "fastest measured; gate + up's are ring_glu_slab and ring_glu_depth",
     "ring_unscaled": "the decode ring reads every projection outside the fp16 form unscaled (bf16u or placed); the "
                      "scaled bf16 form measured slower",
     "ring_placed_hidden": "gate and up read the unscaled bf16 form; the placed form measured no faster there",
@@ -118,6 +120,8 @@ class PathLevers:
     ring_f16_hidden: bool = False  # gate and up too: the hidden state is unbounded (past 65504: inf); opt-in
     ring_placed: bool = True  # the down projection's unscaled form decoded by bit placement (x scaled by 2^k)
     ring_down_combine: bool = True  # one row: the shared expert's down projection + combine in the routed down launch
+    ring_glu_slab: int = 4  # the decode ring's gate + up: its slab (steps of 128 k a stage) and depth (stages a warp)
+    ring_glu_depth: int = 2
     ring_union_max_rows: int = 4  # verify groups of 2..this many rows on the union ring (0: block kernels)
     ring_union_slab: tuple[int, ...] = (2, 2)  # the union ring's slab and depth: (one projection, gate + up)
     ring_union_depth: tuple[int, ...] = (3, 3)

@@ -36,6 +36,9 @@ DEFAULT = ("bf16u", "placed")  # (gate and up, down)
     pytest.param(dict(f16=True, f16_hidden=True, max_warps=3), FP16, id="f16-w3"),
     pytest.param(dict(placed=False), UNSCALED, id="bf16u"),  # the unscaled bf16 form everywhere (F = 2)
     pytest.param(dict(placed=False, max_warps=3), UNSCALED, id="bf16u-w3"),
+    pytest.param(dict(glu_slab=2, glu_depth=3), DEFAULT, id="glu-t2d3"),  # gate + up's other geometries
+    pytest.param(dict(glu_slab=2, glu_depth=2, max_warps=3), DEFAULT, id="glu-t2d2-w3"),
+    pytest.param(dict(f16=True, f16_hidden=True, glu_slab=2, glu_depth=2), FP16, id="f16-glu-t2d2"),
 ])
 def test_moe_decode_ring(rng, ring, forms):
     """A backend built with each ring config, on the shared backend's stream (the helpers' buffers)."""

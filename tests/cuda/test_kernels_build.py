@@ -99,12 +99,13 @@ def test_instantiated_variants():
     found |= {(int(bm), 1, int(w), int(bk), int(st), "placed") for bm, _, w, bk, st in placed}
     assert found == set(loader.GEMM_VARIANTS)
     ring = (loader.KERNEL_DIR / "gemv_nvfp4_ring.cu").read_text()
-    for macro, forms in (("RING_ONE_ENTRIES", ("1, f16_", "2, bf16u_", "3, pl_")),  # gemv, down + combine
-                         ("RING_GLU_ENTRY", ("1, f16_", "2, bf16u_"))):  # gate + up: never placed
+    for macro, forms, built in (("RING_ONE_ENTRIES", ("1, f16_", "2, bf16u_", "3, pl_"), loader.RING_KERNELS),
+                                ("RING_GLU_ENTRY", ("1, f16_", "2, bf16u_"), loader.RING_GLU_KERNELS)):  # never placed
         for form in forms:
             found = re.findall(rf"^{macro}\((\d+), (\d+), {form}\)", ring, re.M)
-            assert {(int(t), int(d)) for t, d in found} == set(loader.RING_KERNELS), (macro, form, found)
-    assert len(re.findall(r"^RING_(ONE_ENTRIES|GLU_ENTRY)\(", ring, re.M)) == 5 * len(loader.RING_KERNELS)
+            assert {(int(t), int(d)) for t, d in found} == set(built), (macro, form, found)
+    assert len(re.findall(r"^RING_(ONE_ENTRIES|GLU_ENTRY)\(", ring, re.M)) == (3 * len(loader.RING_KERNELS)
+                                                                               + 2 * len(loader.RING_GLU_KERNELS))
     union = (loader.KERNEL_DIR / "gemv_nvfp4_union.cu").read_text()
     found = re.findall(r"^RING_UNION_ENTRIES\((\d+), (\d+), (\d+)\)", union, re.M)
     assert {(int(t), int(d)) for _, t, d in found} == set(loader.UNION_RING_KERNELS), found

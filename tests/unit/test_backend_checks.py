@@ -90,6 +90,22 @@ def test_ring_levers_default_to_the_measured_ring_and_parse_from_toml() -> None:
     assert RingConfig.from_levers(lv) == RingConfig(down_combine=False)
     lv = Topology.from_dict({"levers": {"ring_min_items_per_sm": 0}}).levers
     assert RingConfig.from_levers(lv) == RingConfig(min_items_per_sm=0)
+    lv = Topology.from_dict({"levers": {"ring_glu_slab": 2, "ring_glu_depth": 3}}).levers
+    assert RingConfig.from_levers(lv) == RingConfig(glu_slab=2, glu_depth=3)
+
+
+def test_the_decode_rings_gate_up_geometry_is_one_built() -> None:
+    """Gate + up's (slab, depth) must be one gemv_nvfp4_ring.cu instantiates (named, with the ones it does); the
+    ring off takes none. Its slab sets the K the ring takes (whole slabs) and the entry; one projection keeps
+    RING_SLAB / RING_DEPTH."""
+    with pytest.raises(ConfigError, match=r"levers.ring_glu_slab = 2, ring_glu_depth = 4: expected a \(slab, depth\) "
+                                          r"in \[\(4, 2\), \(2, 3\), \(2, 2\)\]"):
+        RingConfig(glu_slab=2, glu_depth=4)
+    RingConfig(enabled=False, glu_slab=2, glu_depth=4)
+    slab2 = RingConfig(glu_slab=2, glu_depth=2, min_items_per_sm=0)
+    assert slab2.takes(2048, 256, 8, 2) and not RingConfig(min_items_per_sm=0).takes(2048, 256, 8, 2)
+    assert not slab2.takes(4096, 256, 8, 1)  # one projection's slab is still 4 steps of 128 k
+    assert slab2.stages(2) == (2, 2) and slab2.stages(1) == (4, 2)
 
 
 def test_the_ring_declines_launches_of_few_items_an_sm(monkeypatch) -> None:
@@ -310,7 +326,8 @@ def test_ring_levers_past_the_block_shared_memory_are_refused() -> None:
     for limit in (GB10_BLOCK_SMEM, H200_BLOCK_SMEM):
         RingConfig().check_fits(limit)
         RingConfig(union_max_rows=8).check_fits(limit)
-    assert RingConfig.smem(2) == 40960 and RingConfig.smem(1) == 22528  # 2 stages of 2 warps' slabs
+    assert RingConfig().smem(2) == 40960 and RingConfig().smem(1) == 22528  # 2 stages of 2 warps' slabs
+    assert RingConfig(glu_slab=2, glu_depth=3).smem(2) == 30720  # 3 stages of 2 warps' half-size slabs
     with pytest.raises(ConfigError, match=r"levers.ring = true: .*gate \+ up needs 40960 bytes .* allows 32768 .*"
                                           r"set ring = false"):
         RingConfig().check_fits(32768)

@@ -92,6 +92,8 @@ GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"), (16, 1
 #: gemv_nvfp4_ring.cu's RING_ONE_ENTRIES / RING_GLU_ENTRY lines: (steps of 128 k per slab T, ring depth D); one
 #: geometry, the fastest measured (docs/perf/DESIGN-NOTES.md)
 RING_KERNELS = ((4, 2),)
+#: its RING_GLU_ENTRY lines (gate + up): (T, D); (4, 2) is RING_KERNELS'
+RING_GLU_KERNELS = ((4, 2), (2, 3), (2, 2))
 #: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x rows a union stage holds (a group's
 #: rows rounded up)
 UNION_RING_KERNELS = ((2, 3), (4, 2), (2, 2))
@@ -133,7 +135,7 @@ def layout_defines() -> dict[str, int]:
     the bytes of every ring stage (``RING_STAGE_BYTES_P{P}_T{T}``, union ones ``..._R{R}``), as the
     wrappers compute them."""
     out = {f"GEMM_SMEM_{gemm_suffix(*v).upper()}": gemm_smem_bytes(*v) for v in GEMM_VARIANTS}
-    for t in sorted({t for t, _ in RING_KERNELS}):
+    for t in sorted({t for t, _ in RING_KERNELS + RING_GLU_KERNELS}):
         out.update({f"RING_STAGE_BYTES_P{p}_T{t}": ring_stage_bytes(p, t) for p in (1, 2)})
     for t in sorted({t for t, _ in UNION_RING_KERNELS}):
         out.update({f"RING_STAGE_BYTES_P{p}_T{t}_R{r}": ring_stage_bytes(p, t, r)

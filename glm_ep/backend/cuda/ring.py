@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm_ep.backend.cuda.kernel_loader import (BF16, MMA_ROWS, RING_KERNELS, RING_WARPS, UNION_RING_KERNELS,
+from glm_ep.backend.cuda.kernel_loader import (BF16, MMA_ROWS, RING_GLU_KERNELS, RING_KERNELS, RING_WARPS,
+                                               UNION_RING_KERNELS,
                                                UNION_RING_ROWS, cdiv, ring_stage_bytes, sm_count, smem_per_sm)
 from glm_ep.errors import ConfigError
 from glm_ep.config.topology import PathLevers
@@ -35,7 +36,7 @@ RING_MAX_SLOTS = 32  # slots of one launch: lane j of a warp holds slot j's ids 
 F16_MAX = 65504.0
 # operand form -> the ring entry's name prefix
 FORM_PREFIX = {"bf16u": "bf16u_", "placed": "pl_", "f16": "f16_"}
-RING_SLAB, RING_DEPTH = RING_KERNELS[0]  # the one geometry built: 128-k steps per stage, stages per warp
+RING_SLAB, RING_DEPTH = RING_KERNELS[0]  # one projection's one geometry: 128-k steps per stage, stages per warp
 SILU_MIN = -0.2785  # the least value of silu(g) = g / (1 + exp(-g))
 
 
@@ -73,16 +74,16 @@ def act_shift(swiglu_limit: float) -> int:
 class RingConfig:
     """The ring levers (``[levers] ring*`` of the topology): the persistent ring (``enabled``) or
     gemv_nvfp4.cu's block-per-tile kernels. The decode ring's slab and depth are RING_SLAB and
-    RING_DEPTH (one geometry is built); the warps per SM its grid aims at (fewer where the rings'
-    shared memory does not fit); ``max_warps`` caps the grid (tests: several items per warp);
-    ``f16``: the down projection in the fp16 form; ``f16_hidden``: gate and up too; ``placed``: the
-    down projection decoded by bit placement (the ``placed`` form, where the limit bounds the
-    activation; else ``bf16u``); ``down_combine``: at one row, the shared expert's down projection and
-    the site's combine run inside the routed down launch; ``union_*``: the verify (union) ring, by P,
-    the matrices a warp sweeps (index 0: one projection, 1: gate + up), its slab (T steps of 128 k per
-    stage) and depth; ``min_items_per_sm``: a launch with fewer (slot x 16-row group) items an SM goes
-    to the block kernels, which split K (0: never). Each default's measurement:
-    docs/perf/DESIGN-NOTES.md."""
+    RING_DEPTH for one projection, ``glu_slab`` / ``glu_depth`` for gate + up (one of RING_GLU_KERNELS);
+    the warps per SM its grid aims at (fewer where the rings' shared memory does not fit); ``max_warps``
+    caps the grid (tests: several items per warp); ``f16``: the down projection in the fp16 form;
+    ``f16_hidden``: gate and up too; ``placed``: the down projection decoded by bit placement (the
+    ``placed`` form, where the limit bounds the activation; else ``bf16u``); ``down_combine``: at one row,
+    the shared expert's down projection and the site's combine run inside the routed down launch;
+    ``union_*``: the verify (union) ring, by P, the matrices a warp sweeps (index 0: one projection, 1: gate
+    + up), its slab (T steps of 128 k per stage) and depth; ``min_items_per_sm``: a launch with fewer (slot x
+    16-row group) items an SM goes to the block kernels, which split K (0: never). Each default's
+    measurement: docs/perf/DESIGN-NOTES.md."""
 
     enabled: bool = True
     warps_per_sm: int = 16
@@ -95,8 +96,14 @@ class RingConfig:
     union_slab: tuple[int, int] = (2, 2)
     union_depth: tuple[int, int] = (3, 3)
     min_items_per_sm: int = 4  # ONE expert's down projection at one row (a dense FFN stored NVFP4) falls below
+    glu_slab: int = 4  # the decode ring's gate + up (RING_GLU_KERNELS)
+    glu_depth: int = 2
 
     def __post_init__(self) -> None:
+        if self.enabled and (self.glu_slab, self.glu_depth) not in RING_GLU_KERNELS:
+            raise ConfigError(f"levers.ring_glu_slab = {self.glu_slab}, ring_glu_depth = {self.glu_depth}: expected a "
+                              f"(slab, depth) in {list(RING_GLU_KERNELS)}, the gate + up kernels "
+                              "gemv_nvfp4_ring.cu instantiates")
         off = [(t, d) for t, d in zip(self.union_slab, self.union_depth) if (t, d) not in UNION_RING_KERNELS]
         if self.enabled and (len(self.union_slab) != 2 or len(self.union_depth) != 2 or off):
             raise ConfigError(f"levers.ring_union_slab = {list(self.union_slab)}, ring_union_depth = "
@@ -107,7 +114,7 @@ class RingConfig:
     def from_levers(cls, lv: PathLevers) -> "RingConfig":
         return cls(lv.ring, lv.ring_warps_per_sm, lv.ring_max_warps, lv.ring_f16, lv.ring_f16_hidden, lv.ring_placed,
                    lv.ring_down_combine, lv.ring_union_max_rows, tuple(lv.ring_union_slab),
-                   tuple(lv.ring_union_depth), lv.ring_min_items_per_sm)
+                   tuple(lv.ring_union_depth), lv.ring_min_items_per_sm, lv.ring_glu_slab, lv.ring_glu_depth)
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
         """(gate and up, down): the operand form (``FORM_PREFIX``'s keys; ``bf16`` for the block kernels, the
@@ -126,7 +133,7 @@ class RingConfig:
     def takes(self, n: int, k: int, slots: int, p: int) -> bool:
         """Whether the ring serves a launch of ``slots`` slots of ``p`` [n, k] matrices: the shapes it is
         built for, with at least ``min_items_per_sm`` items an SM (a warp takes whole items, K unsplit)."""
-        return (self.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * RING_SLAB) == 0
+        return (self.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.stages(p)[0]) == 0
                 and slots <= RING_MAX_SLOTS
                 and (not self.min_items_per_sm or slots * (n // MMA_ROWS) >= self.min_items_per_sm * sm_count()))
 
@@ -134,14 +141,18 @@ class RingConfig:
         """(blocks, dynamic smem bytes, entry suffix): as even a share of the slots x row-group items
         (and ``extra_items``) per warp as the cap allows (warps_per_sm per SM, or fewer where the
         rings do not fit in the device's shared memory), RING_WARPS per block."""
-        smem = self.smem(p)
+        smem, (slab, depth) = self.smem(p), self.stages(p)
         return (self._blocks(slots * (n // MMA_ROWS) + extra_items, smem), smem,
-                f"{FORM_PREFIX[form]}t{RING_SLAB}_d{RING_DEPTH}")
+                f"{FORM_PREFIX[form]}t{slab}_d{depth}")
 
-    @staticmethod
-    def smem(p: int) -> int:
+    def stages(self, p: int) -> tuple[int, int]:
+        """(slab, depth) of the decode ring over ``p`` matrices: one projection's, or gate + up's."""
+        return (self.glu_slab, self.glu_depth) if p == 2 else (RING_SLAB, RING_DEPTH)
+
+    def smem(self, p: int) -> int:
         """Dynamic shared memory of one block of the ring over ``p`` matrices: RING_WARPS rings of depth stages."""
-        return RING_WARPS * RING_DEPTH * ring_stage_bytes(p, RING_SLAB)
+        slab, depth = self.stages(p)
+        return RING_WARPS * depth * ring_stage_bytes(p, slab)
 
     def union_smem(self, p: int, rows: int) -> int:
         """Dynamic shared memory of one block of the union ring over ``p`` matrices for ``rows`` rows (the stage

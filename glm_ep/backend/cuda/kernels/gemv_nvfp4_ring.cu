@@ -312,6 +312,8 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     }
 
 #define RING_GLU_ENTRY(T, D, F, TAG)                                                                                  \
+    static_assert(sizeof(RingStage<2, T>) == RING_STAGE_BYTES_P2_T##T,                                                \
+                  "a ring stage differs from ring_stage_bytes in glm_ep/backend/cuda/kernel_loader.py");              \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_glu_##TAG##t##T##_d##D(                 \
         const bf16_t* __restrict__ x, const u64_t* __restrict__ gate_packed, const u64_t* __restrict__ gate_scale,    \
         const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,                                   \
@@ -327,9 +329,14 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     }
 
 // The forms RingConfig.forms picks (cuda/ring.py): gate + up in bf16u or f16, the down projection in those or
-// placed; one geometry (RING_KERNELS).
+// placed; one geometry for one projection (RING_KERNELS), three for gate + up (RING_GLU_KERNELS: slab 2 fits more
+// warps an SM).
 RING_ONE_ENTRIES(4, 2, 1, f16_)
 RING_ONE_ENTRIES(4, 2, 2, bf16u_)
 RING_ONE_ENTRIES(4, 2, 3, pl_)
 RING_GLU_ENTRY(4, 2, 1, f16_)
 RING_GLU_ENTRY(4, 2, 2, bf16u_)
+RING_GLU_ENTRY(2, 3, 1, f16_)
+RING_GLU_ENTRY(2, 3, 2, bf16u_)
+RING_GLU_ENTRY(2, 2, 1, f16_)
+RING_GLU_ENTRY(2, 2, 2, bf16u_)
