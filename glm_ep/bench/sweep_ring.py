@@ -57,6 +57,7 @@ UNION_VARIANTS = (("block kernels (ring_union_max_rows = 0)", dict(union_max_row
                   ("block kernels (again)", dict(union_max_rows=0)),
                   ("union ring, slab 2 depth 3 (again)", dict(union_max_rows=8)))
 UNION_ROWS = (2, 3, 4, 5, 6, 7, 8)
+PARTS = ("glu", "down")  # the union sweep's projections timed alone: gate + up + SwiGLU, and down
 
 
 def run_sweep_ring(args: argparse.Namespace) -> int:
@@ -159,13 +160,19 @@ def run_sweep_union(args: argparse.Namespace) -> int:
         ue, us = u_eid[:r * k], u_slot[:r * k * r].reshape(r * k, r)
         row: dict[str, Any] = {"rows": r, "union": int(len(np.unique(ids_host[:r])))}
         for name, rb, tables in backends:
-            def union(rb=rb, tables=tables) -> None:
+            def union(rb=rb, tables=tables, glu: bool = True, down: bool = True) -> None:
                 rb.union_table(ids[:r], ue, us)
                 for t in tables:
-                    rb.moe_gate_up_act_union(x[:r], t, ue, us, limit, gate[:r], up[:r], act[:r])
-                    rb.moe_gemv_union(act[:r], t.down, ue, us, routed[:r], per_slot_input=True)
+                    if glu:
+                        rb.moe_gate_up_act_union(x[:r], t, ue, us, limit, gate[:r], up[:r], act[:r])
+                    if down:
+                        rb.moe_gemv_union(act[:r], t.down, ue, us, routed[:r], per_slot_input=True)
 
             row[name] = graph_median_us(cp, s, rb.capture, union, iters, L)
+            for part in PARTS if not name.endswith("(again)") else ():  # each projection alone (with the union
+                # table): its geometry is a lever of its own
+                row[f"{name} | {part}"] = graph_median_us(
+                    cp, s, rb.capture, lambda u=union, g=part == "glu": u(glu=g, down=not g), iters, L)
         rows.append(row)
     meta = bench_meta(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), copy_gbs)
     meta.update(layers=L, experts=e, top_k=k, expert_bytes=expert_bytes(model), variants=[n for n, _ in UNION_VARIANTS],
@@ -244,4 +251,17 @@ def render_union(data: dict[str, Any]) -> str:
         nbytes = meta["expert_bytes"] * r["union"]
         cells = [f"{r[n]:.1f} ({_pct(nbytes, r[n], meta['copy_gbs'])})" for n in names]
         lines.append(f"| {r['rows']} | {r['union']} | " + " | ".join(cells) + " |")
+    timed = [n for n in names if f"{n} | glu" in data["rows"][0]] if data["rows"] else []
+    for part, share, what in (("glu", 2 / 3, "gate + up + SwiGLU"), ("down", 1 / 3, "the down projection")):
+        if not timed:
+            break
+        lines += ["", f"{what[0].upper()}{what[1:]} alone (with the union table), µs a layer, % of the copy bandwidth "
+                  "over its share of the union's bytes: the geometry of each projection is a lever of its own "
+                  "(`ring_union_slab` / `ring_union_depth`: one projection, then gate + up).", "",
+                  "| rows | " + " | ".join(timed) + " |", "|---:|" + "---:|" * len(timed)]
+        for r in data["rows"]:
+            nbytes = meta["expert_bytes"] * r["union"] * share
+            cells = [f"{r[f'{n} | {part}']:.1f} ({_pct(nbytes, r[f'{n} | {part}'], meta['copy_gbs'])})"
+                     for n in timed]
+            lines.append(f"| {r['rows']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -45,6 +45,17 @@ def test_render_union():
             "104.0 (54%) |") in text
     assert text.startswith("# glm-ep bench --sweep union: NVIDIA H200")
     assert "The union of R rows (8 experts a row, drawn from all 288) over 4 layers" in text
+    assert "alone" not in text  # a run without the per-projection times (before they were taken) renders as it did
+    for row in rows:  # each projection alone: its own table, over its own share of the bytes
+        for name, _ in UNION_VARIANTS:
+            row[f"{name} | glu"], row[f"{name} | down"] = 70.0, 35.0
+    text = render_union({"meta": meta, "rows": rows})
+    glu = text.index("Gate + up + SwiGLU alone")
+    down = text.index("The down projection alone")
+    assert glu < down
+    # 16 experts x 2/3 x 14.16 MB in 70 us at 4000 GB/s: 54%; the down's third in 35 us: 54%
+    assert "| 2 | " + " | ".join(["70.0 (54%)"] * len(UNION_VARIANTS)) + " |" in text[glu:down]
+    assert "| 2 | " + " | ".join(["35.0 (54%)"] * len(UNION_VARIANTS)) + " |" in text[down:]
 
 
 def test_render_ring():
