@@ -147,7 +147,7 @@ class MoeSite:
 
     def route(self, x_TH: Any, ws: Workspace) -> Route:
         """Replicated on every rank (never sharded): the same ids everywhere, fp32 end to end. The shared
-        expert's gate/up/SwiGLU run beside it (one launch on CUDA at 1..8 rows) where the workspace holds
+        expert's gate/up/SwiGLU run beside it (one launch on CUDA at 1..4 rows) where the workspace holds
         their activations PAST the routed experts' ``rows * top_k * moe_intermediate`` elements, so they
         outlive the routed experts."""
         t, e, k = x_TH.shape[0], self.cfg.num_experts, self.cfg.top_k

@@ -11,7 +11,8 @@ import pytest
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.checkpoint.weights import DenseWeights
 
-from _cuda import H, assert_written, backend, dev, host, poisoned, requires_cuda, unwritten
+from _cuda import (H, assert_written, backend, dev, host, poisoned, requires_cuda, small_weight_engine,  # noqa: F401
+                   unwritten)
 from helpers import BF16, assert_close, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -22,7 +23,7 @@ NP = NumpyBackend()
 # ---- dense: GEMV (1..8 rows), tensor-core GEMM (9..64), cuBLAS --------------------------------------
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 20, 33, 64, 65, 300])
 @pytest.mark.parametrize("n,k", [(200, 256), (64, 4096)])
-def test_linear(rng, t, n, k):
+def test_linear(rng, t, n, k, small_weight_engine):
     x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
     ref = np.empty((t, n), BF16)
     NP.linear(x, w, ref)
@@ -217,7 +218,7 @@ def test_upload_dense_stacks_gate_and_up():
 
 
 @pytest.mark.parametrize("t", [1, 2, 5, 8, 9, 20, 64, 65, 300])
-def test_gate_up_act(rng, t):
+def test_gate_up_act(rng, t, small_weight_engine):
     i = 200
     w = DenseWeights(rand_bf16(rng, (i, H), 2 * H ** -0.5), rand_bf16(rng, (i, H), 2 * H ** -0.5),
                      rand_bf16(rng, (H, i), i ** -0.5))

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from glm_ep.backend.cuda import dense
 from glm_ep.backend.numpy_backend import NumpyBackend
 
-from _cuda import H, TOP_K, assert_written, backend, dev, host, poisoned, requires_cuda
+from _cuda import H, TOP_K, assert_written, backend, dev, host, poisoned, requires_cuda, small_weight_engine  # noqa: F401
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -60,7 +61,7 @@ def test_combine(rng, t, with_shared, indexed):
 
 @pytest.mark.parametrize("t", [1, 3, 4, 5, 8, 12])
 @pytest.mark.parametrize("i", [128, 2048])
-def test_shared_down_combine(rng, t, i):
+def test_shared_down_combine(rng, t, i, small_weight_engine):
     """The shared expert's down projection ending in the combine (one launch where the GEMV serves the rows, the
     warp-streaming GEMM then the combine where it takes them), bit for bit the separate ``linear`` + ``combine`` of
     the same backend, and within an ulp of NumPy."""
@@ -69,7 +70,14 @@ def test_shared_down_combine(rng, t, i):
     wts = rng.random((t, TOP_K)).astype(np.float32) * 2.5
     be, d_act, d_down, d_routed, d_wts = backend(), dev(act), dev(down), dev(routed), dev(wts)
     out, scratch = poisoned((t, H), BF16), poisoned((t, H), BF16)
-    be.shared_down_combine(d_act, d_down, d_routed, d_wts, scratch, out)
+    launched = []
+    with pytest.MonkeyPatch.context() as spy:
+        for name in ("gemv_combine_bf16", "wstream_gemm_bf16"):
+            spy.setattr(dense, name, lambda *a, f=getattr(dense, name), n=name: (launched.append(n), f(*a))[1])
+        be.shared_down_combine(d_act, d_down, d_routed, d_wts, scratch, out)
+    want = ("wstream_gemm_bf16" if small_weight_engine == "shipped" and 5 <= t <= 8
+            else "gemv_combine_bf16" if t <= 8 else None)
+    assert launched == ([want] if want else []), f"{t} rows ({small_weight_engine}): launched {launched}"
     sep_shared, sep = poisoned((t, H), BF16), poisoned((t, H), BF16)
     be.linear(d_act, d_down, sep_shared)
     be.combine(d_routed, d_wts, sep_shared, sep)

@@ -16,7 +16,7 @@ from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.mlp.routing import RouteParams
 from glm_ep.checkpoint.weights import DenseWeights
 
-from _cuda import assert_written, backend, cupy, dev, host, poisoned, requires_cuda
+from _cuda import assert_written, backend, cupy, dev, host, poisoned, requires_cuda, small_weight_engine  # noqa: F401
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -195,7 +195,7 @@ def _shared(rng, n, h):
 @pytest.mark.parametrize("t", [1, 3, 4, 5, 8])
 @pytest.mark.parametrize("router_dtype", [np.float32, BF16])
 @pytest.mark.parametrize("e,h,n", [(32, 256, 128), (288, 4096, 2048)])
-def test_route_and_glu_fused(rng, t, router_dtype, e, h, n):
+def test_route_and_glu_fused(rng, t, router_dtype, e, h, n, small_weight_engine):
     router, bias = _router(rng, e, h, router_dtype)
     p = RouteParams(8, 2.5, True, False)
     x = rand_bf16(rng, (t, h))

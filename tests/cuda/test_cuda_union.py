@@ -80,7 +80,8 @@ def check_moe_union(rng, cu, nu, ids, local, h, m, label, be=None):
     dict(union_max_rows=8, max_warps=3),  # several items per warp: the ring crosses entry boundaries
     dict(union_max_rows=8, union_slab=(4, 4), union_depth=(2, 2), max_warps=5),
     dict(union_max_rows=8, union_depth=(2, 3)),  # the down projection's ring at depth 2
-], ids=["blocks", "t2d3", "t4d2", "t2d3-w3", "t4d2-w5", "t2d2-down"])
+    dict(union_max_rows=8, union_depth=(2, 2), max_warps=3),  # both at depth 2
+], ids=["blocks", "t2d3", "t4d2", "t2d3-w3", "t4d2-w5", "t2d2-down", "t2d2-w3"])
 @pytest.mark.parametrize("r", [2, 3, 5, 6, 8])
 def test_moe_union_ring(rng, ring, r):
     """A backend built with each union config, on the shared backend's stream."""

@@ -300,6 +300,7 @@ def test_dense_ffn_engine_by_rows(monkeypatch, small_min):
     stay ahead there) unless WSTREAM_SMALL_MIN_ROWS opens it to those from that many rows to the GEMV's 8."""
     from glm_ep.backend.cuda import dense
 
+    assert dense.WSTREAM_SMALL_MIN_ROWS == 5  # the shipped crossover (H100: docs/perf/DESIGN-NOTES.md)
     monkeypatch.setattr(dense, "WSTREAM_SMALL_MIN_ROWS", small_min)
     bf16 = ml_dtypes.bfloat16
     large = np.empty((2 * dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), bf16)

@@ -2,7 +2,7 @@
 1..8 rows (``gemv_bf16.cu``: plain, gate + up + SwiGLU fused, the router's fp32 logits), the
 tensor-core GEMM for 9..64 rows (``mma_bf16.cu``: the router's logits, and the shared expert's fused
 gate + up + SwiGLU to 16 rows), the warp-streaming tensor-core GEMM for the dense FFN's weights at 5..16
-rows (also ``mma_bf16.cu``) and cuBLAS GemmEx past those.
+rows and the shared expert's at 5..8 (also ``mma_bf16.cu``) and cuBLAS GemmEx past those.
 
 Shape suffixes: T rows, R rows of one call, N/K a projection's out/in width, E experts.
 """
@@ -180,7 +180,8 @@ def mma_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, 
             np.float32(limit)), smem=smem)
 
 
-# ---- warp-streaming tensor-core GEMM, dense-FFN-sized weights at 5..16 rows (mma_bf16.cu, bf16_wstream_*) ----
+# ---- warp-streaming tensor-core GEMM: the dense FFN's weights at 5..16 rows, the shared expert's at 5..8 ------
+# (mma_bf16.cu, bf16_wstream_*)
 WSTREAM_MIN_ROWS = 5  # below: the batch-M GEMV
 WSTREAM_MAX_ROWS = WSTREAM_TIERS[-1]  # gate + up + SwiGLU
 WSTREAM_PLAIN_MAX_ROWS = 8  # a plain projection (the down): past 8 rows cuBLAS, faster there and never captured
@@ -205,7 +206,7 @@ def wstream_takes(x_RK: Any, w_NK: Any, glu: bool) -> bool:
         return False
     if w_NK.size > MMA_GEMM_MAX_WEIGHT:
         return WSTREAM_MIN_ROWS <= r <= (WSTREAM_MAX_ROWS if glu else WSTREAM_PLAIN_MAX_ROWS)
-    return 0 < WSTREAM_SMALL_MIN_ROWS <= r <= GEMV_MAX_ROWS
+    return 0 < WSTREAM_SMALL_MIN_ROWS <= r <= min(GEMV_MAX_ROWS, WSTREAM_PLAIN_MAX_ROWS)
 
 
 def wstream_resident_blocks() -> int:

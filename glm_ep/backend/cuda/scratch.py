@@ -24,7 +24,7 @@ def scratch_buffers(ring: RingConfig, cfg: SiteConfig, levers: PathLevers) -> tu
     |-------------------------|----------------------------------------------|-------------------------------------|
     | `route_done`            | the fused router's block counter (1..8 rows) | 1 uint32, zero between launches     |
     | `wstream_partials`,     | the warp-streaming GEMM's K split (the dense | `dense.wstream_scratch_sizes()`:    |
-    | `wstream_arrived`       | FFN at 5..16 rows)                           | fp32 sums, uint32 counters (zero)   |
+    | `wstream_arrived`       | FFN at 5..16 rows, the shared expert at 5..8)| fp32 sums, uint32 counters (zero)   |
     | `down_combine_partials`,| the one-row down ring's combine, where the   | parts x hidden fp32, hidden / 16    |
     | `down_combine_arrived`  | ring takes the site's shapes                 | uint32 counters (zero)              |
     | `sort_counts`           | the multi-block sort by expert (wide calls,  | SMs x experts int32 (152 KB for 288 |

@@ -24,7 +24,7 @@
 //
 // NumPy twin: NumpyBackend.linear, gate_up_act, router_logits, route, route_and_gate_up_act and shared_down_combine
 // (glm_ep/backend/numpy_backend.py); held together by tests/cuda/test_cuda_dense.py, test_cuda_router.py and
-// test_cuda_elementwise.py::test_shared_down_combine.
+// test_cuda_elementwise.py::test_shared_down_combine (each at 5..8 rows with the warp-streaming GEMM off too).
 #include "common.cuh"
 #include "router_topk.cuh"
 

@@ -18,7 +18,7 @@
 //   bf16_mma_gemm_f32_t{T}     fp32 out (router logits of a bf16 router)
 //   bf16_mma_glu_t{T}          gate and up fused, writing gate, up and the clamped SwiGLU
 //   bf16_wstream_{gemm,glu}_t{8,16}  the warp-streaming engine at the end of this file (dense-FFN-sized
-//                              weights, 5..16 rows)
+//                              weights, 5..16 rows; the shared expert's at 5..8)
 //
 // NumPy twin: NumpyBackend.linear, gate_up_act and router_logits (glm_ep/backend/numpy_backend.py); held together
 // by tests/cuda/test_cuda_dense.py (every tier of both engines, K splits, graphs) and test_cuda_router.py.
@@ -199,7 +199,7 @@ MMA_GEMM_ENTRIES(16)
 MMA_GEMM_ENTRIES(32)
 MMA_GEMM_ENTRIES(64)
 
-// ---- the warp-streaming engine: dense-FFN-sized weights at 5..16 rows ----------------------------------
+// ---- the warp-streaming engine: dense-FFN-sized weights at 5..16 rows, the shared expert's at 5..8 --------
 // Measured (docs/perf/DESIGN-NOTES.md): a launch streams a weight near the copy bandwidth only with many
 // independent pipelines an SM (12 warps, each its own band and ring), and far below it when a block steps a
 // wide band in lock step. So here every WARP streams its own 16 weight rows
