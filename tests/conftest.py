@@ -57,3 +57,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     import _kernel_builds
 
     _kernel_builds.close()
+
+
+@pytest.fixture(params=["shipped", "gemv"])
+def small_weight_engine(request, monkeypatch):
+    """Weights of the shared expert's size at 5..8 rows on the shipped engine (the warp-streaming GEMM), or with
+    it off (``WSTREAM_SMALL_MIN_ROWS = 0``: the batch-M GEMV kernels, which K off the 32-k steps still takes)."""
+    from glm_ep.backend.cuda import dense
+
+    if request.param == "gemv":
+        monkeypatch.setattr(dense, "WSTREAM_SMALL_MIN_ROWS", 0)
+    return request.param

@@ -11,8 +11,7 @@ import pytest
 from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.checkpoint.weights import DenseWeights
 
-from _cuda import (H, assert_written, backend, dev, host, poisoned, requires_cuda, small_weight_engine,  # noqa: F401
-                   unwritten)
+from _cuda import H, assert_written, backend, dev, host, poisoned, requires_cuda, unwritten
 from helpers import BF16, assert_close, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]

@@ -11,7 +11,7 @@ import pytest
 from glm_ep.backend.cuda import dense
 from glm_ep.backend.numpy_backend import NumpyBackend
 
-from _cuda import H, TOP_K, assert_written, backend, dev, host, poisoned, requires_cuda, small_weight_engine  # noqa: F401
+from _cuda import H, TOP_K, assert_written, backend, dev, host, poisoned, requires_cuda
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]

@@ -16,7 +16,7 @@ from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.mlp.routing import RouteParams
 from glm_ep.checkpoint.weights import DenseWeights
 
-from _cuda import assert_written, backend, cupy, dev, host, poisoned, requires_cuda, small_weight_engine  # noqa: F401
+from _cuda import assert_written, backend, cupy, dev, host, poisoned, requires_cuda
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
