@@ -11,7 +11,8 @@ import stat
 EXIT_OK = 0  # done; for ``run`` with its check: PASS
 EXIT_INTERNAL = 1  # an unexpected exception (a bug): traceback printed, the MPI job aborted
 EXIT_USER = 2  # a bad config, topology, checkpoint, input or output: one clear message (rank 0's if agreed)
-EXIT_FAIL = 3  # ``run``'s check: FAIL (an error over the bound, a non-finite value, ranks disagree)
+EXIT_FAIL = 3  # ``run``'s check: FAIL (an error over the bound, a non-finite value, ranks disagree); ``generate
+# --compare``: HF's own MLPs' logits differ from glm_ep's by more than rounding explains
 EXIT_STALL = 4  # a rank waited on the others past ``collective_timeout_s``: the MPI job aborted
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT): 128 + 2
 EXIT_TERMINATED = 143  # SIGTERM, a scheduler's cancel: 128 + 15

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from glm_ep.errors import EXIT_OK, InputError
+from glm_ep.errors import EXIT_FAIL, EXIT_OK, InputError
 
 #: the ids a prompt may hold at most, as the command line gives them (a longer prompt is a file's job)
 MAX_PROMPT_IDS = 65536
@@ -138,15 +138,19 @@ def generate_job(args: argparse.Namespace, ranks: Any) -> int:
     _agree_tokens(ranks, got.tokens)
     times = ranks.allgather("generation times", (got.prefill_s, got.decode_s))
     lines: list[str] = []
+    explained = True
     if ranks.rank == 0:
         lines = _report(args, got, max(t[0] for t in times), max(t[1] for t in times), mlp, model)
         if ref is not None:
-            lines += compare(ref.tokens, ref.logits, got.tokens, got.logits, ref.margins).lines()
+            verdict = compare(ref.tokens, ref.logits, got.tokens, got.logits, ref.margins)
+            lines += verdict.lines()
+            explained = verdict.explained
         print("\n".join(lines), flush=True)
     if args.out is not None:  # rank 0 writes; a failure is every rank's error
         ranks.agree("output write", lambda: _write_markdown(Path(args.out), lines, _device_name(model))
                     if ranks.rank == 0 else None)
-    return EXIT_OK
+    # --compare: a difference rounding does not explain fails the job on every rank, as run's check does
+    return EXIT_OK if ranks.allgather("compare verdict", explained)[0] else EXIT_FAIL
 
 
 def _reference(model: Any, args: argparse.Namespace) -> Any:

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
 
-from glm_ep.errors import EXIT_STALL  # noqa: E402
+from glm_ep.errors import EXIT_FAIL, EXIT_STALL  # noqa: E402
 
 from cli_jobs import fails, glm_ep, mpiexec  # noqa: E402
 from helpers import REPO  # noqa: E402
@@ -60,6 +60,20 @@ def test_generate_on_two_ranks_prints_tokens_rates_and_the_comparison(pair, tmp_
     text = out.read_text()
     assert text.startswith("# glm-ep generate: CPU") and "--prompt-ids 1,2,3" in text
     assert all(line in text for line in lines), text
+
+
+def test_compare_against_another_model_fails_the_job(pair, tmp_path) -> None:
+    """``--compare`` with an HF model from another seed: the logits are as far apart as two unrelated models', so
+    the job fails (exit 3, as run's check does) on every rank, after printing the comparison that says why."""
+    glm, _ = pair
+    r = glm_ep(1, "synth", "--preset", "tiny", "--seed", "7", "--out", str(tmp_path / "glm7"), "--hf-model",
+               str(tmp_path / "hf7"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = glm_ep(2, "generate", "--model", str(glm), "--hf-model", str(tmp_path / "hf7"), "--prompt-ids", PROMPT,
+               "--max-new-tokens", "4", "--warmup", "0", "--compare")
+    assert r.returncode == EXIT_FAIL, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "compare: the logits are as far apart as two unrelated models'" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
 
 
 def test_the_pair_is_written_once(pair, tmp_path) -> None:
