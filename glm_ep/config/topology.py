@@ -76,6 +76,13 @@ def _unknown_keys(unknown: list[str], known: set[str], lever_names: set[str]) ->
     return f"unknown keys {unknown}{hint}; expected {sorted(known)} and [levers] {sorted(lever_names)}"
 
 
+#: the (slab, depth) pairs the CUDA ring kernels are built for (gemv_nvfp4_ring.cu's gate + up entries,
+#: gemv_nvfp4_union.cu's; glm_ep/backend/cuda/kernel_loader.py instantiates these): what the ring levers may name,
+#: checked with the topology whatever its backend, so a file written on a CPU machine is not first refused on a GPU
+RING_GLU_KERNELS = ((4, 2), (2, 3), (2, 2))
+UNION_RING_KERNELS = ((2, 3), (4, 2), (2, 2))
+
+
 #: levers that selected a form or geometry of the decode ring that measured slower than the default, removed with
 #: their kernels (docs/perf/DESIGN-NOTES.md): a topology that names one is refused, saying so
 REMOVED_LEVERS = {
@@ -137,6 +144,15 @@ class PathLevers:
             if len(v) != 2 or min(v) < 1:
                 raise ConfigError(f"levers.{key} = {list(v)}, expected two positive integers (one projection, "
                                   "gate + up)")
+        if self.ring and (self.ring_glu_slab, self.ring_glu_depth) not in RING_GLU_KERNELS:
+            raise ConfigError(f"levers.ring_glu_slab = {self.ring_glu_slab}, ring_glu_depth = {self.ring_glu_depth}: "
+                              f"expected a (slab, depth) in {list(RING_GLU_KERNELS)}, the gate + up kernels "
+                              "gemv_nvfp4_ring.cu instantiates")
+        off = [pair for pair in zip(self.ring_union_slab, self.ring_union_depth) if pair not in UNION_RING_KERNELS]
+        if self.ring and off:
+            raise ConfigError(f"levers.ring_union_slab = {list(self.ring_union_slab)}, ring_union_depth = "
+                              f"{list(self.ring_union_depth)}: expected (one projection, gate + up) pairs of (slab, "
+                              f"depth) in {list(UNION_RING_KERNELS)}, the kernels gemv_nvfp4_union.cu instantiates")
         if self.ring_union_max_rows < 0:
             raise ConfigError(f"levers.ring_union_max_rows = {self.ring_union_max_rows}, expected >= 0 (0: off)")
         if self.ring_max_warps < 0:

@@ -108,6 +108,20 @@ def test_the_decode_rings_gate_up_geometry_is_one_built() -> None:
     assert slab2.stages(2) == (2, 2) and slab2.stages(1) == (4, 2)
 
 
+@pytest.mark.parametrize("levers,needle", [
+    ({"ring_glu_slab": 3}, r"levers.ring_glu_slab = 3, ring_glu_depth = 2: expected a \(slab, depth\) in"),
+    ({"ring_glu_depth": -1}, r"levers.ring_glu_slab = 4, ring_glu_depth = -1: expected"),
+    ({"ring_union_slab": [3, 5]}, r"levers.ring_union_slab = \[3, 5\], ring_union_depth = \[3, 3\]: expected"),
+    ({"ring_union_depth": [4, 3]}, r"ring_union_depth = \[4, 3\]: expected \(one projection, gate \+ up\) pairs"),
+])
+def test_ring_geometries_are_checked_with_the_topology_on_any_backend(levers, needle) -> None:
+    """A ring geometry no kernel is built for is refused when the topology is read, a CPU one included (it
+    used to pass there and fail first on a GPU); with the ring off it names nothing that runs, and passes."""
+    with pytest.raises(ConfigError, match=needle):
+        Topology.from_dict({"backend": "cpu", "levers": levers})
+    Topology.from_dict({"backend": "cpu", "levers": {**levers, "ring": False}})
+
+
 def test_the_ring_declines_launches_of_few_items_an_sm(monkeypatch) -> None:
     """One slot of one expert's down projection (a dense FFN stored NVFP4: 4096 outputs, 256 items of 16 rows)
     is under 4 items an SM of 132 and goes to the block kernels; its gate + up (768 items) and the routed
@@ -202,10 +216,12 @@ def test_ring_levers_are_checked_when_parsed(levers: dict, named: str) -> None:
 
 
 def test_a_ring_kernel_that_is_not_built_is_refused() -> None:
-    topo = Topology.from_dict({"backend": "cuda", "levers": {"ring_union_slab": [8, 4], "ring_union_depth": [4, 2]}})
     with pytest.raises(ConfigError, match=re.escape("levers.ring_union_slab = [8, 4], ring_union_depth = [4, 2]: "
-                                                    "expected")):
-        make_backend(topo, HERE, _cfg())
+                                                    "expected")):  # with the topology, before any backend
+        Topology.from_dict({"backend": "cuda", "levers": {"ring_union_slab": [8, 4], "ring_union_depth": [4, 2]}})
+    with pytest.raises(ConfigError, match=re.escape("levers.ring_union_slab = [8, 4], ring_union_depth = [4, 2]: "
+                                                    "expected")):  # a RingConfig built in code: the same check
+        RingConfig(union_slab=(8, 4), union_depth=(4, 2))
     RingConfig(enabled=False, union_slab=(8, 4), union_depth=(4, 2))  # the block kernels do not care
 
 

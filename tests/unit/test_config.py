@@ -371,9 +371,11 @@ def test_topology_values_are_type_checked_by_name(raw: dict, named: str) -> None
 def test_lists_are_taken_where_a_tuple_of_integers_is_expected() -> None:
     """Python callers write lists (as TOML does): a Topology and its levers take them as tuples, and stay frozen
     and hashable."""
-    t = Topology(world=2, tp=2, ep=2, devices=[0, 1], levers=PathLevers(ring_union_slab=[4, 4]))
-    assert t.devices == (0, 1) and t.levers.ring_union_slab == (4, 4)
-    assert t == Topology(world=2, tp=2, ep=2, devices=(0, 1), levers=PathLevers(ring_union_slab=(4, 4)))
+    t = Topology(world=2, tp=2, ep=2, devices=[0, 1], levers=PathLevers(ring_union_slab=[4, 4],
+                                                                        ring_union_depth=[2, 2]))
+    assert t.devices == (0, 1) and t.levers.ring_union_slab == (4, 4) and t.levers.ring_union_depth == (2, 2)
+    assert t == Topology(world=2, tp=2, ep=2, devices=(0, 1), levers=PathLevers(ring_union_slab=(4, 4),
+                                                                                ring_union_depth=(2, 2)))
     assert hash(t) == hash(dataclasses.replace(t))
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.devices = [1, 0]  # type: ignore[misc]

@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from glm_ep.backend.base import KERNEL_LIMITS
+from glm_ep.config.topology import RING_GLU_KERNELS, UNION_RING_KERNELS
 from glm_ep.backend.cuda import pdl
 
 log = logging.getLogger(__name__)
@@ -89,14 +90,12 @@ GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"), (16, 1
                  (16, 1, 4, 128, 3, "placed"), (64, 1, 4, 64, 4, "narrow"),
                  (64, 1, 8, 128, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 2, 8, 64, 6, "wgmma"),
                  (64, 2, 4, 64, 6, "wgmma"))
-#: gemv_nvfp4_ring.cu's RING_ONE_ENTRIES / RING_GLU_ENTRY lines: (steps of 128 k per slab T, ring depth D); one
-#: geometry, the fastest measured (docs/perf/DESIGN-NOTES.md)
+#: gemv_nvfp4_ring.cu's RING_ONE_ENTRIES lines: (steps of 128 k per slab T, ring depth D); one geometry, the
+#: fastest measured (docs/perf/DESIGN-NOTES.md). Its RING_GLU_ENTRY lines (gate + up) are RING_GLU_KERNELS and
+#: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines UNION_RING_KERNELS: (T, D) pairs the topology's ring levers
+#: name, listed once in config/topology.py (imported above)
 RING_KERNELS = ((4, 2),)
-#: its RING_GLU_ENTRY lines (gate + up): (T, D); (4, 2) is RING_KERNELS'
-RING_GLU_KERNELS = ((4, 2), (2, 3), (2, 2))
-#: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines: (T, D), and the x rows a union stage holds (a group's
-#: rows rounded up)
-UNION_RING_KERNELS = ((2, 3), (4, 2), (2, 2))
+#: the x rows a union stage holds (a group's rows rounded up), each with every UNION_RING_KERNELS pair
 UNION_RING_ROWS = (2, 4, 6, 8)
 
 
