@@ -28,6 +28,7 @@ from glm_ep import bench
 from glm_ep.app import load_record
 from glm_ep.app.launcher import launch_rank, launch_size
 from glm_ep.errors import EXIT_USER, InputError
+from glm_ep.dist.deadline import sigterm_raises
 from glm_ep.dist.mpi_lib import MpiUnavailable
 from glm_ep.dist.ranks import Ranks, mpi_world, run_guarded, setup_logging
 from glm_ep.config.shipped import shipped_names
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
         alone = {"synth": local_jobs.synth_job, "make-input": local_jobs.make_input_job,
                  "footprint": local_jobs.footprint_job, "balance": balance_job}[args.cmd]
-        return run_guarded(lambda: alone(args), None)
+        with sigterm_raises():  # a scheduler's cancel: "terminated (SIGTERM)", and synth removes what it wrote
+            return run_guarded(lambda: alone(args), None)
     try:
         comm: Any = mpi_world()
     except MpiUnavailable as e:  # no MPI library: one clear line, not an import traceback

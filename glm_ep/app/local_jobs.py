@@ -22,10 +22,14 @@ def synth_job(args: argparse.Namespace) -> int:
     one_process("synth writes one checkpoint")
     from glm_ep.checkpoint.reader import INDEX_FILE, SINGLE_FILE
 
-    held = [n for n in ("config.json", INDEX_FILE, SINGLE_FILE) if (Path(args.out) / n).exists()]
-    if held and not args.force:
-        raise InputError(f"{args.out}: already holds a checkpoint ({', '.join(held)}); expected an empty or new "
-                         "folder (--force writes over its files)")
+    out = Path(args.out)
+    held = [n for n in ("config.json", INDEX_FILE, SINGLE_FILE) if (out / n).exists()]
+    shards = sorted(p.name for p in out.glob("model-*-of-*.safetensors")) if out.is_dir() else []
+    if (held or shards) and not args.force:  # shards alone: a write cut short, whose files would stay beside ours
+        what = ", ".join(held) if held else (", ".join(shards[:2])
+                                            + (f" and {len(shards) - 2} more shard(s)" if len(shards) > 2 else ""))
+        raise InputError(f"{args.out}: already holds a checkpoint ({what}); expected an empty or new folder "
+                         "(--force writes over its files)")
     if args.hf_model is not None:  # refused (torch missing, a folder in use) before anything is written
         from glm_ep.hf.pair import check_hf_folder
 
@@ -36,10 +40,15 @@ def synth_job(args: argparse.Namespace) -> int:
             cfg[key] = getattr(args, key)
     if args.layers is not None:
         cut_layers(cfg, args.layers)
-    path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
-                           router_dtype=args.router_dtype, composite=args.composite, progress=True, dense=args.dense,
-                           router_skew=args.router_skew)
-    if held:  # --force: the old checkpoint's weight files the new index does not name go (shards of another count
+    before = set(out.iterdir()) if out.is_dir() else None
+    try:
+        path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
+                               router_dtype=args.router_dtype, composite=args.composite, progress=True,
+                               dense=args.dense, router_skew=args.router_skew)
+    except BaseException:  # an error, Ctrl-C or SIGTERM mid-write: what this write added goes, nothing else
+        _remove_new(out, before)
+        raise
+    if held or shards:  # --force: the old checkpoint's weight files the new index does not name go (shards of another count
         # stayed beside the new ones); nothing else in the folder is touched
         import json
 
@@ -53,6 +62,18 @@ def synth_job(args: argparse.Namespace) -> int:
 
         print(f"wrote {write_hf_model(path, args.hf_model, seed=args.seed)}")
     return 0
+
+
+def _remove_new(folder: Path, before: set[Path] | None) -> None:
+    """The files a cut-short write added to ``folder`` (all of it where it did not exist, ``before`` None); what
+    was there before stays (--force over an old checkpoint: its files as the write left them)."""
+    import shutil
+
+    if before is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for p in set(folder.iterdir()) - before if folder.is_dir() else ():
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def cut_layers(cfg: dict[str, Any], n: int) -> None:

@@ -17,6 +17,7 @@ interrupt would: the message, the abort hooks, ``EXIT_INTERRUPTED`` or ``EXIT_TE
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -24,7 +25,7 @@ import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
-from typing import Callable
+from typing import Callable, Iterator
 
 from glm_ep.errors import EXIT_INTERRUPTED, EXIT_STALL, EXIT_TERMINATED
 
@@ -148,6 +149,18 @@ class Terminated(KeyboardInterrupt):
 
 def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside it, in the main thread (a command's, not a library's): SIGTERM raises ``Terminated``, so the command
+    ends as an interrupt does (its message, its cleanup) instead of being killed mid-write; the handler before it
+    is restored after."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class Guard:

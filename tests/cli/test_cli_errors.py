@@ -289,6 +289,63 @@ def test_synth_into_a_file_or_an_unmakeable_folder_is_a_clear_error(tmp_path, ca
     assert "cannot make the synthetic checkpoint's folder there" in capsys.readouterr().err
 
 
+def test_synth_refuses_the_shards_a_cut_short_write_left(tmp_path, capsys) -> None:
+    """Shards without config.json or index (a write killed before its end) are a checkpoint's files too: a new synth
+    there is refused naming them, instead of writing beside them (the folder then held both); --force replaces
+    them."""
+    from glm_ep.app.cli import main
+
+    out = tmp_path / "ck"
+    out.mkdir()
+    for i in range(1, 5):
+        (out / f"model-{i:05d}-of-00018.safetensors").write_bytes(b"x")
+    assert main(["synth", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (f"{out}: already holds a checkpoint (model-00001-of-00018.safetensors, model-00002-of-00018.safetensors "
+            "and 2 more shard(s)); expected an empty or new folder (--force writes over its files)") in err, err
+    assert main(["synth", "--out", str(out), "--force"]) == 0
+    assert not list(out.glob("*-of-00018.safetensors")) and (out / "config.json").exists()
+
+
+_SYNTH_CUT_SHORT = """
+import os, signal, sys
+from glm_ep.checkpoint import synth
+from glm_ep.app.cli import main
+
+def cut_short(out_dir, *args, **kwargs):  # one shard written, then a scheduler's cancel
+    os.makedirs(out_dir, exist_ok=True)
+    open(os.path.join(out_dir, "model-00001-of-00018.safetensors"), "wb").write(b"x" * 1000)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+synth.write_synthetic = cut_short
+sys.exit(main(["synth", "--out", sys.argv[1]] + sys.argv[2:]))
+"""
+
+
+def test_synth_cut_short_by_sigterm_says_so_and_leaves_nothing(tmp_path) -> None:
+    """SIGTERM mid-write: "terminated (SIGTERM)", exit 143, and the files the write added gone (it left a partial
+    folder of shards and printed nothing); over an old checkpoint (--force) what was there stays."""
+    import subprocess
+    import sys
+
+    from glm_ep.errors import EXIT_TERMINATED
+
+    script = tmp_path / "cut.py"
+    script.write_text(_SYNTH_CUT_SHORT)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "new")], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert r.returncode == EXIT_TERMINATED and "glm-ep: terminated (SIGTERM)" in r.stderr, (r.returncode, r.stderr)
+    assert not (tmp_path / "new").exists()
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "NOTES.txt").write_text("mine")
+    (old / "config.json").write_text("{}")
+    r = subprocess.run([sys.executable, str(script), str(old), "--force"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert r.returncode == EXIT_TERMINATED, (r.returncode, r.stderr)
+    assert sorted(p.name for p in old.iterdir()) == ["NOTES.txt", "config.json"]
+
+
 def test_synth_refuses_to_overwrite_a_checkpoint_or_to_run_on_several_ranks(tmp_path, capsys, monkeypatch) -> None:
     """``synth --out`` into a folder that holds a checkpoint (a typo for a real one) is refused unless --force, and
     so is synth under mpiexec with more than one rank (every rank would write the same files at once)."""
