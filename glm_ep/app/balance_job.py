@@ -11,6 +11,7 @@ counted on the calls the placement was made from; record again with the placemen
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from glm_ep.app.files import check_output_path
@@ -49,11 +50,19 @@ def balance_job(args: argparse.Namespace) -> int:
           f"({load.rows_seen[0]} rows a layer): {placed.slots} slots over ep = {args.ep} ({args.redundant} redundant); "
           f"wrote {out}")
     before, after = (layout_load(load, args.ep, 1, p) for p in (None, list(placed.phys_expert)))
+    worse = []
     for b, a in zip(before, after):
         s0, s1 = b.slots, a.slots
         print(f"balance: ep {args.ep}, {b.rows}-row calls ({s0.calls} site calls): the busiest rank's slots / the "
               f"mean, summed over the calls {s0.aggregate:.3f}x contiguous -> {s1.aggregate:.3f}x placed; per call "
               f"{s0.per_call:.3f}x -> {s1.per_call:.3f}x")
+        if s1.per_call > s0.per_call + 1e-9 or s1.aggregate > s0.aggregate + 1e-9:
+            worse.append(f"{b.rows}-row calls")
+    if worse:  # the placement is still written: it may serve other calls better (the counts are of these calls)
+        print(f"balance: warning: on the recorded {', '.join(worse)} the placement is less even than the contiguous "
+              "ranges (a busiest / mean above); the placement balances each expert's load summed over the calls, "
+              "not each call's: record more calls, or keep the contiguous ranges (no expert_placement) for these "
+              "widths", file=sys.stderr)
     if args.plot:
         print(f"balance: wrote {heat_map(load, out.with_suffix('.png'))}")
     return 0
