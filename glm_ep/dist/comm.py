@@ -115,7 +115,10 @@ class MpiComm(Communicator):
                           for r, (name, (rows, n, _)) in enumerate(zip(sites, every)))
         raise AgreedError(f"the ranks reached an all-reduce with different calls:\n{calls}\nexpected every rank to "
                           "make the same call (the same layer, the same input rows) in the same order: every site and "
-                          "step call is collective, each rank adds its share of one sum")
+                          "step call is collective, each rank adds its share of one sum. Where a call raised on some "
+                          "ranks only (an input error a caller caught), the others are a call ahead and every later "
+                          "call meets the wrong one: end the job (check_calls = true agrees each call's input on every "
+                          "rank before any rank starts it, so such an error is raised on all of them)")
 
     def all_reduce(self, buf: Any, site: str = "all-reduce") -> Any:
         if self.size == 1:
