@@ -56,11 +56,13 @@ def balance_job(args: argparse.Namespace) -> int:
         print(f"balance: ep {args.ep}, {b.rows}-row calls ({s0.calls} site calls): the busiest rank's slots / the "
               f"mean, summed over the calls {s0.aggregate:.3f}x contiguous -> {s1.aggregate:.3f}x placed; per call "
               f"{s0.per_call:.3f}x -> {s1.per_call:.3f}x")
-        if s1.per_call > s0.per_call + 1e-9 or s1.aggregate > s0.aggregate + 1e-9:
+        shown = [round(v, 3) for v in (s0.per_call, s1.per_call, s0.aggregate, s1.aggregate)]  # as printed above
+        if shown[1] > shown[0] or shown[3] > shown[2]:
             worse.append(f"{b.rows}-row calls")
     if worse:  # the placement is still written: it may serve other calls better (the counts are of these calls)
         print(f"balance: warning: on the recorded {', '.join(worse)} the placement is less even than the contiguous "
-              "ranges (a busiest / mean above); the placement balances each expert's load summed over the calls, "
+              "ranges (its busiest rank's slots over the mean are higher); the placement balances each expert's load "
+              "summed over the calls, "
               "not each call's: record more calls, or keep the contiguous ranges (no expert_placement) for these "
               "widths", file=sys.stderr)
     if args.plot:

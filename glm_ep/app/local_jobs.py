@@ -41,15 +41,21 @@ def synth_job(args: argparse.Namespace) -> int:
     if args.layers is not None:
         cut_layers(cfg, args.layers)
     before = set(out.iterdir()) if out.is_dir() else None
+    stamps = {p: p.stat().st_mtime_ns for p in before or () if p.is_file()}
     try:
         path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
                                router_dtype=args.router_dtype, composite=args.composite, progress=True,
                                dense=args.dense, router_skew=args.router_skew)
     except BaseException:  # an error, Ctrl-C or SIGTERM mid-write: what this write added goes, nothing else
+        touched = (before is not None and out.is_dir() and bool(set(out.iterdir()) - before)) or any(
+            not p.exists() or p.stat().st_mtime_ns != t for p, t in stamps.items())
         _remove_new(out, before)
+        if held and touched:  # --force over a checkpoint, cut short once it had begun writing: its shards may now be
+            # part old, part new, under the old index (refused before writing: the old checkpoint stays whole)
+            _unmake_checkpoint(out, (INDEX_FILE, "config.json"))
         raise
-    if held or shards:  # --force: the old checkpoint's weight files the new index does not name go (shards of another count
-        # stayed beside the new ones); nothing else in the folder is touched
+    if held or shards:  # --force: the old checkpoint's weight files the new index does not name go (shards of
+        # another count stayed beside the new ones); nothing else in the folder is touched
         import json
 
         new = set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values())
@@ -60,7 +66,13 @@ def synth_job(args: argparse.Namespace) -> int:
     if args.hf_model is not None:
         from glm_ep.hf.pair import write_hf_model
 
-        print(f"wrote {write_hf_model(path, args.hf_model, seed=args.seed)}")
+        hf = Path(args.hf_model)
+        hf_before = set(hf.iterdir()) if hf.is_dir() else None
+        try:
+            print(f"wrote {write_hf_model(path, args.hf_model, seed=args.seed)}")
+        except BaseException:  # as above, for the HF twin (the checkpoint itself is whole)
+            _remove_new(hf, hf_before)
+            raise
     return 0
 
 
@@ -74,6 +86,19 @@ def _remove_new(folder: Path, before: set[Path] | None) -> None:
         return
     for p in set(folder.iterdir()) - before if folder.is_dir() else ():
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def _unmake_checkpoint(folder: Path, names: tuple[str, ...]) -> None:
+    """A --force write cut short over a checkpoint: the old index and config.json would present shards of two
+    seeds (or shapes) as one checkpoint that loads. They go, so nothing loads the folder and a new synth refuses
+    it by its shards until --force writes it whole; said on stderr."""
+    import sys
+
+    for name in names:
+        (folder / name).unlink(missing_ok=True)
+    print(f"glm-ep: {folder}: the write over its checkpoint was cut short, so its shards may be part old, part new: "
+          f"its {' and '.join(names)} were removed, so nothing loads it; expected `glm-ep synth --force` again",
+          file=sys.stderr, flush=True)
 
 
 def cut_layers(cfg: dict[str, Any], n: int) -> None:

@@ -8,6 +8,7 @@ the expert-sorted order), so CI exercises the dispatch logic, not just the math.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Sequence
 
 import ml_dtypes
@@ -178,6 +179,6 @@ def _ieee(op: Callable[..., Any]) -> Callable[..., Any]:
     return quiet
 
 
-for _name, _op in list(vars(NumpyBackend).items()):  # every op, and the base class's that call them
-    if callable(_op) and not _name.startswith("_"):
+for _name, _op in list(vars(NumpyBackend).items()):  # every op (plain functions), and the base class's that call them
+    if inspect.isfunction(_op) and not _name.startswith("_"):
         setattr(NumpyBackend, _name, _ieee(_op))

@@ -116,9 +116,10 @@ class MpiComm(Communicator):
         raise AgreedError(f"the ranks reached an all-reduce with different calls:\n{calls}\nexpected every rank to "
                           "make the same call (the same layer, the same input rows) in the same order: every site and "
                           "step call is collective, each rank adds its share of one sum. Where a call raised on some "
-                          "ranks only (an input error a caller caught), the others are a call ahead and every later "
-                          "call meets the wrong one: end the job (check_calls = true agrees each call's input on every "
-                          "rank before any rank starts it, so such an error is raised on all of them)")
+                          "ranks only (an input error a caller caught), those ranks are a call ahead of the others "
+                          "from then on, each later call meeting another's (refused where the two differ, summed "
+                          "wrongly where they match): end the job (check_calls = true agrees each call's input on "
+                          "every rank before any rank starts it, so such an error is raised on all of them)")
 
     def all_reduce(self, buf: Any, site: str = "all-reduce") -> Any:
         if self.size == 1:

@@ -155,12 +155,15 @@ def _raise_terminated(signum: int, frame: object) -> None:
 def sigterm_raises() -> Iterator[None]:
     """Inside it, in the main thread (a command's, not a library's): SIGTERM raises ``Terminated``, so the command
     ends as an interrupt does (its message, its cleanup) instead of being killed mid-write; the handler before it
-    is restored after."""
+    is restored after. Outside the main thread (where Python takes no handler) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
 
 
 class Guard:

@@ -145,6 +145,9 @@ def generate_job(args: argparse.Namespace, ranks: Any) -> int:
             verdict = compare(ref.tokens, ref.logits, got.tokens, got.logits, ref.margins)
             lines += verdict.lines()
             explained = verdict.explained
+            if not explained:
+                print("glm-ep: compare FAILED: glm_ep's logits differ from HF's own MLPs' by more than rounding "
+                      "explains (the compare lines above say how)", file=sys.stderr, flush=True)
         print("\n".join(lines), flush=True)
     if args.out is not None:  # rank 0 writes; a failure is every rank's error
         ranks.agree("output write", lambda: _write_markdown(Path(args.out), lines, _device_name(model))

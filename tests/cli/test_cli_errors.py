@@ -324,7 +324,8 @@ sys.exit(main(["synth", "--out", sys.argv[1]] + sys.argv[2:]))
 
 def test_synth_cut_short_by_sigterm_says_so_and_leaves_nothing(tmp_path) -> None:
     """SIGTERM mid-write: "terminated (SIGTERM)", exit 143, and the files the write added gone (it left a partial
-    folder of shards and printed nothing); over an old checkpoint (--force) what was there stays."""
+    folder of shards and printed nothing); over an old checkpoint (--force) the user's other files stay, and the
+    old config.json and index go with a word on stderr (they would present old and new shards as one checkpoint)."""
     import subprocess
     import sys
 
@@ -343,7 +344,9 @@ def test_synth_cut_short_by_sigterm_says_so_and_leaves_nothing(tmp_path) -> None
     r = subprocess.run([sys.executable, str(script), str(old), "--force"], capture_output=True, text=True,
                        timeout=120, cwd=REPO)
     assert r.returncode == EXIT_TERMINATED, (r.returncode, r.stderr)
-    assert sorted(p.name for p in old.iterdir()) == ["NOTES.txt", "config.json"]
+    assert sorted(p.name for p in old.iterdir()) == ["NOTES.txt"]
+    assert "the write over its checkpoint was cut short" in r.stderr and "config.json were removed" in r.stderr, \
+        r.stderr
 
 
 def test_synth_refuses_to_overwrite_a_checkpoint_or_to_run_on_several_ranks(tmp_path, capsys, monkeypatch) -> None:

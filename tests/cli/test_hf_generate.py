@@ -73,6 +73,7 @@ def test_compare_against_another_model_fails_the_job(pair, tmp_path) -> None:
                "--max-new-tokens", "4", "--warmup", "0", "--compare")
     assert r.returncode == EXIT_FAIL, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "compare: the logits are as far apart as two unrelated models'" in r.stdout, r.stdout
+    assert r.stderr.count("glm-ep: compare FAILED") == 1, r.stderr[-3000:]  # once, by rank 0
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
 
 

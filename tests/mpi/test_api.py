@@ -341,7 +341,7 @@ def test_ranks_whose_calls_differ_at_an_all_reduce_are_refused_on_every_rank(tin
             failures.append(f"{case}: no error on rank {rank}")
         except AgreedError as e:
             failures += [f"{case}: {n!r} not in {e}" for n in needles + ["expected every rank to make the same call",
-                                                                         "a call ahead", "check_calls = true agrees"]
+                                                                         "a call ahead of the others", "check_calls = true agrees"]
                          if n not in str(e)]
     if not np.array_equal(mlp.site(1, x[:3]).view(np.uint16), want.view(np.uint16)):
         failures.append("the object no longer works after the refusals")
