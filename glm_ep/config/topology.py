@@ -83,6 +83,19 @@ RING_GLU_KERNELS = ((4, 2), (2, 3), (2, 2))
 UNION_RING_KERNELS = ((2, 3), (4, 2), (2, 2))
 
 
+def check_ring_geometries(glu: tuple[int, int], union_slab: tuple[int, ...], union_depth: tuple[int, ...]) -> None:
+    """A ConfigError naming the levers where the decode ring's gate + up (slab, depth) or the union ring's (one
+    projection, gate + up) pairs of them are not ones the kernels are built for."""
+    if tuple(glu) not in RING_GLU_KERNELS:
+        raise ConfigError(f"levers.ring_glu_slab = {glu[0]}, ring_glu_depth = {glu[1]}: expected a (slab, depth) in "
+                          f"{list(RING_GLU_KERNELS)}, the gate + up kernels gemv_nvfp4_ring.cu instantiates")
+    off = [pair for pair in zip(union_slab, union_depth) if pair not in UNION_RING_KERNELS]
+    if len(union_slab) != 2 or len(union_depth) != 2 or off:
+        raise ConfigError(f"levers.ring_union_slab = {list(union_slab)}, ring_union_depth = {list(union_depth)}: "
+                          f"expected (one projection, gate + up) pairs of (slab, depth) in {list(UNION_RING_KERNELS)}, "
+                          "the kernels gemv_nvfp4_union.cu instantiates")
+
+
 #: levers that selected a form or geometry of the decode ring that measured slower than the default, removed with
 #: their kernels (docs/perf/DESIGN-NOTES.md): a topology that names one is refused, saying so
 REMOVED_LEVERS = {
@@ -144,15 +157,9 @@ class PathLevers:
             if len(v) != 2 or min(v) < 1:
                 raise ConfigError(f"levers.{key} = {list(v)}, expected two positive integers (one projection, "
                                   "gate + up)")
-        if self.ring and (self.ring_glu_slab, self.ring_glu_depth) not in RING_GLU_KERNELS:
-            raise ConfigError(f"levers.ring_glu_slab = {self.ring_glu_slab}, ring_glu_depth = {self.ring_glu_depth}: "
-                              f"expected a (slab, depth) in {list(RING_GLU_KERNELS)}, the gate + up kernels "
-                              "gemv_nvfp4_ring.cu instantiates")
-        off = [pair for pair in zip(self.ring_union_slab, self.ring_union_depth) if pair not in UNION_RING_KERNELS]
-        if self.ring and off:
-            raise ConfigError(f"levers.ring_union_slab = {list(self.ring_union_slab)}, ring_union_depth = "
-                              f"{list(self.ring_union_depth)}: expected (one projection, gate + up) pairs of (slab, "
-                              f"depth) in {list(UNION_RING_KERNELS)}, the kernels gemv_nvfp4_union.cu instantiates")
+        if self.ring:  # the ring's geometries, whatever the backend (the block kernels take none)
+            check_ring_geometries((self.ring_glu_slab, self.ring_glu_depth), self.ring_union_slab,
+                                  self.ring_union_depth)
         if self.ring_union_max_rows < 0:
             raise ConfigError(f"levers.ring_union_max_rows = {self.ring_union_max_rows}, expected >= 0 (0: off)")
         if self.ring_max_warps < 0:

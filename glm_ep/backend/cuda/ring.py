@@ -25,11 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from glm_ep.backend.cuda.kernel_loader import (BF16, MMA_ROWS, RING_GLU_KERNELS, RING_KERNELS, RING_WARPS,
-                                               UNION_RING_KERNELS,
-                                               UNION_RING_ROWS, cdiv, ring_stage_bytes, sm_count, smem_per_sm)
+from glm_ep.backend.cuda.kernel_loader import (BF16, MMA_ROWS, RING_KERNELS, RING_WARPS, UNION_RING_ROWS, cdiv,
+                                               ring_stage_bytes, sm_count, smem_per_sm)
 from glm_ep.errors import ConfigError
-from glm_ep.config.topology import PathLevers
+from glm_ep.config.topology import PathLevers, check_ring_geometries
 
 RING_STEP_K = 128  # k per step of the ring kernels; a ring stage is a slab of T steps (K a multiple)
 RING_MAX_SLOTS = 32  # slots of one launch: lane j of a warp holds slot j's ids and pointers
@@ -100,15 +99,8 @@ class RingConfig:
     glu_depth: int = 2
 
     def __post_init__(self) -> None:
-        if self.enabled and (self.glu_slab, self.glu_depth) not in RING_GLU_KERNELS:
-            raise ConfigError(f"levers.ring_glu_slab = {self.glu_slab}, ring_glu_depth = {self.glu_depth}: expected a "
-                              f"(slab, depth) in {list(RING_GLU_KERNELS)}, the gate + up kernels "
-                              "gemv_nvfp4_ring.cu instantiates")
-        off = [(t, d) for t, d in zip(self.union_slab, self.union_depth) if (t, d) not in UNION_RING_KERNELS]
-        if self.enabled and (len(self.union_slab) != 2 or len(self.union_depth) != 2 or off):
-            raise ConfigError(f"levers.ring_union_slab = {list(self.union_slab)}, ring_union_depth = "
-                              f"{list(self.union_depth)}: expected (one projection, gate + up) pairs of (slab, depth) "
-                              f"in {list(UNION_RING_KERNELS)}, the kernels gemv_nvfp4_union.cu instantiates")
+        if self.enabled:  # as the topology checks its levers (a RingConfig built in code too)
+            check_ring_geometries((self.glu_slab, self.glu_depth), self.union_slab, self.union_depth)
 
     @classmethod
     def from_levers(cls, lv: PathLevers) -> "RingConfig":
