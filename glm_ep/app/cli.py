@@ -235,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     except _ArgumentsRefused as refused:
         return _refused_with_the_others(refused)
     if args.cmd in ("synth", "make-input", "footprint", "balance"):
-        if args.cmd == "footprint" and launch_rank() != 0:
-            _quiet()  # under mpiexec every rank computes the same report: rank 0 alone prints it (and any error)
+        if launch_rank() != 0 and (args.cmd == "footprint" or (launch_size() or 1) > 1):
+            _quiet()  # under mpiexec every rank computes the same report, or refuses to write from several ranks
+            # (synth, make-input, balance) in the same words: rank 0 alone prints it
         setup_logging(0)
         from glm_ep.app import local_jobs
         from glm_ep.app.balance_job import balance_job

@@ -289,6 +289,17 @@ def test_synth_into_a_file_or_an_unmakeable_folder_is_a_clear_error(tmp_path, ca
     assert "cannot make the synthetic checkpoint's folder there" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["synth", "--out", "{tmp}/ck"], ["make-input", "--rows", "2", "--hidden", "64", "--out", "{tmp}/x"],
+                                  ["balance", "--load", "{tmp}/l", "--ep", "2", "--out", "{tmp}/p.json"]],
+                         ids=["synth", "make-input", "balance"])
+def test_a_one_process_command_under_mpiexec_is_refused_once(tmp_path, argv) -> None:
+    """Every rank refuses the same way; rank 0 alone prints it (each rank printed the same line), all exit 2."""
+    r = mpiexec(2, "-m", "glm_ep", *(a.format(tmp=tmp_path) for a in argv))
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.count("from one process; expected it run without mpiexec") == 1, r.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
 def test_synth_refuses_the_shards_a_cut_short_write_left(tmp_path, capsys) -> None:
     """Shards without config.json or index (a write killed before its end) are a checkpoint's files too: a new synth
     there is refused naming them, instead of writing beside them (the folder then held both); --force replaces
