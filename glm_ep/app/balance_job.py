@@ -62,9 +62,8 @@ def balance_job(args: argparse.Namespace) -> int:
     if worse:  # the placement is still written: it may serve other calls better (the counts are of these calls)
         print(f"balance: warning: on the recorded {', '.join(worse)} the placement is less even than the contiguous "
               "ranges (its busiest rank's slots over the mean are higher); the placement balances each expert's load "
-              "summed over the calls, "
-              "not each call's: record more calls, or keep the contiguous ranges (no expert_placement) for these "
-              "widths", file=sys.stderr)
+              "summed over the calls, not each call's: record more calls, or keep the contiguous ranges (no "
+              "expert_placement) for these widths", file=sys.stderr)
     if args.plot:
         print(f"balance: wrote {heat_map(load, out.with_suffix('.png'))}")
     return 0

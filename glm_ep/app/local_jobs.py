@@ -5,11 +5,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from glm_ep.app.launcher import one_process
 from glm_ep.errors import ConfigError, InputError
@@ -40,20 +41,13 @@ def synth_job(args: argparse.Namespace) -> int:
             cfg[key] = getattr(args, key)
     if args.layers is not None:
         cut_layers(cfg, args.layers)
-    before = set(out.iterdir()) if out.is_dir() else None
-    stamps = {p: p.stat().st_mtime_ns for p in before or () if p.is_file()}
-    try:
+    # --force over a checkpoint, cut short once it had begun writing: its shards may be part old, part new, under
+    # the old index (refused before writing, the old checkpoint stays whole)
+    unmake = (lambda: _unmake_checkpoint(out, (INDEX_FILE, "config.json"))) if held else None
+    with _cleaned_if_cut_short(out, unmake):
         path = write_synthetic(args.out, cfg, seed=args.seed, shard_bytes=args.shard_mb * 2**20,
                                router_dtype=args.router_dtype, composite=args.composite, progress=True,
                                dense=args.dense, router_skew=args.router_skew)
-    except BaseException:  # an error, Ctrl-C or SIGTERM mid-write: what this write added goes, nothing else
-        touched = (before is not None and out.is_dir() and bool(set(out.iterdir()) - before)) or any(
-            not p.exists() or p.stat().st_mtime_ns != t for p, t in stamps.items())
-        _remove_new(out, before)
-        if held and touched:  # --force over a checkpoint, cut short once it had begun writing: its shards may now be
-            # part old, part new, under the old index (refused before writing: the old checkpoint stays whole)
-            _unmake_checkpoint(out, (INDEX_FILE, "config.json"))
-        raise
     if held or shards:  # --force: the old checkpoint's weight files the new index does not name go (shards of
         # another count stayed beside the new ones); nothing else in the folder is touched
         import json
@@ -66,26 +60,32 @@ def synth_job(args: argparse.Namespace) -> int:
     if args.hf_model is not None:
         from glm_ep.hf.pair import write_hf_model
 
-        hf = Path(args.hf_model)
-        hf_before = set(hf.iterdir()) if hf.is_dir() else None
-        try:
+        with _cleaned_if_cut_short(Path(args.hf_model)):  # the HF twin (the checkpoint itself is whole)
             print(f"wrote {write_hf_model(path, args.hf_model, seed=args.seed)}")
-        except BaseException:  # as above, for the HF twin (the checkpoint itself is whole)
-            _remove_new(hf, hf_before)
-            raise
     return 0
 
 
-def _remove_new(folder: Path, before: set[Path] | None) -> None:
-    """The files a cut-short write added to ``folder`` (all of it where it did not exist, ``before`` None); what
-    was there before stays (--force over an old checkpoint: its files as the write left them)."""
+@contextlib.contextmanager
+def _cleaned_if_cut_short(folder: Path, touched: Callable[[], None] | None = None) -> Iterator[None]:
+    """A write into ``folder`` that an error, Ctrl-C or SIGTERM cuts short: what it added goes (all of ``folder``
+    where it did not exist); what was there before stays, as the write left it, and ``touched`` runs where the
+    write had begun (a file added, or one of the old ones rewritten)."""
     import shutil
 
-    if before is None:
-        shutil.rmtree(folder, ignore_errors=True)
-        return
-    for p in set(folder.iterdir()) - before if folder.is_dir() else ():
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    before = set(folder.iterdir()) if folder.is_dir() else None
+    stamps = {p: p.stat().st_mtime_ns for p in before or () if p.is_file()}
+    try:
+        yield
+    except BaseException:
+        added = set(folder.iterdir()) - before if before is not None and folder.is_dir() else set()
+        begun = bool(added) or any(not p.exists() or p.stat().st_mtime_ns != t for p, t in stamps.items())
+        if before is None:
+            shutil.rmtree(folder, ignore_errors=True)
+        for p in added:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        if begun and touched is not None:
+            touched()
+        raise
 
 
 def _unmake_checkpoint(folder: Path, names: tuple[str, ...]) -> None:
