@@ -11,7 +11,7 @@ import pytest
 from glm_ep.backend.cuda import dense
 from glm_ep.backend.numpy_backend import NumpyBackend
 
-from _cuda import H, TOP_K, assert_written, backend, dev, host, poisoned, requires_cuda
+from _cuda import H, TOP_K, assert_written, backend, dev, host, poisoned, requires_cuda, spy_launches
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -70,13 +70,11 @@ def test_shared_down_combine(rng, t, i, small_weight_engine):
     wts = rng.random((t, TOP_K)).astype(np.float32) * 2.5
     be, d_act, d_down, d_routed, d_wts = backend(), dev(act), dev(down), dev(routed), dev(wts)
     out, scratch = poisoned((t, H), BF16), poisoned((t, H), BF16)
-    launched = []
-    with pytest.MonkeyPatch.context() as spy:
-        for name in ("gemv_combine_bf16", "wstream_gemm_bf16"):
-            spy.setattr(dense, name, lambda *a, f=getattr(dense, name), n=name: (launched.append(n), f(*a))[1])
+    with pytest.MonkeyPatch.context() as mp:
+        launched = spy_launches(mp, dense)  # the bf16 projections' kernels (cuBLAS past 8 rows: none)
         be.shared_down_combine(d_act, d_down, d_routed, d_wts, scratch, out)
-    want = ("wstream_gemm_bf16" if small_weight_engine == "shipped" and 5 <= t <= 8
-            else "gemv_combine_bf16" if t <= 8 else None)
+    want = ("bf16_wstream_gemm_t8" if small_weight_engine == "shipped" and 5 <= t <= 8
+            else f"bf16_gemv_combine_r{t}" if t <= 8 else None)
     assert launched == ([want] if want else []), f"{t} rows ({small_weight_engine}): launched {launched}"
     sep_shared, sep = poisoned((t, H), BF16), poisoned((t, H), BF16)
     be.linear(d_act, d_down, sep_shared)

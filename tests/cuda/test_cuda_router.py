@@ -16,7 +16,7 @@ from glm_ep.backend.numpy_backend import NumpyBackend
 from glm_ep.mlp.routing import RouteParams
 from glm_ep.checkpoint.weights import DenseWeights
 
-from _cuda import assert_written, backend, cupy, dev, host, poisoned, requires_cuda
+from _cuda import assert_written, backend, cupy, dev, host, poisoned, requires_cuda, spy_launches
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -164,13 +164,13 @@ def _route_glu_both(x, router, bias, p, shared, t, e, limit=7.0):
             poisoned((t, p.top_k), np.float32)
         gate, up, act = (poisoned((t, n), BF16) for _ in range(3))
         if fused:
-            launches = []
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(route, "router_topk_glu_fused",
-                           lambda *a, f=route.router_topk_glu_fused: (launches.append(1), f(*a))[1])
+                launches = spy_launches(mp, route)  # the router's kernels (not the warp-streaming GEMM's)
                 be.route_and_gate_up_act(x, router, bias, p, logits, ids, wts, shared, limit, gate, up, act)
-            want = [] if dense.wstream_takes(x, shared.gate, glu=True) else [1]
-            assert launches == want, f"route_and_gate_up_act: {len(launches)} fused launches, expected {len(want)}"
+            wtag = "f32w" if router.dtype == np.float32 else "bf16w"
+            want = f"router_topk_{wtag}_r{t}" if dense.wstream_takes(x, shared.gate, glu=True) else \
+                f"router_topk_glu_{wtag}_r{t}"
+            assert launches == [want], f"route_and_gate_up_act launched {launches}, expected [{want}]"
         else:
             be.route(x, router, bias, p, logits, ids, wts)
             be.gate_up_act(x, shared, limit, gate, up, act)
