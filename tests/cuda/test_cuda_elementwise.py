@@ -44,11 +44,12 @@ def test_add(rng):
 @pytest.mark.parametrize("t", [1, 5])
 @pytest.mark.parametrize("with_shared", [True, False])
 @pytest.mark.parametrize("indexed", [False, True])
-def test_combine(rng, t, with_shared, indexed):
-    routed = rand_bf16(rng, (t * TOP_K, H))
-    wts = rng.random((t, TOP_K)).astype(np.float32) * 2.5
+@pytest.mark.parametrize("k", [TOP_K, 1, 13, 16])  # slots a row, to the 16 a router keeps at most
+def test_combine(rng, t, with_shared, indexed, k):
+    routed = rand_bf16(rng, (t * k, H))
+    wts = rng.random((t, k)).astype(np.float32) * 2.5
     shared = rand_bf16(rng, (t, H)) if with_shared else None
-    perm = rng.permutation(t * TOP_K).astype(np.int32).reshape(t, TOP_K) if indexed else None
+    perm = rng.permutation(t * k).astype(np.int32).reshape(t, k) if indexed else None
     ref = np.empty((t, H), BF16)
     NP.combine(routed, wts, shared, ref, perm)
     out = poisoned((t, H), BF16)
@@ -65,17 +66,37 @@ def test_shared_down_combine(rng, t, i, small_weight_engine):
     """The shared expert's down projection ending in the combine (one launch where the GEMV serves the rows, the
     warp-streaming GEMM then the combine where it takes them), bit for bit the separate ``linear`` + ``combine`` of
     the same backend, and within an ulp of NumPy."""
+    _check_shared_down_combine(rng, t, i, TOP_K, small_weight_engine)
+
+
+@pytest.mark.parametrize("t", [2, 4, 6])
+@pytest.mark.parametrize("k", [1, 13, 16])
+def test_shared_down_combine_slot_counts(rng, t, k):
+    """The same at other slot counts a row than the model's: the GEMV's owner lanes hold a row's weighted slots
+    (up to 16) from before its K loop; 6 rows take the warp-streaming GEMM and the combine kernel."""
+    _check_shared_down_combine(rng, t, 2048, k, "shipped")
+
+
+def test_shared_down_combine_refuses_more_slots_than_it_holds(rng):
+    t, i, k = 2, 128, 17
+    args = [dev(a) for a in (rand_bf16(rng, (t, i)), rand_bf16(rng, (H, i)), rand_bf16(rng, (t * k, H)),
+                             np.ones((t, k), np.float32))]
+    with pytest.raises(ValueError, match="gemv_combine_bf16: 17 slots a row, expected at most 16"):
+        dense.gemv_combine_bf16(*args, poisoned((t, H), BF16))
+
+
+def _check_shared_down_combine(rng, t, i, k, engine):
     act, down = rand_bf16(rng, (t, i)), rand_bf16(rng, (H, i), i ** -0.5)
-    routed = rand_bf16(rng, (t * TOP_K, H))
-    wts = rng.random((t, TOP_K)).astype(np.float32) * 2.5
+    routed = rand_bf16(rng, (t * k, H))
+    wts = rng.random((t, k)).astype(np.float32) * 2.5
     be, d_act, d_down, d_routed, d_wts = backend(), dev(act), dev(down), dev(routed), dev(wts)
     out, scratch = poisoned((t, H), BF16), poisoned((t, H), BF16)
     with pytest.MonkeyPatch.context() as mp:
         launched = spy_launches(mp, dense)  # the bf16 projections' kernels (cuBLAS past 8 rows: none)
         be.shared_down_combine(d_act, d_down, d_routed, d_wts, scratch, out)
-    want = ("bf16_wstream_gemm_t8" if small_weight_engine == "shipped" and 5 <= t <= 8
+    want = ("bf16_wstream_gemm_t8" if engine == "shipped" and 5 <= t <= 8
             else f"bf16_gemv_combine_r{t}" if t <= 8 else None)
-    assert launched == ([want] if want else []), f"{t} rows ({small_weight_engine}): launched {launched}"
+    assert launched == ([want] if want else []), f"{t} rows ({engine}): launched {launched}"
     sep_shared, sep = poisoned((t, H), BF16), poisoned((t, H), BF16)
     be.linear(d_act, d_down, sep_shared)
     be.combine(d_routed, d_wts, sep_shared, sep)

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.cuda.kernel_loader import (BF16, F32, GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, MMA_GEMM_TIERS,
-                                        MMA_GEMM_WARPS, U32, WSTREAM_DEPTH, WSTREAM_STAGE_K, WSTREAM_TIERS,
-                                        WSTREAM_WARPS, cdiv, check, check_shape, i32, i64, launch, sm_count,
-                                        smem_per_sm, split_k)
+                                        MMA_GEMM_WARPS, ROUTER_MAX_TOP_K, U32, WSTREAM_DEPTH, WSTREAM_STAGE_K,
+                                        WSTREAM_TIERS, WSTREAM_WARPS, cdiv, check, check_shape, i32, i64, launch,
+                                        sm_count, smem_per_sm, split_k)
 
 GEMV_CHUNK = 8  # k per 16-byte bf16 chunk: K must be a multiple
 MMA_GEMM_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM
@@ -333,6 +333,8 @@ def gemv_combine_bf16(x_RK: Any, w_NK: Any, routed_SN: Any, wts_RK: Any, out_RN:
     r, k = gemv_rows(x_RK, "gemv_combine_bf16")
     n = w_NK.shape[0]
     top_k = wts_RK.shape[1] if wts_RK.ndim == 2 else 0
+    if top_k > ROUTER_MAX_TOP_K:  # the kernel holds a row's weighted slots in registers
+        raise ValueError(f"gemv_combine_bf16: {top_k} slots a row, expected at most {ROUTER_MAX_TOP_K}")
     check("w", w_NK, BF16), check_shape("w", w_NK, (n, k))
     check("wts", wts_RK, F32, 4), check_shape("wts", wts_RK, (r, top_k))
     check("routed", routed_SN, BF16, 2), check_shape("routed", routed_SN, (r * top_k, n))

@@ -193,15 +193,30 @@ __device__ __forceinline__ void gemv_glu(const bf16_t* x, long long x_row_stride
     }
 }
 
-// gemv_plain's bf16 GEMV whose owner lanes finish each output with the combine of its row's slots.
+// gemv_plain's bf16 GEMV whose owner lanes finish each output with the combine of its row's slots. An owner
+// lane (lane p R + r of a row group's first warp, as gemv_rows hands out outputs) reads its row's weighted slots
+// before the K loop, not after it: the routed outputs are the previous launch's (pdl_enter has waited for them),
+// so their reads overlap the weight stream instead of trailing it as top_k dependent round trips. The adds keep
+// the combine's order (slots in order, each product rounded before its add).
 template <int R>
 __device__ __forceinline__ void gemv_combine(const bf16_t* x, long long x_row_stride, const bf16_t* w,
                                              const bf16_t* routed, const float* wts, bf16_t* out, int N, int K,
                                              int ksplit, int top_k) {
-    gemv_rows<R, bf16_t>(x, x_row_stride, w, N, K, ksplit, blockIdx.x, [&](int r, int n, float v) {
-        float a = 0.0f;
-        for (int k = 0; k < top_k; ++k)
-            a = __fadd_rn(a, __fmul_rn(wts[r * top_k + k], bf16_to_f32(routed[(size_t)(r * top_k + k) * N + n])));
+    constexpr int P = GEMV_ROWS_PER_WARP;
+    const Slice s = slice_of(K, ksplit, blockIdx.x);
+    const int lane = threadIdx.x & 31, r = lane % R, n = s.group * P + lane / R;
+    const bool owner = lane < P * R && n < N && (threadIdx.x >> 5) % ksplit == 0;
+    float term[ROUTER_MAX_TOP_K];  // wts[r, k] * routed[r, k, n], rounded (top_k <= ROUTER_MAX_TOP_K: dense.py)
+#pragma unroll
+    for (int k = 0; k < ROUTER_MAX_TOP_K; ++k)
+        term[k] = owner && k < top_k
+                      ? __fmul_rn(wts[r * top_k + k], bf16_to_f32(routed[(size_t)(r * top_k + k) * N + n]))
+                      : 0.0f;
+    gemv_rows<R, bf16_t>(x, x_row_stride, w, N, K, ksplit, blockIdx.x, [&](int, int, float v) {
+        float a = 0.0f;  // this lane's (r, n): the owner of an output is the lane that read its terms
+#pragma unroll
+        for (int k = 0; k < ROUTER_MAX_TOP_K; ++k)
+            if (k < top_k) a = __fadd_rn(a, term[k]);
         out[(size_t)r * N + n] = f32_to_bf16(__fadd_rn(a, round_bf16(v)));
     });
 }

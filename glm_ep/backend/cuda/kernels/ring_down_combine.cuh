@@ -71,13 +71,29 @@ __device__ __forceinline__ void arrive_and_combine(const DownCombine& dc, const 
                      : "memory");
     if (__shfl_sync(0xffffffffu, before, 0) + 1u != expected) return;  // the same on every lane
     __syncwarp();  // lane 0's acquire before every lane's reads below (a shuffle orders no memory)
-    if (lane < 16) {
+    if (lane < 16) {  // a round's 8 reads (parts, then slots) all issued before its adds, which keep the order
         const int n = n0 + lane;
         float sh = 0.0f;
-        for (int p = 0; p < dc.parts; ++p) sh = __fadd_rn(sh, __ldcg(dc.partials + (size_t)p * N + n));
+        for (int p0 = 0; p0 < dc.parts; p0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                v[i] = p0 + i < dc.parts ? __ldcg(dc.partials + (size_t)(p0 + i) * N + n) : 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (p0 + i < dc.parts) sh = __fadd_rn(sh, v[i]);
+        }
         float acc = 0.0f;
-        for (int k = 0; k < S; ++k)
-            acc = __fadd_rn(acc, __fmul_rn(dc.wts[k], bf16_to_f32(__ldcg(routed + (size_t)k * N + n))));
+        for (int k0 = 0; k0 < S; k0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                v[i] = k0 + i < S ? __fmul_rn(dc.wts[k0 + i], bf16_to_f32(__ldcg(routed + (size_t)(k0 + i) * N + n)))
+                                  : 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                if (k0 + i < S) acc = __fadd_rn(acc, v[i]);
+        }
         dc.out[n] = f32_to_bf16(__fadd_rn(acc, round_bf16(sh)));
     }
     if (lane == 0) dc.arrived[n0 >> 4] = 0u;
