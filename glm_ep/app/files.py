@@ -9,12 +9,14 @@ Nor may the output be a file the job reads: the input, or a file of the model fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import ml_dtypes
 import numpy as np
@@ -123,14 +125,40 @@ def check_output_path(path: str, reads: Iterable[tuple[str, Path]] = ()) -> Path
 
 def save_readable(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str] | None = None) -> None:
     """``safetensors.numpy.save_file``, leaving the file with the permissions any new file of this process gets
-    (0666 less the umask): save_file writes a private temporary file (0600) and renames it over the path."""
+    (0666 less the umask): save_file writes a private temporary file (0600) and renames it over the path. Its
+    I/O failures (a full disk) come out as OSError, as Python's own writes fail, with the errno it names; any other
+    SafetensorError (a tensor it cannot serialise) as it is."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
-    save_file(tensors, str(path), metadata=metadata)
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:  # e.g. "Error while serializing: I/O error: No space left on device (os error 28)"
+        if "I/O error" not in str(e):  # a tensor it could not serialise: the caller's, a crash
+            raise
+        code = re.search(r"os error (\d+)", str(e))
+        raise (OSError(int(code[1]), os.strerror(int(code[1])), str(path)) if code else OSError(str(e))) from None
     try:
         os.chmod(path, 0o666 & ~_umask())
     except OSError:  # a file system that keeps its own modes: the file is written all the same
         pass
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A new file's temporary path in ``path``'s folder, renamed over ``path`` when the block ends and removed if it
+    fails: a write cut short (a full disk, an interrupt) leaves neither a partial file nor an emptied old one. The
+    file gets the permissions any new file of this process gets (0666 less the umask)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _umask() -> int:

@@ -189,6 +189,9 @@ def make_input_job(args: argparse.Namespace) -> int:
     except MemoryError as e:
         raise InputError(f"--rows {args.rows}: {args.rows} rows of hidden {hidden}, drawn in float64, do not fit in "
                          f"memory ({e}); expected fewer rows") from None
-    save_readable({"hidden_states": x}, out)
+    try:
+        save_readable({"hidden_states": x}, out)
+    except OSError as e:
+        raise InputError(f"{out}: cannot write the input ({e.strerror or e})") from None
     print(f"wrote {out}: hidden_states bf16 [{args.rows}, {hidden}] (seed {args.seed})")
     return 0

@@ -66,8 +66,11 @@ class ExpertPlacement:
         head = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in raw.items() if k != "layers")
         layers = ",\n".join(f"  {json.dumps(i)}: [\n" + ",\n".join(f"   {json.dumps(r)}" for r in ranks) + "\n  ]"
                              for i, ranks in raw["layers"].items())
+        from glm_ep.app.files import replacing
+
         p = Path(path)
-        p.write_text("{\n" + head + ',\n "layers": {\n' + layers + "\n }\n}\n")
+        with replacing(p) as tmp:  # a write cut short leaves no partial placement
+            tmp.write_text("{\n" + head + ',\n "layers": {\n' + layers + "\n }\n}\n")
         return p
 
 

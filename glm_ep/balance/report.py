@@ -149,9 +149,12 @@ def heat_map(load: ExpertLoad, path: str | Path) -> Path:
     ax.set_yticks(range(len(load.layers)), [str(i) for i in load.layers])
     ax.set_title(f"expert load, {_spread(load.rows_seen)} rows a layer: slots per expert / the layer's mean")
     fig.colorbar(im, ax=ax)
+    from glm_ep.app.files import replacing
+
     p = Path(path)
     try:
-        fig.savefig(p, dpi=100, bbox_inches="tight")
+        with replacing(p) as tmp:  # a write cut short leaves no partial image
+            fig.savefig(tmp, dpi=100, bbox_inches="tight", format="png")
     except OSError as e:
         raise InputError(f"{p}: cannot write the heat map ({e.strerror or e})") from None
     finally:

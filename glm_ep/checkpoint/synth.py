@@ -254,18 +254,12 @@ def _folder(path: str | Path, what: str) -> Path:
 
 @contextmanager
 def _writing(path: Path) -> Iterator[None]:
-    """An OSError while writing ``path`` as an InputError naming it (a full disk, a folder made read-only); and
-    safetensors' own error for the same (its writer reports an I/O failure as a SafetensorError)."""
-    from safetensors import SafetensorError
-
+    """An OSError while writing ``path`` as an InputError naming it (a full disk, a folder made read-only; the
+    shards' writer, ``save_readable``, reports safetensors' I/O failures as OSError too)."""
     try:
         yield
     except OSError as e:
         raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
-    except SafetensorError as e:
-        if "I/O error" not in str(e):  # a tensor it could not serialise: ours, a crash
-            raise
-        raise InputError(f"{path}: cannot write it ({e})") from None
 
 
 def _cache_damage(path: Path) -> str | None:

@@ -261,25 +261,96 @@ def test_files_the_system_refuses_end_the_job_with_one_line(tiny_checkpoint, tmp
     assert r.returncode == 2
 
 
-def test_synth_on_a_full_disk_is_a_user_error(tmp_path, monkeypatch, capsys) -> None:
-    """safetensors reports a failed write (no space left) as its own SafetensorError, not an OSError."""
+def _disk_full(*args, **kwargs):  # what safetensors' writer raises on a full disk: its own error, not an OSError
     from safetensors import SafetensorError
 
-    from glm_ep.checkpoint import synth
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def test_synth_on_a_full_disk_is_a_user_error(tmp_path, monkeypatch, capsys) -> None:
+    """safetensors reports a failed write (no space left) as its own SafetensorError; save_readable makes it the
+    OSError it is, which synth reports as the user's (exit 2); any other SafetensorError stays a crash."""
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
     from glm_ep.app.cli import main
 
-    def full(*args, **kwargs):
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-
-    monkeypatch.setattr(synth, "save_readable", full)
+    monkeypatch.setattr(safetensors.numpy, "save_file", _disk_full)
     assert main(["synth", "--out", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err
-    assert "cannot write it (Error while serializing: I/O error: No space left on device" in err, err
+    assert "cannot write it (No space left on device)" in err, err
     assert "Traceback" not in err
 
     def unserialisable(*args, **kwargs):  # not the disk: a tensor of ours it could not write, a crash
         raise SafetensorError("Error while serializing: the tensor is not contiguous")
 
-    monkeypatch.setattr(synth, "save_readable", unserialisable)
+    monkeypatch.setattr(safetensors.numpy, "save_file", unserialisable)
     assert main(["synth", "--out", str(tmp_path / "ck2"), "--force"]) == 1
     assert "internal error" in capsys.readouterr().err
+
+
+def test_make_input_on_a_full_disk_is_a_user_error(tmp_path, monkeypatch, capsys) -> None:
+    import safetensors.numpy
+
+    from glm_ep.app.cli import main
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", _disk_full)
+    out = tmp_path / "in.safetensors"
+    assert main(["make-input", "--hidden", "64", "--rows", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"glm-ep: error: {out}: cannot write the input (No space left on device)" in err, err
+    assert "Traceback" not in err and not out.exists()
+
+
+def _small_load():
+    """An expert load of 2 sparse layers of 8 experts, top-2, as ``run --expert-load`` records one."""
+    from glm_ep.balance.expert_load import ExpertLoad
+
+    rng = np.random.default_rng(0)
+    choices = [rng.integers(0, 8, (6, 2)).astype(np.int32) for _ in range(2)]
+    counts = np.stack([np.bincount(c.ravel(), minlength=8) for c in choices]).astype(np.int64)
+    model = {"num_hidden_layers": 3, "n_routed_experts": 8, "num_experts_per_tok": 2, "hidden_size": 64,
+             "moe_intermediate_size": 32}
+    layout = {"world": 1, "tp": 1, "ep": 1, "moe_tp": 1, "expert_placement": ""}
+    return ExpertLoad(model, (1, 2), layout, counts, counts.sum(axis=1, keepdims=True),
+                      [np.array([6], np.int64)] * 2, choices)
+
+
+def test_expert_load_on_a_full_disk_is_a_user_error(tmp_path, monkeypatch) -> None:
+    import safetensors.numpy
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", _disk_full)
+    with pytest.raises(InputError, match=r"el.safetensors: cannot write the expert load \(No space left on device\)"):
+        _small_load().save(tmp_path / "el.safetensors")
+    assert not (tmp_path / "el.safetensors").exists()
+
+
+def test_a_placement_or_heat_map_cut_short_leaves_no_file(tmp_path, monkeypatch) -> None:
+    """A write that fails part way (a full disk) leaves neither a partial file nor a stray temporary one, and an
+    existing file at the path as it was."""
+    from glm_ep.app import files
+    from glm_ep.balance.eplb import balanced_placement
+
+    load = _small_load()
+    placed = balanced_placement(load.logical_count, load.layers, 2, 0)
+    out = tmp_path / "p.json"
+    real_write = Path.write_text
+
+    def half_then_full(self, text, *args, **kwargs):
+        real_write(self, text[:10])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError):
+        placed.save(out)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    out.write_text("old")
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    with pytest.raises(OSError):
+        placed.save(out)
+    monkeypatch.undo()
+    assert out.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+    with files.replacing(tmp_path / "q.bin") as tmp:
+        tmp.write_bytes(b"new")
+    assert (tmp_path / "q.bin").read_bytes() == b"new"
