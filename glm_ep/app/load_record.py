@@ -45,7 +45,7 @@ def check_paths(args: argparse.Namespace, ranks: Any, reads: Iterable[tuple[str,
         for flag, path in (("--expert-load", args.expert_load),) + ((("--plot", str(plot_path(args.expert_load))),)
                                                                     if args.plot else ()):
             for what, q in reads:
-                if q.exists() and Path(path).resolve() == q.resolve():
+                if Path(path).resolve() == q.resolve():  # an output not yet written clashes all the same
                     raise InputError(f"{flag} {path}: is {what}; expected another path (writing there would destroy "
                                      "what the job reads or writes)")
             check_output_path(path)

@@ -109,7 +109,7 @@ def test_a_load_of_another_model_or_no_load_at_all_is_refused_by_name(tiny_check
         expert_load.read(y)
 
 
-def test_plot_without_a_load_and_a_load_over_the_input_are_refused_on_every_rank(tiny_checkpoint, tmp_path) -> None:
+def test_plot_without_a_load_and_a_load_over_the_input_or_output_are_refused_on_every_rank(tiny_checkpoint, tmp_path) -> None:
     x = save_hidden(tmp_path / "x.st", random_x(3, 2, 128))
     r = glm_ep_job(2, "forward", "--model", str(tiny_checkpoint), "--input", str(x), "--output",
                    str(tmp_path / "y.st"), "--plot")
@@ -117,6 +117,11 @@ def test_plot_without_a_load_and_a_load_over_the_input_are_refused_on_every_rank
     r = glm_ep_job(2, "forward", "--model", str(tiny_checkpoint), "--input", str(x), "--output",
                    str(tmp_path / "y.st"), "--expert-load", str(x))
     fails(r, f"--expert-load {x}: is the --input file; expected another path")
+    y = tmp_path / "y.st"  # the output, not written yet: the load would overwrite it after the forward wrote it
+    r = glm_ep_job(2, "forward", "--model", str(tiny_checkpoint), "--input", str(x), "--output", str(y),
+                   "--expert-load", str(y))
+    fails(r, f"--expert-load {y}: is the --output file; expected another path")
+    assert not y.exists()
 
 
 def test_footprint_says_the_decode_rows_busiest_rank_against_the_mean(tiny_checkpoint, tmp_path) -> None:
