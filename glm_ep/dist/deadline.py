@@ -60,7 +60,10 @@ class Deadline:
         """Main thread only (a command's, not a library's): the watchdog hears SIGINT and SIGTERM as they arrive
         and ends the job if the main thread sits in a guarded wait (where Python cannot take them) past
         SIGNAL_GRACE_S. SIGTERM (a scheduler's cancel) is made to raise ``Terminated`` in the main thread."""
-        if self.size < 2 or self._signal_fd is not None:
+        if self._signal_fd is not None:
+            return
+        if self.size < 2:  # no peer to wait on, nothing to watch: SIGTERM still ends the job as Terminated
+            signal.signal(signal.SIGTERM, _raise_terminated)
             return
         r, w = os.pipe()
         os.set_blocking(r, False)

@@ -236,6 +236,26 @@ def test_time_the_process_spent_stopped_is_not_waiting(capsys) -> None:
     assert "rank 0 waited 5.2 s at 'site'" in capsys.readouterr().err
 
 
+def test_one_rank_takes_sigterm_as_terminated() -> None:
+    """A one-rank job has no wait to watch, but a scheduler's cancel still ends it as Terminated (the command says
+    "terminated (SIGTERM)" and exits 143), not by the signal's default, silently."""
+    import os
+    import signal
+
+    from glm_ep.dist.deadline import Deadline, Terminated
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        d = Deadline(0, 1, 60.0, lambda code: None)
+        d.watch_signals()
+        assert d._watcher is None  # no watchdog thread for one rank
+        with pytest.raises(Terminated):
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0)  # give the handler a bytecode boundary to run at
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.parametrize("signum,code,said", [(2, 130, "interrupted"), (15, 143, "terminated (SIGTERM)")])
 def test_a_signal_during_a_guarded_wait_ends_the_job(capsys, signum: int, code: int, said: str) -> None:
     """A signal the wake-up pipe brings while a guard is armed: if the main thread is still in that wait after
