@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from glm_ep.config.model import ModelConfig, parse_json
-from glm_ep.errors import ConfigError
+from glm_ep.errors import ConfigError, not_a_file
 
 FORMAT = "glm_ep expert placement 1"
 
@@ -144,9 +144,8 @@ def balanced_placement(logical_count_LE: np.ndarray, layers: tuple[int, ...], ep
 def read(path: str | Path, model: ModelConfig, ep: int) -> ExpertPlacement:
     """The placement in ``path`` for ``model`` at ``ep``, checked: ConfigError naming the file and the fault."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{p}: expert placement file not found (topology expert_placement); expected a file "
-                          "written by glm-ep balance")
+    if (problem := not_a_file(p, "expert placement file")) is not None:  # missing, or a folder, a FIFO ...
+        raise ConfigError(f"{problem} (topology expert_placement); expected a file written by glm-ep balance")
     raw = parse_json(p.read_bytes(), str(p))
 
     def bad(what: str) -> ConfigError:

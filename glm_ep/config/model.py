@@ -339,11 +339,15 @@ class SiteConfig:
     @classmethod
     def for_rank(cls, model: ModelConfig, layout: RankLayout) -> "SiteConfig":
         tp, ep, moe_tp = layout.tp, layout.ep, layout.moe_tp
-        if model.intermediate_size % tp:
-            raise ConfigError(f"intermediate_size {model.intermediate_size} does not divide over tp = {tp}")
-        if model.shared_intermediate % tp:
+        if model.intermediate_size % tp or model.shared_intermediate % tp:
+            fits = [t for t in range(1, layout.world + 1)
+                    if layout.world % t == 0 and not model.intermediate_size % t and not model.shared_intermediate % t]
+            hint = (f"; expected a tp that divides it, at world {layout.world} one of {fits} (--tp, or the topology's "
+                    "tp; with no --topology, tp is the number of ranks)")
+            if model.intermediate_size % tp:
+                raise ConfigError(f"intermediate_size {model.intermediate_size} does not divide over tp = {tp}{hint}")
             raise ConfigError(f"n_shared_experts * moe_intermediate_size = {model.shared_intermediate} "
-                              f"does not divide over tp = {tp}")
+                              f"does not divide over tp = {tp}{hint}")
         if model.n_routed_experts % ep:
             raise ConfigError(f"n_routed_experts {model.n_routed_experts} does not divide over ep = {ep}; "
                               "a ragged split would leave some expert ids owned by nobody")

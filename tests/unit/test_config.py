@@ -217,7 +217,9 @@ def test_site_config_divides_tp_and_ep_and_names_the_values() -> None:
     assert (c.local_dense_intermediate, c.local_shared_intermediate, c.local_experts) == (128, 32, 16)
     assert (c.num_experts, c.expert_start, c.tp_rank, c.ep_rank) == (32, 16, 1, 1)  # FULL expert count
     assert c.local_slot(15) is None and c.local_slot(16) == 0 and c.local_slot(31) == 15
-    with pytest.raises(ConfigError, match="intermediate_size 250 does not divide over tp = 4"):
+    with pytest.raises(ConfigError, match=r"intermediate_size 250 does not divide over tp = 4; expected a tp that "
+                       r"divides it, at world 4 one of \[1, 2\] \(--tp, or the topology's tp; with no --topology, tp "
+                       r"is the number of ranks\)"):
         SiteConfig.for_rank(_parse(tiny_dict(intermediate_size=250)), RankLayout(4, 0, 4, 1))
     with pytest.raises(ConfigError, match=r"moe_intermediate_size = 64 does not divide over tp = 3"):
         SiteConfig.for_rank(_parse(tiny_dict(intermediate_size=384)), RankLayout(3, 0, 3, 1))

@@ -96,6 +96,10 @@ def test_a_placement_that_is_not_one_is_refused(tmp_path) -> None:
         read(tmp_path / "x.json", tiny_model(), 2)
     with pytest.raises(ConfigError, match="nothing.json: expert placement file not found"):
         read(tmp_path / "nothing.json", tiny_model(), 2)
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ConfigError, match=r"d: expert placement file is a folder \(topology expert_placement\); "
+                       "expected a file written by glm-ep balance"):
+        read(tmp_path / "d", tiny_model(), 2)
 
 
 def test_replicas_stop_at_one_a_rank_and_every_count_up_to_the_bound_gives_a_valid_file(tmp_path) -> None:
