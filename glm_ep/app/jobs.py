@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from glm_ep.check.verdict import check_run, first_overflow
-from glm_ep.check.plan import CheckPlan, memory_available, memory_budget, plan_check
+from glm_ep.check.plan import Available, CheckPlan, memory_available, memory_budget, plan_check
 from glm_ep.checkpoint.layers import dense_is_nvfp4, layer_read_bytes
 from glm_ep.errors import EXIT_FAIL, EXIT_OK, ConfigError, InputError, NumericError
 from glm_ep.app import load_record
@@ -29,7 +29,7 @@ from glm_ep.checkpoint.finite import nonfinite_mask
 from glm_ep.checkpoint.reader import Checkpoint
 from glm_ep.mlp.runtime import Runtime, load_runtime, open_checkpoint, site_config
 from glm_ep.mlp.site import site_buffers
-from glm_ep.mlp.workspace import workspaces_bytes
+from glm_ep.mlp.workspace import fmt_bytes, workspaces_bytes
 from glm_ep.dist.progress import progress
 from glm_ep.dist.ranks import AgreedError, Ranks
 from glm_ep.config.topology import Topology
@@ -169,9 +169,12 @@ def run_job(args: argparse.Namespace, ranks: Ranks) -> int:
     load_record.check_paths(args, ranks, job_inputs("", args.model)[1:])
     ckpt = opened(args.model, topo, ranks)
     loaded = ckpt.stamps  # the check refuses a checkpoint rewritten after this
-    call_rows = [args.prefill] + [1] * args.decode + [args.verify]
-    plan = None if args.check == "none" else _agreed_plan(args, ckpt, topo, ranks, call_rows)
     h = ckpt.config.hidden_size
+    held = ranks.agree("load size", lambda: _host_bytes_of_load(ckpt, topo, ranks.rank))
+    available = memory_available(ranks, held)
+    ranks.agree("run inputs size", lambda: _check_input_room(args, h, held, available))
+    call_rows = [args.prefill] + [1] * args.decode + [args.verify]
+    plan = None if args.check == "none" else _agreed_plan(args, ckpt, topo, ranks, call_rows, held, available)
 
     def inputs() -> list[tuple[str, np.ndarray]]:
         rng = np.random.default_rng(args.seed)  # the same inputs on every rank
@@ -238,13 +241,27 @@ def _refuse_overflow(rt: Runtime, ranks: Ranks, results: list[tuple[str, np.ndar
     ranks.agree("output check", refuse)
 
 
+def _check_input_room(args: argparse.Namespace, hidden: int, held: int, available: Available) -> None:
+    """InputError where the run's calls would not fit the memory each rank has left once its load holds its share:
+    the widest call's rows drawn in float64 and rounded to bf16, every call's rows kept as bf16 and the widest
+    call's outputs (checked before the row counts are even listed: --decode 10**11 is refused, not attempted).
+    Where the load alone leaves nothing, the rows are not to blame: the check's plan, or the load, names that."""
+    if available.bytes == 0 and held > 0:
+        return
+    widest, total = max(args.prefill, args.verify, 1 if args.decode else 0), args.prefill + args.decode + args.verify
+    need = (widest * (8 + 4 + 2) + total * 2) * hidden
+    if need > available.bytes:
+        raise InputError(f"--prefill {args.prefill}, --decode {args.decode}, --verify {args.verify}: the calls take "
+                         f"about {fmt_bytes(need)} a rank ({total} rows of hidden {hidden} kept as bf16, the widest "
+                         f"call of {widest} drawn in float64), but {fmt_bytes(available.bytes)} is available "
+                         f"({available.bound}); expected fewer rows")
+
+
 def _agreed_plan(args: argparse.Namespace, ckpt: Checkpoint, topo: Topology, ranks: Ranks,
-                 call_rows: list[int]) -> CheckPlan:
+                 call_rows: list[int], held: int, available: Available) -> CheckPlan:
     """The check's plan, made before the load: refused on every rank where its float64 memory would not fit what
-    each rank has left once its load holds its share."""
+    each rank has ``available`` once its load holds its share (``held`` bytes)."""
     budget = memory_budget(ranks)
-    held = ranks.agree("load size", lambda: _host_bytes_of_load(ckpt, topo, ranks.rank))
-    available = memory_available(ranks, held)
 
     def plan() -> CheckPlan:
         if available.bytes == 0 and held > 0:  # the same on every rank: the least over the ranks

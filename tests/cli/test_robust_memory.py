@@ -187,11 +187,16 @@ def test_a_long_load_logs_lines_not_bar_frames(large: Path, tmp_path: Path) -> N
 
 def test_run_inputs_past_the_memory_name_the_rows_once(tiny_checkpoint: Path) -> None:
     """``run --prefill`` of more rows than a rank's memory holds: each rank raised its own MemoryError (two error
-    lines, an MPI abort, a hint about --check though the check was off). Now one agreed error names the flag."""
+    lines, an MPI abort, a hint about --check though the check was off), and without a ulimit the kernel killed
+    the ranks. Now one agreed error, before anything is drawn, names the flags, the size and what is available;
+    a --decode count whose row list alone would not fit is refused the same way, not attempted."""
     r = _limited("run", "--model", str(tiny_checkpoint), "--no-check", "--prefill", "50000000", "--decode", "1")
-    fails(r, "--prefill 50000000, --verify 4: the calls' inputs (50000000 rows of hidden 128, drawn in float64) do "
-             "not fit in this rank's memory", "expected fewer rows")
+    fails(r, "--prefill 50000000, --decode 1, --verify 4: the calls take about 102.400 GB a rank (50000005 rows of "
+             "hidden 128 kept as bf16, the widest call of 50000000 drawn in float64), but ", " is available (",
+          "expected fewer rows")
     assert r.stderr.count("glm-ep: error:") == 1 and "MPI_Abort" not in r.stderr, r.stderr[-2000:]
+    r = _limited("run", "--model", str(tiny_checkpoint), "--no-check", "--decode", str(10**11))
+    fails(r, f"--decode {10**11}, --verify 4: the calls take about", "expected fewer rows")
 
 
 def test_a_load_past_the_memory_is_named_not_blamed_on_the_check(tiny_checkpoint: Path, tmp_path: Path) -> None:
