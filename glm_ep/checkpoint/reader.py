@@ -120,6 +120,7 @@ class Checkpoint:
     def __init__(self, model_dir: str | Path, check_finite: bool = True):
         self.dir = Path(model_dir)
         self.check_finite = check_finite
+        self.unused: list[str] = []  # what check_extent found stored past what config.json declares (not read)
         if not self.dir.is_dir():
             kind = path_kind(self.dir)
             raise CheckpointError(f"{self.dir}: model folder {kind if kind.startswith('not ') else 'is ' + kind} "
@@ -202,7 +203,7 @@ class Checkpoint:
         more (a typo of num_hidden_layers or n_routed_experts) is refused here, from the keys alone, where the
         per-tensor lookups of every declared layer took minutes to name the first missing tensor."""
         model, lead = self.config, self._prefix + "."
-        mlp_layers, experts, routed_layers, dense_layers = set(), set(), set(), set()
+        mlp_layers, experts, routed_layers, dense_layers, shared_layers = set(), set(), set(), set(), set()
         first_sparse = model.sparse_layers[0] if model.sparse_layers else None
         expert_lead = f"{lead}{first_sparse}.mlp.experts."
         for key in self._file_of:
@@ -215,6 +216,8 @@ class Checkpoint:
                     routed_layers.add(int(layer))
                 elif rest.startswith("mlp.gate_proj."):
                     dense_layers.add(int(layer))
+                elif rest.startswith("mlp.shared_experts."):
+                    shared_layers.add(int(layer))
             if key.startswith(expert_lead):
                 e = key[len(expert_lead):].partition(".")[0]
                 if e.isdigit():
@@ -239,6 +242,20 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir / 'config.json'}: n_routed_experts = {model.n_routed_experts}, but "
                                   f"layer {first_sparse} of {self.source} holds {len(experts)} routed experts; no "
                                   f"'{expert_lead}{{e}}.*' for expert {_few(missing)}")
+        # stored past what config.json declares: not read, as HF loads such a checkpoint, but said (a config edited
+        # by hand, or one of another model, would otherwise run silently on part of the weights)
+        config, unused = self.dir / "config.json", []
+        if past := sorted(i for i in mlp_layers if i >= model.num_hidden_layers):
+            unused.append(f"num_hidden_layers = {model.num_hidden_layers}, but the checkpoint holds MLP tensors for "
+                          f"layer {_few(past)} too")
+        if extra := sorted(e for e in experts if e >= model.n_routed_experts):
+            unused.append(f"n_routed_experts = {model.n_routed_experts}, but layer {first_sparse} holds routed "
+                          f"expert {_few(extra)} too")
+        shared = sorted(i for i in shared_layers if i < model.num_hidden_layers)  # not again those past the layers
+        if model.n_shared_experts == 0 and shared:
+            unused.append(f"n_shared_experts = 0, but the checkpoint holds shared-expert tensors "
+                          f"('{lead}{{i}}.mlp.shared_experts.*') for layer {_few(shared)}")
+        self.unused = [f"{config}: {what}: they are not used" for what in unused]
 
     def layer_prefix(self, i: int) -> str:
         """Key prefix of layer ``i``: ``model.layers.{i}`` or ``model.language_model.layers.{i}``."""

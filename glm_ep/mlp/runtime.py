@@ -203,6 +203,8 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
     every = ranks.allgather("weight report", (weight_bytes, to_read, load_s))
     if rank == 0:
         log.info("%s", load_line([b for _, b, _ in every], [t for _, _, t in every]))
+        for line in ckpt.unused:
+            log.warning("%s", line)
         if static_input_scales:
             log.info("the checkpoint's NVFP4 projections carry static input scales (a W4A4 export): they are not "
                      "used; activations stay bf16 (W4A16), so outputs differ from a W4A4 engine's by its "

@@ -251,6 +251,28 @@ def test_a_config_that_declares_more_than_the_checkpoint_holds_is_refused_at_onc
         ck.check_extent()
 
 
+def test_a_config_that_declares_less_than_the_checkpoint_holds_says_what_is_not_used(ckpt_copy: Path,
+                                                                                        tiny_checkpoint) -> None:
+    """Fewer layers, experts or shared experts than stored run, as HF loads such a checkpoint, on what config.json
+    declares; what they leave unread is said (it ran silently, and printed PASS on part of the weights)."""
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    cfg.update(num_hidden_layers=3, mlp_layer_types=cfg["mlp_layer_types"][:3], n_routed_experts=16,
+               n_shared_experts=0)
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    with Checkpoint(ckpt_copy) as ck:
+        ck.check_extent()
+        config = ckpt_copy / "config.json"
+        assert ck.unused == [
+            f"{config}: num_hidden_layers = 3, but the checkpoint holds MLP tensors for layer 3 too: they are not used",
+            f"{config}: n_routed_experts = 16, but layer 1 holds routed expert 16, 17, 18, 19 (and 12 more) too: they "
+            "are not used",
+            f"{config}: n_shared_experts = 0, but the checkpoint holds shared-expert tensors "
+            "('model.layers.{i}.mlp.shared_experts.*') for layer 1, 2: they are not used"]
+    with Checkpoint(tiny_checkpoint) as ck:  # what a checkpoint holds, declared as it is: nothing unused
+        ck.check_extent()
+        assert ck.unused == []
+
+
 @pytest.mark.parametrize("types,needle", [
     (["sparse"] * 4, "makes layer 0 sparse, but .* holds a dense FFN there \\(disagreeing layers: 0\\)"),
     (["dense", "dense", "dense", "sparse"], "makes layer 1 dense, but .* holds routed experts there "
