@@ -12,3 +12,6 @@ i=0
 for v in new old new old; do  # the three files of $v copied into glm_ep/backend/cuda/kernels/ first
   i=$((i+1)); python -m glm_ep bench --topology h100-1 --no-peer --out $OUT/b${i}_$v > b${i}_$v.log 2>&1
 done
+# bench (a later call, another H100 start, tree 484c1ba: the GEMV and ring changes kept, the combine kernel as
+# before): bench.log, docs/perf/BENCH_H100.md and its json and png.
+python -m glm_ep bench --topology h100-1 --out $OUT/bench > bench.log 2>&1
