@@ -138,6 +138,10 @@ class ModelConfig:
         vals["routed_scaling_factor"] = float(vals["routed_scaling_factor"])
         vals["swiglu_limit"] = float(vals["swiglu_limit"])
         vals["mlp_layer_types"] = _layer_types(text, vals["num_hidden_layers"], source)
+        act = text.get("hidden_act", "silu")  # HF's default; its MLPs and shared expert apply config.hidden_act
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act = {act!r}, expected 'silu' (glm5_next's clamped SwiGLU, the only "
+                              "activation glm_ep computes)")
         router_dtype = text.get("moe_router_dtype", "float32")
         if router_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"{source}: moe_router_dtype = {router_dtype!r}, expected 'float32' or 'bfloat16'")

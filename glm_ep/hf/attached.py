@@ -71,6 +71,9 @@ def _differences(config: Any, mlp: GlmMlp) -> list[str]:
         if not same:
             out.append(f"{name} {list(theirs) if isinstance(theirs, (list, tuple)) else theirs!r} in the model, "
                        f"{list(ours) if isinstance(ours, tuple) else ours!r} in the checkpoint")
+    act = getattr(config, "hidden_act", "silu")  # a checkpoint's config refuses any other (ModelConfig.from_dict)
+    if act != "silu":
+        out.append(f"hidden_act {act!r} in the model, 'silu' (the only activation glm_ep computes) in the checkpoint")
     return out
 
 

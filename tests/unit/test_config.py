@@ -198,6 +198,14 @@ def test_bad_model_values_are_refused_by_name(overrides: dict, named: str) -> No
         _parse(tiny_dict(**overrides))
 
 
+def test_an_activation_other_than_silu_is_refused_by_name() -> None:
+    """HF applies config.hidden_act in the dense MLP and the shared expert; glm_ep computes the clamped SwiGLU only,
+    so a config naming another was run as SiLU, silently."""
+    with pytest.raises(ConfigError, match=r"hidden_act = 'gelu', expected 'silu' \(glm5_next's clamped SwiGLU"):
+        _parse(tiny_dict(hidden_act="gelu"))
+    assert _parse(tiny_dict(hidden_act="silu")) == _parse(tiny_dict())
+
+
 @pytest.mark.parametrize("overrides,message", [
     (dict(norm_topk_prob="yes"), "field 'norm_topk_prob' = 'yes' has type str, expected a boolean (true or false)"),
     (dict(n_routed_experts=32.0), "field 'n_routed_experts' = 32.0 has type float, expected an integer"),

@@ -123,6 +123,8 @@ def _hf_model(hf_dir, **text_changes):
      "mlp_layer_types ['dense', 'dense', 'sparse', 'sparse'] in the model, ['dense', 'sparse', 'sparse', 'sparse']"),
     ({"swiglu_limit": 7.0, "num_experts_per_tok": 4},
      "num_experts_per_tok 4 in the model, 8 in the checkpoint; swiglu_limit 7.0 in the model, 10.0 in the checkpoint"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' in the model, 'silu' (the only activation glm_ep computes) in the "
+                             "checkpoint"),
 ])
 def test_a_model_of_another_shape_is_refused_by_name(clear, changes, message) -> None:
     hf, mlp = clear
