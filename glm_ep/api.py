@@ -11,7 +11,7 @@ Every call is collective: each rank of the communicator makes the same calls in 
 with the same input, and each gets the same result (each rank adds its share of one sum). The MPI
 all-reduce refuses ranks whose calls differ in rows or site (``glm_ep.dist.comm``); the rest is
 checked per call only where the topology says ``check_calls = true`` (a debugging aid: the ranks
-then agree each call's layer and input, at two or three small collectives and one copy of the
+then agree each call's loaded model, layer and input, at two or three small collectives and one copy of the
 input to the host per call, and refuse a mismatch by name). Inputs are NumPy or CuPy arrays or torch
 tensors (``glm_ep.interop``); a result has the input's kind and device and shares no memory with
 the runtime. Inputs wider than the workspace run in workspace-sized chunks (rows are independent).
@@ -109,8 +109,9 @@ class GlmMlp:
         kind, layer = self._ranks.agree("call check", check)
         digest = hashlib.sha256(interop.host_bits(x)).hexdigest()
         what = "step" if layer is None else f"site {layer}"
-        self._ranks.check_same("call check", "calls", {"call": what, "input": digest},
-                               "every rank to make the same call with the same input (each adds its share of one sum)")
+        self._ranks.check_same("call check", "calls", {"model": self._rt.identity, "call": what, "input": digest},
+                               "every rank to make the same call with the same input on the same loaded model (each "
+                               "adds its share of one sum)")
         return kind, layer
 
     def _apply(self, index: Callable[[], int] | None, x: Any) -> Any:

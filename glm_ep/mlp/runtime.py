@@ -57,6 +57,7 @@ class Runtime:
     stack: MlpStack
     weight_bytes: int
     expert_placement: ExpertPlacement | None = None  # the topology's, loaded (None: the contiguous EP ranges)
+    identity: str = ""  # the same on every rank of one load: its checkpoint, routers and layout, as a digest
 
 
 def site_config(model: ModelConfig, topo: Topology, rank: int, placed: ExpertPlacement | None = None) -> SiteConfig:
@@ -172,7 +173,10 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
         host_weights = [ranks.agree(f"load of layer {i}", lambda i=i: load_layer(ckpt, cfg, i, held(i)))
                         for i in range(model.num_hidden_layers)]
         ckpt.on_read = None
-    ranks.check_same("weight fingerprint", "checkpoints", router_digest(host_weights))
+    routers = router_digest(host_weights)
+    ranks.check_same("weight fingerprint", "checkpoints", routers)
+    identity = hashlib.sha256(repr((sorted(ckpt.fingerprint.items()), sorted(routers.items()),
+                                    sorted(topology_values(topo).items()))).encode()).hexdigest()
     load_s = time.perf_counter() - t0
     weight_bytes = sum(w.nbytes for w in host_weights if w is not None)
     dispatch = ExpertDispatch.routed(be, slots_cfg, topo.levers)  # ids are physical expert slots
@@ -214,4 +218,4 @@ def load_runtime(ckpt: Checkpoint, topo: Topology, ranks: Ranks) -> Runtime:
         if placed is not None:
             log.info("expert placement: %s (%d slots over ep = %d, %d redundant; digest %s)", topo.expert_placement,
                      placed.slots, placed.ep, placed.redundant, placed.digest)
-    return Runtime(model, cfg, topo, be, comm, stack, weight_bytes, placed)
+    return Runtime(model, cfg, topo, be, comm, stack, weight_bytes, placed, identity)

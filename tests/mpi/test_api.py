@@ -273,10 +273,12 @@ def test_two_ranks_agree_with_one(tiny_checkpoint) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint) -> None:
+def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint, tiny_checkpoint_dense_nvfp4) -> None:
     """``check_calls = true``: a rank with another layer index, a site where another rank steps, other input bits,
-    or a bad input or index on one rank, is an error on every rank at once (without it: a wrong sum, exit 0, or a
-    wait for the deadline); calls that keep the contract give what they give without the check."""
+    a call on another loaded model (a draft model's beside a target's: each rank's share of a different model was
+    summed, even with the check), or a bad input or index on one rank, is an error on every rank at once (without
+    it: a wrong sum, exit 0, or a wait for the deadline); calls that keep the contract give what they give without
+    the check."""
     from mpi4py import MPI
 
     from glm_ep.dist.ranks import AgreedError
@@ -286,6 +288,8 @@ def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint)
     checked = glm_ep.load(tiny_checkpoint, topology=Topology(name="checked", world=n, tp=n, ep=n, check_calls=True,
                                                              collective_timeout_s=COLLECTIVE_TIMEOUT_S))
     plain = glm_ep.load(tiny_checkpoint, _across(n, name="plain"))
+    draft = glm_ep.load(tiny_checkpoint_dense_nvfp4, topology=Topology(
+        name="checked", world=n, tp=n, ep=n, check_calls=True, collective_timeout_s=COLLECTIVE_TIMEOUT_S))
     x = random_x(5, 3, checked.hidden_size)
     failures: list[str] = []
     if not np.array_equal(checked.site(1, x).view(np.uint16), plain.site(1, x).view(np.uint16)):
@@ -295,10 +299,13 @@ def test_check_calls_refuses_ranks_that_break_the_call_contract(tiny_checkpoint)
              "input": lambda: checked.step(x if rank == 0 else other),
              "dtype": lambda: checked.site(0, x if rank == 0 else x.astype(np.float32)),
              "site-step": lambda: checked.site(1, x) if rank == 0 else checked.step(x),
-             "index": lambda: checked.site(1 if rank == 0 else 99, x)}
+             "index": lambda: checked.site(1 if rank == 0 else 99, x),
+             "model": lambda: (checked if rank == 0 else draft).site(0, x)}
     needles = {"layer": "ranks hold different calls (differing: call)", "input": "(differing: input)",
                "dtype": "input is float32 [3, 128], expected bfloat16",
-               "site-step": "ranks hold different calls (differing: call)", "index": "site index 99 is out of range"}
+               "site-step": "ranks hold different calls (differing: call)", "index": "site index 99 is out of range",
+               "model": "ranks hold different calls (differing: model); expected every rank to make the same call "
+                        "with the same input on the same loaded model"}
     for case, call in cases.items():
         try:
             call()
