@@ -60,6 +60,22 @@ __device__ __forceinline__ void consume_bf16_slab(const RingStage<1, T>& st, flo
     }
 }
 
+// The fp32 sum of term(0) .. term(n - 1) in that order from 0, in rounds of 8 whose terms (reads) are all issued
+// before the round's adds: one memory round trip a round instead of one a term.
+template <class Term>
+__device__ __forceinline__ float sum_in_rounds(int n, Term term) {
+    float s = 0.0f;
+    for (int i0 = 0; i0 < n; i0 += 8) {
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = i0 + i < n ? term(i0 + i) : 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i0 + i < n) s = __fadd_rn(s, v[i]);
+    }
+    return s;
+}
+
 // A finished item of row group n0 / 16 has been stored: count it, and combine the group if it is the last.
 __device__ __forceinline__ void arrive_and_combine(const DownCombine& dc, const bf16_t* routed, int S, int N, int n0,
                                                    unsigned expected) {
@@ -71,29 +87,12 @@ __device__ __forceinline__ void arrive_and_combine(const DownCombine& dc, const 
                      : "memory");
     if (__shfl_sync(0xffffffffu, before, 0) + 1u != expected) return;  // the same on every lane
     __syncwarp();  // lane 0's acquire before every lane's reads below (a shuffle orders no memory)
-    if (lane < 16) {  // a round's 8 reads (parts, then slots) all issued before its adds, which keep the order
+    if (lane < 16) {
         const int n = n0 + lane;
-        float sh = 0.0f;
-        for (int p0 = 0; p0 < dc.parts; p0 += 8) {
-            float v[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                v[i] = p0 + i < dc.parts ? __ldcg(dc.partials + (size_t)(p0 + i) * N + n) : 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (p0 + i < dc.parts) sh = __fadd_rn(sh, v[i]);
-        }
-        float acc = 0.0f;
-        for (int k0 = 0; k0 < S; k0 += 8) {
-            float v[8];
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                v[i] = k0 + i < S ? __fmul_rn(dc.wts[k0 + i], bf16_to_f32(__ldcg(routed + (size_t)(k0 + i) * N + n)))
-                                  : 0.0f;
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-                if (k0 + i < S) acc = __fadd_rn(acc, v[i]);
-        }
+        const float sh = sum_in_rounds(dc.parts, [&](int p) { return __ldcg(dc.partials + (size_t)p * N + n); });
+        const float acc = sum_in_rounds(S, [&](int k) {
+            return __fmul_rn(dc.wts[k], bf16_to_f32(__ldcg(routed + (size_t)k * N + n)));
+        });
         dc.out[n] = f32_to_bf16(__fadd_rn(acc, round_bf16(sh)));
     }
     if (lane == 0) dc.arrived[n0 >> 4] = 0u;
