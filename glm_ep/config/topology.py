@@ -136,6 +136,7 @@ class PathLevers:
     ring_warps_per_sm: int = 16  # warps per SM the ring grid aims at (fewer where its rings do not fit)
     ring_max_warps: int = 0  # cap on the ring grid's warps (0: none)
     ring_min_items_per_sm: int = 4  # fewer items an SM (one expert's down projection): the block kernels (0: off)
+    ring_claims: bool = True  # a ring warp's items past its first come from a device counter (false: a fixed stride)
     ring_f16: bool = False  # the down projection in the fp16-operand form: refused unless swiglu_limit bounds it
     ring_f16_hidden: bool = False  # gate and up too: the hidden state is unbounded (past 65504: inf); opt-in
     ring_placed: bool = True  # the down projection's unscaled form decoded by bit placement (x scaled by 2^k)

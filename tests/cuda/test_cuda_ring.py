@@ -124,6 +124,7 @@ def test_moe_down_combine_ring(rng, ring, shared_k):
         assert_ulps(got, host(out_sep), f"down + shared + combine, {label}")
         assert_close(got, ref, f"down + shared + combine against NumPy, {label}")
         assert not host(sc["down_combine_arrived"]).any(), f"{label}: the arrival counts were left non-zero"
+        assert not host(sc["ring_claims"]).any(), f"{label}: the ring's claim counter was left non-zero"
 
 
 def test_moe_down_combine_falls_back_where_the_ring_cannot():
@@ -219,3 +220,52 @@ def test_few_items_an_sm_take_the_block_kernels(rng, monkeypatch):
     check_moe_gate_up_act(rng, cu, nu, ids, local, h, m, "block kernels glu", be)
     check_moe_gemv(rng, cu, nu, "down", True, ids, local, "block kernels down", be)
     assert entries and not any("ring" in e for e in entries), entries
+
+
+@pytest.mark.parametrize("ring", [dict(), dict(glu_slab=2, glu_depth=3), dict(placed=False)],
+                         ids=["default", "glu-t2d3", "bf16u"])
+@pytest.mark.parametrize("max_warps", [3, 7, 0])
+def test_decode_ring_claims(rng, ring, max_warps):
+    """The decode ring's items past a warp's first claimed from the device counter (``ring_claims``) against the
+    fixed stride: gate + up + SwiGLU and the down projection bit for bit the same, launched, launched again and
+    replayed from a graph; the counter returns to zero after each launch."""
+    import cupy
+
+    from glm_ep.backend.cuda import CudaBackend, RingConfig, routed
+    from glm_ep.backend.cuda.kernel_loader import RING_WARPS
+
+    h, m, start, count = 2048, 1024, 4, 6
+    rc = dict(**ANY_ITEMS, max_warps=max_warps, **ring)
+    claimed = CudaBackend(0, RingConfig(**rc), stream=backend().stream)
+    sc = bind_scratch(claimed, hidden=h, moe_width=m)
+    fixed = CudaBackend(0, RingConfig(**rc, claims=False), stream=backend().stream)
+    bind_scratch(fixed, hidden=h, moe_width=m)
+    assert claimed._claims() is not None and fixed._claims() is None
+    w = moe_weights(rng, h=h, m=m, start=start, count=count)
+    tables = {be: both(w, be)[0] for be in (claimed, fixed)}
+    if max_warps:  # few warps: the launches claim (routed.CLAIMS_MIN_ITEMS_PER_WARP items a warp or more)
+        blocks = claimed.ring.geometry(m, TOP_K, 2, tables[claimed].gate.weights.form)[0]
+        assert TOP_K * (m // 16) >= routed.CLAIMS_MIN_ITEMS_PER_WARP * blocks * RING_WARPS
+    ids_host = np.array([4, 30, 9, 0, 5, 17, 7, 8], dtype=np.int32)
+    ids, local = dev(ids_host), (ids_host >= start) & (ids_host < start + count)
+    x, act = dev(rand_bf16(rng, (1, h), 3.0)), dev(rand_bf16(rng, (TOP_K, m)))
+    outs = {be: [poisoned((TOP_K, m), BF16) for _ in range(3)] + [poisoned((TOP_K, h), BF16)]
+            for be in (claimed, fixed)}
+
+    def run(be):
+        o = outs[be]
+        be.moe_gate_up_act(x, tables[be], ids, 1.0, *o[:3])
+        be.moe_gemv(act, tables[be].down, ids, o[3], True)
+
+    run(fixed)
+    want = [host(o).view(np.uint16) for o in outs[fixed]]
+    run(claimed)  # loads the kernels outside the capture
+    replay = claimed.capture(lambda: run(claimed))
+    for label in ("launch", "launch again", "replay", "replay again"):
+        for o in outs[claimed]:
+            cupy.cuda.runtime.memsetAsync(o.data.ptr, 0xFF, o.nbytes, claimed.stream.ptr)
+        replay() if label.startswith("replay") else run(claimed)
+        for name, o, ref in zip(("gate", "up", "act", "down"), outs[claimed], want):
+            rows = local if name == "act" else slice(None)  # act rows of remote slots are unspecified
+            np.testing.assert_array_equal(host(o).view(np.uint16)[rows], ref[rows], err_msg=f"{label} {name}, {rc}")
+        assert not host(sc["ring_claims"]).any(), f"{label}: the claim counter was left non-zero"

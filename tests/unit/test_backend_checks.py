@@ -9,6 +9,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -135,6 +136,38 @@ def test_the_ring_declines_launches_of_few_items_an_sm(monkeypatch) -> None:
     assert RingConfig(min_items_per_sm=0).takes(4096, 12288, 1, 1)
     monkeypatch.setattr(R, "sm_count", lambda: 48)  # a GB10: 256 items are 5.3 an SM
     assert ring.takes(4096, 12288, 1, 1)
+
+
+def test_ring_claims_lever_and_where_a_launch_claims() -> None:
+    """``ring_claims`` parses (default on) and reaches the ring; a ring launch passes its counter only where its
+    items give each of its warps ``CLAIMS_MIN_ITEMS_PER_WARP`` (else the null pointer: a fixed stride), and a counter
+    of the wrong type or size is refused by name."""
+    import numpy as np
+
+    from glm_ep.backend.cuda import routed
+    from glm_ep.backend.cuda.kernel_loader import RING_WARPS
+
+    assert PathLevers().ring_claims and RingConfig().claims
+    lv = Topology.from_dict({"levers": {"ring_claims": False}}).levers
+    assert not lv.ring_claims and not RingConfig.from_levers(lv).claims
+    with pytest.raises(ConfigError, match="ring_claims"):
+        Topology.from_dict({"levers": {"ring_claims": 1}})
+
+    class Counter:  # a device array's face: dtype, layout, pointer, size
+        def __init__(self, dtype: Any = np.uint32, size: int = 2) -> None:
+            self.dtype, self.size = np.dtype(dtype), size
+            self.flags = type("flags", (), {"c_contiguous": True})()
+            self.data = type("data", (), {"ptr": 0x7F0000000000})()
+
+    c, most = Counter(), routed.CLAIMS_MIN_ITEMS_PER_WARP
+    warps = 10 * RING_WARPS
+    assert routed._claims(c, most * warps, 10) is c
+    assert routed._claims(c, most * warps - 1, 10) == np.uint64(0)  # fewer than 4 items a warp: a fixed stride
+    assert routed._claims(None, 10 ** 6, 1) == np.uint64(0)
+    with pytest.raises(TypeError, match="claims: dtype int32"):
+        routed._claims(Counter(np.int32), most * warps, 10)
+    with pytest.raises(ValueError, match="ring claims: 1 uint32, the ring keeps 2"):
+        routed._claims(Counter(size=1), most * warps, 10)
 
 
 def test_dependent_launch_lever_and_its_argument_marshalling() -> None:
@@ -395,11 +428,17 @@ def test_cuda_scratch_is_declared_for_the_workspace(monkeypatch) -> None:
     n_partials, n_arrived = dense.wstream_scratch_sizes()
     want = {"route_done": (1, np.uint32, True), "wstream_partials": (n_partials, np.float32, False),
             "wstream_arrived": (n_arrived, np.uint32, True), "down_combine_partials": (parts * 4096, np.float32, False),
-            "down_combine_arrived": (4096 // 16, np.uint32, True), "sort_counts": (132 * 288, np.int32, False)}
+            "down_combine_arrived": (4096 // 16, np.uint32, True), "sort_counts": (132 * 288, np.int32, False),
+            "ring_claims": (2, np.uint32, True)}
     assert {n: (x.elements(512), x.dtype, x.zeroed) for n, x in b.items()} == want
     assert all(x.stack == "backend scratch" for x in declared)
     assert b["sort_counts"].elements(23) == 0 and b["sort_counts"].elements(24) == 132 * 288  # prefill_gemm_min_rows
-    assert scratch.scratch_buffers(ring, cfg, PathLevers(prefill_gemm=False))[-1].elements(4096) == 0
+    def named(declared: tuple, name: str) -> Any:
+        return next(x for x in declared if x.name == name)
+
+    assert named(scratch.scratch_buffers(ring, cfg, PathLevers(prefill_gemm=False)), "sort_counts").elements(4096) == 0
+    for off in (RingConfig(claims=False), RingConfig(enabled=False)):  # a fixed stride, or no ring: no counter
+        assert named(scratch.scratch_buffers(off, cfg, PathLevers()), "ring_claims").elements(512) == 0
     no_shared = dataclasses.replace(cfg, local_shared_intermediate=0)
     assert [x.elements(1) for x in scratch.scratch_buffers(ring, no_shared, PathLevers())][3:5] == [0, 0]
     lines = footprint_lines((*site_buffers(cfg), *declared), 512, 45, True)

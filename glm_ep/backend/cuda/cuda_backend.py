@@ -93,7 +93,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         # the kernels' scratch (``scratch_buffers``), made by the workspace and handed over by ``bind``: the fused
         # router's block counter and the counters of the K splits stay zero between launches (a launch on this stream
         # touches memory only once the one before it has finished, with or without programmatic dependent launch)
-        self._route_done = self._wstream = self._down_combine = self._sort_counts = None
+        self._route_done = self._wstream = self._down_combine = self._sort_counts = self._ring_claims = None
         self._said_unbound = False
 
     def buffers(self, cfg: SiteConfig, levers: PathLevers) -> tuple[Buffer, ...]:
@@ -111,6 +111,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         super().bind(scratch)
         self._route_done, self._wstream = scratch.get("route_done"), pair("wstream")
         self._down_combine, self._sort_counts = pair("down_combine"), scratch.get("sort_counts")
+        self._ring_claims = scratch.get("ring_claims")
 
     def _has(self, scratch: Any, what: str) -> bool:
         """Whether ``scratch`` was bound; where no workspace bound any (ops called on a bare backend), say once that
@@ -120,6 +121,11 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             log.warning("CUDA backend used without a workspace (glm_ep.mlp.workspace.workspace_pool binds its "
                         "scratch): %s and the other paths that need scratch take their unfused forms", what)
         return scratch is not None
+
+    def _claims(self) -> Any:
+        """The rings' item counter where the ring claims items and a workspace bound one (else None: a fixed stride)."""
+        c = self._ring_claims
+        return c if self.ring.claims and c is not None and c.size >= 2 else None
 
     def _wstream_takes(self, x_RK, w_NK, glu: bool) -> bool:
         """``dense.wstream_takes`` with its split-K scratch bound."""
@@ -327,7 +333,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         sc = self._down_combine if parts and self._has(self._down_combine, "the one-row down ring's combine") else None
         if (sc is not None and sc[0].size >= parts * proj.n and sc[1].size >= proj.n // MMA_ROWS
                 and NV.nvfp4_moe_down_combine(act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
-                                              out_1H, *sc, self.ring)):
+                                              out_1H, *sc, self.ring, self._claims())):
             return out_1H
         return super().moe_down_shared_combine(act_KM, table, ids_K, routed_KH, shared_act_1I, shared_down_HI, wts_1K,
                                                shared_1H, out_1H)
@@ -376,11 +382,11 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     # ---- routed experts --------------------------------------------------------------------
     @_on_stream
     def moe_gemv(self, a, table: ExpertTable[Nvfp4Pointers], ids_K, out_KN, per_slot_input):
-        NV.nvfp4_moe_gemv(a, per_slot_input, table, ids_K, out_KN, self.ring)
+        NV.nvfp4_moe_gemv(a, per_slot_input, table, ids_K, out_KN, self.ring, self._claims())
 
     @_on_stream
     def moe_gate_up_act(self, a_1K, experts: RoutedExperts[Nvfp4Pointers], ids_K, limit, gate_KM, up_KM, act_KM):
-        NV.nvfp4_moe_glu(a_1K, experts, ids_K, limit, gate_KM, up_KM, act_KM, self.ring)
+        NV.nvfp4_moe_glu(a_1K, experts, ids_K, limit, gate_KM, up_KM, act_KM, self.ring, self._claims())
 
     @_on_stream
     def union_table(self, ids_RK, u_eid_U, u_slot_UR):
@@ -388,12 +394,13 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
 
     @_on_stream
     def moe_gemv_union(self, a, table: ExpertTable[Nvfp4Pointers], u_eid_U, u_slot_UR, out_RKN, per_slot_input):
-        NV.nvfp4_moe_gemv_union(a, per_slot_input, table, u_eid_U, u_slot_UR, out_RKN, self.ring)
+        NV.nvfp4_moe_gemv_union(a, per_slot_input, table, u_eid_U, u_slot_UR, out_RKN, self.ring, self._claims())
 
     @_on_stream
     def moe_gate_up_act_union(self, a_RK, experts: RoutedExperts[Nvfp4Pointers], u_eid_U, u_slot_UR, limit, gate_RKM,
                               up_RKM, act_RKM):
-        NV.nvfp4_moe_glu_union(a_RK, experts, u_eid_U, u_slot_UR, limit, gate_RKM, up_RKM, act_RKM, self.ring)
+        NV.nvfp4_moe_glu_union(a_RK, experts, u_eid_U, u_slot_UR, limit, gate_RKM, up_RKM, act_RKM, self.ring,
+                               self._claims())
 
     @_on_stream
     def sort_by_expert(self, ids_TK, num_experts, sorted_token_ids_S, sorted_expert_ids_S, expert_offsets,

@@ -81,7 +81,10 @@ class RingConfig:
     the shared expert's down projection and the site's combine run inside the routed down launch;
     ``union_*``: the verify (union) ring, by P, the matrices a warp sweeps (index 0: one projection, 1: gate
     + up), its slab (T steps of 128 k per stage) and depth; ``min_items_per_sm``: a launch with fewer (slot x
-    16-row group) items an SM goes to the block kernels, which split K (0: never). Each default's
+    16-row group) items an SM goes to the block kernels, which split K (0: never); ``claims``: a warp's items past
+    its first are claimed from a device counter (two uint32 of scratch, ``ring_claims``) where a launch's items give
+    its warps 4 or more each (``routed.CLAIMS_MIN_ITEMS_PER_WARP``), so warps that stream faster take more and the
+    launch's warps finish together, instead of every W-th item. Each default's
     measurement: docs/perf/DESIGN-NOTES.md."""
 
     enabled: bool = True
@@ -97,6 +100,7 @@ class RingConfig:
     min_items_per_sm: int = 4  # ONE expert's down projection at one row (a dense FFN stored NVFP4) falls below
     glu_slab: int = 4  # the decode ring's gate + up (RING_GLU_KERNELS)
     glu_depth: int = 2
+    claims: bool = True  # a warp's items past its first claimed from a device counter (the workspace's ring_claims)
 
     def __post_init__(self) -> None:
         if self.enabled:  # as the topology checks its levers (a RingConfig built in code too)
@@ -106,7 +110,8 @@ class RingConfig:
     def from_levers(cls, lv: PathLevers) -> "RingConfig":
         return cls(lv.ring, lv.ring_warps_per_sm, lv.ring_max_warps, lv.ring_f16, lv.ring_f16_hidden, lv.ring_placed,
                    lv.ring_down_combine, lv.ring_union_max_rows, tuple(lv.ring_union_slab),
-                   tuple(lv.ring_union_depth), lv.ring_min_items_per_sm, lv.ring_glu_slab, lv.ring_glu_depth)
+                   tuple(lv.ring_union_depth), lv.ring_min_items_per_sm, lv.ring_glu_slab, lv.ring_glu_depth,
+                   lv.ring_claims)
 
     def forms(self, swiglu_limit: float) -> tuple[str, str]:
         """(gate and up, down): the operand form (``FORM_PREFIX``'s keys; ``bf16`` for the block kernels, the

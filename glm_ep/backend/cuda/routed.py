@@ -78,12 +78,30 @@ def nvfp4_gemv(x_1K: Any, packed_NK2: Any, scale_NG: Any, scale2: float, out_1N:
 # ---- one row, every slot: the persistent ring (gemv_nvfp4_ring.cu) or the block kernels ----------
 _RING = "gemv_nvfp4_ring.cu"
 _UNION = "gemv_nvfp4_union.cu"
+# items a warp takes on average from which a ring launch claims them (``claims``) rather than taking every W-th:
+# H100, 2026-12-07 (docs/perf/DESIGN-NOTES.md), verify sites 7-19 us faster at 4..8 rows (4-6 items a warp), 1-4 us
+# slower at 2..3 (1.5-3) and 3-4 at one row (about one)
+CLAIMS_MIN_ITEMS_PER_WARP = 4
+
+
+def _claims(claims: Any, items: int, blocks: int) -> Any:
+    """A ring launch's item counter (two uint32, zero between launches: the next item, the warps done) where its
+    ``items`` give each of its warps (``blocks`` x RING_WARPS) ``CLAIMS_MIN_ITEMS_PER_WARP`` on average, else the null
+    pointer: a fixed stride."""
+    if claims is None or items < CLAIMS_MIN_ITEMS_PER_WARP * blocks * RING_WARPS:
+        return np.uint64(0)
+    check("claims", claims, U32, 4)
+    if claims.size < 2:
+        raise ValueError(f"ring claims: {claims.size} uint32, the ring keeps 2 (the next item, the warps done)")
+    return claims
 
 
 def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointers], ids_S: Any, out_SN: Any,
-                   ring: RingConfig) -> None:
+                   ring: RingConfig, claims: Any = None) -> None:
     """Every slot of ONE row in one launch: slot s runs expert ``ids[s]`` on ``x[0]`` or,
-    ``per_slot_input``, on ``x[s]``; a remote slot's output row is left untouched."""
+    ``per_slot_input``, on ``x[s]``; a remote slot's output row is left untouched. ``claims``: the ring's
+    item counter (``ring_claims``: two uint32, zero between launches; None, or too few items a warp: a fixed
+    stride)."""
     s, proj, start, count = ids_S.size, table.weights, table.start, table.count
     check("x", x, BF16), check("ids", ids_S, I32, 4), check("out", out_SN, BF16)
     check_shape("x", x, (s if per_slot_input else 1, proj.k))
@@ -98,7 +116,8 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointer
         blocks, smem, suffix = ring.geometry(proj.n, s, 1, form)
         launch(_RING, f"nvfp4_ring_moe_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, i32(s), i32(start),
-                i32(count), out_SN, i32(proj.n), i32(proj.k), i32(xshift)), smem=smem, persistent=True)
+                i32(count), out_SN, i32(proj.n), i32(proj.k), i32(xshift),
+                _claims(claims, s * (proj.n // MMA_ROWS), blocks)), smem=smem, persistent=True)
         return
     head = (x, x_stride, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S,
             i32(start), i32(count), out_SN, i32(proj.n), i32(proj.k))
@@ -108,14 +127,14 @@ def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointer
 
 def nvfp4_moe_down_combine(act_SK: Any, table: ExpertTable[Nvfp4Pointers], ids_S: Any, routed_SN: Any,
                            shared_act_1I: Any, shared_down_NI: Any, wts_1S: Any, out_1N: Any, partials: Any,
-                           arrived: Any, ring: RingConfig) -> bool:
+                           arrived: Any, ring: RingConfig, claims: Any = None) -> bool:
     """ONE row's routed down projection (slot s on ``act[s]``), the shared expert's down projection
     and the site's combine in ONE ring launch (``nvfp4_ring_moe_down_combine``): ``out`` as
     ``linear`` + ``combine`` compute it (the shared sums added in another order), ``routed`` as
     ``nvfp4_moe_gemv`` writes it (remote slots must already be zero). False, with nothing queued, where
     the ring does not take the shapes (``RingConfig.down_combine_parts``). ``partials``: fp32 of at
     least parts x n; ``arrived``: uint32 of at least n / 16, zero between launches (each launch leaves
-    it zero)."""
+    it zero); ``claims``: as ``nvfp4_moe_gemv``'s."""
     proj, start, count = table.weights, table.start, table.count
     s, n, k = ids_S.size, proj.n, proj.k
     shared_k = shared_down_NI.shape[1]
@@ -132,17 +151,19 @@ def nvfp4_moe_down_combine(act_SK: Any, table: ExpertTable[Nvfp4Pointers], ids_S
     if partials.size < parts * n or arrived.size < n // MMA_ROWS:
         raise ValueError(f"nvfp4_moe_down_combine: scratch of {partials.size} sums / {arrived.size} counts, the launch "
                          f"needs {parts * n} / {n // MMA_ROWS}")
+    items = (s + parts) * (n // MMA_ROWS)
     blocks, smem, suffix = ring.geometry(n, s, 1, proj.form, extra_items=parts * (n // MMA_ROWS))
     launch(_RING, f"nvfp4_ring_moe_down_combine_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
            (act_SK, proj.packed_ptrs, proj.scale_ptrs, proj.scale2, ids_S, i32(s), i32(start), i32(count),
             routed_SN, i32(n), i32(k), shared_down_NI, shared_act_1I, i32(shared_k), i32(parts), partials, arrived,
-            wts_1S, out_1N, i32(proj.xshift)), smem=smem, persistent=True)
+            wts_1S, out_1N, i32(proj.xshift), _claims(claims, items, blocks)), smem=smem, persistent=True)
     return True
 
 
 def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, limit: float, gate_SN: Any,
-                  up_SN: Any, act_SN: Any, ring: RingConfig) -> None:
-    """Decode gate, up and the clamped SwiGLU of every slot of one row in ONE launch."""
+                  up_SN: Any, act_SN: Any, ring: RingConfig, claims: Any = None) -> None:
+    """Decode gate, up and the clamped SwiGLU of every slot of one row in ONE launch; ``claims``: as
+    ``nvfp4_moe_gemv``'s."""
     gate, up, start, count = experts.gate.weights, experts.up.weights, experts.start, experts.count
     s, n, k = ids_S.size, gate.n, gate.k
     check("x", x_1K, BF16), check("ids", ids_S, I32, 4)
@@ -154,7 +175,7 @@ def nvfp4_moe_glu(x_1K: Any, experts: RoutedExperts[Nvfp4Pointers], ids_S: Any, 
         launch(_RING, f"nvfp4_ring_moe_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
                 ids_S, i32(s), i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k),
-                np.float32(limit)), smem=smem, persistent=True)
+                np.float32(limit), _claims(claims, s * (n // MMA_ROWS), blocks)), smem=smem, persistent=True)
         return
     head = (x_1K, gate.packed_ptrs, gate.scale_ptrs, gate.scale2, up.packed_ptrs, up.scale_ptrs, up.scale2,
             ids_S, i32(start), i32(count), gate_SN, up_SN, act_SN, i32(n), i32(k))
@@ -174,10 +195,10 @@ def _union_dims(u_eid_U: Any, u_slot_UR: Any, out_RKN: Any, what: str) -> tuple[
 
 
 def nvfp4_moe_gemv_union(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointers], u_eid_U: Any,
-                         u_slot_UR: Any, out_RKN: Any, ring: RingConfig) -> None:
+                         u_slot_UR: Any, out_RKN: Any, ring: RingConfig, claims: Any = None) -> None:
     """R = 2..8 rows: each union expert's weights swept once for every row that chose it, on the
     union ring (``ring.union_takes``) or the block kernels (grid.y = union entry). ``x`` is
-    ``[R, Kin]`` or, ``per_slot_input``, ``[R, K, Kin]``."""
+    ``[R, Kin]`` or, ``per_slot_input``, ``[R, K, Kin]``. ``claims``: as ``nvfp4_moe_gemv``'s."""
     proj, start, count = table.weights, table.start, table.count
     r, k = _union_dims(u_eid_U, u_slot_UR, out_RKN, "nvfp4_moe_gemv_union")
     check("x", x, BF16), check("out", out_RKN, BF16)
@@ -189,7 +210,8 @@ def nvfp4_moe_gemv_union(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4P
         blocks, smem, suffix = ring.union_geometry(proj.n, r, r * k, 1)
         launch(_UNION, f"nvfp4_ring_union_gemv_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x, i64(x_row), i64(proj.k if per_slot_input else 0), *tables, i32(r * k), i32(r), i32(start),
-                i32(count), out_RKN, i64(k * proj.n), i32(proj.n), i32(proj.k)), smem=smem, persistent=True)
+                i32(count), out_RKN, i64(k * proj.n), i32(proj.n), i32(proj.k),
+                _claims(claims, r * k * (proj.n // MMA_ROWS), blocks)), smem=smem, persistent=True)
         return
     grid_x, ks = _mma_geometry(proj.n, proj.k, r * k)
     launch(_NVFP4, "nvfp4_mma_moe_gemv_union", (grid_x, r * k, 1), _NVFP4_BLOCK,
@@ -198,8 +220,9 @@ def nvfp4_moe_gemv_union(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4P
 
 
 def nvfp4_moe_glu_union(x_RK: Any, experts: RoutedExperts[Nvfp4Pointers], u_eid_U: Any, u_slot_UR: Any, limit: float,
-                        gate_RKN: Any, up_RKN: Any, act_RKN: Any, ring: RingConfig) -> None:
-    """The union twin of ``nvfp4_moe_glu``: gate, up and SwiGLU of R = 2..8 rows in ONE launch."""
+                        gate_RKN: Any, up_RKN: Any, act_RKN: Any, ring: RingConfig, claims: Any = None) -> None:
+    """The union twin of ``nvfp4_moe_glu``: gate, up and SwiGLU of R = 2..8 rows in ONE launch; ``claims``: as
+    ``nvfp4_moe_gemv``'s."""
     gate, up, start, count = experts.gate.weights, experts.up.weights, experts.start, experts.count
     r, k = _union_dims(u_eid_U, u_slot_UR, act_RKN, "nvfp4_moe_glu_union")
     n, kin = gate.n, gate.k
@@ -212,7 +235,8 @@ def nvfp4_moe_glu_union(x_RK: Any, experts: RoutedExperts[Nvfp4Pointers], u_eid_
         blocks, smem, suffix = ring.union_geometry(n, r, r * k, 2)
         launch(_UNION, f"nvfp4_ring_union_glu_{suffix}", (blocks, 1, 1), (RING_WARPS * 32, 1, 1),
                (x_RK, i64(kin), *tables, i32(r * k), i32(r), i32(start), i32(count), gate_RKN, up_RKN, act_RKN,
-                i64(k * n), i32(n), i32(kin), np.float32(limit)), smem=smem, persistent=True)
+                i64(k * n), i32(n), i32(kin), np.float32(limit), _claims(claims, r * k * (n // MMA_ROWS), blocks)),
+               smem=smem, persistent=True)
         return
     grid_x, ks = _mma_geometry(n, kin, 2 * r * k)
     launch(_NVFP4, "nvfp4_mma_moe_glu_union", (grid_x, r * k, 1), _NVFP4_BLOCK,

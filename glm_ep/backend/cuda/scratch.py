@@ -29,13 +29,16 @@ def scratch_buffers(ring: RingConfig, cfg: SiteConfig, levers: PathLevers) -> tu
     | `down_combine_arrived`  | ring takes the site's shapes                 | uint32 counters (zero)              |
     | `sort_counts`           | the multi-block sort by expert (wide calls,  | SMs x experts int32 (152 KB for 288 |
     |                         | never captured) where the sorted path runs   | experts on 132 SMs)                 |
+    | `ring_claims`           | the ring kernels' item counter and their     | 2 uint32 (zero), where the ring     |
+    |                         | warps done (``RingConfig.claims``)           | claims items                        |
     """
     h, lv = cfg.hidden, levers
     n_partials, n_arrived = dense.wstream_scratch_sizes()
     parts = ring.down_combine_parts(h, cfg.moe_intermediate, cfg.local_shared_intermediate)
     counts = sm_count() * cfg.num_experts if lv.prefill_gemm and not lv.host_dispatch else 0
+    claims = 2 if ring.enabled and ring.claims else 0
     note = ("the CUDA kernels' counters and partial sums: the fused router, the K-split GEMM, the one-row down "
-            "ring's combine, the wide sort's counts; one for the stack")
+            "ring's combine, the wide sort's counts, the rings' item claims; one for the stack")
 
     def buf(name: str, dtype: Any, elements: Any, zeroed: bool = False) -> Buffer:
         return Buffer(name, np.dtype(dtype), elements, zeroed, stack=SCRATCH, note=note)
@@ -45,4 +48,5 @@ def scratch_buffers(ring: RingConfig, cfg: SiteConfig, levers: PathLevers) -> tu
             buf("wstream_arrived", U32, lambda r: n_arrived, zeroed=True),
             buf("down_combine_partials", F32, lambda r: parts * h),
             buf("down_combine_arrived", U32, lambda r: h // MMA_ROWS if parts else 0, zeroed=True),
-            buf("sort_counts", I32, lambda r: counts if r >= lv.prefill_gemm_min_rows else 0))
+            buf("sort_counts", I32, lambda r: counts if r >= lv.prefill_gemm_min_rows else 0),
+            buf("ring_claims", U32, lambda r: claims, zeroed=True))

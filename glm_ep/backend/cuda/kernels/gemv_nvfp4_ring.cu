@@ -196,7 +196,7 @@ template <int P, int T, int D, int F, bool DC = false>
 __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_stride, const u64_t* const (&wp)[P],
                                          const u64_t* const (&sp)[P], const float* const (&s2)[P], const int* ids,
                                          int S, int start, int count, const RingOut& o, int N, int K,
-                                         const DownCombine& dc = DownCombine{}, int xshift = 0) {
+                                         unsigned* claims, const DownCombine& dc = DownCombine{}, int xshift = 0) {
     static_assert(!DC || P == 1, "the combine ends the down projection");
     static_assert(F >= 1 && F <= 3 && (F != 3 || P == 1), "the forms: f16 (1), bf16u (2), placed down (3)");
     float pre = 1.0f, pre2 = 1.0f;  // F = 3: set by the pipeline's start, once the first copies are in flight
@@ -214,7 +214,7 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     float acc[P][4];
     zero_acc<P>(acc);
     ring_pipeline<D>(
-        ring, w0, W, shared_items + nlocal * groups, slabs,
+        ring, w0, W, shared_items + nlocal * groups, slabs, claims,
         [&](int item) {
             src_shared = DC && item < shared_items;
             if (src_shared) {
@@ -289,26 +289,28 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_gemv_##TAG##t##T##_d##D(                \
         const bf16_t* __restrict__ x, long long x_slot_stride, const u64_t* __restrict__ packed_ptrs,                 \
         const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, const int* __restrict__ ids, int S,   \
-        int start, int count, bf16_t* __restrict__ out, int N, int K, int xshift) {                                   \
+        int start, int count, bf16_t* __restrict__ out, int N, int K, int xshift, unsigned* claims) {                 \
         pdl_enter();                                                                                                  \
         const u64_t* const wp[1] = {packed_ptrs};                                                                     \
         const u64_t* const sp[1] = {scale_ptrs};                                                                      \
         const float* const s2[1] = {scale2};                                                                          \
         const RingOut o = {out, nullptr, nullptr, nullptr, 0.0f};                                                     \
-        ring_moe<1, T, D, F>(x, x_slot_stride, wp, sp, s2, ids, S, start, count, o, N, K, DownCombine{}, xshift);     \
+        ring_moe<1, T, D, F>(x, x_slot_stride, wp, sp, s2, ids, S, start, count, o, N, K, claims, DownCombine{},      \
+                             xshift);                                                                                 \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_moe_down_combine_##TAG##t##T##_d##D(        \
         const bf16_t* __restrict__ x, const u64_t* __restrict__ packed_ptrs, const u64_t* __restrict__ scale_ptrs,    \
         const float* __restrict__ scale2, const int* __restrict__ ids, int S, int start, int count, bf16_t* routed,   \
         int N, int K, const bf16_t* __restrict__ sh_w, const bf16_t* __restrict__ sh_x, int sh_k, int parts,          \
-        float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out, int xshift) {    \
+        float* partials, unsigned* arrived, const float* __restrict__ wts, bf16_t* __restrict__ out, int xshift,      \
+        unsigned* claims) {                                                                                           \
         pdl_enter();                                                                                                  \
         const u64_t* const wp[1] = {packed_ptrs};                                                                     \
         const u64_t* const sp[1] = {scale_ptrs};                                                                      \
         const float* const s2[1] = {scale2};                                                                          \
         const RingOut o = {routed, nullptr, nullptr, nullptr, 0.0f};                                                  \
         const DownCombine dc = {sh_w, sh_x, sh_k, parts, partials, arrived, wts, out};                                \
-        ring_moe<1, T, D, F, true>(x, K, wp, sp, s2, ids, S, start, count, o, N, K, dc, xshift);                      \
+        ring_moe<1, T, D, F, true>(x, K, wp, sp, s2, ids, S, start, count, o, N, K, claims, dc, xshift);              \
     }
 
 #define RING_GLU_ENTRY(T, D, F, TAG)                                                                                  \
@@ -319,13 +321,13 @@ __device__ __forceinline__ void ring_moe(const bf16_t* x, long long x_slot_strid
         const float* __restrict__ gate_scale2, const u64_t* __restrict__ up_packed,                                   \
         const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2, const int* __restrict__ ids, int S,  \
         int start, int count, bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* __restrict__ act, int N,    \
-        int K, float limit) {                                                                                         \
+        int K, float limit, unsigned* claims) {                                                                       \
         pdl_enter();                                                                                                  \
         const u64_t* const wp[2] = {gate_packed, up_packed};                                                          \
         const u64_t* const sp[2] = {gate_scale, up_scale};                                                            \
         const float* const s2[2] = {gate_scale2, up_scale2};                                                          \
         const RingOut o = {nullptr, gate, up, act, limit};                                                            \
-        ring_moe<2, T, D, F>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K);                                        \
+        ring_moe<2, T, D, F>(x, 0, wp, sp, s2, ids, S, start, count, o, N, K, claims);                                \
     }
 
 // The forms RingConfig.forms picks (cuda/ring.py): gate + up in bf16u or f16, the down projection in those or

@@ -137,7 +137,7 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
                                            const u64_t* const (&wp)[P], const u64_t* const (&sp)[P],
                                            const float* const (&s2)[P], const int* u_eid, const int* u_slot, int U,
                                            int rows, int start, int count, const RingOut& o, long long out_row_stride,
-                                           int N, int K) {
+                                           int N, int K, unsigned* claims) {
     u64_t wb[2][P], sb[2][P];
     float fb[2][P];
     UnionEntry ents[2];
@@ -152,7 +152,7 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
     float acc[P][4];
     zero_acc<P>(acc);
     ring_pipeline<D>(
-        ring, w0, W, nlocal * groups, K / (128 * T),
+        ring, w0, W, nlocal * groups, K / (128 * T), claims,
         [&](int item) { union_src<P, R>(item / groups, (item % groups) * 16, wb, sb, ents, K, src); },
         [&](RingStage<P, T, R>& st, int b) { issue_union_slab<P, T, R>(st, src, b); },
         [&](const RingStage<P, T, R>& st, int, int) { consume_slab<P, T, R>(st, acc); },
@@ -180,14 +180,14 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
         const bf16_t* __restrict__ x, long long x_row_stride, long long x_slot_stride,                               \
         const u64_t* __restrict__ packed_ptrs, const u64_t* __restrict__ scale_ptrs, const float* __restrict__ scale2, \
         const int* __restrict__ u_eid, const int* __restrict__ u_slot, int U, int rows, int start, int count,       \
-        bf16_t* __restrict__ out, long long out_row_stride, int N, int K) {                                          \
+        bf16_t* __restrict__ out, long long out_row_stride, int N, int K, unsigned* claims) {                        \
         pdl_enter();                                                                                                 \
         const u64_t* const wp[1] = {packed_ptrs};                                                                   \
         const u64_t* const sp[1] = {scale_ptrs};                                                                    \
         const float* const s2[1] = {scale2};                                                                        \
         const RingOut o = {out, nullptr, nullptr, nullptr, 0.0f};                                                   \
         ring_union<1, T, D, R>(x, x_row_stride, x_slot_stride, wp, sp, s2, u_eid, u_slot, U, rows, start, count, o,  \
-                               out_row_stride, N, K);                                                               \
+                               out_row_stride, N, K, claims);                                                       \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(RING_THREADS) nvfp4_ring_union_glu_r##R##_t##T##_d##D(              \
         const bf16_t* __restrict__ x, long long x_row_stride, const u64_t* __restrict__ gate_packed,                 \
@@ -195,14 +195,14 @@ __device__ __forceinline__ void ring_union(const bf16_t* x, long long x_row_stri
         const u64_t* __restrict__ up_packed, const u64_t* __restrict__ up_scale, const float* __restrict__ up_scale2, \
         const int* __restrict__ u_eid, const int* __restrict__ u_slot, int U, int rows, int start, int count,       \
         bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* __restrict__ act, long long out_row_stride,      \
-        int N, int K, float limit) {                                                                                \
+        int N, int K, float limit, unsigned* claims) {                                                              \
         pdl_enter();                                                                                                \
         const u64_t* const wp[2] = {gate_packed, up_packed};                                                        \
         const u64_t* const sp[2] = {gate_scale, up_scale};                                                          \
         const float* const s2[2] = {gate_scale2, up_scale2};                                                        \
         const RingOut o = {nullptr, gate, up, act, limit};                                                          \
         ring_union<2, T, D, R>(x, x_row_stride, 0, wp, sp, s2, u_eid, u_slot, U, rows, start, count, o,             \
-                               out_row_stride, N, K);                                                               \
+                               out_row_stride, N, K, claims);                                                       \
     }
 
 RING_UNION_ENTRIES(2, 2, 3)

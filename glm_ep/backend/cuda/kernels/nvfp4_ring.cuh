@@ -95,8 +95,14 @@ struct RingOut {
     float limit;
 };
 
-// The per-warp cp.async pipeline of both ring forms. The warp's items are w0, w0 + W, ... < items,
-// each `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries. The steps are callables:
+// The per-warp cp.async pipeline of both ring forms. A warp's first item is w0 (< W, the launch's warps); past it,
+// with `claims` (two uint32, zero between launches), each item is the next value of the counter claims[0], so a
+// warp that streams faster takes more items and the launch's warps finish together; without (nullptr), w0 + W,
+// w0 + 2 W, ... < items. claims[1] counts the warps done claiming; the last of the W zeroes both for the next
+// launch. Each item is `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries, so the producer runs up to
+// D - 1 items ahead of the consumer, which takes them in the order the producer started them (a queue in
+// registers). The claim of the item after the producer's is sent when the producer starts one, so its round trip
+// overlaps that item's slabs. The steps are callables:
 // src(item) points the producer at an item, issue(stage, slab) copies a slab of the producer's item,
 // consume(stage, item, slab) multiplies a landed slab of the item into the caller's accumulators, finish(item)
 // stores a finished item and clears them; start() runs once on every warp (a warp without items too), once the
@@ -107,39 +113,58 @@ struct NoStart {
 
 template <int D, typename Stage, typename Src, typename Issue, typename Consume,
           typename Finish, typename Start = NoStart>
-__device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int items, int slabs, Src&& src,
-                                              Issue&& issue, Consume&& consume, Finish&& finish,
+__device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int items, int slabs, unsigned* claims,
+                                              Src&& src, Issue&& issue, Consume&& consume, Finish&& finish,
                                               Start&& start = Start{}) {
-    const int total = (w0 < items ? (items - w0 + W - 1) / W : 0) * slabs;  // this warp's slabs (maybe none)
-    if (total == 0) {
-        start();
-        return;
+    static_assert(D >= 2 && D <= 4, "a ring of 2..4 stages");
+    const bool lead = (threadIdx.x & 31) == 0;
+    int ahead[D - 1];  // items the producer has started and the consumer has not, oldest first
+    int queued = 0;
+    auto push = [&](int item) {
+#pragma unroll
+        for (int i = 0; i < D - 1; ++i)
+            if (i == queued) ahead[i] = item;
+        ++queued;
+    };
+    auto pop = [&]() {
+        const int item = ahead[0];
+#pragma unroll
+        for (int i = 0; i + 1 < D - 1; ++i) ahead[i] = ahead[i + 1];
+        --queued;
+        return item;
+    };
+    unsigned claimed = 0u;  // lead lane: the counter's value for the item after the producer's
+    auto ask = [&]() {
+        if (claims != nullptr && lead) claimed = atomicAdd(claims, 1u);
+    };
+    int p_item = w0, p_s = 0;  // producer: the item and slab of the next copy (p_item >= items: none left)
+    if (p_item < items) {
+        src(p_item);
+        ask();
     }
-    int p_item = w0, p_s = 0;  // producer: (item, slab) of the next load
-    src(p_item);
-    auto advance = [&]() {
-        if (++p_s < slabs) return;
-        p_s = 0;
-        p_item += W;
-        if (p_item < items) src(p_item);
+    auto produce = [&](Stage& st) {
+        if (p_item >= items) return;
+        if (p_s == slabs) {  // warp-uniform
+            p_item = claims != nullptr ? W + (int)__shfl_sync(0xffffffffu, claimed, 0) : p_item + W;
+            p_s = 0;
+            if (p_item >= items) return;
+            src(p_item);
+            ask();
+            push(p_item);
+        }
+        issue(st, p_s++);
     };
 #pragma unroll
     for (int d = 0; d < D - 1; ++d) {
-        if (d < total) {
-            issue(ring[d], p_s);
-            advance();
-        }
+        produce(ring[d]);
         cp_async_commit();
     }
     start();
     int c_item = w0, c_s = 0, stage = 0, fill = D - 1;
-    for (int f = 0; f < total; ++f) {
-        cp_async_wait<D - 2>();  // slab f has landed (this lane's copies)
-        __syncwarp();            // ... and every lane's; every lane is done with slab f - 1's stage
-        if (f + D - 1 < total) {
-            issue(ring[fill], p_s);
-            advance();
-        }
+    while (c_item < items) {
+        cp_async_wait<D - 2>();  // the consumer's slab has landed (this lane's copies) ...
+        __syncwarp();            // ... and every lane's; every lane is done with the slab before it
+        produce(ring[fill]);
         cp_async_commit();
         fill = fill + 1 == D ? 0 : fill + 1;
         consume(ring[stage], c_item, c_s);
@@ -147,7 +172,17 @@ __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int it
         if (++c_s == slabs) {  // warp-uniform
             finish(c_item);
             c_s = 0;
-            c_item += W;
+            c_item = queued ? pop() : items;  // the producer is a slab ahead: it has started the next item if any
+        }
+    }
+    if (claims != nullptr) {
+        __syncwarp();
+        if (lead) {
+            __threadfence();  // this warp's claims before its count
+            if (atomicAdd(claims + 1, 1u) == (unsigned)W - 1) {  // every warp is done claiming
+                claims[0] = 0u;
+                claims[1] = 0u;
+            }
         }
     }
 }
