@@ -12,8 +12,10 @@ GLM-5.3-Flash shape, against the measured copy bandwidth.
   kernels.
 - ``union``: gate + up + SwiGLU and down of the union of 2..8 rows over all 288 experts (rows drawn as the
   router would), for the block kernels and each union ring geometry (slab and depth: ``ring_union_slab`` and
-  ``ring_union_depth``, one projection's and gate + up's), and the widest row count up to which the shipped ring
-  is never slower than the block kernels (the ``ring_union_max_rows`` lever).
+  ``ring_union_depth``, one projection's and gate + up's), h100-1's with each warp's items at a fixed stride
+  instead of claimed (``ring_claims = false``; claims run where a launch has 4 items a warp or more), and the
+  widest row count up to which the shipped ring is never slower than the block kernels (the
+  ``ring_union_max_rows`` lever).
 
 Each figure is the median replay time of a CUDA graph over ``--layers`` distinct layers (the weights stream
 from HBM, not L2), per layer; random NVFP4 weights, timing only. Writes SWEEP_RING.md / sweep_ring.json or
@@ -54,6 +56,8 @@ UNION_VARIANTS = (("block kernels (ring_union_max_rows = 0)", dict(union_max_row
                   ("union ring, the down at depth 2 (ring_union_depth = [2, 3], h100-1)",
                    dict(union_max_rows=8, union_depth=(2, 3))),
                   ("union ring, slab 2 depth 2", dict(union_max_rows=8, union_depth=(2, 2))),
+                  ("union ring, depth [2, 3], items at a fixed stride (ring_claims = false)",
+                   dict(union_max_rows=8, union_depth=(2, 3), claims=False)),
                   ("block kernels (again)", dict(union_max_rows=0)),
                   ("union ring, slab 2 depth 3 (again)", dict(union_max_rows=8)))
 UNION_ROWS = (2, 3, 4, 5, 6, 7, 8)
