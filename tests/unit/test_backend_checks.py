@@ -134,6 +134,9 @@ def test_the_ring_declines_launches_of_few_items_an_sm(monkeypatch) -> None:
     assert not ring.takes(4096, 12288, 1, 1)
     assert ring.takes(12288, 4096, 1, 2) and ring.takes(2048, 4096, 8, 2) and ring.takes(4096, 2048, 8, 1)
     assert RingConfig(min_items_per_sm=0).takes(4096, 12288, 1, 1)
+    # no K: nothing for the ring to stream (its items would never end); the block kernels take it
+    assert not RingConfig(min_items_per_sm=0).takes(4096, 0, 8, 1)
+    assert not RingConfig(union_max_rows=8).union_takes(4096, 0, 4, 1)
     monkeypatch.setattr(R, "sm_count", lambda: 48)  # a GB10: 256 items are 5.3 an SM
     assert ring.takes(4096, 12288, 1, 1)
 

@@ -130,7 +130,7 @@ class RingConfig:
     def takes(self, n: int, k: int, slots: int, p: int) -> bool:
         """Whether the ring serves a launch of ``slots`` slots of ``p`` [n, k] matrices: the shapes it is
         built for, with at least ``min_items_per_sm`` items an SM (a warp takes whole items, K unsplit)."""
-        return (self.enabled and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.stages(p)[0]) == 0
+        return (self.enabled and n % MMA_ROWS == 0 and k > 0 and k % (RING_STEP_K * self.stages(p)[0]) == 0
                 and slots <= RING_MAX_SLOTS
                 and (not self.min_items_per_sm or slots * (n // MMA_ROWS) >= self.min_items_per_sm * sm_count()))
 
@@ -194,7 +194,7 @@ class RingConfig:
     def union_takes(self, n: int, k: int, rows: int, p: int) -> bool:
         """Whether the union ring serves ``rows`` rows of ``p`` [n, k] matrices."""
         return (self.enabled and 2 <= rows <= min(self.union_max_rows, UNION_RING_ROWS[-1])
-                and n % MMA_ROWS == 0 and k % (RING_STEP_K * self.union_slab[p - 1]) == 0)
+                and n % MMA_ROWS == 0 and k > 0 and k % (RING_STEP_K * self.union_slab[p - 1]) == 0)
 
     def union_geometry(self, n: int, rows: int, entries: int, p: int) -> tuple[int, int, str]:
         """(blocks, dynamic smem bytes, entry suffix) of a union launch over its entries x row groups;

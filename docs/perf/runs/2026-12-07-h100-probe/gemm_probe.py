@@ -25,7 +25,7 @@ def patched(name: str) -> str:
     src = PROBE + src
     for kind, call in ((0, "        gemm_sorted<G>("), (1, "        gemm_sorted_glu<G>(")):
         assert call in src
-        head = (f"        unsigned long long __t0 = probe_gt(); const unsigned __sm = probe_smid();\\\n")
+        head = "        unsigned long long __t0 = probe_gt(); const unsigned __sm = probe_smid();\\\n"
         tail = (f"        __syncthreads(); if (threadIdx.x == 0) {{ unsigned long long* __p = g_probe + "
                 f"((size_t){kind} * 65536 + blockIdx.x) * 4; __p[0] = __t0; __p[1] = probe_gt(); __p[2] = __sm; "
                 f"__p[3] = 1 + blockIdx.y; }} \\\n")
@@ -57,7 +57,7 @@ def timeline(tag: str, p: np.ndarray, nbytes: float, copy_gbs: float, sms: int) 
           f"{nbytes / span / 1e3:.0f} GB/s ({100 * nbytes / span / 1e3 / copy_gbs:.0f}% of copy)")
     print(f"   block duration us min/p10/p50/p90/max: {q(dur[work])}")
     print(f"   resident tiles: p90 {full:.0f}; below 90% of that from {tail_from:.1f} us ({100 * (span - tail_from) / span:.0f}% of the span)")
-    print(f"   resident at 10..100% of the span: " + " ".join(str(int(res[min(399, int(f * 399))])) for f in np.arange(0.1, 1.01, 0.1)))
+    print("   resident at 10..100% of the span: " + " ".join(str(int(res[min(399, int(f * 399))])) for f in np.arange(0.1, 1.01, 0.1)))
     print(f"   last block start {st[work].max():.1f} us; busy time an SM min/mean/max {per_sm.min():.0f} / "
           f"{per_sm.mean():.0f} / {per_sm.max():.0f} (block-us)")
 

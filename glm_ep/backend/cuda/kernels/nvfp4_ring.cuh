@@ -117,6 +117,7 @@ __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int it
                                               Src&& src, Issue&& issue, Consume&& consume, Finish&& finish,
                                               Start&& start = Start{}) {
     static_assert(D >= 2 && D <= 4, "a ring of 2..4 stages");
+    if (slabs <= 0) items = 0;  // no K (the wrappers refuse it): nothing to stream, and no item ever ends
     const bool lead = (threadIdx.x & 31) == 0;
     int ahead[D - 1];  // items the producer has started and the consumer has not, oldest first
     int queued = 0;
