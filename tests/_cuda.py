@@ -94,6 +94,38 @@ def both(w: MoeWeights, be=None, limit: float = 10.0):
     return (be or backend()).upload_moe(w, limit).experts, NumpyBackend().upload_moe(w, limit).experts
 
 
+def claims_pair(ring: dict, hidden: int, moe_width: int):
+    """Two backends on the shared backend's stream with the ring levers ``ring``, each with its scratch bound: one
+    whose ring launches claim their items (``ring_claims``), one at a fixed stride; and the first's scratch."""
+    from glm_ep.backend.cuda import CudaBackend, RingConfig
+
+    claimed = CudaBackend(0, RingConfig(**ring), stream=backend().stream)
+    scratch = bind_scratch(claimed, hidden=hidden, moe_width=moe_width)
+    fixed = CudaBackend(0, RingConfig(**ring, claims=False), stream=backend().stream)
+    bind_scratch(fixed, hidden=hidden, moe_width=moe_width)
+    assert claimed._claims() is not None and fixed._claims() is None
+    return claimed, fixed, scratch
+
+
+def assert_claims_match(claimed, fixed, run, outs, claims, what: str, rows: dict | None = None) -> None:
+    """``run(be)`` (the ops under test, writing gate, up, act and down into ``outs[be]``) once at the fixed stride,
+    then on ``claimed``: launched, launched again and replayed from a graph, its outputs poisoned before each. Every
+    output is bit for bit the fixed stride's (``rows``: the rows compared, by output name) and the claim counter
+    ``claims`` is zero after each."""
+    run(fixed)
+    want = [host(o).view(np.uint16) for o in outs[fixed]]
+    run(claimed)  # loads the kernels outside the capture
+    replay = claimed.capture(lambda: run(claimed))
+    for label in ("launch", "launch again", "replay", "replay again"):
+        for o in outs[claimed]:
+            cupy.cuda.runtime.memsetAsync(o.data.ptr, 0xFF, o.nbytes, claimed.stream.ptr)
+        replay() if label.startswith("replay") else run(claimed)
+        for name, o, ref in zip(("gate", "up", "act", "down"), outs[claimed], want):
+            r = (rows or {}).get(name, slice(None))
+            np.testing.assert_array_equal(host(o).view(np.uint16)[r], ref[r], err_msg=f"{what}, {label}: {name}")
+        assert not host(claims).any(), f"{what}, {label}: the claim counter was left non-zero"
+
+
 def poisoned(shape, dtype):
     """A device buffer whose every byte is 0xFF (NaN for bf16/fp32) or, for int32, 0x7B7B7B7B:
     a value no kernel writes, so an element left unwritten is caught."""

@@ -10,8 +10,8 @@ import pytest
 
 from glm_ep.backend.numpy_backend import NumpyBackend
 
-from _cuda import (TOP_K, assert_written, backend, bind_scratch, both, check_moe_gate_up_act, check_moe_gemv, dev,
-                   host, moe_weights, poisoned, requires_cuda, spy_launches, unwritten)
+from _cuda import (TOP_K, assert_claims_match, assert_written, backend, bind_scratch, both, check_moe_gate_up_act,
+                   check_moe_gemv, claims_pair, dev, host, moe_weights, poisoned, requires_cuda, spy_launches, unwritten)
 from helpers import BF16, assert_close, assert_ulps, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -229,18 +229,12 @@ def test_decode_ring_claims(rng, ring, max_warps):
     """The decode ring's items past a warp's first claimed from the device counter (``ring_claims``) against the
     fixed stride: gate + up + SwiGLU and the down projection bit for bit the same, launched, launched again and
     replayed from a graph; the counter returns to zero after each launch."""
-    import cupy
-
-    from glm_ep.backend.cuda import CudaBackend, RingConfig, routed
+    from glm_ep.backend.cuda import routed
     from glm_ep.backend.cuda.kernel_loader import RING_WARPS
 
     h, m, start, count = 2048, 1024, 4, 6
     rc = dict(**ANY_ITEMS, max_warps=max_warps, **ring)
-    claimed = CudaBackend(0, RingConfig(**rc), stream=backend().stream)
-    sc = bind_scratch(claimed, hidden=h, moe_width=m)
-    fixed = CudaBackend(0, RingConfig(**rc, claims=False), stream=backend().stream)
-    bind_scratch(fixed, hidden=h, moe_width=m)
-    assert claimed._claims() is not None and fixed._claims() is None
+    claimed, fixed, sc = claims_pair(rc, h, m)
     w = moe_weights(rng, h=h, m=m, start=start, count=count)
     tables = {be: both(w, be)[0] for be in (claimed, fixed)}
     if max_warps:  # few warps: the launches claim (routed.CLAIMS_MIN_ITEMS_PER_WARP items a warp or more)
@@ -257,15 +251,5 @@ def test_decode_ring_claims(rng, ring, max_warps):
         be.moe_gate_up_act(x, tables[be], ids, 1.0, *o[:3])
         be.moe_gemv(act, tables[be].down, ids, o[3], True)
 
-    run(fixed)
-    want = [host(o).view(np.uint16) for o in outs[fixed]]
-    run(claimed)  # loads the kernels outside the capture
-    replay = claimed.capture(lambda: run(claimed))
-    for label in ("launch", "launch again", "replay", "replay again"):
-        for o in outs[claimed]:
-            cupy.cuda.runtime.memsetAsync(o.data.ptr, 0xFF, o.nbytes, claimed.stream.ptr)
-        replay() if label.startswith("replay") else run(claimed)
-        for name, o, ref in zip(("gate", "up", "act", "down"), outs[claimed], want):
-            rows = local if name == "act" else slice(None)  # act rows of remote slots are unspecified
-            np.testing.assert_array_equal(host(o).view(np.uint16)[rows], ref[rows], err_msg=f"{label} {name}, {rc}")
-        assert not host(sc["ring_claims"]).any(), f"{label}: the claim counter was left non-zero"
+    # act rows of remote slots are unspecified
+    assert_claims_match(claimed, fixed, run, outs, sc["ring_claims"], f"decode ring {rc}", rows={"act": local})

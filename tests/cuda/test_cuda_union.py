@@ -11,8 +11,8 @@ import pytest
 from glm_ep.mlp import routing
 from glm_ep.backend.numpy_backend import NumpyBackend
 
-from _cuda import (E, H, M, TOP_K, assert_written, backend, bind_scratch, both, dev, host, moe_weights, poisoned,
-                   requires_cuda, unwritten)
+from _cuda import (E, H, M, TOP_K, assert_claims_match, assert_written, backend, both, claims_pair, dev, host,
+                   moe_weights, poisoned, requires_cuda, unwritten)
 from helpers import BF16, assert_close, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
@@ -157,18 +157,12 @@ def test_union_ring_claims(rng, ring, max_warps):
     """Items past a warp's first claimed from the device counter (``ring_claims``, bound as a workspace binds it)
     against the fixed stride: the same items, each run by one warp in one order, so every output is bit for bit
     the same, launched, launched again and replayed from a graph; the counter returns to zero after each launch."""
-    import cupy
-
-    from glm_ep.backend.cuda import CudaBackend, RingConfig, routed
+    from glm_ep.backend.cuda import routed
     from glm_ep.backend.cuda.kernel_loader import RING_WARPS
 
     h, m = 2048, 1024
     rc = dict(union_max_rows=8, min_items_per_sm=0, max_warps=max_warps, **ring)
-    claimed = CudaBackend(0, RingConfig(**rc), stream=backend().stream)
-    sc = bind_scratch(claimed, hidden=h, moe_width=m)
-    fixed = CudaBackend(0, RingConfig(**rc, claims=False), stream=backend().stream)
-    bind_scratch(fixed, hidden=h, moe_width=m)
-    assert claimed._claims() is not None and fixed._claims() is None
+    claimed, fixed, sc = claims_pair(rc, h, m)
     w = moe_weights(rng, h=h, m=m, start=0, count=E)
     tables = {be: both(w, be)[0] for be in (claimed, fixed)}
     if max_warps:  # few warps: the launches claim (routed.CLAIMS_MIN_ITEMS_PER_WARP items a warp or more)
@@ -185,14 +179,4 @@ def test_union_ring_claims(rng, ring, max_warps):
         be.moe_gate_up_act_union(x, tables[be], u_eid, u_slot, 1.0, *o[:3])
         be.moe_gemv_union(act, tables[be].down, u_eid, u_slot, o[3], True)
 
-    run(fixed)
-    want = [host(o).view(np.uint16) for o in outs[fixed]]
-    run(claimed)  # loads the kernels outside the capture
-    replay = claimed.capture(lambda: run(claimed))
-    for label in ("launch", "launch again", "replay", "replay again"):
-        for o in outs[claimed]:
-            cupy.cuda.runtime.memsetAsync(o.data.ptr, 0xFF, o.nbytes, claimed.stream.ptr)
-        replay() if label.startswith("replay") else run(claimed)
-        for name, o, ref in zip(("gate", "up", "act", "down"), outs[claimed], want):
-            np.testing.assert_array_equal(host(o).view(np.uint16), ref, err_msg=f"{label} {name}, {rc}")
-        assert not host(sc["ring_claims"]).any(), f"{label}: the claim counter was left non-zero"
+    assert_claims_match(claimed, fixed, run, outs, sc["ring_claims"], f"union ring {rc}")
