@@ -107,23 +107,42 @@ def claims_pair(ring: dict, hidden: int, moe_width: int):
     return claimed, fixed, scratch
 
 
-def assert_claims_match(claimed, fixed, run, outs, claims, what: str, rows: dict | None = None) -> None:
+def assert_claims_match(claimed, fixed, run, outs, claims, claiming: bool, what: str, rows: dict | None = None) -> None:
     """``run(be)`` (the ops under test, writing gate, up, act and down into ``outs[be]``) once at the fixed stride,
     then on ``claimed``: launched, launched again and replayed from a graph, its outputs poisoned before each. Every
     output is bit for bit the fixed stride's (``rows``: the rows compared, by output name) and the claim counter
-    ``claims`` is zero after each."""
+    ``claims`` is zero after each. Then the counter is read where the launches claim (``claiming``) and only there:
+    set to 1 before a launch, it hands out one item fewer (an output is left poisoned) and is zero after; where the
+    launches take the fixed stride, the outputs are the same and the counter is untouched."""
+    names = ("gate", "up", "act", "down")
+
+    def launch(label: str, replay=None) -> list:
+        for o in outs[claimed]:
+            cupy.cuda.runtime.memsetAsync(o.data.ptr, 0xFF, o.nbytes, claimed.stream.ptr)
+        replay() if replay is not None else run(claimed)
+        return [host(o).view(np.uint16)[(rows or {}).get(name, slice(None))] for name, o in zip(names, outs[claimed])]
+
     run(fixed)
-    want = [host(o).view(np.uint16) for o in outs[fixed]]
+    want = [host(o).view(np.uint16)[(rows or {}).get(name, slice(None))] for name, o in zip(names, outs[fixed])]
     run(claimed)  # loads the kernels outside the capture
     replay = claimed.capture(lambda: run(claimed))
     for label in ("launch", "launch again", "replay", "replay again"):
-        for o in outs[claimed]:
-            cupy.cuda.runtime.memsetAsync(o.data.ptr, 0xFF, o.nbytes, claimed.stream.ptr)
-        replay() if label.startswith("replay") else run(claimed)
-        for name, o, ref in zip(("gate", "up", "act", "down"), outs[claimed], want):
-            r = (rows or {}).get(name, slice(None))
-            np.testing.assert_array_equal(host(o).view(np.uint16)[r], ref[r], err_msg=f"{what}, {label}: {name}")
+        got = launch(label, replay if label.startswith("replay") else None)
+        for name, g, ref in zip(names, got, want):
+            np.testing.assert_array_equal(g, ref, err_msg=f"{what}, {label}: {name}")
         assert not host(claims).any(), f"{what}, {label}: the claim counter was left non-zero"
+    with claimed.stream:
+        claims[:1].fill(1)
+    got = launch("counter at 1")
+    same = all(np.array_equal(g, ref) for g, ref in zip(got, want))
+    if claiming:
+        assert not same, f"{what}: a launch that claims handed out every item from a counter at 1"
+        assert not host(claims).any(), f"{what}: the claim counter was left non-zero"
+    else:
+        assert same, f"{what}: a fixed-stride launch read the claim counter"
+        assert host(claims)[0] == 1, f"{what}: a fixed-stride launch touched the claim counter"
+        with claimed.stream:
+            claims.fill(0)
 
 
 def poisoned(shape, dtype):

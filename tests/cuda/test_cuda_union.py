@@ -157,17 +157,11 @@ def test_union_ring_claims(rng, ring, max_warps):
     """Items past a warp's first claimed from the device counter (``ring_claims``, bound as a workspace binds it)
     against the fixed stride: the same items, each run by one warp in one order, so every output is bit for bit
     the same, launched, launched again and replayed from a graph; the counter returns to zero after each launch."""
-    from glm_ep.backend.cuda import routed
-    from glm_ep.backend.cuda.kernel_loader import RING_WARPS
-
     h, m = 2048, 1024
     rc = dict(union_max_rows=8, min_items_per_sm=0, max_warps=max_warps, **ring)
     claimed, fixed, sc = claims_pair(rc, h, m)
     w = moe_weights(rng, h=h, m=m, start=0, count=E)
     tables = {be: both(w, be)[0] for be in (claimed, fixed)}
-    if max_warps:  # few warps: the launches claim (routed.CLAIMS_MIN_ITEMS_PER_WARP items a warp or more)
-        blocks = claimed.ring.union_geometry(m, 6, 6 * TOP_K, 2)[0]
-        assert 6 * TOP_K * (m // 16) >= routed.CLAIMS_MIN_ITEMS_PER_WARP * blocks * RING_WARPS
     ids = _union_ids(rng, 6)
     u_eid, u_slot = (dev(a) for a in routing.union_table(ids))
     x, act = dev(rand_bf16(rng, (6, h), 2.0)), dev(rand_bf16(rng, (6, TOP_K, m)))
@@ -179,4 +173,6 @@ def test_union_ring_claims(rng, ring, max_warps):
         be.moe_gate_up_act_union(x, tables[be], u_eid, u_slot, 1.0, *o[:3])
         be.moe_gemv_union(act, tables[be].down, u_eid, u_slot, o[3], True)
 
-    assert_claims_match(claimed, fixed, run, outs, sc["ring_claims"], f"union ring {rc}")
+    # at most 16 union entries (the rows' pool): 1024 gate + up items and 2048 down items; 4 or 16 warps claim them,
+    # a grid sized for the device's SMs (under 4 items a warp) does not
+    assert_claims_match(claimed, fixed, run, outs, sc["ring_claims"], max_warps > 0, f"union ring {rc}")

@@ -167,10 +167,11 @@ def test_ring_claims_lever_and_where_a_launch_claims() -> None:
     assert routed._claims(c, most * warps, 10) is c
     assert routed._claims(c, most * warps - 1, 10) == np.uint64(0)  # fewer than 4 items a warp: a fixed stride
     assert routed._claims(None, 10 ** 6, 1) == np.uint64(0)
-    with pytest.raises(TypeError, match="claims: dtype int32"):
-        routed._claims(Counter(np.int32), most * warps, 10)
-    with pytest.raises(ValueError, match="ring claims: 1 uint32, the ring keeps 2"):
-        routed._claims(Counter(size=1), most * warps, 10)
+    for items in (most * warps, 1):  # a counter not fit to claim is refused whatever the launch's items
+        with pytest.raises(TypeError, match="claims: dtype int32"):
+            routed._claims(Counter(np.int32), items, 10)
+        with pytest.raises(ValueError, match="ring claims: 1 uint32, the ring keeps 2"):
+            routed._claims(Counter(size=1), items, 10)
 
 
 def test_dependent_launch_lever_and_its_argument_marshalling() -> None:

@@ -91,8 +91,9 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
         # orders the two, and ``copy`` moves data on this one.
         self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
         # the kernels' scratch (``scratch_buffers``), made by the workspace and handed over by ``bind``: the fused
-        # router's block counter and the counters of the K splits stay zero between launches (a launch on this stream
-        # touches memory only once the one before it has finished, with or without programmatic dependent launch)
+        # router's block counter, the counters of the K splits and the rings' claim counters stay zero between
+        # launches (a launch on this stream touches memory only once the one before it has finished, with or without
+        # programmatic dependent launch)
         self._route_done = self._wstream = self._down_combine = self._sort_counts = self._ring_claims = None
         self._said_unbound = False
 

@@ -40,6 +40,10 @@ KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 # ---- compile-time constants (-D) and the kernel limits they fix ---------------------------------
 NVFP4_WARPS = 8  # warps per NVFP4 GEMV block
 RING_WARPS = 2  # warps per block of the persistent decode kernels (gemv_nvfp4_ring.cu)
+# items a warp of a ring launch has on average from which it claims them from a counter (``ring_claims``) rather than
+# taking every W-th: H100, 2026-12-07 (docs/perf/DESIGN-NOTES.md), the verify site 1-5% faster at 4..8 rows (4-8
+# items a warp), 1-4 us slower at 2..3 rows (2-3) and 3-4 at one row (about one)
+RING_CLAIMS_MIN_ITEMS = 4
 GEMV_WARPS = 8  # warps per bf16 GEMV block
 GEMV_ROWS_PER_WARP = 2  # rows per warp-group of a bf16 GEMV
 GEMV_MAX_ROWS = KERNEL_LIMITS.max_gemv_rows  # widest batch-M tier (bf16_gemv_r1 .. r8)
@@ -61,6 +65,7 @@ SORT_THREADS = 1024
 DEFINES = {
     "NVFP4_WARPS": NVFP4_WARPS,
     "RING_WARPS": RING_WARPS,
+    "RING_CLAIMS_MIN_ITEMS": RING_CLAIMS_MIN_ITEMS,
     "GEMV_WARPS": GEMV_WARPS,
     "GEMV_ROWS_PER_WARP": GEMV_ROWS_PER_WARP,
     "MMA_GEMM_WARPS": MMA_GEMM_WARPS,

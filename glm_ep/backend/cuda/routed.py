@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.kernel_loader import (BF16, F32, I32, MMA_ROWS, NVFP4_WARPS, RING_WARPS, U8, U32,
-                                               UNION_MAX_IDS, UNION_MAX_ROWS, cdiv, check, check_shape, i32, i64,
-                                               launch, sm_count, split_k)
+from glm_ep.backend.cuda.kernel_loader import (BF16, F32, I32, MMA_ROWS, NVFP4_WARPS, RING_CLAIMS_MIN_ITEMS,
+                                               RING_WARPS, U8, U32, UNION_MAX_IDS, UNION_MAX_ROWS, cdiv, check,
+                                               check_shape, i32, i64, launch, sm_count, split_k)
 from glm_ep.backend.cuda.ring import RingConfig
 from glm_ep.config.model import NVFP4_GROUP
 
@@ -78,22 +78,19 @@ def nvfp4_gemv(x_1K: Any, packed_NK2: Any, scale_NG: Any, scale2: float, out_1N:
 # ---- one row, every slot: the persistent ring (gemv_nvfp4_ring.cu) or the block kernels ----------
 _RING = "gemv_nvfp4_ring.cu"
 _UNION = "gemv_nvfp4_union.cu"
-# items a warp takes on average from which a ring launch claims them (``claims``) rather than taking every W-th:
-# H100, 2026-12-07 (docs/perf/DESIGN-NOTES.md), verify sites 7-19 us faster at 4..8 rows (4-6 items a warp), 1-4 us
-# slower at 2..3 (1.5-3) and 3-4 at one row (about one)
-CLAIMS_MIN_ITEMS_PER_WARP = 4
+CLAIMS_MIN_ITEMS_PER_WARP = RING_CLAIMS_MIN_ITEMS  # the kernels' own rule (kernel_loader), checked here first
 
 
 def _claims(claims: Any, items: int, blocks: int) -> Any:
-    """A ring launch's item counter (two uint32, zero between launches: the next item, the warps done) where its
-    ``items`` give each of its warps (``blocks`` x RING_WARPS) ``CLAIMS_MIN_ITEMS_PER_WARP`` on average, else the null
-    pointer: a fixed stride."""
-    if claims is None or items < CLAIMS_MIN_ITEMS_PER_WARP * blocks * RING_WARPS:
+    """A ring launch's item counter (two uint32, zero between launches: the next item, the warps done), or the null
+    pointer (a fixed stride) where its ``items`` at most (every slot local) cannot give each of its warps (``blocks``
+    x RING_WARPS) ``CLAIMS_MIN_ITEMS_PER_WARP``; the kernel applies the same rule to the items it finds local."""
+    if claims is None:
         return np.uint64(0)
     check("claims", claims, U32, 4)
     if claims.size < 2:
         raise ValueError(f"ring claims: {claims.size} uint32, the ring keeps 2 (the next item, the warps done)")
-    return claims
+    return claims if items >= CLAIMS_MIN_ITEMS_PER_WARP * blocks * RING_WARPS else np.uint64(0)
 
 
 def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointers], ids_S: Any, out_SN: Any,

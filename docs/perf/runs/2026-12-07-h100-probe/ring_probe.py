@@ -34,10 +34,13 @@ def patched(name: str) -> str:
     # ring_pipeline: the first slab landed, the warp's slab count, its end
     a = "        consume(ring[stage], c_item, c_s);"
     assert a in src
-    src = src.replace(a, "        if (f == 0) probe_mark(2, probe_gt()); if (f < 8) probe_mark(8 + f, probe_gt());\n" + a)
-    b = "    int p_item = w0, p_s = 0;  // producer: (item, slab) of the next load"
+    src = src.replace(a, "        if (probe_n == 0) probe_mark(2, probe_gt()); if (probe_n < 8) probe_mark(8 + probe_n, probe_gt()); ++probe_n;\n" + a)
+    b = "    int c_item = w0, c_s = 0, stage = 0, fill = D - 1;"
     assert b in src
-    src = src.replace(b, "    probe_mark(5, total);\n" + b)
+    src = src.replace(b, b + "\n    int probe_n = 0;")
+    c = "    }\n}\n\ntemplate <int P>\n__device__ __forceinline__ void zero_acc"
+    assert c in src
+    src = src.replace(c, "    }\n    probe_mark(5, probe_n);\n}\n\ntemplate <int P>\n__device__ __forceinline__ void zero_acc")
     if name == "gemv_nvfp4_ring.cu":
         c = "    const int nlocal = local_slots<P>(ids, S, start, count, wp, sp, s2, my_slot, wb, sb, fb);"
     else:

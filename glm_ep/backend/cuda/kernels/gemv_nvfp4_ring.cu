@@ -15,9 +15,10 @@
 // Numerics (consume_slab_unscaled): each 16-k group's fp32 partial is scaled by its E4M3 block scale and the
 // groups summed in k order within a lane, the quad's four partials at the end of an item, then one bf16
 // rounding per output. Requires K % (128 T) == 0 and N % 16 == 0 (cuda/ring.py sends other shapes to
-// gemv_nvfp4.cu). Work item i of warp w: i = w, w + W, w + 2W, ... (W warps in the grid), local
-// slot i / groups, rows 16 (i % groups) ..; a slot whose expert id is outside [start, start + count)
-// is not an item and its output is left untouched.
+// gemv_nvfp4.cu). Work item i is local slot i / groups, rows 16 (i % groups) ..; warp w takes item w, then
+// w + W, w + 2W, ... (W warps in the grid) or, with the launch's claim counter, the items it hands out
+// (nvfp4_ring.cuh's ring_pipeline). A slot whose expert id is outside [start, start + count) is not an item and its
+// output is left untouched.
 //
 // Entry points, T = steps per slab, D = ring depth (grid (blocks), RING_WARPS warps per block, D
 // stages of ring_stage_bytes(P, T) per warp of dynamic shared memory; computed in cuda/ring.py), each in

@@ -7,8 +7,8 @@
 // together by tests/cuda/test_cuda_ring.py and test_cuda_union.py.
 #pragma once
 
-#ifndef RING_WARPS
-#error "RING_WARPS is set by glm_ep/backend/cuda/kernel_loader.py"
+#if !defined(RING_WARPS) || !defined(RING_CLAIMS_MIN_ITEMS)
+#error "RING_WARPS and RING_CLAIMS_MIN_ITEMS are set by glm_ep/backend/cuda/kernel_loader.py"
 #endif
 #define RING_THREADS (RING_WARPS * 32)
 
@@ -96,10 +96,10 @@ struct RingOut {
 };
 
 // The per-warp cp.async pipeline of both ring forms. A warp's first item is w0 (< W, the launch's warps); past it,
-// with `claims` (two uint32, zero between launches), each item is the next value of the counter claims[0], so a
-// warp that streams faster takes more items and the launch's warps finish together; without (nullptr), w0 + W,
-// w0 + 2 W, ... < items. claims[1] counts the warps done claiming; the last of the W zeroes both for the next
-// launch. Each item is `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries, so the producer runs up to
+// with `claims` (two uint32, zero between launches) and at least RING_CLAIMS_MIN_ITEMS items a warp, each item is
+// the next value of the counter claims[0], so a warp that streams faster takes more items and the launch's warps
+// finish together; otherwise w0 + W, w0 + 2 W, ... < items (every warp sees the same items, so all take the same
+// way). claims[1] counts the warps done claiming; the last of the W zeroes both for the next launch. Each item is `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries, so the producer runs up to
 // D - 1 items ahead of the consumer, which takes them in the order the producer started them (a queue in
 // registers). The claim of the item after the producer's is sent when the producer starts one, so its round trip
 // overlaps that item's slabs. The steps are callables:
@@ -118,6 +118,7 @@ __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int it
                                               Start&& start = Start{}) {
     static_assert(D >= 2 && D <= 4, "a ring of 2..4 stages");
     if (slabs <= 0) items = 0;  // no K (the wrappers refuse it): nothing to stream, and no item ever ends
+    if (items < RING_CLAIMS_MIN_ITEMS * W) claims = nullptr;  // too few items a warp to share out
     const bool lead = (threadIdx.x & 31) == 0;
     int ahead[D - 1];  // items the producer has started and the consumer has not, oldest first
     int queued = 0;
@@ -181,6 +182,7 @@ __device__ __forceinline__ void ring_pipeline(Stage* ring, int w0, int W, int it
         if (lead) {
             __threadfence();  // this warp's claims before its count
             if (atomicAdd(claims + 1, 1u) == (unsigned)W - 1) {  // every warp is done claiming
+                __threadfence();  // ... and every claim is ordered before the reset
                 claims[0] = 0u;
                 claims[1] = 0u;
             }
