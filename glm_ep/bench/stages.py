@@ -29,8 +29,6 @@ LABELS = {
     "moe_gemv": "routed down",
     "gate_up_act": "shared gate + up + SwiGLU",
     "combine_site": "shared down + combine",
-    "sort_by_expert": "sort by expert",
-    "moe_experts_sorted": "routed experts (grouped GEMM: gate + up + SwiGLU, down)",
 }
 
 
@@ -114,8 +112,6 @@ def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
         return union * 2 * nvfp4_bytes(m, h)
     if op.name in ("moe_gemv_union", "moe_gemv"):
         return union * nvfp4_bytes(h, m)
-    if op.name == "moe_experts_sorted":
-        return union * (2 * nvfp4_bytes(m, h) + nvfp4_bytes(h, m))
     if op.name == "combine_site":
         routed, shared = a[0], a[2]
         return ((shared.down_HI.nbytes if shared is not None else 0)
@@ -123,22 +119,16 @@ def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
     return 0
 
 
-GRAPHED = ("timed alone over the same layers' distinct weights, a CUDA graph each; µs a layer", "graph")
-EAGER = ("timed alone on the site's weights with eager launches, as the site itself is timed; µs", "eager")
-
-
-def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, copy_gbs: float,
-                timing: tuple[str, str] = GRAPHED) -> list[str]:
-    """The results file's section: per width, the site's time, each stage alone (µs, % of the copy bandwidth
-    over its bytes), their sum; then the fixed cost of a launch. ``timing``: how the stages and the site were timed
-    (``GRAPHED``: the decode bench's CUDA graphs; ``EAGER``: the prefill bench's eager launches)."""
+def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, copy_gbs: float) -> list[str]:
+    """The results file's section: per width, the site's graph time, each stage alone (µs, % of the copy bandwidth
+    over its bytes), their sum; then the fixed cost of a launch."""
     if not stages:
         return []
     lines = ["", "## Where the sparse site's time goes", "",
-             f"Each stage of the site (the backend ops one call queues, as the levers chose them) {timing[0]}, % of "
-             "the copy bandwidth over the stage's bytes (the union of the call's experts). The stages' sum beside "
-             "the whole site: what is left over is what the stages cost only together, a negative one what their "
-             "launches overlap.", "",
+             "Each stage of the site (the backend ops one call queues, as the levers chose them) timed alone over "
+             "the same layers' distinct weights, a CUDA graph each; µs a layer, % of the copy bandwidth over the "
+             "stage's bytes (the union of the call's experts). The stages' sum beside the whole site: what is left "
+             "over is what the stages cost only together, a negative one what their launches overlap.", "",
              "| rows | site µs | stages: µs (% of copy bw) | sum of stages µs | site − sum µs |",
              "|---:|---:|---|---:|---:|"]
     for s in stages:

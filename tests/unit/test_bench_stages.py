@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from glm_ep.bench.common import sparse_bytes
-from glm_ep.bench.stages import (EAGER, LABELS, OpRecorder, label, splittable, stage_bytes, stage_lines,
-                                 stage_names)
+from glm_ep.bench.stages import LABELS, OpRecorder, label, splittable, stage_bytes, stage_lines, stage_names
 from glm_ep.config.topology import PathLevers
 from glm_ep.mlp.dispatch import ExpertDispatch
 
@@ -105,38 +104,3 @@ def test_the_stage_table():
     off = "\n".join(stage_lines(stages, {"launches": 64, "dependent_us": None, "plain_us": 2.5}, 3000.0))
     assert "programmatic dependent launch off here (levers.pdl = false, or before sm_90), 2.50 µs plain" in off
     assert stage_lines([], None, 3000.0) == []
-
-
-@pytest.mark.parametrize("rows, ops", [
-    (16, ["route", "sort_by_expert", "moe_experts_sorted", "combine_site"]),
-    (64, ["route", "sort_by_expert", "moe_experts_sorted", "gate_up_act", "combine_site"]),
-])
-def test_prefill_stages_replay_the_grouped_path_and_read_its_bytes(rows, ops):
-    """``bench --prefill``'s stage rows (``prefill._stages``): a wide call on the grouped GEMM records the router, the
-    sort, the routed experts, the shared expert and the combine, each timed alone; the replays in order give the
-    site's output bit for bit, and the stages' bytes are the site's (the routed experts' union read once)."""
-    from glm_ep.bench.prefill import _stages
-
-    big = build_stack(random_weights(MODEL, seed=5), MODEL, max_rows=64)
-    site = next(s for s in big.sites if s.sparse)
-    rec = OpRecorder(site.be)
-    recorded = replace(site, be=rec, experts=ExpertDispatch.routed(rec, site.cfg, PathLevers(prefill_gemm_min_rows=9)))
-    ws = big.workspaces[0]
-    x = random_x(rows, rows, MODEL.hidden_size)
-    out = np.full((rows, MODEL.hidden_size), np.nan, x.dtype)
-    timed: list[str] = []
-
-    def timer(op):
-        timed.append(op.name)
-        op()
-        return 2.5
-
-    row = _stages(rec, recorded, x, ws, out, 10.0, MODEL, site.be, timer)
-    assert [s["op"] for s in row["stages"]] == ops == timed and row["site_us"] == 10.0 and row["rows"] == rows
-    assert all(s["us"] == 2.5 and s["label"] == LABELS[s["op"]] for s in row["stages"])
-    want = site(x, ws, np.zeros_like(out)).copy()
-    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
-    assert sum(s["bytes"] for s in row["stages"]) == sparse_bytes(MODEL, row["union"])
-    text = "\n".join(stage_lines([row], None, 3000.0, EAGER))
-    assert "with eager launches, as the site itself is timed" in text and "sort by expert 2.5 |" not in text
-    assert f"| {rows} | 10.0 | router + top-k" in text and "; sort by expert 2.5;" in text
