@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser, count: Callable[[int], Callable[[s
     p.add_argument("--layers", type=count(0), default=0, help="stack layers to time (0: as many as fit)")
     p.add_argument("--iters", type=count(1), default=200)
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
+    p.add_argument("--stages", action="store_true", help="--prefill: also where the sparse site's time goes at each "
+                   "width (one call's GPU time, the site's and each of its ops alone, the L2 flushed before each)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
     what.add_argument("--sweep", choices=SWEEPS, help="instead, the lever sets a default was chosen from, side by "
@@ -99,6 +101,9 @@ def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
         raise ConfigError(f"glm-ep bench --sweep {args.sweep} --rows {' '.join(map(str, args.rows))}: --rows sets "
                           "the widths of --prefill and --sweep dense; the ring sweep times one row, the union sweep "
                           "2..8 rows")
+    if args.stages and not args.prefill:
+        raise ConfigError("glm-ep bench --stages: the stage table of wide calls is --prefill's (the decode bench always "
+                          "prints its own); expected --prefill --stages")
     if args.moe_tp is not None and args.moe_tp < 2:
         raise ConfigError(f"--moe-tp {args.moe_tp}: expected a world of >= 2 ranks to split the experts over")
     if args.topology and (args.sweep or args.moe_tp is not None):

@@ -2,7 +2,8 @@
 PyTorch peers measured in the SAME run (``prefill_peer``).
 
 For each width: the sparse site (the path the dispatch picks; the row-group and grouped-GEMM paths
-forced), the routed-expert GEMMs alone (sort + grouped gate/up/SwiGLU + grouped down, in TFLOP/s
+forced) and, with ``--stages``, where its time goes (one call's GPU time, the site's and each backend op's alone:
+router, sort, routed experts, shared expert, combine), the routed-expert GEMMs alone (sort + grouped gate/up/SwiGLU + grouped down, in TFLOP/s
 next to the measured bf16 GEMM rate), the dense site, the shared expert and the router; the peers:
 HF transformers' ``Glm5NextTextMoE`` (fastest experts implementation), ``Glm5NextTextMLP``,
 ``torch._grouped_mm`` on bf16 experts and the HF router. A sweep of the two routed paths gives the
@@ -21,17 +22,22 @@ Shape suffixes: T rows, H hidden, K top-k, M moe width, S = T*K.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from glm_ep.backend.cuda import grouped as NV
 from glm_ep.bench.common import (BF16, bench_backend, bench_meta, bench_workspace, card_tag, copy_bandwidth,
                                  cupy_gemm_tflops, dense_bytes, dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense,
-                                 gpu_moe, gpu_nvfp4_site, pyplot, results_header, sparse_roofline, time_median,
-                                 torch_time_us, world1_cfg)
+                                 gpu_moe, gpu_nvfp4_site, pyplot, results_header, sparse_roofline, time_gpu_us,
+                                 time_median, torch_time_us, world1_cfg)
+from glm_ep.bench.stages import ONE_CALL, OpRecorder, splittable, stage_bytes, stage_lines
+from glm_ep.bench.stages import label as stage_label
 from glm_ep.dist.comm import SelfComm
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite, clamped_swiglu_mlp
@@ -91,6 +97,8 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     site, union_site, sorted_site = sparse(lv), sparse(replace(lv, prefill_gemm=False)), \
         sparse(replace(lv, prefill_gemm=True, prefill_gemm_min_rows=9))
     dense_site = DenseSite(be, comm, cfg, dense)
+    rec = OpRecorder(be)  # the site's ops, each timed alone (the stage table)
+    recorded_site = MoeSite(rec, comm, cfg, moe, ExpertDispatch.routed(rec, cfg, lv))
     with stream:
         dense_nvfp4_site = gpu_nvfp4_site(be, comm, cfg, model, lv)
 
@@ -122,7 +130,7 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         dequant_us = t(lambda: NV.nvfp4_dequant_bf16(gate, 0, w_bf16), 1024)
     dequant_bytes = gate.n * gate.k * (2 + 1 / 2 + 1 / 16)  # bf16 written, nibbles and block scales read
     w_bf16 = None
-    results: dict[str, Any] = {"widths": [], "sweep": [], "nvfp4_sweep": []}
+    results: dict[str, Any] = {"widths": [], "sweep": [], "nvfp4_sweep": [], "stages": []}
     for rows in SWEEP:
         x = seeded_rows(rows)
         o = out[:rows]
@@ -143,6 +151,10 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["variant"] = NV.experts_geometry(x, rows * k, model.n_routed_experts, moe.experts,
                                            ws.view("a_up", rows * k, m))[0].suffix  # the backend's stage buffer
         r["sparse_us"] = t(lambda: site(x, ws, o), rows)
+        if args.stages:  # one call's GPU time, the site's and each of its ops alone
+            one_call = functools.partial(time_gpu_us, cp, stream)
+            results["stages"].append(_stages(rec, recorded_site, x, ws, o, one_call(lambda: site(x, ws, o)), model,
+                                             be, one_call))
         r["sparse_sorted_us"] = t(lambda: sorted_site(x, ws, o), rows)
         if rows <= UNION_MAX_TIMED:
             r["sparse_union_us"] = t(lambda: union_site(x, ws, o), rows)
@@ -221,6 +233,29 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
     plot(out_dir / f"{stem}.png", meta, results)
     print((out_dir / f"{stem.upper()}.md").read_text())
     return 0
+
+
+def _stages(rec: OpRecorder, site: MoeSite, x: Any, ws: Any, out: Any, site_us: float, model: Any, be: Any,
+            timed: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
+    """The ops one call of ``site`` (on the recorder) queues on ``x``, each timed alone (``timed``) with its bytes,
+    beside ``site_us``: the stage table's row of this width (``stages.stage_lines``)."""
+    ops = rec.record(lambda: site(x, ws, out))
+    names = [o.name for o in ops]
+    ids = next((op.args[5] for op in ops if op.name == "route"), None)
+    union = len(np.unique(be.to_host(ids))) if ids is not None else 0
+    if not splittable(names):
+        return {"rows": x.shape[0], "union": union, "site_us": site_us, "stages": [],
+                "note": f"the call queues {', '.join(names)} (an op more than once)"}
+    st = [{"op": o.name, "label": stage_label(o), "us": timed(o), "bytes": stage_bytes(model, o, union)} for o in ops]
+    log.info("stages %d rows: site %.1f us, %s", x.shape[0], site_us, ", ".join(f"{s['op']} {s['us']:.1f}" for s in st))
+    return {"rows": x.shape[0], "union": union, "site_us": site_us, "stages": st, "note": ""}
+
+
+def _stage_section(meta: dict[str, Any], res: dict[str, Any]) -> list[str]:
+    """The stage table (``stages.stage_lines``, single calls) without its leading blank line, and a blank line after
+    it; nothing for a run without it (``--stages``)."""
+    lines = stage_lines(res.get("stages") or [], None, meta["copy_gbs"], ONE_CALL)
+    return [*lines[1:], ""] if lines else []
 
 
 def result_stem(widths: list[int], card: str) -> str:
@@ -302,6 +337,7 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
         f"Shape: GLM-5.3-Flash (hidden 4096, 288 NVFP4 experts of width 2048, top-8, dense width 12288), "
         f"world 1. Times in µs, medians after warm-up. {meta['peer_note']}", "",
         *roofline_lines(meta, w),
+        *_stage_section(meta, res),
         "## Sparse site (router + routed experts + shared expert + combine)", "",
         "| rows | glm_ep | path | row groups | grouped GEMM | HF `Glm5NextTextMoE` (fastest impl) | HF / glm_ep |",
         "|---:|---:|---|---:|---:|---:|---:|"]

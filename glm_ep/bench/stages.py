@@ -29,6 +29,8 @@ LABELS = {
     "moe_gemv": "routed down",
     "gate_up_act": "shared gate + up + SwiGLU",
     "combine_site": "shared down + combine",
+    "sort_by_expert": "sort by expert",
+    "moe_experts_sorted": "routed experts (grouped GEMM: gate + up + SwiGLU, down)",
 }
 
 
@@ -93,7 +95,14 @@ def label(op: Op) -> str:
     """What the table calls ``op``: a combine that also runs a pending one-row routed down projection says so."""
     if op.name == "combine_site" and op.args[0].down is not None:
         return "routed down + shared down + combine"
+    if op.name == "route":
+        return "router + top-k + shared gate + up" if _beside(op) is not None else "router + top-k"
     return LABELS.get(op.name, op.name)
+
+
+def _beside(op: Op) -> Any:
+    """A ``route`` op's shared-expert weights run beside the router (None: the router alone)."""
+    return op.args[7] if len(op.args) > 7 else op.kwargs.get("beside")
 
 
 def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
@@ -104,7 +113,7 @@ def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
     h, m = model.hidden_size, model.moe_intermediate_size
     a = op.args
     if op.name == "route":
-        beside = a[7] if len(a) > 7 else op.kwargs.get("beside")
+        beside = _beside(op)
         return a[1].nbytes + a[2].nbytes + (beside.w.gate.nbytes + beside.w.up.nbytes if beside is not None else 0)
     if op.name == "gate_up_act":  # the shared expert's first half where it did not run beside the router
         return a[1].gate.nbytes + a[1].up.nbytes
@@ -112,6 +121,8 @@ def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
         return union * 2 * nvfp4_bytes(m, h)
     if op.name in ("moe_gemv_union", "moe_gemv"):
         return union * nvfp4_bytes(h, m)
+    if op.name == "moe_experts_sorted":
+        return union * (2 * nvfp4_bytes(m, h) + nvfp4_bytes(h, m))
     if op.name == "combine_site":
         routed, shared = a[0], a[2]
         return ((shared.down_HI.nbytes if shared is not None else 0)
@@ -119,16 +130,26 @@ def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
     return 0
 
 
-def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, copy_gbs: float) -> list[str]:
-    """The results file's section: per width, the site's graph time, each stage alone (µs, % of the copy bandwidth
-    over its bytes), their sum; then the fixed cost of a launch."""
+#: how ``stage_lines`` says its stages and site were timed: the decode bench's graphs, the prefill bench's single calls
+GRAPHED = ("timed alone over the same layers' distinct weights, a CUDA graph each; µs a layer, % of the copy "
+           "bandwidth over the stage's bytes (the union of the call's experts)")
+ONE_CALL = ("timed alone, as the whole site beside it, one call at a time on its GPU time only (the host's launches "
+            "held out by a spin kernel queued ahead) with the L2 flushed before it; µs, % of the copy bandwidth over "
+            "the stage's weight bytes (the union of the call's experts; activations, which weigh from 1024 rows, "
+            "and FLOPs are not counted)")
+
+
+def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, copy_gbs: float,
+                timing: str = GRAPHED) -> list[str]:
+    """The results file's section: per width, the site's time, each stage alone (µs, % of the copy bandwidth
+    over its bytes), their sum; then the fixed cost of a launch. ``timing``: how the stages and the site were timed
+    (``GRAPHED``: the decode bench's CUDA graphs; ``ONE_CALL``: the prefill bench's single calls)."""
     if not stages:
         return []
     lines = ["", "## Where the sparse site's time goes", "",
-             "Each stage of the site (the backend ops one call queues, as the levers chose them) timed alone over "
-             "the same layers' distinct weights, a CUDA graph each; µs a layer, % of the copy bandwidth over the "
-             "stage's bytes (the union of the call's experts). The stages' sum beside the whole site: what is left "
-             "over is what the stages cost only together, a negative one what their launches overlap.", "",
+             f"Each stage of the site (the backend ops one call queues, as the levers chose them) {timing}. The "
+             "stages' sum beside the whole site: what is left over is what the stages cost only together, a "
+             "negative one what their launches overlap.", "",
              "| rows | site µs | stages: µs (% of copy bw) | sum of stages µs | site − sum µs |",
              "|---:|---:|---|---:|---:|"]
     for s in stages:

@@ -94,3 +94,20 @@ def test_the_crossover_names_the_lever_that_takes_it():
     text = render({**data["meta"], "crossover": 12}, data)
     assert "`prefill_gemm_min_rows = 12`" in text
     assert "prefill_gemm_min_rows" not in render({**data["meta"], "crossover": default}, data)
+
+
+def test_render_the_stage_table():
+    """A run with the stage table (``--stages``) renders it before the sparse site's table, saying how it was timed;
+    a run without it, without."""
+    data = json.loads(RECORDED.read_text())
+    assert "Where the sparse site's time goes" not in render(data["meta"], data)
+    data["stages"] = [{"rows": 16, "union": 90, "site_us": 640.0, "note": "", "stages": [
+        {"op": "sort_by_expert", "label": "sort by expert", "us": 5.0, "bytes": 0},
+        {"op": "moe_experts_sorted", "label": "routed experts (grouped GEMM: gate + up + SwiGLU, down)", "us": 600.0,
+         "bytes": 1_200_000_000}]}]
+    text = render(data["meta"], data)
+    stages, site = text.index("## Where the sparse site's time goes"), text.index("## Sparse site (router")
+    assert stages < site
+    assert "one call at a time on its GPU time only" in text[stages:site]
+    assert "| 16 | 640.0 | sort by expert 5.0; routed experts (grouped GEMM: gate + up + SwiGLU, down) 600.0 (" \
+           in text[stages:site]

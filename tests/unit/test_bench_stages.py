@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from glm_ep.bench.common import sparse_bytes
-from glm_ep.bench.stages import LABELS, OpRecorder, label, splittable, stage_bytes, stage_lines, stage_names
+from glm_ep.bench.stages import (LABELS, ONE_CALL, OpRecorder, label, splittable, stage_bytes, stage_lines,
+                                 stage_names)
 from glm_ep.config.topology import PathLevers
 from glm_ep.mlp.dispatch import ExpertDispatch
 
@@ -104,3 +105,44 @@ def test_the_stage_table():
     off = "\n".join(stage_lines(stages, {"launches": 64, "dependent_us": None, "plain_us": 2.5}, 3000.0))
     assert "programmatic dependent launch off here (levers.pdl = false, or before sm_90), 2.50 µs plain" in off
     assert stage_lines([], None, 3000.0) == []
+
+
+@pytest.mark.parametrize("rows, ops, router", [
+    (16, ["route", "sort_by_expert", "moe_experts_sorted", "combine_site"], "router + top-k + shared gate + up"),
+    (64, ["route", "sort_by_expert", "moe_experts_sorted", "gate_up_act", "combine_site"], "router + top-k"),
+])
+def test_prefill_stages_replay_the_grouped_path_and_read_its_bytes(rows, ops, router):
+    """``bench --prefill --stages``'s rows (``prefill._stages``): a wide call on the grouped GEMM records the router,
+    the sort, the routed experts, the shared expert and the combine, each timed alone; replayed in order (each
+    twice, as the timer does) into poisoned buffers they give the site's output bit for bit, and the stages' bytes
+    are the site's (the routed experts' union read once). The router's label says whether the shared expert's gate
+    and up ran beside it."""
+    from glm_ep.bench.prefill import _stages
+
+    big = build_stack(random_weights(MODEL, seed=5), MODEL, max_rows=64)
+    site = next(s for s in big.sites if s.sparse)
+    rec = OpRecorder(site.be)
+    recorded = replace(site, be=rec, experts=ExpertDispatch.routed(rec, site.cfg, PathLevers(prefill_gemm_min_rows=9)))
+    ws = big.workspaces[0]
+    x = random_x(rows, rows, MODEL.hidden_size)
+    want = site(x, ws, np.zeros((rows, MODEL.hidden_size), x.dtype)).copy()
+    out = np.zeros((rows, MODEL.hidden_size), x.dtype)
+    timed: list[str] = []
+
+    def timer(op):
+        if not timed:  # before the first replay: the output the recording call wrote, poisoned
+            out[:] = np.nan
+        timed.append(op.name)
+        op()
+        op()
+        return 2.5
+
+    row = _stages(rec, recorded, x, ws, out, 10.0, MODEL, site.be, timer)
+    assert [s["op"] for s in row["stages"]] == ops == timed and row["site_us"] == 10.0 and row["rows"] == rows
+    assert [s["label"] for s in row["stages"]] == [router] + [LABELS[o] for o in ops[1:]]
+    assert all(s["us"] == 2.5 for s in row["stages"])
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+    assert sum(s["bytes"] for s in row["stages"]) == sparse_bytes(MODEL, row["union"])
+    text = "\n".join(stage_lines([row], None, 3000.0, ONE_CALL))
+    assert "one call at a time on its GPU time only" in text
+    assert f"| {rows} | 10.0 | {router} 2.5 (" in text and "; sort by expert 2.5; " in text  # no bytes: no %

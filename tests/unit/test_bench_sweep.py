@@ -103,3 +103,8 @@ def test_sweep_flags_are_checked_before_any_device():
     assert r.returncode == EXIT_USER and "not allowed with argument" in r.stderr, r.stderr
     r = _bench("--sweep", "pdl")
     assert r.returncode == EXIT_USER and "invalid choice: 'pdl'" in r.stderr, r.stderr
+
+
+def test_stages_without_prefill_is_refused():
+    r = _bench("--stages")
+    assert r.returncode == EXIT_USER and "expected --prefill --stages" in r.stderr, r.stderr
