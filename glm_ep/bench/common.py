@@ -32,35 +32,44 @@ log = logging.getLogger(__name__)
 BF16 = ml_dtypes.bfloat16
 
 
-_SPIN = r'''extern "C" __global__ void bench_spin(long long cycles) {
-    const long long t0 = clock64();
-    while (clock64() - t0 < cycles) {
-    }
+_SPIN = r'''
+extern "C" __global__ void bench_spin(unsigned long long ns) {  // holds the stream for ns nanoseconds
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
 }'''
-SPIN_US = 3000.0  # how long the stream is held busy while one timed call is queued (past any op's host time)
 FLUSH_BYTES = 256 << 20  # written before each timed call: past the L2 of every lent card (50-60 MB)
 
 
-def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, warmup: int = 2) -> float:
+def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, warmup: int = 2,
+                hold_us: float = 3000.0) -> float:
     """Median over ``repeats`` of ONE call's GPU time, in µs, as a full site would run it: the host's launch cost
-    held out (a spin kernel keeps the stream busy while the call is queued, so the start event fires when the call's
-    first kernel can start) and the L2 flushed before it (``FLUSH_BYTES`` written outside the timed window, so the
-    call's weights come from HBM, as after the routed experts' GEMMs)."""
+    held out (a spin kernel keeps ``stream`` busy for ``hold_us`` while the call is queued, so the start event fires
+    when the call's first kernel can start) and the L2 flushed before it (``FLUSH_BYTES`` written outside the timed
+    window, so the call's weights come from HBM, as after the routed experts' GEMMs). ``fn`` must queue its work on
+    ``stream`` (a backend's ops do: the backend's stream). Where the host took longer to queue the call than the
+    hold, the hold is doubled and the call timed again."""
     spin = cp.RawKernel(_SPIN, "bench_spin")
-    cycles = np.int64(SPIN_US * cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["clockRate"] / 1e3)
     flush = cp.empty(FLUSH_BYTES, dtype=cp.uint8)
     with stream:
         for _ in range(warmup):
             fn()
-        per_call = []
-        for _ in range(repeats):
+        per_call: list[float] = []
+        while len(per_call) < repeats:
             start, end = cp.cuda.Event(), cp.cuda.Event()
-            spin((1,), (1,), (cycles,))
+            spin((1,), (1,), (np.uint64(hold_us * 1e3),))
             flush.fill(0)
             start.record(stream)
             fn()
+            held = not start.done  # the stream was still busy when the whole call had been queued
             end.record(stream)
             end.synchronize()
+            if not held:
+                hold_us *= 2
+                log.info("time_gpu_us: the call took the host past the hold; holding %.0f us", hold_us)
+                continue
             per_call.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
     return statistics.median(per_call)
 

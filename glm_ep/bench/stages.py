@@ -20,7 +20,7 @@ from glm_ep.config.model import ModelConfig
 
 # What each recorded op is, as the table names it (a 1-row combine_site also runs the routed down projection)
 LABELS = {
-    "route": "router + top-k (+ shared gate + up)",
+    "route": "router + top-k",  # label(): "+ shared gate + up" where they ran beside it
     "map_expert_ids": "placement's id map",
     "union_table": "union table",
     "moe_gate_up_act_union": "routed gate + up + SwiGLU (union)",
@@ -135,8 +135,10 @@ GRAPHED = ("timed alone over the same layers' distinct weights, a CUDA graph eac
            "bandwidth over the stage's bytes (the union of the call's experts)")
 ONE_CALL = ("timed alone, as the whole site beside it, one call at a time on its GPU time only (the host's launches "
             "held out by a spin kernel queued ahead) with the L2 flushed before it; µs, % of the copy bandwidth over "
-            "the stage's weight bytes (the union of the call's experts; activations, which weigh from 1024 rows, "
-            "and FLOPs are not counted)")
+            "the stage's weight bytes (the union of the call's experts). Activations are not counted: from about 256 "
+            "rows the router's x and the combine's routed rows weigh as much as their weights, and from 1024 rows "
+            "the routed experts' FLOPs bound them. A stage alone starts from a flushed L2, so a negative remainder "
+            "below also holds what one stage leaves in L2 for the next")
 
 
 def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, copy_gbs: float,

@@ -97,7 +97,7 @@ def test_the_stage_table():
         {"rows": 8, "union": 57, "site_us": 430.0, "stages": [], "note": "the call queues route, union_table, "
          "union_table"}]
     text = "\n".join(stage_lines(stages, {"launches": 64, "dependent_us": 1.25, "plain_us": 2.5}, 3000.0))
-    assert "| 1 | 74.5 | router + top-k (+ shared gate + up) 13.0 (92%); routed gate + up + SwiGLU 34.0 (74%); " \
+    assert "| 1 | 74.5 | router + top-k 13.0 (92%); routed gate + up + SwiGLU 34.0 (74%); " \
            "routed down + shared down + combine 27.5 (66%) | 74.5 | +0.0 |" in text
     assert "| 2 | 130.0 | union table 3.0 | 3.0 | +127.0 |" in text  # no bytes: no percentage
     assert "1.25 µs as programmatic dependents, 2.50 µs plain" in text
@@ -114,7 +114,8 @@ def test_the_stage_table():
 def test_prefill_stages_replay_the_grouped_path_and_read_its_bytes(rows, ops, router):
     """``bench --prefill --stages``'s rows (``prefill._stages``): a wide call on the grouped GEMM records the router,
     the sort, the routed experts, the shared expert and the combine, each timed alone; replayed in order (each
-    twice, as the timer does) into poisoned buffers they give the site's output bit for bit, and the stages' bytes
+    twice, as the timer does) into poisoned buffers (the output and the workspace) they give the site's output bit
+    for bit, and the stages' bytes
     are the site's (the routed experts' union read once). The router's label says whether the shared expert's gate
     and up ran beside it."""
     from glm_ep.bench.prefill import _stages
@@ -130,8 +131,10 @@ def test_prefill_stages_replay_the_grouped_path_and_read_its_bytes(rows, ops, ro
     timed: list[str] = []
 
     def timer(op):
-        if not timed:  # before the first replay: the output the recording call wrote, poisoned
-            out[:] = np.nan
+        if not timed:  # before the first replay: the output and every workspace buffer the recording call wrote,
+            out[:] = np.nan  # poisoned, so each op's replay must write what the next one reads
+            for a in ws._flat.values():
+                a.view(np.uint8)[:] = 0xFF
         timed.append(op.name)
         op()
         op()
