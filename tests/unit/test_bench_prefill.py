@@ -111,3 +111,52 @@ def test_render_the_stage_table():
     assert "one call at a time on its GPU time only" in text[stages:site]
     assert "| 16 | 640.0 | sort by expert 5.0; routed experts (grouped GEMM: gate + up + SwiGLU, down) 600.0 (" \
            in text[stages:site]
+
+
+def test_one_calls_gpu_time_holds_the_stream_and_flushes_the_l2():
+    """``time_gpu_us`` on a stand-in CuPy: per timed call, the spin, the L2 flush, the start event, the call, the end
+    event, in that order on the given stream; a call the host queued past the hold (its start event already done) is
+    timed again with twice the hold; the median in µs."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from glm_ep.bench import common
+
+    log: list = []
+    done = iter([True, False, False, False])  # the first timed call outran its hold
+
+    class Event:
+        def record(self, stream):
+            log.append(("event", stream))
+
+        @property
+        def done(self):
+            return next(done)
+
+        def synchronize(self):
+            pass
+
+    class Stream:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    stream = Stream()
+    spin = lambda grid, block, args: log.append(("spin", int(args[0])))  # noqa: E731
+    cp = SimpleNamespace(RawKernel=lambda src, name: spin, uint8=np.uint8,
+                         empty=lambda n, dtype: SimpleNamespace(fill=lambda v: log.append(("flush", n))),
+                         cuda=SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: 0.25))
+    us = common.time_gpu_us(cp, stream, lambda: log.append(("call",)), repeats=3, warmup=1, hold_us=1000.0)
+    assert us == 250.0
+    calls = [e for e in log if e[0] != "event"]
+    assert calls[0] == ("call",)  # the warm-up
+    holds = [e[1] for e in calls if e[0] == "spin"]
+    assert holds == [1_000_000, 2_000_000, 2_000_000, 2_000_000]  # ns: doubled once, after the call that outran it
+    timed = log[1:]
+    for k in range(4):  # spin, flush, start, call, end
+        assert [e[0] for e in timed[5 * k:5 * k + 5]] == ["spin", "flush", "event", "call", "event"]
+    assert all(e[1] is stream for e in log if e[0] == "event")
+    assert ("flush", common.FLUSH_BYTES) in log
