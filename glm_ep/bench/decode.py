@@ -19,8 +19,7 @@ import numpy as np
 from glm_ep.bench.common import (BF16, bench_backend, bench_meta, card_tag, copy_bandwidth, dense_bytes,
                                  dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot,
                                  results_header, sparse_bytes, time_median, torch_time_us, world1_cfg)
-from glm_ep.bench.stages import OpRecorder, splittable, stage_bytes, stage_lines, stage_names
-from glm_ep.bench.stages import label as stage_label
+from glm_ep.bench.stages import OpRecorder, stage_lines, stage_row
 from glm_ep.dist.comm import SelfComm
 from glm_ep.config.model import ModelConfig
 from glm_ep.mlp.dispatch import ExpertDispatch
@@ -236,24 +235,17 @@ def _stage_timer(be: Any, model: ModelConfig, cfg: Any, levers: PathLevers, site
     recorded = [replace(s, be=rec, experts=ExpertDispatch.routed(rec, cfg, levers)) for s in sites]
 
     def stages_of(x: Any, site_us: float) -> dict[str, Any]:
-        rows, o = x.shape[0], out[:x.shape[0]]
+        o = out[:x.shape[0]]
         records = [rec.record(lambda s=s: s(x, ws, o)) for s in recorded]
-        names = stage_names(records)
-        ids = next(op.args[5] for op in records[-1] if op.name == "route")  # the routing the replays read
-        union = len(np.unique(be.to_host(ids)))
-        st = []
-        for j, name in enumerate(names if splittable(names) else []):
-            def body(j: int = j) -> None:
+
+        def time_stage(j: int) -> float:  # stage j of every site, replayed as one graph
+            def body() -> None:
                 for ops in records:
                     ops[j]()
             body()  # warm-up outside the capture
-            us = time_median(cp, be.stream, be.capture(body), iters=max(iters // len(sites), 5)) / len(sites)
-            st.append({"op": name, "label": stage_label(records[-1][j]), "us": us,
-                       "bytes": stage_bytes(model, records[-1][j], union)})
-        note = "" if st else (f"the call queues {', '.join(names)} (an op more than once: several row groups, or a "
-                              "row at a time)")
-        log.info("stages %d rows: site %.1f us, %s", rows, site_us, ", ".join(f"{t['op']} {t['us']:.1f}" for t in st))
-        return {"rows": rows, "union": union, "site_us": site_us, "stages": st, "note": note}
+            return time_median(cp, be.stream, be.capture(body), iters=max(iters // len(sites), 5)) / len(sites)
+
+        return stage_row(model, be, x.shape[0], records, site_us, time_stage)
 
     return stages_of
 

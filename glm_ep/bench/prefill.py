@@ -2,9 +2,9 @@
 PyTorch peers measured in the SAME run (``prefill_peer``).
 
 For each width: the sparse site (the path the dispatch picks; the row-group and grouped-GEMM paths
-forced) and, with ``--stages``, where its time goes (one call's GPU time, the site's and each backend op's alone:
-router, sort, routed experts, shared expert, combine), the routed-expert GEMMs alone (sort + grouped gate/up/SwiGLU + grouped down, in TFLOP/s
-next to the measured bf16 GEMM rate), the dense site, the shared expert and the router; the peers:
+forced) and, with ``--stages``, where its time goes (one call's GPU time, the site's and each backend op's
+alone: router, sort, routed experts, shared expert, combine), the routed-expert GEMMs alone (sort + grouped
+gate/up/SwiGLU + grouped down, in TFLOP/s next to the measured bf16 GEMM rate), the dense site, the shared expert and the router; the peers:
 HF transformers' ``Glm5NextTextMoE`` (fastest experts implementation), ``Glm5NextTextMLP``,
 ``torch._grouped_mm`` on bf16 experts and the HF router. A sweep of the two routed paths gives the
 crossover the ``prefill_gemm_min_rows`` lever is set from; one of a dense FFN stored NVFP4 (row groups,
@@ -29,15 +29,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 from glm_ep.backend.cuda import grouped as NV
 from glm_ep.bench.common import (BF16, bench_backend, bench_meta, bench_workspace, card_tag, copy_bandwidth,
                                  cupy_gemm_tflops, dense_bytes, dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense,
                                  gpu_moe, gpu_nvfp4_site, pyplot, results_header, sparse_roofline, time_gpu_us,
                                  time_median, torch_time_us, world1_cfg)
-from glm_ep.bench.stages import ONE_CALL, OpRecorder, splittable, stage_bytes, stage_lines
-from glm_ep.bench.stages import label as stage_label
+from glm_ep.bench.stages import ONE_CALL, OpRecorder, stage_lines, stage_row
 from glm_ep.dist.comm import SelfComm
 from glm_ep.mlp.dispatch import ExpertDispatch
 from glm_ep.mlp.site import DenseSite, MoeSite, clamped_swiglu_mlp
@@ -238,17 +235,9 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
 def _stages(rec: OpRecorder, site: MoeSite, x: Any, ws: Any, out: Any, site_us: float, model: Any, be: Any,
             timed: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
     """The ops one call of ``site`` (on the recorder) queues on ``x``, each timed alone (``timed``) with its bytes,
-    beside ``site_us``: the stage table's row of this width (``stages.stage_lines``)."""
+    beside ``site_us``: the stage table's row of this width (``stages.stage_row``)."""
     ops = rec.record(lambda: site(x, ws, out))
-    names = [o.name for o in ops]
-    ids = next((op.args[5] for op in ops if op.name == "route"), None)
-    union = len(np.unique(be.to_host(ids))) if ids is not None else 0
-    if not splittable(names):
-        return {"rows": x.shape[0], "union": union, "site_us": site_us, "stages": [],
-                "note": f"the call queues {', '.join(names)} (an op more than once)"}
-    st = [{"op": o.name, "label": stage_label(o), "us": timed(o), "bytes": stage_bytes(model, o, union)} for o in ops]
-    log.info("stages %d rows: site %.1f us, %s", x.shape[0], site_us, ", ".join(f"{s['op']} {s['us']:.1f}" for s in st))
-    return {"rows": x.shape[0], "union": union, "site_us": site_us, "stages": st, "note": ""}
+    return stage_row(model, be, x.shape[0], [ops], site_us, lambda j: timed(ops[j]))
 
 
 def _stage_section(meta: dict[str, Any], res: dict[str, Any]) -> list[str]:

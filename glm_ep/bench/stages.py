@@ -12,11 +12,16 @@ of the smallest kernel. The tables are ``stage_lines`` (no GPU needed).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from glm_ep.app.footprint import nvfp4_bytes
 from glm_ep.config.model import ModelConfig
+
+log = logging.getLogger(__name__)
 
 # What each recorded op is, as the table names it (a 1-row combine_site also runs the routed down projection)
 LABELS = {
@@ -89,6 +94,23 @@ def splittable(names: list[str]) -> bool:
     """Whether each op replayed alone times what it did in the call: not where the call queues an op more than once
     (several row groups, or one row at a time), whose later tables overwrite the earlier ones' in the workspace."""
     return len(set(names)) == len(names)
+
+
+def stage_row(model: ModelConfig, be: Any, rows: int, records: list[list[Op]], site_us: float,
+              time_stage: Callable[[int], float]) -> dict[str, Any]:
+    """The stage table's row of a call of ``rows`` rows (``stage_lines``): the ops of ``records`` (one call of each
+    site, the same ops in each: ``stage_names``), stage j timed by ``time_stage(j)`` (it replays stage j alone over
+    every record) with its bytes over the union of the last call's experts (``be`` reads its ids), beside
+    ``site_us``. A call that queues an op more than once is left whole, with a note saying so."""
+    names, last = stage_names(records), records[-1]
+    ids = next((op.args[5] for op in last if op.name == "route"), None)  # the routing the replays read
+    union = len(np.unique(be.to_host(ids))) if ids is not None else 0
+    st = [{"op": name, "label": label(last[j]), "us": time_stage(j), "bytes": stage_bytes(model, last[j], union)}
+          for j, name in enumerate(names if splittable(names) else [])]
+    note = "" if st else (f"the call queues {', '.join(names)} (an op more than once: several row groups, or a "
+                          "row at a time)")
+    log.info("stages %d rows: site %.1f us, %s", rows, site_us, ", ".join(f"{t['op']} {t['us']:.1f}" for t in st))
+    return {"rows": rows, "union": union, "site_us": site_us, "stages": st, "note": note}
 
 
 def label(op: Op) -> str:
