@@ -143,12 +143,10 @@ def test_the_ring_declines_launches_of_few_items_an_sm(monkeypatch) -> None:
 
 def test_ring_claims_lever_and_where_a_launch_claims() -> None:
     """``ring_claims`` parses (default on) and reaches the ring; a ring launch passes its counter only where its
-    items give each of its warps ``CLAIMS_MIN_ITEMS_PER_WARP`` (else the null pointer: a fixed stride), and a counter
+    items give each of its warps ``RING_CLAIMS_MIN_ITEMS`` (else the null pointer: a fixed stride), and a counter
     of the wrong type or size is refused by name."""
-    import numpy as np
-
     from glm_ep.backend.cuda import routed
-    from glm_ep.backend.cuda.kernel_loader import RING_WARPS
+    from glm_ep.backend.cuda.kernel_loader import RING_CLAIMS_MIN_ITEMS, RING_WARPS
 
     assert PathLevers().ring_claims and RingConfig().claims
     lv = Topology.from_dict({"levers": {"ring_claims": False}}).levers
@@ -162,7 +160,7 @@ def test_ring_claims_lever_and_where_a_launch_claims() -> None:
             self.flags = type("flags", (), {"c_contiguous": True})()
             self.data = type("data", (), {"ptr": 0x7F0000000000})()
 
-    c, most = Counter(), routed.CLAIMS_MIN_ITEMS_PER_WARP
+    c, most = Counter(), RING_CLAIMS_MIN_ITEMS
     warps = 10 * RING_WARPS
     assert routed._claims(c, most * warps, 10) is c
     assert routed._claims(c, most * warps - 1, 10) == np.uint64(0)  # fewer than 4 items a warp: a fixed stride

@@ -78,19 +78,18 @@ def nvfp4_gemv(x_1K: Any, packed_NK2: Any, scale_NG: Any, scale2: float, out_1N:
 # ---- one row, every slot: the persistent ring (gemv_nvfp4_ring.cu) or the block kernels ----------
 _RING = "gemv_nvfp4_ring.cu"
 _UNION = "gemv_nvfp4_union.cu"
-CLAIMS_MIN_ITEMS_PER_WARP = RING_CLAIMS_MIN_ITEMS  # the kernels' own rule (kernel_loader), checked here first
 
 
 def _claims(claims: Any, items: int, blocks: int) -> Any:
     """A ring launch's item counter (two uint32, zero between launches: the next item, the warps done), or the null
     pointer (a fixed stride) where its ``items`` at most (every slot local) cannot give each of its warps (``blocks``
-    x RING_WARPS) ``CLAIMS_MIN_ITEMS_PER_WARP``; the kernel applies the same rule to the items it finds local."""
+    x RING_WARPS) ``RING_CLAIMS_MIN_ITEMS``; the kernel applies the same rule to the items it finds local."""
     if claims is None:
         return np.uint64(0)
     check("claims", claims, U32, 4)
     if claims.size < 2:
         raise ValueError(f"ring claims: {claims.size} uint32, the ring keeps 2 (the next item, the warps done)")
-    return claims if items >= CLAIMS_MIN_ITEMS_PER_WARP * blocks * RING_WARPS else np.uint64(0)
+    return claims if items >= RING_CLAIMS_MIN_ITEMS * blocks * RING_WARPS else np.uint64(0)
 
 
 def nvfp4_moe_gemv(x: Any, per_slot_input: bool, table: ExpertTable[Nvfp4Pointers], ids_S: Any, out_SN: Any,
