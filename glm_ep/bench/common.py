@@ -44,6 +44,12 @@ FLUSH_BYTES = 256 << 20  # written before each timed call: past the L2 of every 
 HOLD_MAX_US = 1e6  # time_gpu_us doubles its hold up to this (a call the host queues in over a second: timed as is)
 
 
+def hold_stream(cp: Any, ns: float, stream: Any = None) -> None:
+    """Queue a one-thread kernel that keeps ``stream`` (default: CuPy's current one) busy for ``ns`` nanoseconds of
+    the global timer: what is queued behind it waits, whatever the host does meanwhile."""
+    cp.RawKernel(_SPIN, "bench_spin")((1,), (1,), (np.uint64(ns),), stream=stream)
+
+
 def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, warmup: int = 2,
                 hold_us: float = 3000.0) -> float:
     """Median over ``repeats`` of ONE call's GPU time, in µs, as a full site would run it: the host's launch cost
@@ -53,7 +59,6 @@ def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, 
     ``stream`` (a backend's ops do: the backend's stream). Where the host took longer to queue the call than the
     hold, the hold is doubled and the call timed again (up to ``HOLD_MAX_US``, past which it is timed as it is and
     a warning says so)."""
-    spin = cp.RawKernel(_SPIN, "bench_spin")
     flush = cp.empty(FLUSH_BYTES, dtype=cp.uint8)
     with stream:
         for _ in range(warmup):
@@ -61,7 +66,7 @@ def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, 
         per_call: list[float] = []
         while len(per_call) < repeats:
             start, end = cp.cuda.Event(), cp.cuda.Event()
-            spin((1,), (1,), (np.uint64(hold_us * 1e3),))
+            hold_stream(cp, hold_us * 1e3)
             flush.fill(0)
             start.record(stream)
             fn()

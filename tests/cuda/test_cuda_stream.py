@@ -9,27 +9,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from glm_ep.bench.common import hold_stream
+
 from _cuda import backend, cupy, dev, host, poisoned, requires_cuda
 from helpers import BF16, rand_bf16
 
 pytestmark = [pytest.mark.cuda, requires_cuda]
 
-_SPIN = r"""
-__device__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-extern "C" __global__ void spin(unsigned long long ns) {
-    const unsigned long long start = now_ns();
-    while (now_ns() - start < ns) {}
-}
-"""
-
 
 def _busy(stream, ms: float = 200.0) -> None:
     """Queue a one-thread kernel on ``stream`` that spins for ``ms`` milliseconds (the global timer)."""
-    cupy.RawKernel(_SPIN, "spin")((1,), (1,), (np.uint64(ms * 1e6),), stream=stream)
+    hold_stream(cupy, ms * 1e6, stream)
 
 
 def test_ops_leave_the_callers_stream_current(rng):

@@ -145,7 +145,7 @@ def test_one_calls_gpu_time_holds_the_stream_and_flushes_the_l2():
             return False
 
     stream = Stream()
-    spin = lambda grid, block, args: log.append(("spin", int(args[0])))  # noqa: E731
+    spin = lambda grid, block, args, stream=None: log.append(("spin", int(args[0])))  # noqa: E731
     cp = SimpleNamespace(RawKernel=lambda src, name: spin, uint8=np.uint8,
                          empty=lambda n, dtype: SimpleNamespace(fill=lambda v: log.append(("flush", n))),
                          cuda=SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: 0.25))
