@@ -99,10 +99,11 @@ struct RingOut {
 // with `claims` (two uint32, zero between launches) and at least RING_CLAIMS_MIN_ITEMS items a warp, each item is
 // the next value of the counter claims[0], so a warp that streams faster takes more items and the launch's warps
 // finish together; otherwise w0 + W, w0 + 2 W, ... < items (every warp sees the same items, so all take the same
-// way). claims[1] counts the warps done claiming; the last of the W zeroes both for the next launch. Each item is `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries, so the producer runs up to
-// D - 1 items ahead of the consumer, which takes them in the order the producer started them (a queue in
-// registers). The claim of the item after the producer's is sent when the producer starts one, so its round trip
-// overlaps that item's slabs. The steps are callables:
+// way). claims[1] counts the warps done claiming; the last of the W zeroes both for the next launch. Each item is
+// `slabs` slabs; D - 1 slabs stay in flight ACROSS item boundaries, so the producer runs up to D - 1 items ahead of
+// the consumer, which takes them in the order the producer started them (a queue in registers). The claim of the
+// item after the producer's is sent when the producer starts one, so its round trip overlaps that item's slabs.
+// The steps are callables:
 // src(item) points the producer at an item, issue(stage, slab) copies a slab of the producer's item,
 // consume(stage, item, slab) multiplies a landed slab of the item into the caller's accumulators, finish(item)
 // stores a finished item and clears them; start() runs once on every warp (a warp without items too), once the
