@@ -116,24 +116,27 @@ def assert_claims_match(claimed, fixed, run, outs, claims, claiming: bool, what:
     launches take the fixed stride, the outputs are the same and the counter is untouched."""
     names = ("gate", "up", "act", "down")
 
-    def launch(label: str, replay=None) -> list:
+    def compared(arrays) -> list:  # the outputs' bits, the rows compared of each
+        return [host(o).view(np.uint16)[(rows or {}).get(name, slice(None))] for name, o in zip(names, arrays)]
+
+    def launch(replay=None) -> list:
         for o in outs[claimed]:
             cupy.cuda.runtime.memsetAsync(o.data.ptr, 0xFF, o.nbytes, claimed.stream.ptr)
         replay() if replay is not None else run(claimed)
-        return [host(o).view(np.uint16)[(rows or {}).get(name, slice(None))] for name, o in zip(names, outs[claimed])]
+        return compared(outs[claimed])
 
     run(fixed)
-    want = [host(o).view(np.uint16)[(rows or {}).get(name, slice(None))] for name, o in zip(names, outs[fixed])]
+    want = compared(outs[fixed])
     run(claimed)  # loads the kernels outside the capture
     replay = claimed.capture(lambda: run(claimed))
     for label in ("launch", "launch again", "replay", "replay again"):
-        got = launch(label, replay if label.startswith("replay") else None)
+        got = launch(replay if label.startswith("replay") else None)
         for name, g, ref in zip(names, got, want):
             np.testing.assert_array_equal(g, ref, err_msg=f"{what}, {label}: {name}")
         assert not host(claims).any(), f"{what}, {label}: the claim counter was left non-zero"
     with claimed.stream:
         claims[:1].fill(1)
-    got = launch("counter at 1")
+    got = launch()  # the counter at 1
     same = all(np.array_equal(g, ref) for g, ref in zip(got, want))
     if claiming:
         assert not same, f"{what}: a launch that claims handed out every item from a counter at 1"
