@@ -13,7 +13,7 @@ GLM-5.3-Flash shape, against the measured copy bandwidth.
 - ``union``: gate + up + SwiGLU and down of the union of 2..8 rows over all 288 experts (rows drawn as the
   router would), for the block kernels and each union ring geometry (slab and depth: ``ring_union_slab`` and
   ``ring_union_depth``, one projection's and gate + up's), h100-1's with each warp's items at a fixed stride
-  instead of claimed (``ring_claims = false``; claims run where a launch has 4 items a warp or more), and the
+  instead of claimed (``ring_claims = false``; claims run where a launch has 3 items a warp or more), and the
   widest row count up to which the shipped ring is never slower than the block kernels (the
   ``ring_union_max_rows`` lever).
 

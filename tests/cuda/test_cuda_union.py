@@ -174,5 +174,5 @@ def test_union_ring_claims(rng, ring, max_warps):
         be.moe_gemv_union(act, tables[be].down, u_eid, u_slot, o[3], True)
 
     # at most 16 union entries (the rows' pool): 1024 gate + up items and 2048 down items; 4 or 16 warps claim them,
-    # a grid sized for the device's SMs (under 4 items a warp) does not
+    # a grid sized for the device's SMs (about one item a warp) does not
     assert_claims_match(claimed, fixed, run, outs, sc["ring_claims"], max_warps > 0, f"union ring {rc}")

@@ -163,7 +163,7 @@ def test_ring_claims_lever_and_where_a_launch_claims() -> None:
     c, most = Counter(), RING_CLAIMS_MIN_ITEMS
     warps = 10 * RING_WARPS
     assert routed._claims(c, most * warps, 10) is c
-    assert routed._claims(c, most * warps - 1, 10) == np.uint64(0)  # fewer than 4 items a warp: a fixed stride
+    assert routed._claims(c, most * warps - 1, 10) == np.uint64(0)  # too few items a warp: a fixed stride
     assert routed._claims(None, 10 ** 6, 1) == np.uint64(0)
     for items in (most * warps, 1):  # a counter not fit to claim is refused whatever the launch's items
         with pytest.raises(TypeError, match="claims: dtype int32"):

@@ -41,9 +41,9 @@ KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 NVFP4_WARPS = 8  # warps per NVFP4 GEMV block
 RING_WARPS = 2  # warps per block of the persistent decode kernels (gemv_nvfp4_ring.cu)
 # items a warp of a ring launch has on average from which it claims them from a counter (``ring_claims``) rather than
-# taking every W-th: H100, 2026-12-07 (docs/perf/DESIGN-NOTES.md), the verify site 1-5% faster at 4..8 rows (4-8
-# items a warp), 1-4 us slower at 2..3 rows (2-3) and 3-4 at one row (about one)
-RING_CLAIMS_MIN_ITEMS = 4
+# taking every W-th: H100, 2026-12-07 (docs/perf/DESIGN-NOTES.md), the verify site 1-5% faster at 4..8 rows (3.75-8
+# items a warp: 4 rows' union launches have 3.75), 1-4 us slower at 2..3 rows (2-2.9) and 3-4 at one row (about one)
+RING_CLAIMS_MIN_ITEMS = 3
 GEMV_WARPS = 8  # warps per bf16 GEMV block
 GEMV_ROWS_PER_WARP = 2  # rows per warp-group of a bf16 GEMV
 GEMV_MAX_ROWS = KERNEL_LIMITS.max_gemv_rows  # widest batch-M tier (bf16_gemv_r1 .. r8)

@@ -83,7 +83,7 @@ class RingConfig:
     + up), its slab (T steps of 128 k per stage) and depth; ``min_items_per_sm``: a launch with fewer (slot x
     16-row group) items an SM goes to the block kernels, which split K (0: never); ``claims``: a warp's items past
     its first are claimed from a device counter (two uint32 of scratch, ``ring_claims``) where a launch's items give
-    its warps 4 or more each (``kernel_loader.RING_CLAIMS_MIN_ITEMS``), so warps that stream faster take more and the
+    its warps 3 or more each (``kernel_loader.RING_CLAIMS_MIN_ITEMS``), so warps that stream faster take more and the
     launch's warps finish together, instead of every W-th item. Each default's
     measurement: docs/perf/DESIGN-NOTES.md."""
 
