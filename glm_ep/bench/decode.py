@@ -227,8 +227,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _stage_timer(be: Any, model: ModelConfig, cfg: Any, levers: PathLevers, sites: list[Any], ws: Any, out: Any,
                  iters: int) -> Callable[[Any, float], dict[str, Any]]:
-    """``stages_of(x, site_us)``: the stages of ``sites`` called on ``x`` (``stages.OpRecorder``), each replayed alone
-    over the same sites as a graph, µs a layer, with its bytes, beside ``site_us``, the sites' graph time on ``x``."""
+    """``stages_of(x, site_us)``: the stages of ``sites`` called on ``x`` (``stages.OpRecorder``), each (and each of
+    its parts) replayed alone over the same sites as a graph, µs a layer, with its bytes, beside ``site_us``, the
+    sites' graph time on ``x``."""
     import cupy as cp
 
     rec = OpRecorder(be)
@@ -238,14 +239,15 @@ def _stage_timer(be: Any, model: ModelConfig, cfg: Any, levers: PathLevers, site
         o = out[:x.shape[0]]
         records = [rec.record(lambda s=s: s(x, ws, o)) for s in recorded]
 
-        def time_stage(j: int) -> float:  # stage j of every site, replayed as one graph
+        def timed(calls: list[Callable[[], Any]]) -> float:  # one call of every site, replayed as one graph
             def body() -> None:
-                for ops in records:
-                    ops[j]()
+                for call in calls:
+                    call()
             body()  # warm-up outside the capture
             return time_median(cp, be.stream, be.capture(body), iters=max(iters // len(sites), 5)) / len(sites)
 
-        return stage_row(model, be, x.shape[0], records, site_us, time_stage)
+        return stage_row(model, be, x.shape[0], records, site_us, lambda j: timed([ops[j] for ops in records]),
+                         lambda j, i: timed([ops[j].leaves()[i] for ops in records]))
 
     return stages_of
 

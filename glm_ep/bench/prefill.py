@@ -234,10 +234,11 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
 
 def _stages(rec: OpRecorder, site: MoeSite, x: Any, ws: Any, out: Any, site_us: float, model: Any, be: Any,
             timed: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
-    """The ops one call of ``site`` (on the recorder) queues on ``x``, each timed alone (``timed``) with its bytes,
-    beside ``site_us``: the stage table's row of this width (``stages.stage_row``)."""
+    """The ops one call of ``site`` (on the recorder) queues on ``x``, each (and each of its parts) timed alone
+    (``timed``) with its bytes, beside ``site_us``: the stage table's row of this width (``stages.stage_row``)."""
     ops = rec.record(lambda: site(x, ws, out))
-    return stage_row(model, be, x.shape[0], [ops], site_us, lambda j: timed(ops[j]))
+    return stage_row(model, be, x.shape[0], [ops], site_us, lambda j: timed(ops[j]),
+                     lambda j, i: timed(ops[j].leaves()[i]))
 
 
 def _stage_section(meta: dict[str, Any], res: dict[str, Any]) -> list[str]:

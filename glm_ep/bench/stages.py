@@ -12,6 +12,7 @@ of the smallest kernel. The tables are ``stage_lines`` (no GPU needed).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -37,49 +38,80 @@ LABELS = {
     "sort_by_expert": "sort by expert",
     "moe_experts_sorted": "routed experts (grouped GEMM: gate + up + SwiGLU, down)",
 }
+# ... and what a stage's parts (the backend methods an op runs on itself) are called, where it differs
+PART_LABELS = {
+    "router_logits": "router logits",
+    "router_topk": "top-k",
+    "route_and_gate_up_act": "router + top-k + shared gate + up",
+    "linear": "projection",
+    "swiglu": "SwiGLU",
+    "combine": "combine",
+    "shared_down_combine": "shared down + combine",
+    "moe_down_shared_combine": "routed down + shared down + combine",
+    "moe_gemv": "routed projection",
+    "moe_gemv_union": "routed projection (union)",
+    "moe_gemm_sorted": "routed projection (grouped GEMM)",
+    "moe_gate_up_act_sorted": "routed gate + up + SwiGLU (grouped GEMM)",
+}
 
 
 @dataclass(frozen=True)
 class Op:
-    """One recorded backend call: ``op()`` queues it again with the same arguments."""
+    """One recorded backend call: ``op()`` queues it again with the same arguments. ``parts``: the backend methods
+    it called on itself, in order, each an ``Op`` with its own parts (empty: it queued its kernels directly)."""
 
     name: str
     fn: Callable[..., Any] = field(repr=False)
     args: tuple[Any, ...] = field(repr=False)
     kwargs: dict[str, Any] = field(repr=False)
+    parts: list["Op"] = field(default_factory=list, repr=False, compare=False)
 
     def __call__(self) -> Any:
         return self.fn(*self.args, **self.kwargs)
 
+    def leaves(self) -> list["Op"]:
+        """The calls under this one that call no other backend method: what it queues, in order (itself if none)."""
+        return [leaf for p in self.parts for leaf in p.leaves()] or [self]
+
 
 class OpRecorder:
     """A backend's stand-in: every attribute is the backend's; while ``record`` runs, each public method called on
-    the recorder is also kept as an ``Op`` (calls the backend makes on itself are not: they are inside an op)."""
+    the recorder is also kept as an ``Op``, and each public method the backend calls on itself inside it as one of
+    that op's ``parts``."""
 
     def __init__(self, be: Any):
         self._be = be
         self._ops: list[Op] | None = None
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._be, name)
-        if self._ops is None or name.startswith("_") or not callable(attr):
-            return attr
-        ops = self._ops
-
-        def op(*args: Any, **kwargs: Any) -> Any:
-            ops.append(Op(name, attr, args, kwargs))
-            return attr(*args, **kwargs)
-
-        return op
+        return getattr(self._be, name)  # while recording, a public method is the backend's recording twin
 
     def record(self, fn: Callable[[], Any]) -> list[Op]:
-        """The ops ``fn`` (one site call on this recorder) queues, in order."""
-        self._ops = []
+        """The ops ``fn`` (one site call on this recorder) queues, in order, each with its parts."""
+        be, ops, running = self._be, [], []
+        methods = [n for n in dir(type(be)) if not n.startswith("_") and inspect.isfunction(getattr(type(be), n))]
+
+        def twin(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+            def op(*args: Any, **kwargs: Any) -> Any:
+                node = Op(name, method, args, kwargs)
+                (running[-1].parts if running else ops).append(node)
+                running.append(node)
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    running.pop()
+            return op
+
+        for name in methods:  # the instance's twins shadow the class's methods, for the site and the backend alike
+            setattr(be, name, twin(name, getattr(be, name)))
+        self._ops = ops
         try:
             fn()
-            return self._ops
+            return ops
         finally:
             self._ops = None
+            for name in methods:
+                delattr(be, name)
 
 
 def stage_names(records: list[list[Op]]) -> list[str]:
@@ -97,20 +129,36 @@ def splittable(names: list[str]) -> bool:
 
 
 def stage_row(model: ModelConfig, be: Any, rows: int, records: list[list[Op]], site_us: float,
-              time_stage: Callable[[int], float]) -> dict[str, Any]:
+              time_stage: Callable[[int], float],
+              time_part: Callable[[int, int], float] | None = None) -> dict[str, Any]:
     """The stage table's row of a call of ``rows`` rows (``stage_lines``): the ops of ``records`` (one call of each
     site, the same ops in each: ``stage_names``), stage j timed by ``time_stage(j)`` (it replays stage j alone over
     every record) with its bytes over the union of the last call's experts (``be`` reads its ids), beside
-    ``site_us``. A call that queues an op more than once is left whole, with a note saying so."""
+    ``site_us``. A stage whose op ran more than one backend method of its own (``Op.leaves``: the router's logits,
+    its top-k and the shared gate + up where they run apart) also gets those parts, part i of stage j timed by
+    ``time_part(j, i)`` (``parts_of``). A call that queues an op more than once is left whole, with a note saying
+    so."""
     names, last = stage_names(records), records[-1]
     ids = next((op.args[5] for op in last if op.name == "route"), None)  # the routing the replays read
     union = len(np.unique(be.to_host(ids))) if ids is not None else 0
     st = [{"op": name, "label": label(last[j]), "us": time_stage(j), "bytes": stage_bytes(model, last[j], union)}
           for j, name in enumerate(names if splittable(names) else [])]
+    for j, stage in enumerate(st if time_part is not None else []):
+        parts = parts_of(records, j)
+        if len(parts) > 1:
+            stage["parts"] = [{"op": p.name, "label": PART_LABELS.get(p.name) or label(p), "us": time_part(j, i),
+                               "bytes": stage_bytes(model, p, union)} for i, p in enumerate(parts)]
     note = "" if st else (f"the call queues {', '.join(names)} (an op more than once: several row groups, or a "
                           "row at a time)")
     log.info("stages %d rows: site %.1f us, %s", rows, site_us, ", ".join(f"{t['op']} {t['us']:.1f}" for t in st))
     return {"rows": rows, "union": union, "site_us": site_us, "stages": st, "note": note}
+
+
+def parts_of(records: list[list[Op]], j: int) -> list[Op]:
+    """Stage j's parts in the last record (``Op.leaves``), where every record's stage j has the same ones (else
+    none: the stage is shown whole)."""
+    names = [[p.name for p in ops[j].leaves()] for ops in records]
+    return records[-1][j].leaves() if all(n == names[0] for n in names) else []
 
 
 def label(op: Op) -> str:
@@ -139,6 +187,10 @@ def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
         return a[1].nbytes + a[2].nbytes + (beside.w.gate.nbytes + beside.w.up.nbytes if beside is not None else 0)
     if op.name == "gate_up_act":  # the shared expert's first half where it did not run beside the router
         return a[1].gate.nbytes + a[1].up.nbytes
+    if op.name == "router_logits":  # a part of route: the router's weights (its bias is the top-k's)
+        return a[1].nbytes
+    if op.name == "router_topk":
+        return a[1].nbytes
     if op.name in ("moe_gate_up_act_union", "moe_gate_up_act"):
         return union * 2 * nvfp4_bytes(m, h)
     if op.name in ("moe_gemv_union", "moe_gemv"):
@@ -166,25 +218,30 @@ ONE_CALL = ("timed alone, as the whole site beside it, one call at a time on its
 def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, copy_gbs: float,
                 timing: str = GRAPHED) -> list[str]:
     """The results file's section: per width, the site's time, each stage alone (µs, % of the copy bandwidth
-    over its bytes), their sum; then the fixed cost of a launch. ``timing``: how the stages and the site were timed
-    (``GRAPHED``: the decode bench's CUDA graphs; ``ONE_CALL``: the prefill bench's single calls)."""
+    over its bytes) with its parts in brackets where it has them, their sum; then the fixed cost of a launch.
+    ``timing``: how the stages and the site were timed (``GRAPHED``: the decode bench's CUDA graphs; ``ONE_CALL``:
+    the prefill bench's single calls)."""
     if not stages:
         return []
     lines = ["", "## Where the sparse site's time goes", "",
              f"Each stage of the site (the backend ops one call queues, as the levers chose them) {timing}. The "
              "stages' sum beside the whole site: what is left over is what the stages cost only together, a "
-             "negative one what their launches overlap.", "",
+             "negative one what their launches overlap. In brackets, a stage's parts where it runs them apart (the "
+             "backend methods it calls, e.g. the router's logits, its top-k and the shared expert's gate + up), each "
+             "timed alone the same way.", "",
              "| rows | site µs | stages: µs (% of copy bw) | sum of stages µs | site − sum µs |",
              "|---:|---:|---|---:|---:|"]
     for s in stages:
         if not s["stages"]:
             lines.append(f"| {s['rows']} | {s['site_us']:.1f} | not split: {s.get('note', '')} | — | — |")
             continue
-        parts = []
-        for st in s["stages"]:
+        def said(st: dict[str, Any]) -> str:  # label, µs and % of copy over its bytes (none without bytes)
             pct = (f" ({100.0 * st['bytes'] / (st['us'] * 1e-6) / 1e9 / copy_gbs:.0f}%)"
                    if st["bytes"] and st["us"] > 0 else "")
-            parts.append(f"{st['label']} {st['us']:.1f}{pct}")
+            return f"{st['label']} {st['us']:.1f}{pct}"
+
+        parts = [said(st) + (f" [{', '.join(said(p) for p in st['parts'])}]" if st.get("parts") else "")
+                 for st in s["stages"]]
         total = sum(st["us"] for st in s["stages"])
         lines.append(f"| {s['rows']} | {s['site_us']:.1f} | {'; '.join(parts)} | {total:.1f} | "
                      f"{s['site_us'] - total:+.1f} |")

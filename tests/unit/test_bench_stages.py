@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from glm_ep.bench.common import sparse_bytes
-from glm_ep.bench.stages import (LABELS, ONE_CALL, OpRecorder, label, splittable, stage_bytes, stage_lines,
+from glm_ep.bench.stages import (LABELS, ONE_CALL, Op, OpRecorder, label, splittable, stage_bytes, stage_lines,
                                  stage_names)
 from glm_ep.config.topology import PathLevers
 from glm_ep.mlp.dispatch import ExpertDispatch
@@ -67,6 +67,34 @@ def test_outside_a_record_the_recorder_is_the_backend(stack):
     assert rec._ops is None
 
 
+def test_the_recorder_keeps_what_each_op_runs_of_the_backend_and_leaves_it_as_it_was(stack):
+    """Inside a record, the methods the backend calls on itself are kept as each op's parts (``Op.leaves``: what
+    the op queues), each replayable alone; after it, even one that raised, the backend has no attribute of the
+    recorder's left."""
+    rec, site = _recorded(stack)
+    be, ws = rec._be, stack.workspaces[0]
+    before = dict(vars(be))
+    x = random_x(1, 1, MODEL.hidden_size)
+    ops = rec.record(lambda: site(x, ws, np.zeros((1, MODEL.hidden_size), x.dtype)))
+    route = ops[0]
+    assert [p.name for p in route.leaves()][:2] == ["router_logits", "router_topk"]  # NumPy runs them apart
+    assert all(not leaf.parts for leaf in route.leaves()) and Op("zero", be.zero, (), {}).leaves()[0].name == "zero"
+    logits = route.leaves()[0].args[2]
+    want = logits.copy()
+    logits[:] = np.nan
+    route.leaves()[0]()  # the router's logits, replayed alone
+    np.testing.assert_array_equal(logits, want)
+    assert vars(be) == before
+
+    def fails():
+        rec.zero(np.ones(2, np.float32))
+        raise RuntimeError("a site that fails mid-call")
+
+    with pytest.raises(RuntimeError, match="fails mid-call"):
+        rec.record(fails)
+    assert vars(be) == before and rec._ops is None
+
+
 def test_sites_of_one_width_must_queue_the_same_ops(stack):
     rec, site = _recorded(stack)
     ws = stack.workspaces[0]
@@ -94,12 +122,18 @@ def test_the_stage_table():
         {"op": "combine_site", "label": "routed down + shared down + combine", "us": 27.5, "bytes": 54_500_000}]},
         {"rows": 2, "union": 16, "site_us": 130.0, "stages": [
             {"op": "union_table", "label": LABELS["union_table"], "us": 3.0, "bytes": 0}]},
+        {"rows": 16, "union": 90, "site_us": 640.0, "stages": [
+            {"op": "route", "label": "router + top-k", "us": 50.0, "bytes": 3_000_000, "parts": [
+                {"op": "router_logits", "label": "router logits", "us": 30.0, "bytes": 3_000_000},
+                {"op": "router_topk", "label": "top-k", "us": 19.0, "bytes": 0}]}]},
         {"rows": 8, "union": 57, "site_us": 430.0, "stages": [], "note": "the call queues route, union_table, "
          "union_table"}]
     text = "\n".join(stage_lines(stages, {"launches": 64, "dependent_us": 1.25, "plain_us": 2.5}, 3000.0))
     assert "| 1 | 74.5 | router + top-k 13.0 (92%); routed gate + up + SwiGLU 34.0 (74%); " \
            "routed down + shared down + combine 27.5 (66%) | 74.5 | +0.0 |" in text
     assert "| 2 | 130.0 | union table 3.0 | 3.0 | +127.0 |" in text  # no bytes: no percentage
+    # a stage's parts in brackets, each with its own share of the copy bandwidth; the sum is the stages' alone
+    assert "| 16 | 640.0 | router + top-k 50.0 (2%) [router logits 30.0 (3%), top-k 19.0] | 50.0 | +590.0 |" in text
     assert "1.25 µs as programmatic dependents, 2.50 µs plain" in text
     assert "| 8 | 430.0 | not split: the call queues route, union_table, union_table | — | — |" in text
     off = "\n".join(stage_lines(stages, {"launches": 64, "dependent_us": None, "plain_us": 2.5}, 3000.0))
@@ -113,11 +147,11 @@ def test_the_stage_table():
 ])
 def test_prefill_stages_replay_the_grouped_path_and_read_its_bytes(rows, ops, router):
     """``bench --prefill --stages``'s rows (``prefill._stages``): a wide call on the grouped GEMM records the router,
-    the sort, the routed experts, the shared expert and the combine, each timed alone; replayed in order (each
-    twice, as the timer does) into poisoned buffers (the output and the workspace) they give the site's output bit
-    for bit, and the stages' bytes
-    are the site's (the routed experts' union read once). The router's label says whether the shared expert's gate
-    and up ran beside it."""
+    the sort, the routed experts, the shared expert and the combine, each timed alone, then each stage's parts;
+    replayed in order (each twice, as the timer does) into poisoned buffers (the output and the workspace) they give
+    the site's output bit for bit, and the stages' bytes are the site's (the routed experts' union read once). The
+    router's label says whether the shared expert's gate and up ran beside it; its parts are the router's logits
+    and top-k (and the shared gate + up's own), whose bytes add up to the router's."""
     from glm_ep.bench.prefill import _stages
 
     big = build_stack(random_weights(MODEL, seed=5), MODEL, max_rows=64)
@@ -141,11 +175,18 @@ def test_prefill_stages_replay_the_grouped_path_and_read_its_bytes(rows, ops, ro
         return 2.5
 
     row = _stages(rec, recorded, x, ws, out, 10.0, MODEL, site.be, timer)
-    assert [s["op"] for s in row["stages"]] == ops == timed and row["site_us"] == 10.0 and row["rows"] == rows
+    parts = [p["op"] for s in row["stages"] for p in s.get("parts", [])]
+    assert [s["op"] for s in row["stages"]] == ops == timed[:len(ops)] and row["site_us"] == 10.0
+    assert timed[len(ops):] == parts and row["rows"] == rows  # then each stage's parts, alone
     assert [s["label"] for s in row["stages"]] == [router] + [LABELS[o] for o in ops[1:]]
     assert all(s["us"] == 2.5 for s in row["stages"])
     np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
     assert sum(s["bytes"] for s in row["stages"]) == sparse_bytes(MODEL, row["union"])
+    route = row["stages"][0]
+    assert [p["label"] for p in route["parts"][:2]] == ["router logits", "top-k"]
+    if router == "router + top-k":  # the router alone: its parts read its weights and bias, the route's bytes
+        assert len(route["parts"]) == 2 and sum(p["bytes"] for p in route["parts"]) == route["bytes"]
     text = "\n".join(stage_lines([row], None, 3000.0, ONE_CALL))
+    assert "[router logits 2.5 (" in text and ", top-k 2.5" in text
     assert "one call at a time on its GPU time only" in text
     assert f"| {rows} | 10.0 | {router} 2.5 (" in text and "; sort by expert 2.5; " in text  # no bytes: no %
