@@ -40,7 +40,18 @@ extern "C" __global__ void bench_spin(unsigned long long ns) {  // holds the str
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     } while (t - t0 < ns);
 }'''
-FLUSH_BYTES = 256 << 20  # written before each timed call: past the L2 of every lent card (50-60 MB)
+_FLUSH = r'''
+extern "C" __global__ void bench_flush(const uint4* __restrict__ p, unsigned long long n, unsigned* sink) {
+    // reads p[0 .. n) through the L2 and writes nothing (unless the words' XOR is one value: the reads stay live)
+    unsigned acc = 0u;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) {
+        const uint4 v = __ldcg(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) *sink = acc;
+}'''
+FLUSH_BYTES = 256 << 20  # read before each timed call: past the L2 of every lent card (50-60 MB)
 HOLD_MAX_US = 1e6  # time_gpu_us doubles its hold up to this (a call the host queues in over a second: timed as is)
 
 
@@ -50,12 +61,23 @@ def hold_stream(cp: Any, ns: float, stream: Any = None) -> None:
     cp.RawKernel(_SPIN, "bench_spin")((1,), (1,), (np.uint64(ns),), stream=stream)
 
 
+def flush_l2(cp: Any, buf: Any, stream: Any = None) -> None:
+    """Queue a kernel that reads all of ``buf`` (a device array of at least FLUSH_BYTES, a multiple of 16) on
+    ``stream`` (default: CuPy's current one) and writes none of it: the L2 ends up holding ``buf``'s clean lines, so
+    the next kernel reads its own bytes from HBM with nothing dirty to write back first. Filling the buffer instead
+    leaves the L2 full of dirty lines, whose write-back the next kernel would pay (about 50 MB, 17 µs of an H100's
+    copy bandwidth)."""
+    n = buf.nbytes // 16
+    cp.RawKernel(_FLUSH, "bench_flush")((1024,), (256,), (buf, np.uint64(n), buf), stream=stream)
+
+
 def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, warmup: int = 2,
                 hold_us: float = 3000.0) -> float:
     """Median over ``repeats`` of ONE call's GPU time, in µs, as a full site would run it: the host's launch cost
     held out (a spin kernel keeps ``stream`` busy for ``hold_us`` while the call is queued, so the start event fires
-    when the call's first kernel can start) and the L2 flushed before it (``FLUSH_BYTES`` written outside the timed
-    window, so the call's weights come from HBM, as after the routed experts' GEMMs). ``fn`` must queue its work on
+    when the call's first kernel can start) and the L2 flushed before it (``flush_l2``: FLUSH_BYTES read outside the
+    timed window, so the call's weights come from HBM, as after the routed experts' GEMMs, with no dirty line of the
+    flush's to write back). ``fn`` must queue its work on
     ``stream`` (a backend's ops do: the backend's stream). Where the host took longer to queue the call than the
     hold, the hold is doubled and the call timed again (up to ``HOLD_MAX_US``, past which it is timed as it is and
     a warning says so)."""
@@ -67,7 +89,7 @@ def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, 
         while len(per_call) < repeats:
             start, end = cp.cuda.Event(), cp.cuda.Event()
             hold_stream(cp, hold_us * 1e3)
-            flush.fill(0)
+            flush_l2(cp, flush)
             start.record(stream)
             fn()
             held = not start.done  # the stream was still busy when the whole call had been queued

@@ -53,3 +53,21 @@ def test_copy_queues_on_the_backend_stream(rng):
     other.synchronize()
     assert still_busy, "the spin ended before the check: the test proves nothing on this device"
     np.testing.assert_array_equal(got.view(np.uint16), x.view(np.uint16))
+
+
+def test_the_benchs_l2_flush_reads_its_buffer_in_stream_order():
+    """``bench.common.flush_l2`` (before each of ``time_gpu_us``'s calls) queues on the stream it is given, behind
+    what is there, and leaves its buffer's bytes as they were: it reads the L2 clean instead of filling it dirty."""
+    from glm_ep.bench.common import flush_l2
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    buf = cupy.full(8 << 20, 0x5A, dtype=cupy.uint8)  # its words' XOR is 0: the kernel's one write never happens
+    cupy.cuda.Device().synchronize()
+    want = cupy.asnumpy(buf)
+    _busy(stream, 200.0)
+    flush_l2(cupy, buf, stream)
+    after = cupy.cuda.Event()
+    after.record(stream)
+    assert not after.done, "the flush did not queue behind the stream's busy kernel"
+    after.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(buf), want)

@@ -114,8 +114,9 @@ def test_render_the_stage_table():
 
 
 def test_one_calls_gpu_time_holds_the_stream_and_flushes_the_l2():
-    """``time_gpu_us`` on a stand-in CuPy: per timed call, the spin, the L2 flush, the start event, the call, the end
-    event, in that order on the given stream; a call the host queued past the hold (its start event already done) is
+    """``time_gpu_us`` on a stand-in CuPy: per timed call, the spin, the L2 flush (a kernel reading FLUSH_BYTES,
+    never a fill, which would leave the L2 dirty), the start event, the call, the end event, in that order on the
+    given stream; a call the host queued past the hold (its start event already done) is
     timed again with twice the hold; the median in µs."""
     from types import SimpleNamespace
 
@@ -145,9 +146,11 @@ def test_one_calls_gpu_time_holds_the_stream_and_flushes_the_l2():
             return False
 
     stream = Stream()
-    spin = lambda grid, block, args, stream=None: log.append(("spin", int(args[0])))  # noqa: E731
-    cp = SimpleNamespace(RawKernel=lambda src, name: spin, uint8=np.uint8,
-                         empty=lambda n, dtype: SimpleNamespace(fill=lambda v: log.append(("flush", n))),
+    kernels = {"bench_spin": lambda grid, block, args, stream=None: log.append(("spin", int(args[0]))),
+               # the flush reads its buffer (16 bytes an element) and writes none of it: no fill of it is queued
+               "bench_flush": lambda grid, block, args, stream=None: log.append(("flush", 16 * int(args[1])))}
+    cp = SimpleNamespace(RawKernel=lambda src, name: kernels[name], uint8=np.uint8,
+                         empty=lambda n, dtype: SimpleNamespace(nbytes=n, fill=lambda v: log.append(("fill", n))),
                          cuda=SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: 0.25))
     us = common.time_gpu_us(cp, stream, lambda: log.append(("call",)), repeats=3, warmup=1, hold_us=1000.0)
     assert us == 250.0
@@ -159,4 +162,4 @@ def test_one_calls_gpu_time_holds_the_stream_and_flushes_the_l2():
     for k in range(4):  # spin, flush, start, call, end
         assert [e[0] for e in timed[5 * k:5 * k + 5]] == ["spin", "flush", "event", "call", "event"]
     assert all(e[1] is stream for e in log if e[0] == "event")
-    assert ("flush", common.FLUSH_BYTES) in log
+    assert ("flush", common.FLUSH_BYTES) in log and not any(e[0] == "fill" for e in log)
