@@ -88,8 +88,8 @@ def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, 
         per_call: list[float] = []
         while len(per_call) < repeats:
             start, end = cp.cuda.Event(), cp.cuda.Event()
-            hold_stream(cp, hold_us * 1e3)
-            flush_l2(cp, flush)
+            hold_stream(cp, hold_us * 1e3, stream)
+            flush_l2(cp, flush, stream)
             start.record(stream)
             fn()
             held = not start.done  # the stream was still busy when the whole call had been queued

@@ -1,10 +1,12 @@
-"""Where a sparse site's time goes at 1..8 rows: the backend ops one call queues, each timed alone.
+"""Where a sparse site's time goes: the backend ops one call queues, each timed alone.
 
 ``OpRecorder`` stands in for a backend while a site runs once and keeps every op the site and its dispatch call on
-it (``route``, ``union_table``, ``moe_gate_up_act_union``, ..., ``combine_site``), with its arguments; what those ops
-call inside the backend is not recorded, so a record is the site's stages as the levers chose them. ``glm-ep bench``
-records one call of each of several sites (distinct weights, one width), times each stage replayed alone over those
-sites as a CUDA graph, and sets the stages' sum beside the whole site's time: the difference is what the launches
+it (``route``, ``union_table``, ``moe_gate_up_act_union``, ..., ``combine_site``), with its arguments: a record is
+the site's stages as the levers chose them. The backend methods an op calls on the backend itself are kept as its
+``parts`` (the router's logits and top-k, the shared gate + up, ... where the op runs them apart). ``glm-ep bench``
+records one call of each of several sites (distinct weights, one width), times each stage (and each of its parts)
+replayed alone over those sites as a CUDA graph (``bench --prefill --stages``: one call's GPU time), and sets the
+stages' sum beside the whole site's time: the difference is what the launches
 overlap (programmatic dependent launch) or what the stages cost only together. Each stage's bytes (``stage_bytes``)
 put it beside the copy bandwidth. The fixed cost of one launch is timed the same way, as a graph of many launches
 of the smallest kernel. The tables are ``stage_lines`` (no GPU needed).
@@ -87,9 +89,15 @@ class OpRecorder:
         return getattr(self._be, name)  # while recording, a public method is the backend's recording twin
 
     def record(self, fn: Callable[[], Any]) -> list[Op]:
-        """The ops ``fn`` (one site call on this recorder) queues, in order, each with its parts."""
+        """The ops ``fn`` (one site call on this recorder) queues, in order, each with its parts. The backend's
+        instance is as it was after, whatever ``fn`` raised."""
         be, ops, running = self._be, [], []
-        methods = [n for n in dir(type(be)) if not n.startswith("_") and inspect.isfunction(getattr(type(be), n))]
+        if self._ops is not None:
+            raise RuntimeError("OpRecorder.record: already recording (a record does not nest)")
+        # the backend's own methods: not its static or class methods, properties or attributes
+        methods = [n for n in dir(type(be)) if not n.startswith("_")
+                   and inspect.isfunction(inspect.getattr_static(type(be), n))]
+        saved = {n: vars(be)[n] for n in methods if n in vars(be)}  # an instance's own attribute of a method's name
 
         def twin(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
             def op(*args: Any, **kwargs: Any) -> Any:
@@ -102,16 +110,19 @@ class OpRecorder:
                     running.pop()
             return op
 
-        for name in methods:  # the instance's twins shadow the class's methods, for the site and the backend alike
-            setattr(be, name, twin(name, getattr(be, name)))
         self._ops = ops
         try:
+            for name in methods:  # the instance's twins shadow the class's methods, for the site and the backend alike
+                setattr(be, name, twin(name, getattr(be, name)))
             fn()
             return ops
         finally:
             self._ops = None
             for name in methods:
-                delattr(be, name)
+                if name in saved:
+                    setattr(be, name, saved[name])
+                elif name in vars(be):
+                    delattr(be, name)
 
 
 def stage_names(records: list[list[Op]]) -> list[str]:
@@ -191,6 +202,10 @@ def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
         return a[1].nbytes
     if op.name == "router_topk":
         return a[1].nbytes
+    if op.name == "linear":  # a part: one bf16 projection (the shared expert's gate, up or down)
+        return a[1].nbytes
+    if op.name == "moe_gemm_sorted":  # a part of the grouped path: one routed projection of the union
+        return union * nvfp4_bytes(m, h)
     if op.name in ("moe_gate_up_act_union", "moe_gate_up_act"):
         return union * 2 * nvfp4_bytes(m, h)
     if op.name in ("moe_gemv_union", "moe_gemv"):

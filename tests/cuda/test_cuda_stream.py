@@ -57,17 +57,25 @@ def test_copy_queues_on_the_backend_stream(rng):
 
 def test_the_benchs_l2_flush_reads_its_buffer_in_stream_order():
     """``bench.common.flush_l2`` (before each of ``time_gpu_us``'s calls) queues on the stream it is given, behind
-    what is there, and leaves its buffer's bytes as they were: it reads the L2 clean instead of filling it dirty."""
+    what is there, reads its buffer to the last 16 bytes and writes none of it: it leaves the L2 clean instead of
+    filling it dirty. Its one write, kept so that the reads stay live, goes to the first word only where the words a
+    thread read XOR to 0x9e3779b9: the last 16 bytes are seeded so, the rest XOR to 0."""
     from glm_ep.bench.common import flush_l2
 
+    magic = 0x9E3779B9
     stream = cupy.cuda.Stream(non_blocking=True)
-    buf = cupy.full(8 << 20, 0x5A, dtype=cupy.uint8)  # its words' XOR is 0: the kernel's one write never happens
+    buf = cupy.full(8 << 20, 0x5A, dtype=cupy.uint8)  # every other 16 bytes XOR to 0
+    buf[-16:].view(cupy.uint32)[:] = cupy.asarray([magic, 0, 0, 0], dtype=cupy.uint32)
     cupy.cuda.Device().synchronize()
     want = cupy.asnumpy(buf)
     _busy(stream, 200.0)
     flush_l2(cupy, buf, stream)
     after = cupy.cuda.Event()
     after.record(stream)
-    assert not after.done, "the flush did not queue behind the stream's busy kernel"
+    assert not after.done
+    first = int(cupy.asnumpy(buf[:4].view(cupy.uint32))[0])  # read on another stream while this one is busy
+    assert first == 0x5A5A5A5A, "the flush ran before the stream's busy kernel"
     after.synchronize()
-    np.testing.assert_array_equal(cupy.asnumpy(buf), want)
+    got = cupy.asnumpy(buf)
+    assert int(got[:4].view(np.uint32)[0]) == magic, "the flush did not read the buffer's last 16 bytes"
+    np.testing.assert_array_equal(got[4:], want[4:])

@@ -146,9 +146,12 @@ def test_one_calls_gpu_time_holds_the_stream_and_flushes_the_l2():
             return False
 
     stream = Stream()
-    kernels = {"bench_spin": lambda grid, block, args, stream=None: log.append(("spin", int(args[0]))),
+    on = []  # the stream each kernel was queued on
+    kernels = {"bench_spin": lambda grid, block, args, stream=None: (log.append(("spin", int(args[0]))),
+                                                                       on.append(stream)),
                # the flush reads its buffer (16 bytes an element) and writes none of it: no fill of it is queued
-               "bench_flush": lambda grid, block, args, stream=None: log.append(("flush", 16 * int(args[1])))}
+               "bench_flush": lambda grid, block, args, stream=None: (log.append(("flush", 16 * int(args[1]))),
+                                                                        on.append(stream))}
     cp = SimpleNamespace(RawKernel=lambda src, name: kernels[name], uint8=np.uint8,
                          empty=lambda n, dtype: SimpleNamespace(nbytes=n, fill=lambda v: log.append(("fill", n))),
                          cuda=SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: 0.25))
@@ -163,3 +166,4 @@ def test_one_calls_gpu_time_holds_the_stream_and_flushes_the_l2():
         assert [e[0] for e in timed[5 * k:5 * k + 5]] == ["spin", "flush", "event", "call", "event"]
     assert all(e[1] is stream for e in log if e[0] == "event")
     assert ("flush", common.FLUSH_BYTES) in log and not any(e[0] == "fill" for e in log)
+    assert len(on) == 8 and all(s is stream for s in on)  # the spins and the flushes on the timed stream

@@ -50,6 +50,8 @@ def test_the_recorded_ops_replay_the_site_exactly_and_read_its_bytes(stack, rows
     ids = next(o.args[5] for o in recorded if o.name == "route")
     union = len(np.unique(ids))
     assert sum(stage_bytes(MODEL, o, union) for o in recorded) == sparse_bytes(MODEL, union)
+    for o in recorded:  # a stage's parts read what it reads (on NumPy every op runs its parts apart)
+        assert sum(stage_bytes(MODEL, p, union) for p in o.leaves()) == stage_bytes(MODEL, o, union), o.name
     assert splittable([o.name for o in recorded])
     combine = recorded[-1]
     assert label(combine) == ("routed down + shared down + combine" if rows == 1 else LABELS["combine_site"])
@@ -93,6 +95,16 @@ def test_the_recorder_keeps_what_each_op_runs_of_the_backend_and_leaves_it_as_it
     with pytest.raises(RuntimeError, match="fails mid-call"):
         rec.record(fails)
     assert vars(be) == before and rec._ops is None
+    with pytest.raises(RuntimeError, match="already recording"):  # a record does not nest
+        rec.record(lambda: rec.record(lambda: None))
+    assert vars(be) == before
+    own = lambda a: None  # noqa: E731 - an instance's own attribute of a method's name is put back
+    be.zero = own
+    try:
+        assert [o.name for o in rec.record(lambda: rec.zero(np.ones(2, np.float32)))] == ["zero"]
+        assert vars(be)["zero"] is own
+    finally:
+        del be.zero
 
 
 def test_sites_of_one_width_must_queue_the_same_ops(stack):
@@ -184,8 +196,10 @@ def test_prefill_stages_replay_the_grouped_path_and_read_its_bytes(rows, ops, ro
     assert sum(s["bytes"] for s in row["stages"]) == sparse_bytes(MODEL, row["union"])
     route = row["stages"][0]
     assert [p["label"] for p in route["parts"][:2]] == ["router logits", "top-k"]
-    if router == "router + top-k":  # the router alone: its parts read its weights and bias, the route's bytes
-        assert len(route["parts"]) == 2 and sum(p["bytes"] for p in route["parts"]) == route["bytes"]
+    assert len(route["parts"]) == (2 if router == "router + top-k" else 5)  # + the shared gate, up and SwiGLU
+    for s in row["stages"]:  # each stage's parts read what the stage reads
+        if s.get("parts"):
+            assert sum(p["bytes"] for p in s["parts"]) == s["bytes"], s["op"]
     text = "\n".join(stage_lines([row], None, 3000.0, ONE_CALL))
     assert "[router logits 2.5 (" in text and ", top-k 2.5" in text
     assert "one call at a time on its GPU time only" in text
