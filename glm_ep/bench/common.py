@@ -62,11 +62,11 @@ def hold_stream(cp: Any, ns: float, stream: Any = None) -> None:
 
 
 def flush_l2(cp: Any, buf: Any, stream: Any = None) -> None:
-    """Queue a kernel that reads all of ``buf`` (a device array of at least FLUSH_BYTES, a multiple of 16) on
-    ``stream`` (default: CuPy's current one) and writes none of it: the L2 ends up holding ``buf``'s clean lines, so
-    the next kernel reads its own bytes from HBM with nothing dirty to write back first. Filling the buffer instead
-    leaves the L2 full of dirty lines, whose write-back the next kernel would pay (about 50 MB, 17 µs of an H100's
-    copy bandwidth)."""
+    """Queue a kernel that reads all of ``buf`` (a device array of a multiple of 16 bytes; FLUSH_BYTES passes every
+    lent card's L2) on ``stream`` (default: CuPy's current one) and writes none of it: the L2 ends up holding
+    ``buf``'s clean lines, so the next kernel reads its own bytes from HBM with nothing dirty to write back first.
+    Filling the buffer instead leaves the L2 full of dirty lines, whose write-back the next kernel would pay (about
+    50 MB, 17 µs of an H100's copy bandwidth)."""
     n = buf.nbytes // 16
     cp.RawKernel(_FLUSH, "bench_flush")((1024,), (256,), (buf, np.uint64(n), buf), stream=stream)
 

@@ -246,8 +246,7 @@ def _stage_timer(be: Any, model: ModelConfig, cfg: Any, levers: PathLevers, site
             body()  # warm-up outside the capture
             return time_median(cp, be.stream, be.capture(body), iters=max(iters // len(sites), 5)) / len(sites)
 
-        return stage_row(model, be, x.shape[0], records, site_us, lambda j: timed([ops[j] for ops in records]),
-                         lambda j, i: timed([ops[j].leaves()[i] for ops in records]))
+        return stage_row(model, be, x.shape[0], records, site_us, timed)
 
     return stages_of
 

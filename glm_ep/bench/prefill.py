@@ -237,8 +237,7 @@ def _stages(rec: OpRecorder, site: MoeSite, x: Any, ws: Any, out: Any, site_us: 
     """The ops one call of ``site`` (on the recorder) queues on ``x``, each (and each of its parts) timed alone
     (``timed``) with its bytes, beside ``site_us``: the stage table's row of this width (``stages.stage_row``)."""
     ops = rec.record(lambda: site(x, ws, out))
-    return stage_row(model, be, x.shape[0], [ops], site_us, lambda j: timed(ops[j]),
-                     lambda j, i: timed(ops[j].leaves()[i]))
+    return stage_row(model, be, x.shape[0], [ops], site_us, lambda one: timed(one[0]))
 
 
 def _stage_section(meta: dict[str, Any], res: dict[str, Any]) -> list[str]:

@@ -140,24 +140,23 @@ def splittable(names: list[str]) -> bool:
 
 
 def stage_row(model: ModelConfig, be: Any, rows: int, records: list[list[Op]], site_us: float,
-              time_stage: Callable[[int], float],
-              time_part: Callable[[int, int], float] | None = None) -> dict[str, Any]:
+              time_ops: Callable[[list[Op]], float]) -> dict[str, Any]:
     """The stage table's row of a call of ``rows`` rows (``stage_lines``): the ops of ``records`` (one call of each
-    site, the same ops in each: ``stage_names``), stage j timed by ``time_stage(j)`` (it replays stage j alone over
-    every record) with its bytes over the union of the last call's experts (``be`` reads its ids), beside
+    site, the same ops in each: ``stage_names``), stage j timed by ``time_ops`` (given stage j's op of every record,
+    it replays them alone) with its bytes over the union of the last call's experts (``be`` reads its ids), beside
     ``site_us``. A stage whose op ran more than one backend method of its own (``Op.leaves``: the router's logits,
-    its top-k and the shared gate + up where they run apart) also gets those parts, part i of stage j timed by
-    ``time_part(j, i)`` (``parts_of``). A call that queues an op more than once is left whole, with a note saying
-    so."""
+    its top-k and the shared gate + up where they run apart) also gets those parts (``parts_of``), each timed the
+    same way. A call that queues an op more than once is left whole, with a note saying so."""
     names, last = stage_names(records), records[-1]
     ids = next((op.args[5] for op in last if op.name == "route"), None)  # the routing the replays read
     union = len(np.unique(be.to_host(ids))) if ids is not None else 0
-    st = [{"op": name, "label": label(last[j]), "us": time_stage(j), "bytes": stage_bytes(model, last[j], union)}
-          for j, name in enumerate(names if splittable(names) else [])]
-    for j, stage in enumerate(st if time_part is not None else []):
+    st = [{"op": name, "label": label(last[j]), "us": time_ops([ops[j] for ops in records]),
+           "bytes": stage_bytes(model, last[j], union)} for j, name in enumerate(names if splittable(names) else [])]
+    for j, stage in enumerate(st):
         parts = parts_of(records, j)
         if len(parts) > 1:
-            stage["parts"] = [{"op": p.name, "label": PART_LABELS.get(p.name) or label(p), "us": time_part(j, i),
+            stage["parts"] = [{"op": p.name, "label": PART_LABELS.get(p.name) or label(p),
+                               "us": time_ops([ops[j].leaves()[i] for ops in records]),
                                "bytes": stage_bytes(model, p, union)} for i, p in enumerate(parts)]
     note = "" if st else (f"the call queues {', '.join(names)} (an op more than once: several row groups, or a "
                           "row at a time)")
@@ -198,17 +197,12 @@ def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
         return a[1].nbytes + a[2].nbytes + (beside.w.gate.nbytes + beside.w.up.nbytes if beside is not None else 0)
     if op.name == "gate_up_act":  # the shared expert's first half where it did not run beside the router
         return a[1].gate.nbytes + a[1].up.nbytes
-    if op.name == "router_logits":  # a part of route: the router's weights (its bias is the top-k's)
+    # parts: the router's weights (logits), its bias (top-k), one bf16 projection (the shared gate, up or down)
+    if op.name in ("router_logits", "router_topk", "linear"):
         return a[1].nbytes
-    if op.name == "router_topk":
-        return a[1].nbytes
-    if op.name == "linear":  # a part: one bf16 projection (the shared expert's gate, up or down)
-        return a[1].nbytes
-    if op.name == "moe_gemm_sorted":  # a part of the grouped path: one routed projection of the union
-        return union * nvfp4_bytes(m, h)
     if op.name in ("moe_gate_up_act_union", "moe_gate_up_act"):
         return union * 2 * nvfp4_bytes(m, h)
-    if op.name in ("moe_gemv_union", "moe_gemv"):
+    if op.name in ("moe_gemv_union", "moe_gemv", "moe_gemm_sorted"):  # one routed projection of the union
         return union * nvfp4_bytes(h, m)
     if op.name == "moe_experts_sorted":
         return union * (2 * nvfp4_bytes(m, h) + nvfp4_bytes(h, m))
@@ -246,15 +240,15 @@ def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, c
              "timed alone the same way.", "",
              "| rows | site µs | stages: µs (% of copy bw) | sum of stages µs | site − sum µs |",
              "|---:|---:|---|---:|---:|"]
+    def said(st: dict[str, Any]) -> str:  # label, µs and % of copy over its bytes (none without bytes)
+        pct = (f" ({100.0 * st['bytes'] / (st['us'] * 1e-6) / 1e9 / copy_gbs:.0f}%)"
+               if st["bytes"] and st["us"] > 0 else "")
+        return f"{st['label']} {st['us']:.1f}{pct}"
+
     for s in stages:
         if not s["stages"]:
             lines.append(f"| {s['rows']} | {s['site_us']:.1f} | not split: {s.get('note', '')} | — | — |")
             continue
-        def said(st: dict[str, Any]) -> str:  # label, µs and % of copy over its bytes (none without bytes)
-            pct = (f" ({100.0 * st['bytes'] / (st['us'] * 1e-6) / 1e9 / copy_gbs:.0f}%)"
-                   if st["bytes"] and st["us"] > 0 else "")
-            return f"{st['label']} {st['us']:.1f}{pct}"
-
         parts = [said(st) + (f" [{', '.join(said(p) for p in st['parts'])}]" if st.get("parts") else "")
                  for st in s["stages"]]
         total = sum(st["us"] for st in s["stages"])
