@@ -68,6 +68,8 @@ def test_the_benchs_l2_flush_reads_its_buffer_in_stream_order():
     buf[-16:].view(cupy.uint32)[:] = cupy.asarray([magic, 0, 0, 0], dtype=cupy.uint32)
     cupy.cuda.Device().synchronize()
     want = cupy.asnumpy(buf)
+    flush_l2(cupy, cupy.zeros(16, dtype=cupy.uint8), stream)  # built before the spin: NVRTC can outlast it
+    stream.synchronize()
     _busy(stream, 200.0)
     flush_l2(cupy, buf, stream)
     after = cupy.cuda.Event()

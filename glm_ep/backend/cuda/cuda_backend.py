@@ -4,7 +4,7 @@
 |-------|--------------------------------------------|---------------------|--------------------------------------------|
 | 1     | GEMV; gate + up + SwiGLU fused             | GEMV (fp32) + top-k, ONE launch, with the shared expert's gate + up | tensor-core GEMV, all slots in one persistent launch (whole-K warps, shared-memory ring), through the pointer table; gate + up + SwiGLU fused |
 | 2..8  | batch-M GEMV, one weight read for all rows; from 5 rows the warp-streaming tensor-core GEMM (each warp its own rows and ring), gate + up + SwiGLU fused (the shared expert's gate + up then apart from the router's launch, its down apart from the combine) | same, one launch    | union table, each union expert swept once for all its rows (rows = the mma's B columns): on the decode ring's pipeline up to `ring_union_max_rows` rows, block kernels above |
-| 9..64 | weights up to 2048 x 4096 (shared expert): gate + up + SwiGLU fused on the tensor-core GEMM (mma_bf16.cu) to 16 rows, then gate + up in one batched cuBLAS call; larger (dense FFN): gate + up + SwiGLU on the warp-streaming GEMM to 16 rows, cuBLAS otherwise; one projection (down): cuBLAS | same, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
+| 9..64 | weights up to 2048 x 4096 (shared expert): gate + up in one batched cuBLAS call, then the SwiGLU; larger (dense FFN): gate + up + SwiGLU on the warp-streaming GEMM to 16 rows, cuBLAS otherwise; one projection (down): cuBLAS | cuBLAS, fp32 out (bf16 router) | below the crossover lever: row groups of <= 8; at or above it: sort by expert, ONE grouped tensor-core GEMM per projection (gate + up + SwiGLU in one; gemm_nvfp4.cu), indexed combine |
 | > 64  | cuBLAS GemmEx (bf16, fp32 accumulation)    | cuBLAS, fp32 out    | the grouped GEMM                           |
 
 Everything a step runs is queued on ``self.stream`` (non-blocking, current only inside each op:
@@ -263,9 +263,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
     def router_logits(self, x_TH, router_EH, out_TE):
         if x_TH.shape[0] <= GEMV_MAX_ROWS:
             dense.router_gemv(x_TH, router_EH, out_TE)
-        elif router_EH.dtype == BF16 and dense.mma_gemm_takes(x_TH, router_EH):
-            dense.mma_gemm_bf16(x_TH, router_EH, out_TE)  # bf16 products are exact in fp32: fp32 sums and out
-        elif router_EH.dtype == BF16:  # cuBLAS, likewise
+        elif router_EH.dtype == BF16:  # cuBLAS: bf16 products are exact in fp32, fp32 sums and out
             dense.gemm_bf16(x_TH, router_EH, out_TE)
         else:  # an fp32 router: x upcast (a temporary: the wide path is never captured), fp32 GEMM
             x32 = self.xp.empty(x_TH.shape, dtype=np.float32)
@@ -370,8 +368,6 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             dense.wstream_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI, *self._wstream)
         elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
-        elif dense.mma_gemm_takes(x_TK, w.gate, dense.MMA_GLU_MAX_ROWS):
-            dense.mma_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
         elif w.gate.size <= dense.MMA_GEMM_MAX_WEIGHT:  # the shared expert's shape (or a dense FFN's tp >= 6 shard):
             # gate and up in one batched cuBLAS call
             dense.gemm_bf16_pair(x_TK, w.gate, w.up, gate_TI, up_TI)
