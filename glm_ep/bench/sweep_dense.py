@@ -1,13 +1,12 @@
 """``glm-ep bench --sweep dense``: the bf16 projections of 1..64 rows on every engine that can take them, per
 GLM-5.3-Flash shape, in ONE run on one GPU: what the dense dispatch's row tiers are set from (``dense.py``:
-the batch-M GEMV to 8 rows, the warp-streaming GEMM ``wstream_takes``, the 9..64-row tensor-core GEMM
-``mma_gemm_takes`` / ``MMA_GLU_MAX_ROWS``, cuBLAS).
+the batch-M GEMV to 8 rows, the warp-streaming GEMM ``wstream_takes``, cuBLAS).
 
 Shapes: the dense FFN's gate + up + SwiGLU ([12288, 4096] each) and down ([4096, 12288]), the shared expert's
 ([2048, 4096], [4096, 2048]). Engines: ``gemv`` (1..8 rows), ``wstream`` (the warp-streaming GEMM, 1..16),
-``mma`` (the tensor-core GEMM, 9..64), ``cublas`` (gate, up, then the SwiGLU pass for gate + up),
-``cublas_pair`` (gate and up in one batched call), and ``shipped``: the backend's own op (``gate_up_act``,
-``linear``), i.e. the engine the dispatch picks, with the backend's scratch bound as a job binds it. Each call
+``cublas`` (gate, up, then the SwiGLU pass for gate + up), ``cublas_pair`` (gate and up in one batched call), and
+``shipped``: the backend's own op (``gate_up_act``, ``linear``), i.e. the engine the dispatch picks, with the
+backend's scratch bound as a job binds it. Each call
 reads the next of several copies of the weights, together three times the L2 or more (``weight_copies``), so
 every call streams its weights from HBM as a job's layers do; each engine a captured step can run is timed as a
 CUDA graph over the copies at the 1..8 rows a step captures, and as back-to-back calls, marked †, where a job calls
@@ -30,7 +29,8 @@ from glm_ep.bench.common import (BF16, bench_meta, bench_workspace, copy_bandwid
 from glm_ep.bench.sweep_ring import _write
 
 ROWS = (1, 2, 4, 5, 8, 9, 16, 24, 32, 48, 64)
-ENGINES = ("gemv", "wstream", "mma", "cublas", "cublas_pair", "shipped")
+MAX_ROWS = 64  # the widest call it sweeps (``--rows``)
+ENGINES = ("gemv", "wstream", "cublas", "cublas_pair", "shipped")
 
 
 def shapes(model: Any) -> dict[str, tuple[int, int, bool]]:
@@ -50,13 +50,12 @@ def run_sweep_dense(args: argparse.Namespace) -> int:
 
     model = glm_model()
     rows = sorted(set(args.rows or ROWS))
-    if rows[0] < 1 or rows[-1] > D.MMA_GEMM_MAX_ROWS:
+    if rows[0] < 1 or rows[-1] > MAX_ROWS:
         from glm_ep.errors import ConfigError
 
-        raise ConfigError(f"--sweep dense --rows {' '.join(map(str, rows))}: expected widths of 1.."
-                          f"{D.MMA_GEMM_MAX_ROWS} (the tiers it sweeps)")
+        raise ConfigError(f"--sweep dense --rows {' '.join(map(str, rows))}: expected widths of 1..{MAX_ROWS}")
     be = CudaBackend(0)
-    bench_workspace(be, world1_cfg(model), D.MMA_GEMM_MAX_ROWS)  # binds the backend's scratch, as a job's workspace does
+    bench_workspace(be, world1_cfg(model), MAX_ROWS)  # binds the backend's scratch, as a job's workspace does
     s, limit = be.stream, model.swiglu_limit
     copy_gbs = copy_bandwidth(cp, s)
     l2 = cp.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]
@@ -83,8 +82,6 @@ def run_sweep_dense(args: argparse.Namespace) -> int:
                 if r <= D.WSTREAM_MAX_ROWS:
                     runs["wstream"] = lambda c: D.wstream_glu_bf16(x, ws_[c].gate, ws_[c].up, limit, g, u, a, partials,
                                                                    arrived)
-                if r > D.GEMV_MAX_ROWS:
-                    runs["mma"] = lambda c: D.mma_glu_bf16(x, ws_[c].gate, ws_[c].up, limit, g, u, a)
                 runs["cublas"] = lambda c: (D.gemm_bf16(x, ws_[c].gate, g), D.gemm_bf16(x, ws_[c].up, u),
                                             swiglu(g, u, limit, a))
                 runs["cublas_pair"] = lambda c: (D.gemm_bf16_pair(x, ws_[c].gate, ws_[c].up, gu[0], gu[1]),
@@ -95,8 +92,6 @@ def run_sweep_dense(args: argparse.Namespace) -> int:
                     runs["gemv"] = lambda c: D.gemv_bf16(x, ws_[c].gate, g)
                 if r <= D.WSTREAM_MAX_ROWS:
                     runs["wstream"] = lambda c: D.wstream_gemm_bf16(x, ws_[c].gate, g, partials, arrived)
-                if r > D.GEMV_MAX_ROWS:
-                    runs["mma"] = lambda c: D.mma_gemm_bf16(x, ws_[c].gate, g)
                 runs["cublas"] = lambda c: D.gemm_bf16(x, ws_[c].gate, g)
                 runs["shipped"] = lambda c: be.linear(x, ws_[c].gate, g)
             times, eager = {}, []

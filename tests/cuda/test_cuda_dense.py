@@ -1,5 +1,5 @@
-"""The bf16 projections on every engine (gemv_bf16.cu's batch-M GEMV to 8 rows, mma_bf16.cu's tensor-core GEMM
-at 9..64 rows and its warp-streaming GEMM, cuBLAS) and the dispatch between them, against their NumPy twins
+"""The bf16 projections on every engine (gemv_bf16.cu's batch-M GEMV to 8 rows, mma_bf16.cu's warp-streaming GEMM,
+cuBLAS) and the dispatch between them, against their NumPy twins
 (NumpyBackend.linear, gate_up_act) on fresh random inputs: outputs poisoned before each run, every element checked,
 values within bf16 rounding (relative L2 < 1e-2)."""
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.cuda, requires_cuda]
 NP = NumpyBackend()
 
 
-# ---- dense: GEMV (1..8 rows), tensor-core GEMM (9..64), cuBLAS --------------------------------------
+# ---- dense: GEMV (1..8 rows), warp-streaming GEMM (5..16), cuBLAS (9+) --------------------------------
 @pytest.mark.parametrize("t", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 20, 33, 64, 65, 300])
 @pytest.mark.parametrize("n,k", [(200, 256), (64, 4096)])
 def test_linear(rng, t, n, k, small_weight_engine):
@@ -33,37 +33,19 @@ def test_linear(rng, t, n, k, small_weight_engine):
     assert_close(got, ref, f"linear t={t}")
 
 
-@pytest.mark.parametrize("t", [9, 16, 33, 64])
-@pytest.mark.parametrize("out_dtype", [BF16, np.float32], ids=["bf16", "f32"])
-def test_mma_gemm(rng, t, out_dtype):
-    """The 9..64-row tensor-core GEMM itself (the router's fp32 logits; bf16 out for `glm-ep bench --sweep dense`, which
-    times it against cuBLAS), each tier, against NumPy; every output written."""
-    from glm_ep.backend.cuda import dense
-
-    n, k = 288, 4096
-    x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
-    ref = np.empty((t, n), BF16)
-    NP.linear(x, w, ref)
-    out = poisoned((t, n), out_dtype)
-    with backend().stream:
-        dense.mma_gemm_bf16(dev(x), dev(w), out)
-    got = host(out)
-    assert np.isfinite(got.astype(np.float32)).all(), "outputs left unwritten"
-    assert_close(got.astype(BF16), ref, f"mma_gemm t={t}")
-
-
-@pytest.mark.parametrize("t", [20, 300])
-def test_linear_large_weight_on_stream(rng, t):
-    """A weight past the tensor-core GEMM's size goes to cuBLAS at every width, and cuBLAS runs on
-    the backend's stream even when CuPy's shared handle was last bound to another (the legacy
+@pytest.mark.parametrize("t", [9, 20, 64, 300])
+@pytest.mark.parametrize("size", [1, 2], ids=["shared-expert-weight", "dense-ffn-weight"])
+def test_linear_wide_rows_on_cublas_on_stream(rng, t, size):
+    """A projection of 9+ rows goes to cuBLAS whatever its weight's size (the shared expert's, the dense FFN's),
+    and cuBLAS runs on the backend's stream even when CuPy's shared handle was last bound to another (the legacy
     default stream does not order against a non-blocking stream)."""
     import cupy
     from glm_ep.backend.cuda import dense
 
     be = backend()
-    n, k = 2 * dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096
+    n, k = size * dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096
     x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
-    assert not dense.mma_gemm_takes(x, w)
+    assert not dense.wstream_takes(x, w, glu=False)
     cb, handle = dense._cublas(), cupy.cuda.device.get_cublas_handle()
     cb.setStream(handle, 0)
     ref = np.empty((t, n), BF16)

@@ -244,7 +244,7 @@ def test_route_and_glu_fused_back_to_back_and_replayed(rng):
 
 
 def test_route_wide_rows(rng):
-    """Past the GEMV tiers ``route`` is the two separate ops (the tensor-core GEMM, then the top-k)."""
+    """Past the GEMV tiers ``route`` is the two separate ops (cuBLAS's fp32 logits, then the top-k)."""
     e, h, t = 32, 256, 20
     router, bias = _router(rng, e, h, BF16)
     p = RouteParams(8, 2.5, True, False)

@@ -111,7 +111,7 @@ def test_instantiated_variants():
     assert sorted((int(r), int(t), int(d)) for r, t, d in found) == sorted(
         (r, t, d) for r in loader.UNION_RING_ROWS for t, d in loader.UNION_RING_KERNELS), found  # every pair, once
     mma = (loader.KERNEL_DIR / "mma_bf16.cu").read_text()
-    assert tuple(int(t) for t in re.findall(r"^MMA_GEMM_ENTRIES\((\d+)\)", mma, re.M)) == loader.MMA_GEMM_TIERS
+    assert tuple(int(t) for t in re.findall(r"^WSTREAM_ENTRIES\((\d+)\)", mma, re.M)) == loader.WSTREAM_TIERS
 
 
 def test_split_k():
@@ -121,7 +121,6 @@ def test_split_k():
     assert split(128, 16, 32, 8, 16, 4, sms=132) == (32, 2)
     assert split(128, 1, 32, 8, 16, 4, sms=132) == (128, 8)  # one copy: split to 8 warps of 4 steps
     assert split(128, 1, 7, 8, 16, 4, sms=132) == (16, 1)  # too few steps to split at all
-    assert split(768, 1, 128, 8, 16, 16, sms=132) == (384, 4)  # the dense FFN at 9..64 rows
 
 
 def test_staged_order_feeds_the_wgmma_fragments():

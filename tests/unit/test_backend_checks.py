@@ -347,7 +347,7 @@ def test_warp_streaming_split_leaves_no_slice_empty(monkeypatch, sms: int, smem:
 @pytest.mark.parametrize("small_min", [0, 4, 5])
 def test_dense_ffn_engine_by_rows(monkeypatch, small_min):
     """The measured split: the warp-streaming GEMM serves a dense-FFN-sized gate + up at 5..16 rows and a plain
-    projection of that size at 5..8, never a smaller weight (shared expert, router: the GEMV and the GEMM above
+    projection of that size at 5..8, never a smaller weight (shared expert, router: the GEMV and cuBLAS above it
     stay ahead there) unless WSTREAM_SMALL_MIN_ROWS opens it to those from that many rows to the GEMV's 8."""
     from glm_ep.backend.cuda import dense
 

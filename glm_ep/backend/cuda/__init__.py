@@ -5,7 +5,7 @@ kernel sources beside them (``kernels/*.cu``). Nothing here imports CuPy at impo
 |-----------------|------------------------------------------------------------------------------|
 | `cuda_backend`  | `CudaBackend`: every op of `Backend` on one stream, the path chosen by rows  |
 | `kernel_loader` | the `-D` constants, the one cached NVRTC loader, launch and argument checks  |
-| `dense`         | bf16 projections: batch-M GEMV (1..8 rows), tensor-core GEMM (9..64), cuBLAS |
+| `dense`         | bf16 projections: batch-M GEMV (1..8), warp-streaming GEMM (5..16), cuBLAS   |
 | `elementwise`   | clamped SwiGLU, residual add, bf16 upcast, the routed + shared combine       |
 | `route_kernels` | router top-k, the union table of a row group, the sort by expert             |
 | `routed`        | the NVFP4 routed-expert GEMVs: pointer tables, decode ring, union sweeps     |

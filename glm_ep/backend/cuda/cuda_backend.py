@@ -255,7 +255,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             dense.wstream_gemm_bf16(x_TK, w_NK, out_TN, *self._wstream)
         elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.gemv_bf16(x_TK, w_NK, out_TN)
-        else:  # cuBLAS, bf16 operands, fp32 accumulation (faster than the tensor-core GEMM here: mma_gemm_takes)
+        else:  # cuBLAS, bf16 operands, fp32 accumulation (fastest from 9 rows: docs/perf/DESIGN-NOTES.md)
             dense.gemm_bf16(x_TK, w_NK, out_TN)
         return out_TN
 

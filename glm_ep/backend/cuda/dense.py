@@ -1,8 +1,7 @@
 """Wrappers of the bf16 projection kernels, one path per row count: the batch-M GEMV tiers for
-1..8 rows (``gemv_bf16.cu``: plain, gate + up + SwiGLU fused, the router's fp32 logits), the
-tensor-core GEMM for 9..64 rows (``mma_bf16.cu``: the router's logits, and the shared expert's fused
-gate + up + SwiGLU to 16 rows), the warp-streaming tensor-core GEMM for the dense FFN's weights at 5..16
-rows and the shared expert's at 5..8 (also ``mma_bf16.cu``) and cuBLAS GemmEx past those.
+1..8 rows (``gemv_bf16.cu``: plain, gate + up + SwiGLU fused, the router's fp32 logits), the warp-streaming
+tensor-core GEMM for the dense FFN's weights at 5..16 rows and the shared expert's at 5..8 (``mma_bf16.cu``)
+and cuBLAS GemmEx past those.
 
 Shape suffixes: T rows, R rows of one call, N/K a projection's out/in width, E experts.
 """
@@ -14,13 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from glm_ep.backend.cuda.kernel_loader import (BF16, F32, GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS, MMA_GEMM_TIERS,
-                                        MMA_GEMM_WARPS, ROUTER_MAX_TOP_K, U32, WSTREAM_DEPTH, WSTREAM_STAGE_K,
-                                        WSTREAM_TIERS, WSTREAM_WARPS, cdiv, check, check_shape, i32, i64, launch,
-                                        sm_count, smem_per_sm, split_k)
+from glm_ep.backend.cuda.kernel_loader import (BF16, F32, GEMV_MAX_ROWS, GEMV_ROWS_PER_WARP, GEMV_WARPS,
+                                        ROUTER_MAX_TOP_K, U32, WSTREAM_DEPTH, WSTREAM_STAGE_K, WSTREAM_TIERS,
+                                        WSTREAM_WARPS, cdiv, check, check_shape, i32, i64, launch, sm_count,
+                                        smem_per_sm)
 
 GEMV_CHUNK = 8  # k per 16-byte bf16 chunk: K must be a multiple
-MMA_GEMM_WARPS_PER_SM = 16  # split K until a launch holds this many warps per SM
 
 
 # ---- cuBLAS GEMM (wider than the GEMV tiers) ---------------------------------------------------------
@@ -99,41 +97,25 @@ def gemm_bf16_pair(x_TK: Any, w0_NK: Any, w1_NK: Any, out0_TN: Any, out1_TN: Any
                             2, cb.CUBLAS_COMPUTE_32F, cb.CUBLAS_GEMM_DEFAULT)
 
 
-# ---- bf16 tensor-core GEMM, 9..64 rows (mma_bf16.cu) ---------------------------------------------------
+# ---- warp-streaming tensor-core GEMM: the dense FFN's weights at 5..16 rows, the shared expert's at 5..8 ------
+# (mma_bf16.cu, bf16_wstream_*)
 _MMA = "mma_bf16.cu"
-MMA_GEMM_MAX_ROWS = MMA_GEMM_TIERS[-1]
 MMA_GEMM_K_STEP = 32  # k of one step of a warp (two m16n8k16 mma): K must be a multiple
+# elements of one weight matrix: up to here a weight takes the shared expert's engines (the warp-streaming GEMM from
+# WSTREAM_SMALL_MIN_ROWS to 8 rows, gate + up past 8 rows in one batched cuBLAS call), past it the dense FFN's
+MMA_GEMM_MAX_WEIGHT = 2048 * 4096
+WSTREAM_MIN_ROWS = 5  # below: the batch-M GEMV
+WSTREAM_MAX_ROWS = WSTREAM_TIERS[-1]  # gate + up + SwiGLU
+WSTREAM_PLAIN_MAX_ROWS = 8  # a plain projection (the down): past 8 rows cuBLAS, faster there and never captured
+WSTREAM_SMEM = WSTREAM_WARPS * WSTREAM_DEPTH * 16 * WSTREAM_STAGE_K * 2  # a block's rings
+# weights of at most MMA_GEMM_MAX_WEIGHT elements (the shared expert's): from this many rows to GEMV_MAX_ROWS, both
+# its gate + up and its down (0: never, the batch-M GEMV). H100 (docs/perf/runs/2026-12-07-h100-shared/), streamed,
+# as graphs, GEMV / warp-streaming µs: gate + up [2048, 4096] 4 rows 16.8 / 18.9, 5 rows 21.1 / 18.9, 8 rows
+# 27.0 / 19.1; down [4096, 2048] 4 rows 10.6 / 12.6, 5 rows 13.5 / 12.6, 8 rows 17.3 / 12.6
+WSTREAM_SMALL_MIN_ROWS = 5
 
 
-def _mma_geometry(n: int, k: int, p: int, tier: int) -> tuple[int, int, int]:
-    """(grid.x, ksplit, dynamic smem): K split over 1..MMA_GEMM_WARPS warps of a block until the launch
-    holds MMA_GEMM_WARPS_PER_SM warps per SM, each slice keeping >= 16 steps of 32 k; the slices'
-    partial sums (p * tier / 2 floats per lane) meet in shared memory."""
-    sms = sm_count()
-    grid_x, ks = split_k(cdiv(n, 16), 1, k // MMA_GEMM_K_STEP, MMA_GEMM_WARPS, MMA_GEMM_WARPS_PER_SM, 16, sms)
-    smem = MMA_GEMM_WARPS * p * (tier // 8) * 4 * 32 * 4 if ks > 1 else 0
-    return grid_x, ks, smem
-
-
-MMA_GEMM_MAX_WEIGHT = 2048 * 4096  # elements of one weight matrix: larger ones go to cuBLAS at every width
-
-
-MMA_GLU_MAX_ROWS = 16  # gate + up + SwiGLU of the shared expert's shape: the fused GEMM to here, cuBLAS's pair past it
-
-
-def mma_gemm_takes(x_RK: Any, w_NK: Any, max_rows: int = MMA_GEMM_MAX_ROWS) -> bool:
-    """Whether the tensor-core GEMM serves this call: at most ``max_rows`` rows, K in whole steps, and a
-    weight of at most MMA_GEMM_MAX_WEIGHT elements (on the dense FFN's [12288, 4096] / [4096, 12288] cuBLAS
-    streams near the copy bandwidth and the GEMM, whose x operand every warp re-reads, does not). The backend
-    takes it for the router's fp32 logits at 9..64 rows and for the shared expert's fused gate + up + SwiGLU at
-    9..16 (MMA_GLU_MAX_ROWS); one projection of 9+ rows goes to cuBLAS, and so does gate + up past 16 rows, in
-    one batched call: the fastest engine of each as measured (``glm-ep bench --sweep dense``;
-    docs/perf/DESIGN-NOTES.md)."""
-    return (x_RK.shape[0] <= max_rows and x_RK.shape[1] % MMA_GEMM_K_STEP == 0
-            and w_NK.size <= MMA_GEMM_MAX_WEIGHT)
-
-
-def _mma_rows(x_RK: Any, what: str, tiers: tuple[int, ...] = MMA_GEMM_TIERS) -> tuple[int, int, int]:
+def _mma_rows(x_RK: Any, what: str, tiers: tuple[int, ...]) -> tuple[int, int, int]:
     """A tensor-core launch's checked x: (rows, in width, the tier of ``tiers`` that holds the rows)."""
     r, k = x_RK.shape
     if not 1 <= r <= tiers[-1]:
@@ -153,44 +135,6 @@ def _check_glu(wg_NK: Any, wu_NK: Any, gate_RN: Any, up_RN: Any, act_RN: Any, r:
     for name, a in (("gate", gate_RN), ("up", up_RN), ("act", act_RN)):
         check(name, a, BF16, 2), check_shape(name, a, (r, n))
     return n
-
-
-def mma_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any) -> None:
-    """``out = x @ w^T`` for R <= 64 rows on the tensor cores, every weight read once for all rows;
-    ``out`` bf16 (rounded once) or fp32 (router logits)."""
-    r, k, tier = _mma_rows(x_RK, "mma_gemm_bf16")
-    n = w_NK.shape[0]
-    check("w", w_NK, BF16), check_shape("w", w_NK, (n, k))
-    if out_RN.dtype not in (BF16, F32):
-        raise TypeError(f"out: dtype {out_RN.dtype}, expected bfloat16 or float32")
-    check("out", out_RN, out_RN.dtype, 2), check_shape("out", out_RN, (r, n))
-    grid_x, ks, smem = _mma_geometry(n, k, 1, tier)
-    entry = f"bf16_mma_gemm_{'f32_' if out_RN.dtype == F32 else ''}t{tier}"
-    launch(_MMA, entry, (grid_x, 1, 1), (MMA_GEMM_WARPS * 32, 1, 1),
-           (x_RK, i64(k), w_NK, out_RN, i64(n), i32(r), i32(n), i32(k), i32(ks)), smem=smem)
-
-
-def mma_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: Any, up_RN: Any, act_RN: Any) -> None:
-    """gate, up and the clamped SwiGLU of a bf16 MLP for R <= 64 rows in ONE tensor-core launch."""
-    r, k, tier = _mma_rows(x_RK, "mma_glu_bf16")
-    n = _check_glu(wg_NK, wu_NK, gate_RN, up_RN, act_RN, r, k)
-    grid_x, ks, smem = _mma_geometry(n, k, 2, tier)
-    launch(_MMA, f"bf16_mma_glu_t{tier}", (grid_x, 1, 1), (MMA_GEMM_WARPS * 32, 1, 1),
-           (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(r), i32(n), i32(k), i32(ks),
-            np.float32(limit)), smem=smem)
-
-
-# ---- warp-streaming tensor-core GEMM: the dense FFN's weights at 5..16 rows, the shared expert's at 5..8 ------
-# (mma_bf16.cu, bf16_wstream_*)
-WSTREAM_MIN_ROWS = 5  # below: the batch-M GEMV
-WSTREAM_MAX_ROWS = WSTREAM_TIERS[-1]  # gate + up + SwiGLU
-WSTREAM_PLAIN_MAX_ROWS = 8  # a plain projection (the down): past 8 rows cuBLAS, faster there and never captured
-WSTREAM_SMEM = WSTREAM_WARPS * WSTREAM_DEPTH * 16 * WSTREAM_STAGE_K * 2  # a block's rings
-# weights of at most MMA_GEMM_MAX_WEIGHT elements (the shared expert's): from this many rows to GEMV_MAX_ROWS, both
-# its gate + up and its down (0: never, the batch-M GEMV). H100 (docs/perf/runs/2026-12-07-h100-shared/), streamed,
-# as graphs, GEMV / warp-streaming µs: gate + up [2048, 4096] 4 rows 16.8 / 18.9, 5 rows 21.1 / 18.9, 8 rows
-# 27.0 / 19.1; down [4096, 2048] 4 rows 10.6 / 12.6, 5 rows 13.5 / 12.6, 8 rows 17.3 / 12.6
-WSTREAM_SMALL_MIN_ROWS = 5
 
 
 def wstream_takes(x_RK: Any, w_NK: Any, glu: bool) -> bool:

@@ -48,8 +48,6 @@ GEMV_WARPS = 8  # warps per bf16 GEMV block
 GEMV_ROWS_PER_WARP = 2  # rows per warp-group of a bf16 GEMV
 GEMV_MAX_ROWS = KERNEL_LIMITS.max_gemv_rows  # widest batch-M tier (bf16_gemv_r1 .. r8)
 MMA_ROWS = 16  # weight rows per warp group of the NVFP4 kernels: the m16n8k16 mma's A operand
-MMA_GEMM_WARPS = 8  # warps per block of the 9..64-row tensor-core GEMM (mma_bf16.cu)
-MMA_GEMM_TIERS = (16, 32, 64)  # rows one launch covers (bf16_mma_*_t{T}); past the last: cuBLAS
 WSTREAM_WARPS = 4  # warps per block of the warp-streaming GEMM (mma_bf16.cu, bf16_wstream_*), each its own ring
 WSTREAM_DEPTH = 2  # stages of each warp's ring (16 rows x 512 bytes a stage)
 WSTREAM_STAGE_K = 256  # k of one stage: one 16-byte copy a lane a weight row (the kernel's lane layout fixes it)
@@ -68,7 +66,6 @@ DEFINES = {
     "RING_CLAIMS_MIN_ITEMS": RING_CLAIMS_MIN_ITEMS,
     "GEMV_WARPS": GEMV_WARPS,
     "GEMV_ROWS_PER_WARP": GEMV_ROWS_PER_WARP,
-    "MMA_GEMM_WARPS": MMA_GEMM_WARPS,
     "WSTREAM_WARPS": WSTREAM_WARPS,
     "WSTREAM_DEPTH": WSTREAM_DEPTH,
     "WSTREAM_STAGE_K": WSTREAM_STAGE_K,

@@ -1,205 +1,25 @@
-// bf16 x bf16 tensor-core GEMM for the rows between the GEMV tiers and cuBLAS (9..64 rows): a wide
-// prefill's dense FFN, shared expert and router read every weight ONCE for all rows, at the byte
-// rate, where a generic GEMM under-fills the machine with 16..64-row tiles.
-//   out[r, n] = sum_k x[r, k] * w[n, k], fp32 accumulation, bf16 (or fp32: router logits) out.
+// bf16 x bf16 warp-streaming tensor-core GEMM: the dense FFN's weights at 5..16 rows (gate + up + SwiGLU; a
+// plain projection to 8) and the shared expert's at 5..8, every weight read ONCE for all rows.
+//   out[r, n] = sum_k x[r, k] * w[n, k], fp32 accumulation, bf16 out.
 //
 // mma.sync m16n8k16, A = 16 weight rows, B = up to 8 NT x rows (8 per n8 tile; rows past R are zero).
 // The k order inside one mma is free as long as A and B agree lane by lane: lane (g, t) of a 32-k
-// step loads the 8 consecutive k 8t .. 8t + 7 of weight rows n0 + g and n0 + g + 8 (16 bytes each,
-// streamed) and of x row 8j + g for each n8 tile j (16 bytes, cached), and feeds pairs (8t, 8t + 1),
-// (8t + 2, 8t + 3) to one mma and the other two pairs to a second.
-//
-// Work split: a block is MMA_GEMM_WARPS warps; `ksplit` consecutive warps share a group of 16
-// weight rows (of one matrix, or of gate AND up), each sweeping a contiguous slice of K; the slices
-// meet in shared memory and are added in slice order (deterministic). K must be a multiple of 32.
+// step takes the 8 consecutive k 8t .. 8t + 7 of its warp's weight rows g and g + 8 (from the warp's ring in
+// shared memory) and of x row 8j + g for each n8 tile j (16 bytes, cached), and feeds pairs (8t, 8t + 1),
+// (8t + 2, 8t + 3) to one mma and the other two pairs to a second. K must be a multiple of 32.
 //
 // Entry points, T = 8 NT rows at most (grids computed in glm_ep/backend/cuda/dense.py):
-//   bf16_mma_gemm_t{T}         bf16 out (the backend's `linear`)
-//   bf16_mma_gemm_f32_t{T}     fp32 out (router logits of a bf16 router)
-//   bf16_mma_glu_t{T}          gate and up fused, writing gate, up and the clamped SwiGLU
-//   bf16_wstream_{gemm,glu}_t{8,16}  the warp-streaming engine at the end of this file (dense-FFN-sized
-//                              weights, 5..16 rows; the shared expert's at 5..8)
+//   bf16_wstream_gemm_t{8,16}  out = x @ w^T (the backend's `linear`)
+//   bf16_wstream_glu_t{8,16}   gate and up fused, writing gate, up and the clamped SwiGLU
 //
-// NumPy twin: NumpyBackend.linear, gate_up_act and router_logits (glm_ep/backend/numpy_backend.py); held together
-// by tests/cuda/test_cuda_dense.py (every tier of both engines, K splits, graphs) and test_cuda_router.py.
+// NumPy twin: NumpyBackend.linear and gate_up_act (glm_ep/backend/numpy_backend.py); held together
+// by tests/cuda/test_cuda_dense.py (every tier, K splits, graphs).
 #include "common.cuh"
 #include "async_copy.cuh"
 #include "nvfp4_mma.cuh"
 
-#ifndef MMA_GEMM_WARPS
-#error "MMA_GEMM_WARPS is set by glm_ep/backend/cuda/kernel_loader.py"
-#endif
-#define MMA_GEMM_THREADS (MMA_GEMM_WARPS * 32)
-
 __device__ __forceinline__ void store_out(bf16_t* p, float v) { *p = f32_to_bf16(v); }
-__device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
 
-// One warp: P matrices' 16 rows (w[p][0]: row n0 + g, w[p][1]: row n0 + g + 8; nullptr: zeros) over
-// the 32-k steps [s_lo, s_hi), x rows through xr[j] (row 8j + g, nullptr: zeros). acc[p][j]: rows
-// (n0 + g, n0 + g + 8) x (x rows 8j + 2t, 8j + 2t + 1).
-template <int P, int NT>
-__device__ __forceinline__ void mma_rows(const bf16_t* const (&w)[P][2], const bf16_t* const (&xr)[NT], int s_lo,
-                                         int s_hi, float (&acc)[P][NT][4]) {
-    const int t = threadIdx.x & 3;
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[p][j][c] = 0.0f;
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    uint4 wv[P][2], wn[P][2];
-    auto load_w = [&](int s, uint4(&v)[P][2]) {
-#pragma unroll
-        for (int p = 0; p < P; ++p)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                v[p][h] = (s < s_hi && w[p][h]) ? ld_stream_v4(w[p][h] + 32 * (size_t)s + 8 * t) : zero;
-    };
-    load_w(s_lo, wv);
-    for (int s = s_lo; s < s_hi; ++s) {
-        load_w(s + 1, wn);  // the next step's weights in flight during this step's math
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            const uint4 xv = xr[j] ? ld_cached_v4(xr[j] + 32 * (size_t)s + 8 * t) : zero;
-#pragma unroll
-            for (int p = 0; p < P; ++p) {
-                mma_bf16(acc[p][j], wv[p][0].x, wv[p][1].x, wv[p][0].y, wv[p][1].y, xv.x, xv.y);
-                mma_bf16(acc[p][j], wv[p][0].z, wv[p][1].z, wv[p][0].w, wv[p][1].w, xv.z, xv.w);
-            }
-        }
-#pragma unroll
-        for (int p = 0; p < P; ++p)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) wv[p][h] = wn[p][h];
-    }
-}
-
-// The row group's K slices added in slice order (dynamic shared memory: one slot per warp and lane);
-// true in the warp that then holds the totals.
-template <int P, int NT>
-__device__ __forceinline__ bool slices_add(float (&acc)[P][NT][4], int ksplit) {
-    if (ksplit == 1) return true;
-    float* red = reinterpret_cast<float*>(dyn_smem);  // [warps][P * NT * 4][32]
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    constexpr int V = P * NT * 4;
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) red[(warp * V + (p * NT + j) * 4 + c) * 32 + lane] = acc[p][j][c];
-    __syncthreads();
-    if (warp % ksplit) return false;
-    for (int q = 1; q < ksplit; ++q)
-#pragma unroll
-        for (int p = 0; p < P; ++p)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-                for (int c = 0; c < 4; ++c) acc[p][j][c] += red[((warp + q) * V + (p * NT + j) * 4 + c) * 32 + lane];
-    return true;
-}
-
-struct RowGroup {
-    int n0, s_lo, s_hi;
-};
-
-__device__ __forceinline__ RowGroup row_group(int K, int ksplit) {
-    const int warp = threadIdx.x >> 5, ks = warp % ksplit;
-    const int steps = K >> 5, per = (steps + ksplit - 1) / ksplit, lo = min(steps, ks * per);
-    return RowGroup{((int)blockIdx.x * (MMA_GEMM_WARPS / ksplit) + warp / ksplit) * 16, lo, min(steps, lo + per)};
-}
-
-// The lane's x rows 8j + g (nullptr past R) and weight rows n0 + g, n0 + g + 8 (nullptr past N).
-template <int NT>
-__device__ __forceinline__ void lane_x(const bf16_t* x, long long x_row_stride, int R, const bf16_t* (&xr)[NT]) {
-    const int g = (threadIdx.x & 31) >> 2;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) xr[j] = 8 * j + g < R ? x + (8 * j + g) * x_row_stride : nullptr;
-}
-
-__device__ __forceinline__ void lane_w(const bf16_t* w, int n0, int N, int K, const bf16_t* (&wr)[2]) {
-    const int n = n0 + ((threadIdx.x & 31) >> 2);
-    wr[0] = n < N ? w + (size_t)n * K : nullptr;
-    wr[1] = n + 8 < N ? w + (size_t)(n + 8) * K : nullptr;
-}
-
-template <int NT, typename OT>
-__device__ __forceinline__ void mma_gemm(const bf16_t* __restrict__ x, long long x_row_stride,
-                                         const bf16_t* __restrict__ w, OT* __restrict__ out, long long out_row_stride,
-                                         int R, int N, int K, int ksplit) {
-    const RowGroup grp = row_group(K, ksplit);
-    const bf16_t* xr[NT];
-    const bf16_t* wr[1][2];
-    lane_x<NT>(x, x_row_stride, R, xr);
-    lane_w(w, grp.n0, N, K, wr[0]);
-    float acc[1][NT][4];
-    mma_rows<1, NT>(wr, xr, grp.s_lo, grp.s_hi, acc);
-    if (!slices_add<1, NT>(acc, ksplit)) return;
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int r = 8 * j + 2 * t + (c & 1), n = grp.n0 + g + 8 * (c >> 1);
-            if (r < R && n < N) store_out(out + r * out_row_stride + n, acc[0][j][c]);
-        }
-}
-
-template <int NT>
-__device__ __forceinline__ void mma_glu(const bf16_t* __restrict__ x, long long x_row_stride,
-                                        const bf16_t* __restrict__ wg, const bf16_t* __restrict__ wu,
-                                        bf16_t* __restrict__ gate, bf16_t* __restrict__ up, bf16_t* __restrict__ act,
-                                        long long out_row_stride, int R, int N, int K, int ksplit, float limit) {
-    const RowGroup grp = row_group(K, ksplit);
-    const bf16_t* xr[NT];
-    const bf16_t* wr[2][2];
-    lane_x<NT>(x, x_row_stride, R, xr);
-    lane_w(wg, grp.n0, N, K, wr[0]);
-    lane_w(wu, grp.n0, N, K, wr[1]);
-    float acc[2][NT][4];
-    mma_rows<2, NT>(wr, xr, grp.s_lo, grp.s_hi, acc);
-    if (!slices_add<2, NT>(acc, ksplit)) return;
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int r = 8 * j + 2 * t + (c & 1), n = grp.n0 + g + 8 * (c >> 1);
-            if (r < R && n < N) {
-                const long long o = r * out_row_stride;
-                glu_store(gate + o, up + o, act + o, n, acc[0][j][c], acc[1][j][c], limit);
-            }
-        }
-}
-
-#define MMA_GEMM_ENTRIES(T)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(MMA_GEMM_THREADS)                                              \
-        bf16_mma_gemm_t##T(const bf16_t* x, long long x_row_stride, const bf16_t* w, bf16_t* out,                \
-                           long long out_row_stride, int R, int N, int K, int ksplit) {                          \
-        pdl_enter();                                                                                             \
-        mma_gemm<T / 8, bf16_t>(x, x_row_stride, w, out, out_row_stride, R, N, K, ksplit);                       \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MMA_GEMM_THREADS)                                              \
-        bf16_mma_gemm_f32_t##T(const bf16_t* x, long long x_row_stride, const bf16_t* w, float* out,             \
-                               long long out_row_stride, int R, int N, int K, int ksplit) {                      \
-        pdl_enter();                                                                                             \
-        mma_gemm<T / 8, float>(x, x_row_stride, w, out, out_row_stride, R, N, K, ksplit);                        \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(MMA_GEMM_THREADS)                                              \
-        bf16_mma_glu_t##T(const bf16_t* x, long long x_row_stride, const bf16_t* wg, const bf16_t* wu,           \
-                          bf16_t* gate, bf16_t* up, bf16_t* act, long long out_row_stride, int R, int N, int K,  \
-                          int ksplit, float limit) {                                                             \
-        pdl_enter();                                                                                             \
-        mma_glu<T / 8>(x, x_row_stride, wg, wu, gate, up, act, out_row_stride, R, N, K, ksplit, limit);          \
-    }
-
-MMA_GEMM_ENTRIES(16)
-MMA_GEMM_ENTRIES(32)
-MMA_GEMM_ENTRIES(64)
-
-// ---- the warp-streaming engine: dense-FFN-sized weights at 5..16 rows, the shared expert's at 5..8 --------
 // Measured (docs/perf/DESIGN-NOTES.md): a launch streams a weight near the copy bandwidth only with many
 // independent pipelines an SM (12 warps, each its own band and ring), and far below it when a block steps a
 // wide band in lock step. So here every WARP streams its own 16 weight rows
