@@ -29,8 +29,8 @@ __device__ __forceinline__ void store_out(bf16_t* p, float v) { *p = f32_to_bf16
 // warps read the same k), a stage's B fragments loaded before its mma. Rows of a warp: plain, 16
 // consecutive; glu, gate rows n0 .. n0 + 7 then up rows n0 .. n0 + 7 (so one lane holds gate AND up of
 // its outputs: the SwiGLU in the epilogue). Blocks: WSTREAM_WARPS warps on one K slice of one row block;
-// with S > 1 slices the block of a row block that arrives last adds the fp32 partials in slice order, as
-// the streaming blocks of stream_slices_add (deterministic).
+// with S > 1 slices the block of a row block that arrives last adds the fp32 partials in slice order
+// (wstream_slices_add: deterministic).
 //   Ring slot: 16 rows of 512 bytes; chunk c of row r at chunk c ^ 4 (r & 1) (an 8-lane phase of the
 //   fragment loads reads rows 2q, 2q + 1 at chunks 4i .. 4i + 3: all 32 banks).
 #ifndef WSTREAM_WARPS
