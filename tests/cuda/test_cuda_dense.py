@@ -43,7 +43,7 @@ def test_linear_wide_rows_on_cublas_on_stream(rng, t, size):
     from glm_ep.backend.cuda import dense
 
     be = backend()
-    n, k = size * dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096
+    n, k = size * dense.SMALL_WEIGHT_MAX // 4096, 4096
     x, w = rand_bf16(rng, (t, k)), rand_bf16(rng, (n, k), k ** -0.5)
     assert not dense.wstream_takes(x, w, glu=False)
     cb, handle = dense._cublas(), cupy.cuda.device.get_cublas_handle()
@@ -126,7 +126,7 @@ def test_dense_ffn_rows_in_graph(rng):
     from glm_ep.backend.cuda import dense
 
     be = backend()
-    h = i = 4096  # I x H past dense.MMA_GEMM_MAX_WEIGHT
+    h = i = 4096  # I x H past dense.SMALL_WEIGHT_MAX
     w = DenseWeights(rand_bf16(rng, (i, h), 2 * h ** -0.5), rand_bf16(rng, (i, h), 2 * h ** -0.5),
                      rand_bf16(rng, (h, i), i ** -0.5))
     resident, t = be.upload_dense(w), 6

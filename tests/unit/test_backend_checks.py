@@ -354,8 +354,8 @@ def test_dense_ffn_engine_by_rows(monkeypatch, small_min):
     assert dense.WSTREAM_SMALL_MIN_ROWS == 5  # the shipped crossover (H100: docs/perf/DESIGN-NOTES.md)
     monkeypatch.setattr(dense, "WSTREAM_SMALL_MIN_ROWS", small_min)
     bf16 = ml_dtypes.bfloat16
-    large = np.empty((2 * dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), bf16)
-    small = np.empty((dense.MMA_GEMM_MAX_WEIGHT // 4096, 4096), bf16)
+    large = np.empty((2 * dense.SMALL_WEIGHT_MAX // 4096, 4096), bf16)
+    small = np.empty((dense.SMALL_WEIGHT_MAX // 4096, 4096), bf16)
     for t in range(1, 20):
         x = np.empty((t, 4096), bf16)
         assert dense.wstream_takes(x, large, glu=True) == (5 <= t <= 16), f"{t} rows, dense-FFN gate + up"

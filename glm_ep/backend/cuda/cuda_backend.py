@@ -368,7 +368,7 @@ class CudaBackend(Backend[Any, Nvfp4Pointers]):
             dense.wstream_glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI, *self._wstream)
         elif x_TK.shape[0] <= GEMV_MAX_ROWS:
             dense.glu_bf16(x_TK, w.gate, w.up, limit, gate_TI, up_TI, act_TI)
-        elif w.gate.size <= dense.MMA_GEMM_MAX_WEIGHT:  # the shared expert's shape (or a dense FFN's tp >= 6 shard):
+        elif w.gate.size <= dense.SMALL_WEIGHT_MAX:  # the shared expert's shape (or a dense FFN's tp >= 6 shard):
             # gate and up in one batched cuBLAS call
             dense.gemm_bf16_pair(x_TK, w.gate, w.up, gate_TI, up_TI)
             elementwise.swiglu(gate_TI, up_TI, limit, act_TI)

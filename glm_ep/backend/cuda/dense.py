@@ -99,31 +99,20 @@ def gemm_bf16_pair(x_TK: Any, w0_NK: Any, w1_NK: Any, out0_TN: Any, out1_TN: Any
 
 # ---- warp-streaming tensor-core GEMM: the dense FFN's weights at 5..16 rows, the shared expert's at 5..8 ------
 # (mma_bf16.cu, bf16_wstream_*)
-_MMA = "mma_bf16.cu"
-MMA_GEMM_K_STEP = 32  # k of one step of a warp (two m16n8k16 mma): K must be a multiple
+_WSTREAM = "mma_bf16.cu"
+WSTREAM_K_STEP = 32  # k of one step of a warp (two m16n8k16 mma): K must be a multiple
 # elements of one weight matrix: up to here a weight takes the shared expert's engines (the warp-streaming GEMM from
 # WSTREAM_SMALL_MIN_ROWS to 8 rows, gate + up past 8 rows in one batched cuBLAS call), past it the dense FFN's
-MMA_GEMM_MAX_WEIGHT = 2048 * 4096
+SMALL_WEIGHT_MAX = 2048 * 4096
 WSTREAM_MIN_ROWS = 5  # below: the batch-M GEMV
 WSTREAM_MAX_ROWS = WSTREAM_TIERS[-1]  # gate + up + SwiGLU
 WSTREAM_PLAIN_MAX_ROWS = 8  # a plain projection (the down): past 8 rows cuBLAS, faster there and never captured
 WSTREAM_SMEM = WSTREAM_WARPS * WSTREAM_DEPTH * 16 * WSTREAM_STAGE_K * 2  # a block's rings
-# weights of at most MMA_GEMM_MAX_WEIGHT elements (the shared expert's): from this many rows to GEMV_MAX_ROWS, both
+# weights of at most SMALL_WEIGHT_MAX elements (the shared expert's): from this many rows to GEMV_MAX_ROWS, both
 # its gate + up and its down (0: never, the batch-M GEMV). H100 (docs/perf/runs/2026-12-07-h100-shared/), streamed,
 # as graphs, GEMV / warp-streaming µs: gate + up [2048, 4096] 4 rows 16.8 / 18.9, 5 rows 21.1 / 18.9, 8 rows
 # 27.0 / 19.1; down [4096, 2048] 4 rows 10.6 / 12.6, 5 rows 13.5 / 12.6, 8 rows 17.3 / 12.6
 WSTREAM_SMALL_MIN_ROWS = 5
-
-
-def _mma_rows(x_RK: Any, what: str, tiers: tuple[int, ...]) -> tuple[int, int, int]:
-    """A tensor-core launch's checked x: (rows, in width, the tier of ``tiers`` that holds the rows)."""
-    r, k = x_RK.shape
-    if not 1 <= r <= tiers[-1]:
-        raise ValueError(f"{what}: {r} rows; its tensor-core tiers cover 1..{tiers[-1]} (wider goes elsewhere)")
-    if k % MMA_GEMM_K_STEP:
-        raise ValueError(f"{what}: in width {k} is not a multiple of {MMA_GEMM_K_STEP} (one tensor-core step)")
-    check("x", x_RK, BF16)
-    return r, k, next(t for t in tiers if r <= t)
 
 
 def _check_glu(wg_NK: Any, wu_NK: Any, gate_RN: Any, up_RN: Any, act_RN: Any, r: int, k: int) -> int:
@@ -139,16 +128,16 @@ def _check_glu(wg_NK: Any, wu_NK: Any, gate_RN: Any, up_RN: Any, act_RN: Any, r:
 
 def wstream_takes(x_RK: Any, w_NK: Any, glu: bool) -> bool:
     """Whether the warp-streaming GEMM serves this call: K in whole 32-k steps, and for a weight past
-    MMA_GEMM_MAX_WEIGHT elements (the dense FFN's) WSTREAM_MIN_ROWS..WSTREAM_MAX_ROWS rows for gate + up + SwiGLU
+    SMALL_WEIGHT_MAX elements (the dense FFN's) WSTREAM_MIN_ROWS..WSTREAM_MAX_ROWS rows for gate + up + SwiGLU
     and ..WSTREAM_PLAIN_MAX_ROWS for a plain projection; for a smaller one (the shared expert's)
     WSTREAM_SMALL_MIN_ROWS..GEMV_MAX_ROWS rows, 0 never. Measured (``glm-ep bench --sweep dense``;
     docs/perf/DESIGN-NOTES.md): on the [12288, 4096] gate + up it is the fastest engine at 5..16 rows; on the
     [4096, 12288] down it beats the GEMV at 5..8 rows but not cuBLAS, which the captured 1..8-row steps cannot
     call."""
     r, k = x_RK.shape
-    if k % MMA_GEMM_K_STEP:
+    if k % WSTREAM_K_STEP:
         return False
-    if w_NK.size > MMA_GEMM_MAX_WEIGHT:
+    if w_NK.size > SMALL_WEIGHT_MAX:
         return WSTREAM_MIN_ROWS <= r <= (WSTREAM_MAX_ROWS if glu else WSTREAM_PLAIN_MAX_ROWS)
     return 0 < WSTREAM_SMALL_MIN_ROWS <= r <= min(GEMV_MAX_ROWS, WSTREAM_PLAIN_MAX_ROWS)
 
@@ -196,7 +185,13 @@ def wstream_scratch_need(grid_x: int, ksplit: int, tier: int) -> tuple[int, int]
 def _wstream_plan(x_RK: Any, n: int, glu: bool, partials: Any, arrived: Any, ksplit: int | None,
                   what: str) -> tuple[int, int, int, int, int, Any, Any]:
     """A warp-streaming launch's checked shape: (rows, in width, tier, grid.x, K slices, scratch arguments)."""
-    r, k, tier = _mma_rows(x_RK, what, WSTREAM_TIERS)
+    r, k = x_RK.shape
+    if not 1 <= r <= WSTREAM_TIERS[-1]:
+        raise ValueError(f"{what}: {r} rows; its tensor-core tiers cover 1..{WSTREAM_TIERS[-1]} (wider goes elsewhere)")
+    if k % WSTREAM_K_STEP:
+        raise ValueError(f"{what}: in width {k} is not a multiple of {WSTREAM_K_STEP} (one tensor-core step)")
+    check("x", x_RK, BF16)
+    tier = next(t for t in WSTREAM_TIERS if r <= t)
     grid_x, ks = wstream_geometry(n, k, glu, ksplit)
     check("partials", partials, F32, 4), check("arrived", arrived, U32, 4)
     need, counters = wstream_scratch_need(grid_x, ks, tier)
@@ -216,7 +211,7 @@ def wstream_gemm_bf16(x_RK: Any, w_NK: Any, out_RN: Any, partials: Any, arrived:
                                                               "wstream_gemm_bf16")
     check("w", w_NK, BF16), check_shape("w", w_NK, (n, k))
     check("out", out_RN, BF16, 2), check_shape("out", out_RN, (r, n))
-    launch(_MMA, f"bf16_wstream_gemm_t{tier}", (grid_x, 1, 1), (WSTREAM_WARPS * 32, 1, 1),
+    launch(_WSTREAM, f"bf16_wstream_gemm_t{tier}", (grid_x, 1, 1), (WSTREAM_WARPS * 32, 1, 1),
            (x_RK, i64(k), w_NK, out_RN, i64(n), i32(r), i32(n), i32(k), i32(ks), partials, arrived),
            smem=WSTREAM_SMEM)
 
@@ -228,7 +223,7 @@ def wstream_glu_bf16(x_RK: Any, wg_NK: Any, wu_NK: Any, limit: float, gate_RN: A
     r, k, tier, grid_x, ks, partials, arrived = _wstream_plan(x_RK, n, True, partials, arrived, ksplit,
                                                               "wstream_glu_bf16")
     _check_glu(wg_NK, wu_NK, gate_RN, up_RN, act_RN, r, k)
-    launch(_MMA, f"bf16_wstream_glu_t{tier}", (grid_x, 1, 1), (WSTREAM_WARPS * 32, 1, 1),
+    launch(_WSTREAM, f"bf16_wstream_glu_t{tier}", (grid_x, 1, 1), (WSTREAM_WARPS * 32, 1, 1),
            (x_RK, i64(k), wg_NK, wu_NK, gate_RN, up_RN, act_RN, i64(n), i32(r), i32(n), i32(k), i32(ks),
             np.float32(limit), partials, arrived), smem=WSTREAM_SMEM)
 
