@@ -142,15 +142,15 @@ def test_staged_order_feeds_the_wgmma_fragments():
 
 
 def test_gemm_variant_choice():
-    """Few rows per expert take the narrow 16-row tile (to 2 rows an expert with the placed dequantization), more
-    the narrow 64-row one, and where wgmma runs its 128-row tile past 48; every default is built, and a variant's
-    shared memory is its stages of x rows, packed weights and scales (and the two bf16 weight tiles)."""
+    """Few rows per expert take the narrow 16-row tile with the placed dequantization (to 16 rows an expert), more
+    the narrow 64-row one, and where wgmma runs its 64-row tile past 13 rows an expert and its 128-row tile past 48;
+    every default is built, and a variant's shared memory is its stages of x rows, packed weights and scales (and
+    the two bf16 weight tiles)."""
     nv = grouped
-    placed, narrow16, narrow64 = (16, 1, 4, 128, 3, "placed"), (16, 1, 4, 128, 3, "narrow"), (64, 1, 4, 64, 4, "narrow")
+    placed, narrow64 = (16, 1, 4, 128, 3, "placed"), (64, 1, 4, 64, 4, "narrow")
     assert nv.gemm_variant(16 * 8, 288, 4096) == placed  # the rows as the mma's n8 side
-    assert nv.gemm_variant(2 * 288, 288, 4096) == placed
-    assert nv.gemm_variant(2 * 288 + 1, 288, 4096) == narrow16  # past 2 rows an expert on average: the lookup
-    assert nv.gemm_variant(16 * 288, 288, 4096) == narrow16
+    assert nv.gemm_variant(2 * 288 + 1, 288, 4096) == placed
+    assert nv.gemm_variant(16 * 288, 288, 4096) == placed
     assert nv.gemm_variant(16 * 288 + 1, 288, 4096) == narrow64
     assert nv.gemm_variant(4096 * 8, 288, 4096) == narrow64  # past the largest key: its variant
     assert nv.gemm_variant(16 * 288, 288, 4096 + 64) == (16, 1, 4, 64, 4, "narrow")  # 128 k does not divide K
@@ -158,10 +158,10 @@ def test_gemm_variant_choice():
     # one expert (a dense FFN stored NVFP4): the register engine to 32 rows, wgmma past it
     assert nv.gemm_variant(24, 1, 4096, wgmma=True) == narrow64
     assert nv.gemm_variant(33, 1, 4096, wgmma=True) == nv.GEMM_WGMMA
-    # where wgmma runs (sm_90a): its 64-row tile past 20 rows per expert, its 128-row tile past 48, the same
+    # where wgmma runs (sm_90a): its 64-row tile past 13 rows per expert, its 128-row tile past 48, the same
     # choice below
-    assert nv.gemm_variant(20 * 288, 288, 4096, wgmma=True) == narrow64
-    assert nv.gemm_variant(20 * 288 + 1, 288, 4096, wgmma=True) == nv.GEMM_WGMMA_64 == (64, 2, 4, 64, 6, "wgmma")
+    assert nv.gemm_variant(13 * 288, 288, 4096, wgmma=True) == placed
+    assert nv.gemm_variant(13 * 288 + 1, 288, 4096, wgmma=True) == nv.GEMM_WGMMA_64 == (64, 2, 4, 64, 6, "wgmma")
     assert nv.gemm_variant(48 * 288, 288, 4096, wgmma=True) == nv.GEMM_WGMMA_64
     assert nv.gemm_variant(48 * 288 + 1, 288, 4096, wgmma=True) == nv.GEMM_WGMMA == (128, 2, 8, 64, 6, "wgmma")
     assert nv.gemm_variant(1024 * 8, 288, 4096 + 32, wgmma=True) == narrow64  # 64 k does not divide K
