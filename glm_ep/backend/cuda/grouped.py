@@ -47,7 +47,8 @@ GEMM_WGMMA_FROM = 48  # rows per expert past which the wgmma engine's 128-row ti
 # in two passes against 2846 / 2901 on the narrow 16-row tile and 2867 / 2829 on the placed one; on an H200 the
 # routed experts of one call (GPU time, bench --stages) at 512 rows 2505 us against 2634 on the narrow tile, at
 # 448 rows (12.4) 2491 against 2415, at 384 (10.7) 2483 against 2275; level with the 128-row tile at 1024 rows
-# on the H100 (2838 / 2846 / 2865 against 2843 / 2870 / 2893)
+# on the H100 (2838 / 2846 / 2865 against 2843 / 2870 / 2893). The sparse site at 512 rows with this switch and the
+# placed tile's, one H100, one call: 2912 -> 2635 us, 47 -> 51% of its roofline (128 rows 1902 -> 1857)
 GEMM_WGMMA_64 = (64, 2, 4, 64, 6, "wgmma")
 GEMM_WGMMA_64_FROM = 13
 # ONE expert (a dense FFN stored NVFP4: 192 blocks for gate + up, two thirds of a wave): the register engine up to

@@ -34,3 +34,17 @@ if [ "$1" = P4 ]; then
   cp /tmp/prefill/PREFILL_* /tmp/prefill/prefill_* $OUT/ 2>/dev/null
   tail -2 $OUT/prefill.log
 fi
+if [ "$1" = P5 ]; then
+  timeout 400 python -m glm_ep bench --topology $TOPO --out /tmp/decode > $OUT/decode.log 2>&1; echo "bench rc $?" >> $OUT/decode.log
+  cp /tmp/decode/BENCH_* /tmp/decode/bench_* $OUT/ 2>/dev/null
+  tail -2 $OUT/decode.log
+fi
+if [ "$1" = P6 ]; then  # the final defaults (commit 81d888d) against the ones before, same process order as P3
+  W="128 256 384 448 512"
+  git apply -R .devrun/final.patch || patch -R -p1 < .devrun/final.patch
+  timeout 110 python -m glm_ep bench --prefill --stages --topology $TOPO --rows $W --no-peer --out /tmp/b > $OUT/before.log 2>&1
+  cp /tmp/b/PREFILL_*.md $OUT/before.md
+  git apply .devrun/final.patch || patch -p1 < .devrun/final.patch
+  timeout 110 python -m glm_ep bench --prefill --stages --topology $TOPO --rows $W --no-peer --out /tmp/a > $OUT/after.log 2>&1
+  cp /tmp/a/PREFILL_*.md $OUT/after.md
+fi
