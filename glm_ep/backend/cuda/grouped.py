@@ -28,27 +28,26 @@ from glm_ep.backend.cuda.routed import Nvfp4Pointers
 _GEMM = "gemm_nvfp4.cu"
 # the variants (loader.GEMM_VARIANTS) gemm_nvfp4.cu instantiates, and the default for calls whose experts get up to
 # (key) rows each on average (past the largest key: its variant), the fastest measured (glm-ep bench --prefill's
-# variant table): to 16 rows the narrow 16-row tile (x rows as the mma's n8 side) with the placed dequantization,
-# which leaves the integer pipe half the work of the lookup but pairs every x chunk (H100 2026-12-07,
-# docs/perf/runs/2026-12-07-variants: gate + up + down at 64 / 128 rows 1500 / 1842 us against 1570 / 1945
-# with the lookup, level at 16, 256 and 512; on an H200 the sites at 128 / 256 rows 1819 / 2082 us against 1844 /
-# 2094); past that the narrow 64-row tile, whose experts' last tiles leave
-# out their empty 8-row x tiles; the 16-row tile takes 128-k stages where K allows, its 64-k twin otherwise
-# (GEMM_FALLBACK); on sm_90a the wgmma engine (256 weight rows x up to 128 rows a block, the weights in wgmma's
-# registers) past 48 rows per expert (GEMM_WGMMA_FROM: the 64-row narrow tile level with wgmma between 42.7 and
-# 56.9 rows an expert; docs/perf/runs/2026-12-06-h100-wgmma)
+# variant table; the runs in docs/perf/runs/2026-12-07-variants):
+# - to 16 rows the narrow 16-row tile (x rows as the mma's n8 side) with the placed dequantization, which leaves
+#   the integer pipe half the work of the lookup but pairs every x chunk: H100, gate + up + down at 64 / 128 rows
+#   1500 / 1842 us against 1570 / 1945 on the same tile with the lookup (m16w4k128n, kept in the variant table),
+#   level at 16, 256 and 512 rows; H200, the routed experts of one call at 128 / 256 rows 1700 / 1925 against
+#   1776 / 1966. It takes 128-k stages where K allows, its 64-k twin otherwise (GEMM_FALLBACK);
+# - past that the narrow 64-row tile, whose experts' last tiles leave out their empty 8-row x tiles;
+# - on sm_90a, where x is staged, the wgmma engine's 64-row tile (two warpgroups, two blocks an SM) past 13 rows an
+#   expert (GEMM_WGMMA_64_FROM): H100, gate + up + down at 512 rows (14.2 an expert) 2490 / 2485 us in two passes
+#   against 2846 / 2901 on the lookup tile and 2867 / 2829 on the placed one; H200, the routed experts of one call
+#   at 512 rows 2505 against 2634 on the lookup tile, but 2491 against 2415 at 448 rows (12.4) and 2483 against
+#   2275 at 384 (10.7). Both changes in one call on an H100: the sparse site at 128 / 512 rows 1902 / 2912 ->
+#   1857 / 2635 us (68 / 47% -> 70 / 51% of its roofline), level at 256..448;
+# - and past 48 rows an expert its 128-row tile (GEMM_WGMMA_FROM: 256 weight rows x up to 128 rows a block; the
+#   64-row narrow tile level with it between 42.7 and 56.9 rows an expert, docs/perf/runs/2026-12-06-h100-wgmma;
+#   the two wgmma tiles level at 1024 rows in every table of 2026-12-07, the 128-row one 1-2% ahead at 1536).
 GEMM_DEFAULT = {16: (16, 1, 4, 128, 3, "placed"), 64: (64, 1, 4, 64, 4, "narrow")}
-GEMM_FALLBACK = {(16, 1, 4, 128, 3, "placed"): (16, 1, 4, 64, 4, "narrow"),
-                 (16, 1, 4, 128, 3, "narrow"): (16, 1, 4, 64, 4, "narrow")}
+GEMM_FALLBACK = {(16, 1, 4, 128, 3, "placed"): (16, 1, 4, 64, 4, "narrow")}
 GEMM_WGMMA = (128, 2, 8, 64, 6, "wgmma")
 GEMM_WGMMA_FROM = 48  # rows per expert past which the wgmma engine's 128-row tile is the default where it runs
-# its 64-row tile (two warpgroups, two blocks an SM) past 13 rows an expert, to 48 (2026-12-07,
-# docs/perf/runs/2026-12-07-variants): gate + up + down at 512 rows (14.2 an expert) on an H100 2490 / 2485 us
-# in two passes against 2846 / 2901 on the narrow 16-row tile and 2867 / 2829 on the placed one; on an H200 the
-# routed experts of one call (GPU time, bench --stages) at 512 rows 2505 us against 2634 on the narrow tile, at
-# 448 rows (12.4) 2491 against 2415, at 384 (10.7) 2483 against 2275; level with the 128-row tile at 1024 rows
-# on the H100 (2838 / 2846 / 2865 against 2843 / 2870 / 2893). The sparse site at 512 rows with this switch and the
-# placed tile's, one H100, one call: 2912 -> 2635 us, 47 -> 51% of its roofline (128 rows 1902 -> 1857)
 GEMM_WGMMA_64 = (64, 2, 4, 64, 6, "wgmma")
 GEMM_WGMMA_64_FROM = 13
 # ONE expert (a dense FFN stored NVFP4: 192 blocks for gate + up, two thirds of a wave): the register engine up to
