@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser, count: Callable[[int], Callable[[s
     p.add_argument("--iters", type=count(1), default=200)
     p.add_argument("--no-peer", dest="peer", action="store_false", help="skip the PyTorch peer")
     p.add_argument("--stages", action="store_true", help="--prefill: also where the sparse site's time goes at each "
-                   "width (one call's GPU time, the site's and each of its ops alone, the L2 flushed before each)")
+                   "width (one call's GPU time, the site's and each of its ops alone, the L2 flushed before each; the "
+                   "site again with plain launches)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
     what.add_argument("--sweep", choices=SWEEPS, help="instead, the lever sets a default was chosen from, side by "

@@ -150,8 +150,9 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["sparse_us"] = t(lambda: site(x, ws, o), rows)
         if args.stages:  # one call's GPU time, the site's and each of its ops alone
             one_call = functools.partial(time_gpu_us, cp, stream)
-            results["stages"].append(_stages(rec, recorded_site, x, ws, o, one_call(lambda: site(x, ws, o)), model,
-                                             be, one_call))
+            row = _stages(rec, recorded_site, x, ws, o, one_call(lambda: site(x, ws, o)), model, be, one_call)
+            row["site_plain_us"] = plain_launches(be, lambda: one_call(lambda: site(x, ws, o)))
+            results["stages"].append(row)
         r["sparse_sorted_us"] = t(lambda: sorted_site(x, ws, o), rows)
         if rows <= UNION_MAX_TIMED:
             r["sparse_union_us"] = t(lambda: union_site(x, ws, o), rows)
@@ -238,6 +239,18 @@ def _stages(rec: OpRecorder, site: MoeSite, x: Any, ws: Any, out: Any, site_us: 
     (``timed``) with its bytes, beside ``site_us``: the stage table's row of this width (``stages.stage_row``)."""
     ops = rec.record(lambda: site(x, ws, out))
     return stage_row(model, be, x.shape[0], [ops], site_us, lambda one: timed(one[0]))
+
+
+def plain_launches(be: Any, timed: Callable[[], float]) -> float | None:
+    """``timed()`` with the backend's kernels launched plain, not as programmatic dependents (its ``pdl`` off for
+    that call, then as it was); None where the backend launches them plain anyway."""
+    if not getattr(be, "pdl", False):
+        return None
+    be.pdl = False
+    try:
+        return timed()
+    finally:
+        be.pdl = True
 
 
 def _stage_section(meta: dict[str, Any], res: dict[str, Any]) -> list[str]:

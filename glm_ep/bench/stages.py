@@ -224,6 +224,12 @@ ONE_CALL = ("timed alone, as the whole site beside it, one call at a time on its
             "below also holds what one stage leaves in L2 for the next")
 
 
+#: what the last column says, where a table has it (``site_plain_us`` in a row)
+PLAIN = (" The last column: the whole site again, its kernels launched plain instead of each as a programmatic "
+         "dependent of the one before it (the backend's ``pdl`` off for that call only): what programmatic "
+         "dependent launch buys the site, or costs it.")
+
+
 def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, copy_gbs: float,
                 timing: str = GRAPHED) -> list[str]:
     """The results file's section: per width, the site's time, each stage alone (µs, % of the copy bandwidth
@@ -232,14 +238,23 @@ def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, c
     the prefill bench's single calls)."""
     if not stages:
         return []
+    plain = any(s.get("site_plain_us") is not None for s in stages)
+
+    def plain_cell(s: dict[str, Any]) -> str:  # the last column's cell, where the table has it
+        if not plain:
+            return ""
+        us = s.get("site_plain_us")
+        return f" {us:.1f} |" if us is not None else " — |"
+
     lines = ["", "## Where the sparse site's time goes", "",
              f"Each stage of the site (the backend ops one call queues, as the levers chose them) {timing}. The "
              "stages' sum beside the whole site: what is left over is what the stages cost only together, a "
              "negative one what their launches overlap. In brackets, a stage's parts where it runs them apart (the "
              "backend methods it calls, e.g. the router's logits, its top-k and the shared expert's gate + up), each "
-             "timed alone the same way.", "",
-             "| rows | site µs | stages: µs (% of copy bw) | sum of stages µs | site − sum µs |",
-             "|---:|---:|---|---:|---:|"]
+             "timed alone the same way." + (PLAIN if plain else ""), "",
+             "| rows | site µs | stages: µs (% of copy bw) | sum of stages µs | site − sum µs |"
+             + (" site, plain launches µs |" if plain else ""),
+             "|---:|---:|---|---:|---:|" + ("---:|" if plain else "")]
     def said(st: dict[str, Any]) -> str:  # label, µs and % of copy over its bytes (none without bytes)
         pct = (f" ({100.0 * st['bytes'] / (st['us'] * 1e-6) / 1e9 / copy_gbs:.0f}%)"
                if st["bytes"] and st["us"] > 0 else "")
@@ -247,13 +262,14 @@ def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, c
 
     for s in stages:
         if not s["stages"]:
-            lines.append(f"| {s['rows']} | {s['site_us']:.1f} | not split: {s.get('note', '')} | — | — |")
+            lines.append(f"| {s['rows']} | {s['site_us']:.1f} | not split: {s.get('note', '')} | — | — |"
+                         + plain_cell(s))
             continue
         parts = [said(st) + (f" [{', '.join(said(p) for p in st['parts'])}]" if st.get("parts") else "")
                  for st in s["stages"]]
         total = sum(st["us"] for st in s["stages"])
         lines.append(f"| {s['rows']} | {s['site_us']:.1f} | {'; '.join(parts)} | {total:.1f} | "
-                     f"{s['site_us'] - total:+.1f} |")
+                     f"{s['site_us'] - total:+.1f} |" + plain_cell(s))
     if launch:
         dependent = (f"{launch['dependent_us']:.2f} µs as programmatic dependents, " if launch.get("dependent_us")
                      is not None else "programmatic dependent launch off here (levers.pdl = false, or before "

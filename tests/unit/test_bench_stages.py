@@ -148,6 +148,7 @@ def test_the_stage_table():
     assert "| 16 | 640.0 | router + top-k 50.0 (2%) [router logits 30.0 (3%), top-k 19.0] | 50.0 | +590.0 |" in text
     assert "1.25 µs as programmatic dependents, 2.50 µs plain" in text
     assert "| 8 | 430.0 | not split: the call queues route, union_table, union_table | — | — |" in text
+    assert "plain launches" not in text  # no row timed the site with plain launches: no such column
     off = "\n".join(stage_lines(stages, {"launches": 64, "dependent_us": None, "plain_us": 2.5}, 3000.0))
     assert "programmatic dependent launch off here (levers.pdl = false, or before sm_90), 2.50 µs plain" in off
     assert stage_lines([], None, 3000.0) == []
@@ -204,3 +205,53 @@ def test_prefill_stages_replay_the_grouped_path_and_read_its_bytes(rows, ops, ro
     assert "[router logits 2.5 (" in text and ", top-k 2.5" in text
     assert "one call at a time on its GPU time only" in text
     assert f"| {rows} | 10.0 | {router} 2.5 (" in text and "; sort by expert 2.5; " in text  # no bytes: no %
+
+
+def test_the_stage_table_with_the_site_on_plain_launches():
+    """Where a row also timed the whole site with its kernels launched plain (``site_plain_us``: the prefill bench,
+    where the backend launches programmatic dependents), the table gets a last column and says what it is; a row
+    without that figure shows a dash there, and a split row and a row left whole both end in it."""
+    stages = [{"rows": 256, "union": 284, "site_us": 2187.0, "site_plain_us": 2240.5, "stages": [
+        {"op": "moe_experts_sorted", "label": LABELS["moe_experts_sorted"], "us": 2000.0, "bytes": 0}]},
+        {"rows": 512, "union": 288, "site_us": 2618.0, "site_plain_us": None, "stages": [
+            {"op": "moe_experts_sorted", "label": LABELS["moe_experts_sorted"], "us": 2500.0, "bytes": 0}]},
+        {"rows": 8, "union": 57, "site_us": 430.0, "site_plain_us": 441.0, "stages": [], "note": "twice"}]
+    text = "\n".join(stage_lines(stages, None, 3000.0, ONE_CALL))
+    assert "| rows | site µs | stages: µs (% of copy bw) | sum of stages µs | site − sum µs | site, plain launches µs |" \
+        in text and "|---:|---:|---|---:|---:|---:|" in text
+    assert f"| 256 | 2187.0 | {LABELS['moe_experts_sorted']} 2000.0 | 2000.0 | +187.0 | 2240.5 |" in text
+    assert f"| 512 | 2618.0 | {LABELS['moe_experts_sorted']} 2500.0 | 2500.0 | +118.0 | — |" in text
+    assert "| 8 | 430.0 | not split: twice | — | — | 441.0 |" in text
+    assert "launched plain instead of each as a programmatic dependent" in text
+    for line in text.splitlines():  # every row of the table has the header's columns
+        if line.startswith("| "):
+            assert line.count("|") == 7, line
+
+
+class _Backend:
+    def __init__(self, pdl: bool):
+        self.pdl = pdl
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_plain_launches_times_the_call_with_pdl_off_then_restores_it(fails):
+    """``prefill.plain_launches``: the call is timed with the backend's ``pdl`` off and the lever is back on after,
+    also where the timing raises; a backend that launches plain anyway gets no figure and no second timing."""
+    from glm_ep.bench.prefill import plain_launches
+
+    be, seen = _Backend(True), []
+
+    def timed() -> float:
+        seen.append(be.pdl)
+        if fails:
+            raise RuntimeError("timing failed")
+        return 12.5
+
+    if fails:
+        with pytest.raises(RuntimeError, match="timing failed"):
+            plain_launches(be, timed)
+    else:
+        assert plain_launches(be, timed) == 12.5
+    assert seen == [False] and be.pdl is True
+    off = _Backend(False)
+    assert plain_launches(off, lambda: seen.append("called") or 1.0) is None and seen == [False] and not off.pdl
