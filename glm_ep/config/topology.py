@@ -120,7 +120,9 @@ class PathLevers:
     row_batch_max: int = 8  # widest row group of the union path (<= the backend's max_row_group)
     union_max_ids: int = 64  # rows * top_k a union table may hold (<= the backend's max_union_ids)
     prefill_gemm: bool = True  # wide prefill: sort by expert + grouped GEMM
-    prefill_gemm_min_rows: int = 24  # measured crossover (glm-ep bench --prefill's sweep): below it, row groups
+    # measured crossover (glm-ep bench --prefill's sweep): below it, row groups; 24 was the H200's before the narrow
+    # register tiles, with which both Hopper cards cross at 9 (configs/h100-1.toml, configs/h200-1.toml)
+    prefill_gemm_min_rows: int = 24
     # a dense FFN stored NVFP4 (one expert every row chooses: each row group re-reads all of it): its crossover
     nvfp4_dense_gemm_min_rows: int = 9
     # ... and from this many rows each of its projections dequantized to bf16 (exact) into a scratch of one

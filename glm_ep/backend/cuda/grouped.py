@@ -43,7 +43,7 @@ _GEMM = "gemm_nvfp4.cu"
 #   1857 / 2635 us (68 / 47% -> 70 / 51% of its roofline), level at 256..448;
 # - and past 48 rows an expert its 128-row tile (GEMM_WGMMA_FROM: 256 weight rows x up to 128 rows a block; the
 #   64-row narrow tile level with it between 42.7 and 56.9 rows an expert, docs/perf/runs/2026-12-06-h100-wgmma;
-#   the two wgmma tiles level at 1024 rows in every table of 2026-12-07, the 128-row one 1-2% ahead at 1536).
+#   the two wgmma tiles level at 1024 rows in every table of 2026-12-07, the 128-row one 0.4-1.8% ahead at 1536).
 GEMM_DEFAULT = {16: (16, 1, 4, 128, 3, "placed"), 64: (64, 1, 4, 64, 4, "narrow")}
 GEMM_FALLBACK = {(16, 1, 4, 128, 3, "placed"): (16, 1, 4, 64, 4, "narrow")}
 GEMM_WGMMA = (128, 2, 8, 64, 6, "wgmma")
