@@ -106,6 +106,18 @@ def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, 
     return statistics.median(per_call)
 
 
+def plain_launches(be: Any, timed: Callable[[], float]) -> float | None:
+    """``timed()`` with the backend's kernels launched plain, not as programmatic dependents (its ``pdl`` off for
+    that call, then as it was); None where the backend launches them plain anyway."""
+    if not getattr(be, "pdl", False):
+        return None
+    be.pdl = False
+    try:
+        return timed()
+    finally:
+        be.pdl = True
+
+
 def time_median(cp: Any, stream: Any, fn: Callable[[], None], iters: int, warmup: int = 10,
                 repeats: int = 7) -> float:
     """Median over ``repeats`` of the mean time of ``iters`` back-to-back calls, in microseconds."""

@@ -32,8 +32,8 @@ from typing import Any, Callable
 from glm_ep.backend.cuda import grouped as NV
 from glm_ep.bench.common import (BF16, bench_backend, bench_meta, bench_workspace, card_tag, copy_bandwidth,
                                  cupy_gemm_tflops, dense_bytes, dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense,
-                                 gpu_moe, gpu_nvfp4_site, pyplot, results_header, sparse_roofline, time_gpu_us,
-                                 time_median, torch_time_us, world1_cfg)
+                                 gpu_moe, gpu_nvfp4_site, plain_launches, pyplot, results_header, sparse_roofline,
+                                 time_gpu_us, time_median, torch_time_us, world1_cfg)
 from glm_ep.bench.stages import ONE_CALL, OpRecorder, stage_lines, stage_row
 from glm_ep.dist.comm import SelfComm
 from glm_ep.mlp.dispatch import ExpertDispatch
@@ -239,18 +239,6 @@ def _stages(rec: OpRecorder, site: MoeSite, x: Any, ws: Any, out: Any, site_us: 
     (``timed``) with its bytes, beside ``site_us``: the stage table's row of this width (``stages.stage_row``)."""
     ops = rec.record(lambda: site(x, ws, out))
     return stage_row(model, be, x.shape[0], [ops], site_us, lambda one: timed(one[0]))
-
-
-def plain_launches(be: Any, timed: Callable[[], float]) -> float | None:
-    """``timed()`` with the backend's kernels launched plain, not as programmatic dependents (its ``pdl`` off for
-    that call, then as it was); None where the backend launches them plain anyway."""
-    if not getattr(be, "pdl", False):
-        return None
-    be.pdl = False
-    try:
-        return timed()
-    finally:
-        be.pdl = True
 
 
 def _stage_section(meta: dict[str, Any], res: dict[str, Any]) -> list[str]:

@@ -235,9 +235,9 @@ class _Backend:
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_plain_launches_times_the_call_with_pdl_off_then_restores_it(fails):
-    """``prefill.plain_launches``: the call is timed with the backend's ``pdl`` off and the lever is back on after,
+    """``common.plain_launches``: the call is timed with the backend's ``pdl`` off and the lever is back on after,
     also where the timing raises; a backend that launches plain anyway gets no figure and no second timing."""
-    from glm_ep.bench.prefill import plain_launches
+    from glm_ep.bench.common import plain_launches
 
     be, seen = _Backend(True), []
 
