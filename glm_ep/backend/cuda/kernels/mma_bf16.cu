@@ -18,8 +18,6 @@
 #include "async_copy.cuh"
 #include "nvfp4_mma.cuh"
 
-__device__ __forceinline__ void store_out(bf16_t* p, float v) { *p = f32_to_bf16(v); }
-
 // Measured (docs/perf/DESIGN-NOTES.md): a launch streams a weight near the copy bandwidth only with many
 // independent pipelines an SM (12 warps, each its own band and ring), and far below it when a block steps a
 // wide band in lock step. So here every WARP streams its own 16 weight rows
@@ -153,9 +151,9 @@ __device__ __forceinline__ int2 wstream_slice(int K, int S) {
     return make_int2(lo, min(steps, lo + per));
 }
 
-template <int NT, typename OT>
+template <int NT>
 __device__ __forceinline__ void wstream_gemm(const bf16_t* __restrict__ x, long long x_row_stride,
-                                             const bf16_t* __restrict__ w, OT* __restrict__ out,
+                                             const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
                                              long long out_row_stride, int R, int N, int K, int S,
                                              float* __restrict__ partials, unsigned* __restrict__ arrived) {
     const int2 sl = wstream_slice(K, S);
@@ -172,7 +170,7 @@ __device__ __forceinline__ void wstream_gemm(const bf16_t* __restrict__ x, long 
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int r = 8 * j + 2 * t + (c & 1), n = n0 + g + 8 * (c >> 1);
-            if (r < R && n < N) store_out(out + r * out_row_stride + n, acc[j][c]);
+            if (r < R && n < N) out[r * out_row_stride + n] = f32_to_bf16(acc[j][c]);
         }
 }
 
@@ -209,7 +207,7 @@ __device__ __forceinline__ void wstream_glu(const bf16_t* __restrict__ x, long l
         const bf16_t* x, long long x_row_stride, const bf16_t* w, bf16_t* out, long long out_row_stride, int R,   \
         int N, int K, int S, float* partials, unsigned* arrived) {                                               \
         pdl_enter();                                                                                             \
-        wstream_gemm<T / 8, bf16_t>(x, x_row_stride, w, out, out_row_stride, R, N, K, S, partials, arrived);     \
+        wstream_gemm<T / 8>(x, x_row_stride, w, out, out_row_stride, R, N, K, S, partials, arrived);             \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(WSTREAM_THREADS) bf16_wstream_glu_t##T(                          \
         const bf16_t* x, long long x_row_stride, const bf16_t* wg, const bf16_t* wu, bf16_t* gate, bf16_t* up,    \
