@@ -51,7 +51,9 @@ def pair_halves(w):
 
 def w_slot(BK, n, h): return h ^ ((n // (256 // BK)) % (BK // 32))
 
-def run(BK, MT, ACTIVE, placed, warp, K, seed):
+def run(BK, MT, ACTIVE, placed, warp, K, seed, paired_x=False):
+    """paired_x (C.patch): x comes staged in the paired order (stage_pairs) and the placed lane reads its pairs as
+    they are, without pair_halves."""
     rng = np.random.default_rng(seed)
     S, BM, WARPS, NT = BK // 32, 8 * MT, 4, 4
     BN = 32 * WARPS
@@ -66,7 +68,8 @@ def run(BK, MT, ACTIVE, placed, warp, K, seed):
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)  # byte j: k 2j low, 2j + 1 high
     X = rng.standard_normal((BM, K)).astype(BF).astype(np.float64)
     X[ACTIVE * 8:] = 0  # rows past the active tiles are not read by the model's loop
-    xb = X.astype(BF).view(np.uint16)
+    order = np.concatenate([8 * c + np.array([0, 4, 1, 5, 2, 6, 3, 7]) for c in range(K // 8)])  # paired_order
+    xb = np.ascontiguousarray((X[:, order] if paired_x else X).astype(BF)).view(np.uint16)
     def x_slot(c, r): return c ^ (((c >> 3) & 1) << 1) ^ (r & 1)
     T = np.zeros((32, ACTIVE, 2, 4))
     wr = [32 * warp + 8 * j for j in range(NT)]
@@ -118,7 +121,7 @@ def run(BK, MT, ACTIVE, placed, warp, K, seed):
                 for i in range(ACTIVE):
                     off = xoff[i] ^ (16 * kk)
                     xw = [u32(off + 4 * q) for q in range(4)]
-                    xs.append(pair_halves(xw) if placed else xw)
+                    xs.append(pair_halves(xw) if placed and not paired_x else xw)
                 frag[lane] = (b, xs)
             for i, jm in itertools.product(range(ACTIVE), range(NT // 2)):
                 for half in range(2):  # the two mma of a step: pairs 0, 1 then 2, 3
@@ -147,10 +150,14 @@ def run(BK, MT, ACTIVE, placed, warp, K, seed):
 
 if __name__ == "__main__":
     fails = 0
-    for BK, MT, ACTIVE, placed in [(128, 2, 1, True), (128, 2, 2, True), (128, 2, 2, False), (64, 1, 1, False), (64, 2, 2, False), (64, 8, 4, False), (64, 8, 8, False)]:
+    cases = [(128, 2, 1, True, False), (128, 2, 2, True, False), (128, 2, 1, True, True), (128, 2, 2, True, True),
+             (128, 2, 2, False, False), (64, 1, 1, False, False), (64, 2, 2, False, False), (64, 8, 4, False, False),
+             (64, 8, 8, False, False)]
+    for BK, MT, ACTIVE, placed, paired_x in cases:
         for warp in (0, 1, 3):
-            bad = run(BK, MT, ACTIVE, placed, warp, K=2 * BK, seed=warp + BK)
-            print(f"BK {BK} MT {MT} ACTIVE {ACTIVE} placed {placed} warp {warp}: {'ok' if bad == 0 else f'{bad} lane sums wrong'}")
+            bad = run(BK, MT, ACTIVE, placed, warp, K=2 * BK, seed=warp + BK, paired_x=paired_x)
+            print(f"BK {BK} MT {MT} ACTIVE {ACTIVE} placed {placed} x paired {paired_x} warp {warp}: "
+                  f"{'ok' if bad == 0 else f'{bad} lane sums wrong'}")
             fails += bad
     # the bank check: each quarter warp's x read at each step hits 8 distinct 16-byte bank groups
     for BK in (64, 128):
