@@ -27,6 +27,12 @@ def kernel_text(tree: Path) -> tuple[str, list[str]]:
     return src, opts.split()
 
 
+def stacks(cubin: Path) -> dict[str, int]:
+    """Each entry's stack bytes (cuobjdump -res-usage): a register spill shows here."""
+    out = subprocess.run(["cuobjdump", "-res-usage", str(cubin)], check=True, capture_output=True, text=True).stdout
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"Function (\S+):\s*\n\s*REG:\d+ STACK:(\d+)", out)}
+
+
 def loops(sass: str) -> dict[str, list[tuple[float, int, collections.Counter]]]:
     out = {}
     parts = re.split(r"\n\s*Function : (\S+)\n", sass)
@@ -53,9 +59,13 @@ def build(tree: Path, arch: str, work: Path, tag: str) -> dict:
     src, opts = kernel_text(tree)
     cu, cubin = work / f"{tag}.cu", work / f"{tag}.cubin"
     cu.write_text(src)
-    subprocess.run(["nvcc", "--cubin", f"-arch={arch}", "-std=c++17", *opts, "-o", str(cubin), str(cu)], check=True)
-    return loops(subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True,
-                                text=True).stdout)
+    # -ftz=true: the loader's NVRTC build of this file for sm_90a (kernel_loader._arch_cubin)
+    subprocess.run(["nvcc", "--cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", *opts, "-o", str(cubin), str(cu)],
+                   check=True)
+    found = loops(subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True,
+                                 text=True).stdout)
+    stack = stacks(cubin)
+    return {name: (found[name], stack.get(name, 0)) for name in found}
 
 
 def main() -> None:
@@ -76,13 +86,15 @@ def main() -> None:
         finally:
             for i, _ in enumerate(args.patch):
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / f"wt{i}")])
-    names = sorted(n for n in res["tree"] if "_glu_" in n and res["tree"][n])
+    names = sorted(n for n in res["tree"] if "_glu_" in n and res["tree"][n][0])
     print(f"SASS instructions a warp and a stage, {args.arch} (gate + up kernels; one loop per x-tile count)\n")
     print("| kernel | " + " | ".join(tag for tag, _ in trees) + " |")
     print("|---|" + "---:|" * len(trees))
     for n in names:
-        cells = [" / ".join(f"{per:.0f}" for per, _, _ in res[tag].get(n, [])) for tag, _ in trees]
+        cells = [" / ".join(f"{per:.0f}" for per, _, _ in res[tag].get(n, ([], 0))[0]) for tag, _ in trees]
         print(f"| `{n.replace('nvfp4_gemm_sorted_glu_', '')}` | " + " | ".join(cells) + " |")
+    spills = sorted({(n, tag, res[tag][n][1]) for tag, _ in trees for n in res[tag] if res[tag][n][1]})
+    print("\nStack bytes (spills): " + ("; ".join(f"`{n}` {b} ({tag})" for n, tag, b in spills) or "none"))
 
 
 if __name__ == "__main__":
