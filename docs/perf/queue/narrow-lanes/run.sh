@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The narrow lanes' device stages, one a call (run from the repository root: docs/perf/queue/narrow-lanes/run.sh Q0):
-#   Q0  correctness: C.patch through the grouped-GEMM, prefill-path and dense tests; B.patch and A.patch through the
-#       grouped-GEMM tests
+#   Q0  correctness: C.patch through the grouped-GEMM, prefill-path and dense tests
+#   Q0b B.patch and A.patch through the grouped-GEMM tests
 #   Q1  the tree, then C.patch: bench --prefill --stages (no peers) at 16..4096 rows, same process order, one card
 #   Q2  B.patch, A.patch, then the tree again, at 16 / 128 / 448 / 1024 rows (on the machine Q1 ran on)
 # Each writes its logs and tables under $OUT; the tree is left as it was found (tree_after.txt says so).
@@ -25,9 +25,9 @@ tests() {  # tests NAME SECONDS FILES...
   tail -2 $OUT/$name.log
 }
 case "$1" in
-Q0) git apply $Q/C.patch && { tests tests_C 200 tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py \
-        tests/cuda/test_cuda_dense.py; git apply -R $Q/C.patch; }
-    git apply $Q/B.patch && { tests tests_B 130 tests/cuda/test_cuda_gemm.py; git apply -R $Q/B.patch; }
+Q0) git apply $Q/C.patch && { tests tests_C 240 tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py \
+        tests/cuda/test_cuda_dense.py; git apply -R $Q/C.patch; } ;;
+Q0b) git apply $Q/B.patch && { tests tests_B 130 tests/cuda/test_cuda_gemm.py; git apply -R $Q/B.patch; }
     git apply $Q/A.patch && { tests tests_A 130 tests/cuda/test_cuda_gemm.py; git apply -R $Q/A.patch; } ;;
 Q1) W="16 64 128 256 448 1024 4096"
     bench tree_1 270 $W
