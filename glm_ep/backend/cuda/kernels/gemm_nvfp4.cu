@@ -167,6 +167,24 @@ __device__ __forceinline__ void scale_pairs(unsigned s16, unsigned (&s)[2], floa
     s[1] = prmt(__float_as_uint(f[1] * factor), 0u, 0x3232u);
 }
 
+// Two E4M3 bytes held in bytes 1 and 3 of v (bytes 0 and 2 are ignored) as the bf16 pair e4m3 x 2^-120, by bit
+// placement: the sign to bit 15 / 31, exponent and mantissa to bits 10..4 / 26..20. An E4M3 subnormal (exponent 0)
+// lands on a bf16 subnormal of the same mantissa, so every byte is exact (0x7f / 0xff as +-480, as scale_pair takes
+// them); fma_bf16x2 takes the subnormals as they are. 3 instructions for two scales, against scale_pairs' 11.
+__device__ __forceinline__ unsigned e4m3_pair_placed(unsigned v) {
+    return (v & 0x80008000u) | ((v >> 4) & 0x07f007f0u);
+}
+
+// Half h of a bf16 pair in both halves: ptxas folds it into the multiply that reads it (.H0_H0 / .H1_H1).
+__device__ __forceinline__ unsigned bf16x2_bcast(unsigned v, int h) {
+    unsigned d;
+    if (h)
+        asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tmov.b32 %0, {h, h};\n\t}" : "=r"(d) : "r"(v));
+    else
+        asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tmov.b32 %0, {l, l};\n\t}" : "=r"(d) : "r"(v));
+    return d;
+}
+
 // The placed form of one word (nvfp4_mma.cuh's placed_pairs: no lookup) times a block scale held as the
 // bf16 pair (e4m3 * 2^118, twice): b[p] = k p and p + 4 of the word as e2m1 x e4m3 x 2^-8, the products
 // dequant_word makes (the placed e2m1 x 2^-126, +-0.5 a bf16 subnormal, times e4m3 x 2^118: at most 6

@@ -8,6 +8,9 @@
 //     The sums are moved into the wide layout by warp shuffles once, after the K loop;
 //   placed (narrow, PLACED): the weights dequantized by bit placement (dequant_word_placed), whose pairs hold
 //     k p and p + 4 of a word, so the x chunk of every mma is paired to match (pair_halves).
+// A narrow lane (g, t) takes words t S .. t S + S - 1 of its weight rows' stage (S = BK / 32 mma steps), k 8 (t S + kk)
+// .. + 7 at step kk: one 16- (8-) byte read a row and a stage, and the row's S / 2 block scales from one word (the wide
+// lane takes word t of each 32-k piece: S reads and S scales a row).
 // An expert's last tile runs the K loop over as many x tiles as its rows need (k_loop_rows).
 // Part of gemm_nvfp4.cu, included after its stage layout, row tiles and dequantization (GemmStage, w_slot,
 // DequantLut, dequant_word, scale_pairs, GEMM_NT) and common.cuh, nvfp4_mma.cuh and async_copy.cuh
@@ -34,6 +37,14 @@ struct Gemm {
     static_assert(NARROW || !PLACED, "the placed form pairs the x rows of the narrow orientation");
     static_assert(MT == 1 || MT == 2 || MT == 4 || MT == 8, "x tiles are left out by powers of two");
     static constexpr int X_TILE = NARROW ? 8 : 16;  // x rows of an mma
+    static constexpr int S = BK / 32;                // mma steps (32 k) a stage
+
+    // Where x chunk c (8 k) of tile row r sits in a stage. Narrow: lane (g, t) reads chunk t S + kk of row 8 i + g at
+    // step kk, and c ^ 2 (c / 8) ^ (r & 1) puts the 8 chunks a quarter warp reads (rows g and g + 1, t = 0..3) in 8
+    // distinct 16-byte bank groups. Wide: c ^ 4 (r & 1), so the lane quads of rows g and g + 1 read disjoint banks.
+    static __device__ __forceinline__ int x_slot(int c, int r) {
+        return NARROW ? c ^ (((c >> 3) & 1) << 1) ^ (r & 1) : c ^ ((r & 1) << 2);
+    }
     using Stage = GemmStage<BM, BN, BK>;
 
     // This thread's copies, held as TileCopies holds them: every source stays a valid address (a zero-filled
@@ -67,7 +78,7 @@ struct Gemm {
         ssrc += BK / 16;
     }
 
-    // The block scales a stage's mma steps take, as bf16 pairs: sc[j][kk] for weight row wr[j] + g of the warp's
+    // The block scales a wide stage's mma steps take, as bf16 pairs: sc[j][kk] for weight row wr[j] + g of the warp's
     // n8 tile j at its 32-k step kk (the 16-k group 2 kk + t / 2), two groups from each 4-byte scale word.
     static __device__ __forceinline__ void stage_scales(const Stage& st, const int (&wr)[GEMM_NT],
                                                         unsigned (&sc)[GEMM_NT][BK / 32]) {
@@ -78,7 +89,7 @@ struct Gemm {
 #pragma unroll
             for (int w = 0; w < BK / 64; ++w) {
                 unsigned pair[2];
-                scale_pairs(prmt(st.s[wr[j] + g][w], 0u, sel), pair, PLACED ? 0x1p126f : 1.0f);
+                scale_pairs(prmt(st.s[wr[j] + g][w], 0u, sel), pair);
                 sc[j][2 * w] = pair[0];
                 sc[j][2 * w + 1] = pair[1];
             }
@@ -88,11 +99,10 @@ struct Gemm {
     // transposed T[i][jm] (weight rows of n8 tiles 2 jm and 2 jm + 1 as one m16 tile, x rows of n8 tile i).
     using Sums = float[MT][NARROW ? GEMM_NT / 2 : GEMM_NT][4];
 
-    // One 32-k step of a warp: its 4 n8 tiles of weight rows (wr[j]: the tile's first) against the first
-    // ACTIVE x tiles (16 rows wide, 8 narrow; run() leaves out those past the tile's rows).
-    // Lane (g, t) dequantizes k 8t .. 8t + 7 of weight row wr[j] + g and reads the same k of its x rows; the
-    // pairs (8t, 8t + 1), (8t + 2, 8t + 3) feed the first mma of the step and the next two the second (placed:
-    // (8t, 8t + 4), (8t + 1, 8t + 5), then (8t + 2, 8t + 6), (8t + 3, 8t + 7)).
+    // One 32-k step of a wide warp: its 4 n8 tiles of weight rows (wr[j]: the tile's first) against the first ACTIVE
+    // 16-row x tiles (run() leaves out those past the tile's rows). Lane (g, t) dequantizes k 8t .. 8t + 7 of weight
+    // row wr[j] + g and reads the same k of its x rows; the pairs (8t, 8t + 1), (8t + 2, 8t + 3) feed the first mma of
+    // the step and the next two the second.
     template <int ACTIVE>
     static __device__ __forceinline__ void mma_step(const Stage& st, const int (&wr)[GEMM_NT], int kk,
                                                     const unsigned (&sc)[GEMM_NT][BK / 32], const DequantLut& lut,
@@ -102,35 +112,50 @@ struct Gemm {
 #pragma unroll
         for (int j = 0; j < GEMM_NT; ++j) {
             const int n = wr[j] + g;
-            const unsigned q = reinterpret_cast<const unsigned*>(&st.w[n][w_slot<BK>(n, kk)])[t];
-            if constexpr (PLACED)
-                dequant_word_placed(q, sc[j][kk], b[j]);
-            else
-                dequant_word(q, sc[j][kk], b[j], lut);
+            dequant_word(reinterpret_cast<const unsigned*>(&st.w[n][w_slot<BK>(n, kk)])[t], sc[j][kk], b[j], lut);
         }
         const int ch = (4 * kk + t) ^ ((g & 1) << 2);  // rows g and g + 8 share the swizzle
 #pragma unroll
         for (int i = 0; i < ACTIVE; ++i) {
-            if constexpr (NARROW) {
-                const uint4 xv = st.x[8 * i + g][ch];
-                unsigned xp[4] = {xv.x, xv.y, xv.z, xv.w};  // the x pairs the weight pairs hold
-                if constexpr (PLACED) {
-                    const unsigned xw[4] = {xv.x, xv.y, xv.z, xv.w};
-                    pair_halves(xw, xp);  // (k p, k p + 4)
-                }
+            const uint4 lo = st.x[16 * i + g][ch], hi = st.x[16 * i + g + 8][ch];
 #pragma unroll
-                for (int jm = 0; jm < GEMM_NT / 2; ++jm) {
-                    const unsigned(&p)[4] = b[2 * jm], (&q)[4] = b[2 * jm + 1];
-                    mma_bf16(acc[i][jm], p[0], q[0], p[1], q[1], xp[0], xp[1]);
-                    mma_bf16(acc[i][jm], p[2], q[2], p[3], q[3], xp[2], xp[3]);
-                }
-            } else {
-                const uint4 lo = st.x[16 * i + g][ch], hi = st.x[16 * i + g + 8][ch];
+            for (int j = 0; j < GEMM_NT; ++j) {
+                mma_bf16(acc[i][j], lo.x, hi.x, lo.y, hi.y, b[j][0], b[j][1]);
+                mma_bf16(acc[i][j], lo.z, hi.z, lo.w, hi.w, b[j][2], b[j][3]);
+            }
+        }
+    }
+
+    // One 32-k step of a narrow warp: the words w[j] (k 8 (t S + kk) .. + 7 of weight row wr[j] + g) times their
+    // block scales s2[j] (a bf16 pair) against the first ACTIVE 8-row x tiles, whose chunks t S + kk sit at xoff[i] ^
+    // 16 kk of the stage `cur`. The pairs of a word feed the two mma of its n8 tile: (8t', 8t' + 1), (8t' + 2, 8t' + 3)
+    // the first, the next two the second (placed: (8t', 8t' + 4), (8t' + 1, 8t' + 5), then (8t' + 2, 8t' + 6),
+    // (8t' + 3, 8t' + 7)), and the x pairs are the same k of the chunk.
+    template <int ACTIVE>
+    static __device__ __forceinline__ void narrow_step(const unsigned char* cur, const unsigned (&xoff)[ACTIVE], int kk,
+                                                       const unsigned (&w)[GEMM_NT], const unsigned (&s2)[GEMM_NT],
+                                                       const DequantLut& lut, Sums& acc) {
+        unsigned b[GEMM_NT][4];
 #pragma unroll
-                for (int j = 0; j < GEMM_NT; ++j) {
-                    mma_bf16(acc[i][j], lo.x, hi.x, lo.y, hi.y, b[j][0], b[j][1]);
-                    mma_bf16(acc[i][j], lo.z, hi.z, lo.w, hi.w, b[j][2], b[j][3]);
-                }
+        for (int j = 0; j < GEMM_NT; ++j) {
+            if constexpr (PLACED)
+                dequant_word_placed(w[j], s2[j], b[j]);
+            else
+                dequant_word(w[j], s2[j], b[j], lut);
+        }
+#pragma unroll
+        for (int i = 0; i < ACTIVE; ++i) {
+            const uint4 xv = *reinterpret_cast<const uint4*>(cur + (xoff[i] ^ (16u * kk)));
+            unsigned xp[4] = {xv.x, xv.y, xv.z, xv.w};  // the x pairs the weight pairs hold
+            if constexpr (PLACED) {
+                const unsigned xw[4] = {xv.x, xv.y, xv.z, xv.w};
+                pair_halves(xw, xp);  // (k p, k p + 4)
+            }
+#pragma unroll
+            for (int jm = 0; jm < GEMM_NT / 2; ++jm) {
+                const unsigned(&p)[4] = b[2 * jm], (&q)[4] = b[2 * jm + 1];
+                mma_bf16(acc[i][jm], p[0], q[0], p[1], q[1], xp[0], xp[1]);
+                mma_bf16(acc[i][jm], p[2], q[2], p[3], q[3], xp[2], xp[3]);
             }
         }
     }
@@ -171,7 +196,7 @@ struct Gemm {
             const size_t at = !ok ? 0 : token_ids ? (size_t)token_ids[i_sorted] : (size_t)i_sorted;
             const bf16_t* row = x + at * K;
             xsrc[i] = reinterpret_cast<const unsigned char*>(row + 8 * ch);
-            xdst[i] = 16u * (r * (BK / 8) + (ch ^ ((r & 1) << 2)));
+            xdst[i] = 16u * (r * (BK / 8) + x_slot(ch, r));
             valid |= (unsigned)ok << i;
         }
 #pragma unroll
@@ -232,6 +257,14 @@ struct Gemm {
     // caller's acc itself; narrow, into the transposed sums.
     template <int ACTIVE>
     __device__ __forceinline__ void k_loop(int kblocks, const int (&wr)[GEMM_NT], Sums& sums) {
+        if constexpr (NARROW)
+            k_loop_narrow<ACTIVE>(kblocks, wr, sums);
+        else
+            k_loop_wide<ACTIVE>(kblocks, wr, sums);
+    }
+
+    template <int ACTIVE>
+    __device__ __forceinline__ void k_loop_wide(int kblocks, const int (&wr)[GEMM_NT], Sums& sums) {
         const Stage* st = reinterpret_cast<const Stage*>(dyn_smem);
         const unsigned st0 = smem_u32(dyn_smem);
         const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
@@ -246,6 +279,60 @@ struct Gemm {
             stage_scales(cur, wr, sc);
 #pragma unroll
             for (int kk = 0; kk < BK / 32; ++kk) mma_step<ACTIVE>(cur, wr, kk, sc, lut, sums);
+        }
+        cp_async_wait<0>();
+    }
+
+    // The narrow K loop. A lane's offsets inside a stage are fixed for the tile: its S words of each weight row (one
+    // 16- or 8-byte read), the scale word holding their S / 2 block scales, and its x chunk of each x tile at step 0.
+    template <int ACTIVE>
+    __device__ __forceinline__ void k_loop_narrow(int kblocks, const int (&wr)[GEMM_NT], Sums& sums) {
+        const unsigned st0 = smem_u32(dyn_smem);
+        const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        unsigned woff[GEMM_NT], soff[GEMM_NT], xoff[ACTIVE];
+#pragma unroll
+        for (int j = 0; j < GEMM_NT; ++j) {
+            const int n = wr[j] + g;
+            woff[j] = W_OFF + 16u * (n * S + w_slot<BK>(n, S == 4 ? t : t >> 1)) + (S == 4 ? 0u : 8u * (t & 1));
+            soff[j] = S_OFF + 4u * (n * (BK / 64) + (S == 4 ? t >> 1 : 0));
+        }
+        const int m = (S == 4 ? (t >> 1) << 1 : 0) ^ (g & 1);  // x_slot(t S + kk, 8 i + g) = t S + (kk ^ m)
+#pragma unroll
+        for (int i = 0; i < ACTIVE; ++i) xoff[i] = 16u * ((8 * i + g) * (BK / 8) + S * t + m);
+        // the lane's scale bytes into bytes 1 and 3: groups 2t, 2t + 1 (S = 4: bytes 2 (t & 1), + 1 of word t / 2), or
+        // group t twice (S = 2: byte t of the row's word)
+        const unsigned a = S == 4 ? 2 * (t & 1) : t, ssel = 0x0404u | (a << 4) | ((S == 4 ? a + 1 : a) << 12);
+        // the scales times 2^238 (placed: e4m3 x 2^118, in two steps) or 2^112 (e4m3 x 2^-8) from e4m3 x 2^-120
+        const unsigned f1 = exp2i_bf16x2(PLACED ? 119 : 112), f2 = exp2i_bf16x2(119);
+        const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
+        for (int kb = 0; kb < kblocks; ++kb) {
+            cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
+            __syncthreads();              // ... everyone's, and stage kb - 1 is free again
+            const int next = kb + STAGES - 1;
+            if (next < kblocks) load_stage(st0 + (next % STAGES) * (unsigned)sizeof(Stage));
+            cp_async_commit();
+            const unsigned char* cur = dyn_smem + (kb % STAGES) * sizeof(Stage);
+            unsigned w[S][GEMM_NT], sc[GEMM_NT];
+#pragma unroll
+            for (int j = 0; j < GEMM_NT; ++j) {
+                if constexpr (S == 4) {
+                    const uint4 v = *reinterpret_cast<const uint4*>(cur + woff[j]);
+                    w[0][j] = v.x, w[1][j] = v.y, w[2][j] = v.z, w[3][j] = v.w;
+                } else {
+                    const uint2 v = *reinterpret_cast<const uint2*>(cur + woff[j]);
+                    w[0][j] = v.x, w[1][j] = v.y;
+                }
+                const unsigned pl = e4m3_pair_placed(prmt(*reinterpret_cast<const unsigned*>(cur + soff[j]), 0u, ssel));
+                sc[j] = fma_bf16x2(pl, f1, 0x80008000u);  // exact: a power of two, the result normal
+                if constexpr (PLACED) sc[j] = fma_bf16x2(sc[j], f2, 0x80008000u);
+            }
+#pragma unroll
+            for (int kk = 0; kk < S; ++kk) {
+                unsigned s2[GEMM_NT];  // S = 4: group 2t at steps 0, 1 and 2t + 1 at 2, 3; S = 2: group t
+#pragma unroll
+                for (int j = 0; j < GEMM_NT; ++j) s2[j] = S == 4 ? bf16x2_bcast(sc[j], kk >> 1) : sc[j];
+                narrow_step<ACTIVE>(cur, xoff, kk, w[kk], s2, lut, sums);
+            }
         }
         cp_async_wait<0>();
     }

@@ -1,7 +1,7 @@
 // The grouped GEMM's wgmma engine (sm_90a): the weights are wgmma's A operand, dequantized straight into its
 // register fragments, and the x rows its B operand (the n side) in shared memory. Part of gemm_nvfp4.cu, included
-// after gemm_nvfp4_tiled.cuh: it uses TileCopies' copies there, and dequant_word_placed and scale_pairs from
-// gemm_nvfp4.cu; it holds the staged k order's pass (stage_k64) and column map (staged_column).
+// after gemm_nvfp4_tiled.cuh: it uses TileCopies' copies there, and dequant_word_placed, e4m3_pair_placed and
+// bf16x2_bcast from gemm_nvfp4.cu; it holds the staged k order's pass (stage_k64) and column map (staged_column).
 //
 // Why this orientation: an engine that dequantizes the weight tile into shared memory as bf16 and reads it back
 // as wgmma's B (the engine this one replaced) moves 16 KB in and 32 KB out of shared memory a stage of
@@ -178,14 +178,15 @@ struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
                                                      unsigned (&a)[BK / 16][4]) {
         const unsigned s0 = *reinterpret_cast<const unsigned*>(w + W_BYTES + 4 * r);
         const unsigned s1 = *reinterpret_cast<const unsigned*>(w + W_BYTES + 4 * (HALF + r));
-        unsigned sp[2];  // the block scales of rows r and HALF + r as bf16 pairs e4m3 * 2^118
-        scale_pairs(prmt(s0, s1, sel), sp, 0x1p126f);
+        // the block scales of rows r and HALF + r as one bf16 pair e4m3 x 2^118 (e4m3 x 2^-120, times 2^119 twice)
+        const unsigned f = exp2i_bf16x2(119);
+        const unsigned sp = fma_bf16x2(fma_bf16x2(e4m3_pair_placed(prmt(s0, s1, sel)), f, 0x80008000u), f, 0x80008000u);
         unsigned b[2][2][4];  // [row][word j][pair s]
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const uint2 v = *reinterpret_cast<const uint2*>(w + 32 * (h * HALF + r) + 8 * (threadIdx.x & 3));
-            dequant_word_placed(v.x, sp[h], b[h][0]);
-            dequant_word_placed(v.y, sp[h], b[h][1]);
+            dequant_word_placed(v.x, bf16x2_bcast(sp, h), b[h][0]);
+            dequant_word_placed(v.y, bf16x2_bcast(sp, h), b[h][1]);
         }
 #pragma unroll
         for (int s = 0; s < BK / 16; ++s) {
@@ -226,7 +227,8 @@ struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
     __device__ __forceinline__ void k_loop(unsigned xs, unsigned ws, const unsigned char* wgen, int kblocks,
                                            const bf16_t* x, float (&d)[64]) {
         const int r = row(), t = threadIdx.x & 3;
-        const unsigned sel = (unsigned)t | ((unsigned)(t + 4) << 4);  // byte t of two words: the lane's block scales
+        // the lane's block scales, byte t of the two rows' words, into bytes 1 and 3 (e4m3_pair_placed)
+        const unsigned sel = ((unsigned)t << 4) | ((unsigned)(t + 4) << 12);
         unsigned a[BK / 16][4], b[BK / 16][4];
         cp_async_wait<STAGES - 3>();
         __syncthreads();
