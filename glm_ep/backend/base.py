@@ -19,9 +19,11 @@ S slots (``T*K``), U union entries.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Generic, Mapping, Sequence, TypeVar
+from typing import Any, Generic, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -181,6 +183,25 @@ KERNEL_LIMITS = Capabilities(max_row_group=8, max_union_ids=64, max_gemv_rows=8,
 
 
 # ---- the interface ------------------------------------------------------------------------------
+_PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("glm_ep_plain_launches", default=False)
+
+
+@contextlib.contextmanager
+def plain_launches(on: bool = True) -> Iterator[None]:
+    """Inside the block (when ``on``), a backend that launches its kernels as programmatic dependents of the ones
+    before them launches them plain instead: a site call on the sorted path (``PathLevers.pdl_sorted``)."""
+    token = _PLAIN.set(on)
+    try:
+        yield
+    finally:
+        _PLAIN.reset(token)
+
+
+def launches_plain() -> bool:
+    """Whether the caller asked for plain launches (``plain_launches``)."""
+    return _PLAIN.get()
+
+
 class Backend(ABC, Generic[A, P]):
     name: str
     xp: Any  # numpy or cupy

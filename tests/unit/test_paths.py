@@ -302,3 +302,34 @@ def test_a_dense_ffn_wider_than_the_routed_activations(rows: int, dense_nvfp4: b
             assert rel_l2(y, want[i]) < 1e-2, (name, "tp 1", i, rel_l2(y, want[i]))
             summed = sum(h.site_output(i, x).astype(np.float64) for h in halves)
             assert rel_l2(summed, want[i]) < 1e-2, (name, "tp 2", i, rel_l2(summed, want[i]))
+
+
+@pytest.mark.parametrize("pdl_sorted", [False, True])
+def test_sorted_path_calls_launch_plain(setup, monkeypatch, pdl_sorted: bool) -> None:
+    """A site call on the sorted path asks for plain launches around every op it queues, from the router to the
+    combine (``plain_launches``), unless ``pdl_sorted``; union and decode calls never ask, and nothing is left asked
+    after a call."""
+    from glm_ep.backend import base
+    from glm_ep.backend.numpy_backend import NumpyBackend
+
+    model, full, _, _ = setup
+    seen: dict[str, list[bool]] = {}
+    for name in ("route", "sort_by_expert", "moe_experts_sorted", "combine"):
+        def spy(self, *a, _real=getattr(NumpyBackend, name), _name=name, **k):
+            seen.setdefault(_name, []).append(base.launches_plain())
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(NumpyBackend, name, spy)
+    levers = PathLevers(prefill_gemm_min_rows=9, pdl_sorted=pdl_sorted)
+    stack = build_stack(full, model, max_rows=MAX_ROWS, levers=levers)
+    site = stack.sites[model.sparse_layers[0]]
+    for rows, path in ((1, "decode"), (4, "union"), (12, "sorted")):
+        assert site.experts.path_for(rows) == path
+        seen.clear()
+        stack.site_output(model.sparse_layers[0], random_x(900 + rows, rows, model.hidden_size))
+        plain = path == "sorted" and not pdl_sorted
+        assert site.plain(rows) is plain
+        assert set(seen["route"]) == {plain} and set(seen.get("combine", [plain])) == {plain}, (rows, seen)
+        if path == "sorted":
+            assert set(seen["sort_by_expert"]) == set(seen["moe_experts_sorted"]) == {plain}, seen
+        assert not base.launches_plain()
