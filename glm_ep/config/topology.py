@@ -135,7 +135,8 @@ class PathLevers:
     pdl: bool = True  # CUDA, sm_90+: launch each kernel as a programmatic dependent of the one before it
     # ... and on the sorted path too (a site call whose routed experts run the grouped GEMM); false: that call's kernels
     # launch plain. H100, 2026-12-07, six runs (docs/perf/runs/2026-12-07-narrow-lanes): the whole site on plain
-    # launches 50-270 us faster at 64..448 rows, 230-610 at 4096, level at 16 and 512..1024
+    # launches 50-197 us faster at 64..256 rows and 227-612 at 4096 in every run, at 448 in four of five, level at
+    # 16, 512 and 1024
     pdl_sorted: bool = False
     # the one-row routed kernels of the CUDA backend (glm_ep/backend/cuda/ring.py)
     ring: bool = True  # the persistent ring kernels (false: gemv_nvfp4.cu's block-per-tile kernels)

@@ -14,7 +14,7 @@ run() {  # run NAME SECONDS CMD...
   timeout $limit "$@" > $OUT/$name.log 2>&1; echo "rc $?" >> $OUT/$name.log; tail -2 $OUT/$name.log
 }
 case "$1" in
-U0) git apply $Q/scales.patch && { run tests 300 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_union.py \
+U0) git apply $Q/scales.patch && { run tests 560 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_union.py \
         tests/cuda/test_cuda_ring.py tests/cuda/test_cuda_routed.py; git apply -R $Q/scales.patch; } ;;
 U1) for side in tree patch; do
       [ $side = patch ] && { git apply $Q/scales.patch || break; }

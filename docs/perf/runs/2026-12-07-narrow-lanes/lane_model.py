@@ -5,7 +5,7 @@ layout, for one warp. Checks the warp's transposed sums against W x^T in float64
 hits 8 distinct bank groups, and (B.patch) that the K loop's rounds of STAGES stages read each stage from the slot
 it was copied into, never a slot a copy is refilling.
 
-    python docs/perf/queue/narrow-lanes/lane_model.py"""
+    python docs/perf/runs/2026-12-07-narrow-lanes/lane_model.py"""
 import itertools, sys
 import numpy as np, ml_dtypes
 

@@ -3,7 +3,7 @@ with each patch given applied: nvcc builds gemm_nvfp4.cu (the text NVRTC gets) f
 SASS back, and every backward branch whose body holds mma (HMMA / HGMMA) is a K loop; its instructions over its
 block barriers (one a stage) are a stage's.
 
-    python docs/perf/queue/narrow-lanes/sass_counts.py --arch sm_90a --patch docs/perf/queue/narrow-lanes/A.patch ...
+    python docs/perf/runs/2026-12-07-narrow-lanes/sass_counts.py --arch sm_90a --patch docs/perf/runs/2026-12-07-narrow-lanes/A.patch ...
 
 Needs nvcc and cuobjdump (cuobjdump: the PyPI wheel nvidia-cuda-cuobjdump, bin/ inside it, on PATH)."""
 from __future__ import annotations
