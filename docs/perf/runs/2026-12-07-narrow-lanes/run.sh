@@ -51,5 +51,8 @@ P3) git log --oneline -1 > $OUT/tree.txt
     tests p3_tests_paths 150 tests/cuda/test_cuda_paths.py
     sed 's/^\[levers\]$/[levers]\npdl_sorted = true/' configs/$TOPO.toml > /tmp/pdl_sorted.toml
     grep -q "^pdl_sorted = true" /tmp/pdl_sorted.toml && TOPO=/tmp/pdl_sorted.toml && bench p3_pdl 150 16 64 128 256 448 1024 4096 ;;
+P3b) git log --oneline -1 > $OUT/tree.txt  # P3's bench alone, fewer widths, for a short budget
+    sed 's/^\[levers\]$/[levers]\npdl_sorted = true/' configs/$TOPO.toml > /tmp/pdl_sorted.toml
+    grep -q "^pdl_sorted = true" /tmp/pdl_sorted.toml && TOPO=/tmp/pdl_sorted.toml && bench p3b_pdl 150 64 128 256 4096 ;;
 esac
 git status --short > $OUT/tree_after.txt
