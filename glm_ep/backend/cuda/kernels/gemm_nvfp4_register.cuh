@@ -78,6 +78,16 @@ struct Gemm {
         ssrc += BK / 16;
     }
 
+    // Stage kb's turn in the K loop: it has landed (this thread's copies, then everyone's at the barrier), the slot
+    // of kb - 1 is free again, and the copies of stage kb + STAGES - 1 go into it (a group committed either way).
+    __device__ __forceinline__ void next_stage(int kb, int kblocks, unsigned st0) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        const int next = kb + STAGES - 1;
+        if (next < kblocks) load_stage(st0 + (next % STAGES) * (unsigned)sizeof(Stage));
+        cp_async_commit();
+    }
+
     // The block scales a wide stage's mma steps take, as bf16 pairs: sc[j][kk] for weight row wr[j] + g of the warp's
     // n8 tile j at its 32-k step kk (the 16-k group 2 kk + t / 2), two groups from each 4-byte scale word.
     static __device__ __forceinline__ void stage_scales(const Stage& st, const int (&wr)[GEMM_NT],
@@ -269,11 +279,7 @@ struct Gemm {
         const unsigned st0 = smem_u32(dyn_smem);
         const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
         for (int kb = 0; kb < kblocks; ++kb) {
-            cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
-            __syncthreads();              // ... everyone's, and stage kb - 1 is free again
-            const int next = kb + STAGES - 1;
-            if (next < kblocks) load_stage(st0 + (next % STAGES) * (unsigned)sizeof(Stage));
-            cp_async_commit();
+            next_stage(kb, kblocks, st0);
             const Stage& cur = st[kb % STAGES];
             unsigned sc[GEMM_NT][BK / 32];
             stage_scales(cur, wr, sc);
@@ -306,11 +312,7 @@ struct Gemm {
         const unsigned f1 = exp2i_bf16x2(PLACED ? 119 : 112), f2 = exp2i_bf16x2(119);
         const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
         for (int kb = 0; kb < kblocks; ++kb) {
-            cp_async_wait<STAGES - 2>();  // stage kb has landed (this thread's copies) ...
-            __syncthreads();              // ... everyone's, and stage kb - 1 is free again
-            const int next = kb + STAGES - 1;
-            if (next < kblocks) load_stage(st0 + (next % STAGES) * (unsigned)sizeof(Stage));
-            cp_async_commit();
+            next_stage(kb, kblocks, st0);
             const unsigned char* cur = dyn_smem + (kb % STAGES) * sizeof(Stage);
             unsigned w[S][GEMM_NT], sc[GEMM_NT];
 #pragma unroll
