@@ -232,12 +232,19 @@ def sparse_roofline(model: ModelConfig, ids_TK: np.ndarray, copy_gbs: float, bf1
 
 
 def cupy_gemm_tflops(cp: Any, stream: Any, n: int = 8192) -> float:
-    """The bf16 GEMM rate of this device through CuPy (cuBLAS, fp32 accumulation), an ``n``-cube product."""
+    """The bf16 GEMM rate of this device through CuPy (cuBLAS, fp32 accumulation), an ``n``-cube product, queued on
+    ``stream``, the stream ``time_median`` records its events on (on CuPy's current stream instead, the events would
+    time an empty stretch of ``stream``)."""
     with stream:
         a = cp.ones((n, n), dtype=BF16)
         b = cp.ones((n, n), dtype=BF16)
         c = cp.empty((n, n), dtype=BF16)
-    us = time_median(cp, stream, lambda: cp.matmul(a, b, out=c), iters=5, warmup=2, repeats=5)
+
+    def product() -> None:
+        with stream:
+            cp.matmul(a, b, out=c)
+
+    us = time_median(cp, stream, product, iters=5, warmup=2, repeats=5)
     return 2 * n ** 3 / (us * 1e-6) / 1e12
 
 

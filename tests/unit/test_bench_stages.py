@@ -255,3 +255,45 @@ def test_plain_launches_times_the_call_with_pdl_off_then_restores_it(fails):
     assert seen == [False] and be.pdl is True
     off = _Backend(False)
     assert plain_launches(off, lambda: seen.append("called") or 1.0) is None and seen == [False] and not off.pdl
+
+
+def test_the_cupy_gemm_rate_queues_its_product_on_the_timed_stream():
+    """Without a PyTorch peer the prefill bench takes its bf16 rate from ``cupy_gemm_tflops``: every product it
+    times must be queued on the stream whose events time it (CuPy queues on its current stream), and the rate is
+    2 n^3 over the time those events give."""
+    from types import SimpleNamespace
+
+    from glm_ep.bench.common import cupy_gemm_tflops
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.queued_us = name, 0.0
+
+        def __enter__(self):
+            current.append(self)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+        def synchronize(self):
+            pass
+
+    default, timed = Stream("default"), Stream("timed")
+    current = [default]
+
+    class Event:
+        def record(self, stream):
+            self.at = stream.queued_us
+
+        def synchronize(self):
+            pass
+
+    def matmul(a, b, out):
+        current[-1].queued_us += 1000.0  # one product: 1 ms of GPU time on the stream it was queued on
+
+    cp = SimpleNamespace(ones=lambda shape, dtype: None, empty=lambda shape, dtype: None, matmul=matmul,
+                         cuda=SimpleNamespace(Event=Event, get_elapsed_time=lambda s, e: (e.at - s.at) / 1e3))
+    n = 1024
+    rate = cupy_gemm_tflops(cp, timed, n)
+    assert timed.queued_us > 0 and default.queued_us == 0, "a product was queued off the timed stream"
+    assert rate == pytest.approx(2 * n ** 3 / 1e-3 / 1e12), rate
