@@ -61,9 +61,9 @@
 
 #define GEMM_NT 4  // n8 tiles of a warp: 32 weight rows
 
-// One pipeline stage of a BM x BN tile, BK k. x chunk c (8 k) of row r sits at c ^ 4 (r & 1), so the
-// lane quads of rows g and g + 1 read disjoint banks; weight piece h (32 k, 16 bytes) of row n at
-// w_slot<BK>(n, h), so the 8 rows of an n8 tile read disjoint banks.
+// One pipeline stage of a BM x BN tile, BK k. x chunk c (8 k) of row r sits at the register engine's
+// Gemm::x_slot(c, r), chosen so that the lanes reading at once hit disjoint banks; weight piece h (32 k, 16 bytes) of
+// row n at w_slot<BK>(n, h), so the 8 rows of an n8 tile read disjoint banks.
 template <int BM, int BN, int BK>
 struct GemmStage {
     static_assert(BK == 64 || BK == 128, "a row's BK / 16 scale bytes are one 4- or 8-byte copy");
@@ -159,12 +159,12 @@ __device__ __forceinline__ unsigned scale_pair(unsigned byte, float factor = 1.0
     return prmt(__float_as_uint(lo * factor), 0u, 0x3232u);
 }
 
-// Both E4M3 bytes of s16 (bytes 0 and 1) at once: s[i] = scale_pair(byte i, factor), one fp16 pair widened.
-__device__ __forceinline__ void scale_pairs(unsigned s16, unsigned (&s)[2], float factor = 1.0f) {
+// Both E4M3 bytes of s16 (bytes 0 and 1) at once: s[i] = scale_pair(byte i), one fp16 pair widened.
+__device__ __forceinline__ void scale_pairs(unsigned s16, unsigned (&s)[2]) {
     float f[2];
     chunk_scales_f32(s16, f[0], f[1]);
-    s[0] = prmt(__float_as_uint(f[0] * factor), 0u, 0x3232u);
-    s[1] = prmt(__float_as_uint(f[1] * factor), 0u, 0x3232u);
+    s[0] = prmt(__float_as_uint(f[0]), 0u, 0x3232u);
+    s[1] = prmt(__float_as_uint(f[1]), 0u, 0x3232u);
 }
 
 // Two E4M3 bytes held in bytes 1 and 3 of v (bytes 0 and 2 are ignored) as the bf16 pair e4m3 x 2^-120, by bit
