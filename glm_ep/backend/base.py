@@ -189,8 +189,9 @@ _PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("glm_ep_plain_laun
 @contextlib.contextmanager
 def plain_launches(on: bool = True) -> Iterator[None]:
     """Inside the block (when ``on``), a backend that launches its kernels as programmatic dependents of the ones
-    before them launches them plain instead: a site call on the sorted path (``PathLevers.pdl_sorted``)."""
-    token = _PLAIN.set(on)
+    before them launches them plain instead: a site call on the sorted path (``PathLevers.pdl_sorted``). An inner
+    block that does not ask leaves an outer request standing."""
+    token = _PLAIN.set(on or _PLAIN.get())
     try:
         yield
     finally:

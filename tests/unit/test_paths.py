@@ -333,3 +333,21 @@ def test_sorted_path_calls_launch_plain(setup, monkeypatch, pdl_sorted: bool) ->
         if path == "sorted":
             assert set(seen["sort_by_expert"]) == set(seen["moe_experts_sorted"]) == {plain}, seen
         assert not base.launches_plain()
+
+
+def test_plain_launches_nest():
+    """An inner ``plain_launches(False)`` (a site call off the sorted path) leaves an outer request standing, and each
+    block restores what it found."""
+    from glm_ep.backend import base
+
+    assert not base.launches_plain()
+    with base.plain_launches():
+        with base.plain_launches(False):
+            assert base.launches_plain()
+        assert base.launches_plain()
+    with base.plain_launches(False):
+        assert not base.launches_plain()
+        with base.plain_launches(True):
+            assert base.launches_plain()
+        assert not base.launches_plain()
+    assert not base.launches_plain()
