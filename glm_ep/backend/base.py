@@ -19,11 +19,9 @@ S slots (``T*K``), U union entries.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Generic, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Generic, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -183,26 +181,6 @@ KERNEL_LIMITS = Capabilities(max_row_group=8, max_union_ids=64, max_gemv_rows=8,
 
 
 # ---- the interface ------------------------------------------------------------------------------
-_PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("glm_ep_plain_launches", default=False)
-
-
-@contextlib.contextmanager
-def plain_launches(on: bool = True) -> Iterator[None]:
-    """Inside the block (when ``on``), a backend that launches its kernels as programmatic dependents of the ones
-    before them launches them plain instead: a site call on the sorted path (``PathLevers.pdl_sorted``). An inner
-    block that does not ask leaves an outer request standing."""
-    token = _PLAIN.set(on or _PLAIN.get())
-    try:
-        yield
-    finally:
-        _PLAIN.reset(token)
-
-
-def launches_plain() -> bool:
-    """Whether the caller asked for plain launches (``plain_launches``)."""
-    return _PLAIN.get()
-
-
 class Backend(ABC, Generic[A, P]):
     name: str
     xp: Any  # numpy or cupy

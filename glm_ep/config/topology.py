@@ -133,11 +133,6 @@ class PathLevers:
     graph_verify: bool = True  # capture verify steps (2..max_gemv_rows rows) as CUDA graphs too
     graph_sites: bool = True  # one-site calls (site(i, x), forward) of those widths: a graph per (site, rows)
     pdl: bool = True  # CUDA, sm_90+: launch each kernel as a programmatic dependent of the one before it
-    # ... and on the sorted path too (a site call whose routed experts run the grouped GEMM); false: that call's kernels
-    # launch plain. H100, 2026-12-07, six runs (docs/perf/runs/2026-12-07-narrow-lanes): the whole site on plain
-    # launches 50-197 us faster at 64..256 rows and 227-612 at 4096 in every run, at 448 in four of five, level at
-    # 16, 512 and 1024
-    pdl_sorted: bool = False
     # the one-row routed kernels of the CUDA backend (glm_ep/backend/cuda/ring.py)
     ring: bool = True  # the persistent ring kernels (false: gemv_nvfp4.cu's block-per-tile kernels)
     ring_warps_per_sm: int = 16  # warps per SM the ring grid aims at (fewer where its rings do not fit)

@@ -20,8 +20,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from glm_ep.backend.base import (Backend, DenseResident, MoeResident, RoutedExperts, SharedGlu, SharedHalf,
-                                 plain_launches)
+from glm_ep.backend.base import Backend, DenseResident, MoeResident, RoutedExperts, SharedGlu, SharedHalf
 from glm_ep.dist.comm import Communicator
 from glm_ep.config.model import SiteConfig
 from glm_ep.config.topology import PathLevers
@@ -178,16 +177,11 @@ class MoeSite:
         act_TI = beside.act_TI if beside is not None else clamped_swiglu(self.be, sh, self.cfg.swiglu_limit, x_TH, ws)
         return SharedHalf(act_TI, sh.down, ws.view("shared_out", t, self.cfg.hidden))
 
-    def plain(self, rows: int) -> bool:
-        """Whether a call of ``rows`` launches its kernels plain: on the sorted path, unless ``pdl_sorted``."""
-        return not self.experts.levers.pdl_sorted and self.experts.path_for(rows) == "sorted"
-
     def __call__(self, x_TH: Any, ws: Workspace, out_TH: Any) -> Any:
-        with plain_launches(self.plain(x_TH.shape[0])):
-            route = self.route(x_TH, ws)  # ids, wts [T, K]
-            if self.expert_map is not None:  # a placement: global ids -> this layer's physical slots, on device
-                self.expert_map(self.be, route.ids_TK)
-            routed = self.experts(x_TH, route, self.moe.experts, ws)  # [T*K, H] routed rows
-            shared = self.shared(x_TH, route, ws)  # the shared expert's activations
-            self.be.combine_site(routed, route.wts_TK, shared, out_TH)  # sum_k w_k * routed_k + shared: ONE rounding
+        route = self.route(x_TH, ws)  # ids, wts [T, K]
+        if self.expert_map is not None:  # a placement: global ids -> this layer's physical slots, in place, on device
+            self.expert_map(self.be, route.ids_TK)
+        routed = self.experts(x_TH, route, self.moe.experts, ws)  # [T*K, H] routed rows
+        shared = self.shared(x_TH, route, ws)  # the shared expert's activations
+        self.be.combine_site(routed, route.wts_TK, shared, out_TH)  # sum_k w_k * routed_k + shared: ONE rounding
         return self.comm.all_reduce(out_TH) if self.reduces else out_TH

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts, launches_plain
+from glm_ep.backend.base import Backend, DenseResident, ExpertTable, MoeResident, RoutedExperts
 from glm_ep.backend.cuda import dense, elementwise, expert_ids, grouped, pdl, route_kernels as route
 from glm_ep.backend.cuda import routed as NV
 from glm_ep.backend.cuda.kernel_loader import BF16, CAPABILITIES, F32, GEMV_MAX_ROWS, MMA_ROWS, compute_capability, sm_count
@@ -49,12 +49,11 @@ FUSED_TOPK_MAX_SMEM = 48 * 1024  # the fused router's top-k scratch within every
 
 def _on_stream(op):
     """Run the op with the backend's stream current (CuPy launches on the current stream) and its
-    kernels launched as programmatic dependents where the backend uses them and the caller has not asked
-    for plain launches (``base.plain_launches``)."""
+    kernels launched as programmatic dependents where the backend uses them."""
 
     @functools.wraps(op)
     def run(self, *args, **kwargs):
-        with self.stream, pdl.dependent_launches(self.pdl and not launches_plain()):
+        with self.stream, pdl.dependent_launches(self.pdl):
             return op(self, *args, **kwargs)
 
     return run
