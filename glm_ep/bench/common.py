@@ -12,8 +12,9 @@ import platform
 import re
 import statistics
 import sys
+import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -52,6 +53,7 @@ extern "C" __global__ void bench_flush(const uint4* __restrict__ p, unsigned lon
     if (acc == 0x9e3779b9u) *sink = acc;
 }'''
 FLUSH_BYTES = 256 << 20  # read before each timed call: past the L2 of every lent card (50-60 MB)
+SETTLE_S = 1.0  # settle()'s idle before a width's single-call timings
 HOLD_MAX_US = 1e6  # time_gpu_us doubles its hold up to this (a call the host queues in over a second: timed as is)
 
 
@@ -106,16 +108,55 @@ def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, 
     return statistics.median(per_call)
 
 
-def plain_launches(be: Any, timed: Callable[[], float]) -> float | None:
-    """``timed()`` with the backend's kernels launched plain, not as programmatic dependents (its ``pdl`` off for
-    that call, then as it was); None where the backend launches them plain anyway."""
+def with_plain_launches(be: Any, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with the backend's kernels launched plain, not as programmatic dependents: its ``pdl`` off for each
+    call, then as it was."""
+
+    def call() -> None:
+        on = be.pdl
+        be.pdl = False
+        try:
+            fn()
+        finally:
+            be.pdl = on
+
+    return call
+
+
+def settle(stream: Any, seconds: float = SETTLE_S) -> None:
+    """Let the card idle ``seconds`` once ``stream`` has drained. A sustained run of back-to-back calls leaves the
+    SM clock lowered for a while (one H100, 2026-12-07: 1815-1890 MHz right after the prefill site's, 1980 after
+    3 s idle), and single calls timed right after it came out 1-4% slower than the same calls timed later
+    (docs/perf/runs/2026-12-07-pdl-order/)."""
+    stream.synchronize()
+    time.sleep(seconds)
+
+
+def alternating_gpu_us(cp: Any, stream: Any, fns: Sequence[Callable[[], None]], rounds: int = 6,
+                       warmup: int = 1) -> list[float]:
+    """The median ONE-call GPU time (``time_gpu_us``) of each of ``fns``, timed in ``rounds`` rounds of one call
+    each whose order turns every round (round r starts with ``fns[r % len(fns)]``): whatever drifts over the run,
+    the card's clock settling after a sustained load among it, weighs on each of them alike."""
+    with stream:
+        for fn in fns:
+            for _ in range(warmup):
+                fn()
+    per_fn: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        for j in range(len(fns)):
+            i = (r + j) % len(fns)
+            per_fn[i].append(time_gpu_us(cp, stream, fns[i], repeats=1, warmup=0))
+    return [statistics.median(t) for t in per_fn]
+
+
+def site_and_plain_us(cp: Any, stream: Any, be: Any, call: Callable[[], None]) -> tuple[float, float | None]:
+    """One call's GPU time of ``call`` and, where the backend launches its kernels as programmatic dependents, of
+    the same call with them launched plain, the two timed alternately (``alternating_gpu_us``); None for the second
+    where the backend launches plain anyway."""
     if not getattr(be, "pdl", False):
-        return None
-    be.pdl = False
-    try:
-        return timed()
-    finally:
-        be.pdl = True
+        return alternating_gpu_us(cp, stream, [call])[0], None
+    site_us, plain_us = alternating_gpu_us(cp, stream, [call, with_plain_launches(be, call)])
+    return site_us, plain_us
 
 
 def time_median(cp: Any, stream: Any, fn: Callable[[], None], iters: int, warmup: int = 10,

@@ -32,8 +32,8 @@ from typing import Any, Callable
 from glm_ep.backend.cuda import grouped as NV
 from glm_ep.bench.common import (BF16, bench_backend, bench_meta, bench_workspace, card_tag, copy_bandwidth,
                                  cupy_gemm_tflops, dense_bytes, dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense,
-                                 gpu_moe, gpu_nvfp4_site, plain_launches, pyplot, results_header, sparse_roofline,
-                                 time_gpu_us, time_median, torch_time_us, world1_cfg)
+                                 gpu_moe, gpu_nvfp4_site, pyplot, results_header, settle, site_and_plain_us,
+                                 sparse_roofline, time_gpu_us, time_median, torch_time_us, world1_cfg)
 from glm_ep.bench.stages import ONE_CALL, OpRecorder, stage_lines, stage_row
 from glm_ep.dist.comm import SelfComm
 from glm_ep.mlp.dispatch import ExpertDispatch
@@ -150,8 +150,10 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         r["sparse_us"] = t(lambda: site(x, ws, o), rows)
         if args.stages:  # one call's GPU time, the site's and each of its ops alone
             one_call = functools.partial(time_gpu_us, cp, stream)
-            row = _stages(rec, recorded_site, x, ws, o, one_call(lambda: site(x, ws, o)), model, be, one_call)
-            row["site_plain_us"] = plain_launches(be, lambda: one_call(lambda: site(x, ws, o)))
+            settle(stream)  # the clock back up after the sustained calls above, for the site and its stages alike
+            site_us, row_plain_us = site_and_plain_us(cp, stream, be, lambda: site(x, ws, o))
+            row = _stages(rec, recorded_site, x, ws, o, site_us, model, be, one_call)
+            row["site_plain_us"] = row_plain_us
             results["stages"].append(row)
         r["sparse_sorted_us"] = t(lambda: sorted_site(x, ws, o), rows)
         if rows <= UNION_MAX_TIMED:

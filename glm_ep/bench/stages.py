@@ -217,7 +217,8 @@ def stage_bytes(model: ModelConfig, op: Op, union: int) -> int:
 GRAPHED = ("timed alone over the same layers' distinct weights, a CUDA graph each; µs a layer, % of the copy "
            "bandwidth over the stage's bytes (the union of the call's experts)")
 ONE_CALL = ("timed alone, as the whole site beside it, one call at a time on its GPU time only (the host's launches "
-            "held out by a spin kernel queued ahead) with the L2 flushed before it; µs, % of the copy bandwidth over "
+            "held out by a spin kernel queued ahead) with the L2 flushed before it, after the card idled a second "
+            "(a sustained run leaves its clock lowered for a while); µs, % of the copy bandwidth over "
             "the stage's weight bytes (the union of the call's experts). Activations are not counted: from about 256 "
             "rows the router's x and the combine's routed rows weigh as much as their weights, and from 1024 rows "
             "the routed experts' FLOPs bound them. A stage alone starts from a flushed L2, so a negative remainder "
@@ -226,8 +227,9 @@ ONE_CALL = ("timed alone, as the whole site beside it, one call at a time on its
 
 #: what the last column says, where a table has it (``site_plain_us`` in a row)
 PLAIN = (" The last column: the whole site again, its kernels launched plain instead of each as a programmatic "
-         "dependent of the one before it (the backend's ``pdl`` off for that call only): what programmatic "
-         "dependent launch buys the site, or costs it.")
+         "dependent of the one before it (the backend's ``pdl`` off for that call only), timed alternately with the "
+         "site, one call of each a round and the order turned every round: what programmatic dependent launch buys "
+         "the site, or costs it.")
 
 
 def stage_lines(stages: list[dict[str, Any]], launch: dict[str, float] | None, copy_gbs: float,

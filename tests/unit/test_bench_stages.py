@@ -234,27 +234,96 @@ class _Backend:
 
 
 @pytest.mark.parametrize("fails", [False, True])
-def test_plain_launches_times_the_call_with_pdl_off_then_restores_it(fails):
-    """``common.plain_launches``: the call is timed with the backend's ``pdl`` off and the lever is back on after,
-    also where the timing raises; a backend that launches plain anyway gets no figure and no second timing."""
-    from glm_ep.bench.common import plain_launches
+def test_with_plain_launches_turns_pdl_off_for_the_call_only(fails):
+    """``common.with_plain_launches``: the call runs with the backend's ``pdl`` off and the lever is back on after,
+    also where the call raises."""
+    from glm_ep.bench.common import with_plain_launches
 
     be, seen = _Backend(True), []
 
-    def timed() -> float:
+    def call() -> None:
         seen.append(be.pdl)
         if fails:
-            raise RuntimeError("timing failed")
-        return 12.5
+            raise RuntimeError("call failed")
 
+    plain = with_plain_launches(be, call)
+    assert seen == [] and be.pdl is True  # nothing runs until the call
     if fails:
-        with pytest.raises(RuntimeError, match="timing failed"):
-            plain_launches(be, timed)
+        with pytest.raises(RuntimeError, match="call failed"):
+            plain()
     else:
-        assert plain_launches(be, timed) == 12.5
+        plain()
     assert seen == [False] and be.pdl is True
-    off = _Backend(False)
-    assert plain_launches(off, lambda: seen.append("called") or 1.0) is None and seen == [False] and not off.pdl
+
+
+class _Stream:
+    def __init__(self):
+        self.synced = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        self.synced += 1
+
+
+def _fake_timer(monkeypatch, calls: list, times: dict):
+    """``common.time_gpu_us`` replaced: it runs the call once (as one timed call does) and returns the next of the
+    call's listed times."""
+    from glm_ep.bench import common
+
+    def fake(cp, stream, fn, repeats=5, warmup=2, hold_us=3000.0):
+        assert (repeats, warmup) == (1, 0)  # one call a round, the warm-up done before the rounds
+        fn()
+        return times[calls[-1]].pop(0)
+
+    monkeypatch.setattr(common, "time_gpu_us", fake)
+
+
+def test_alternating_gpu_us_turns_the_order_every_round(monkeypatch):
+    """``common.alternating_gpu_us``: each call warmed up first, then rounds of one timed call each whose order turns
+    every round, and each call's median over its own rounds."""
+    from glm_ep.bench.common import alternating_gpu_us
+
+    calls: list[str] = []
+    times = {"a": [10.0, 30.0, 20.0, 99.0], "b": [1.0, 2.0, 3.0, 4.0]}
+    _fake_timer(monkeypatch, calls, times)
+    a, b = (lambda: calls.append("a")), (lambda: calls.append("b"))
+    assert alternating_gpu_us(None, _Stream(), [a, b], rounds=4, warmup=2) == [25.0, 2.5]
+    assert calls == ["a", "a", "b", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]
+
+
+def test_site_and_plain_us_times_the_plain_twin_only_where_the_backend_has_pdl(monkeypatch):
+    """``common.site_and_plain_us``: with programmatic launches, the call and its plain twin alternate (the twin's
+    calls run with ``pdl`` off); without, the call alone and no plain figure."""
+    from glm_ep.bench.common import site_and_plain_us
+
+    be, calls = _Backend(True), []
+    times = {True: [5.0] * 6, False: [7.0] * 6}
+    _fake_timer(monkeypatch, calls, times)
+    assert site_and_plain_us(None, _Stream(), be, lambda: calls.append(be.pdl)) == (5.0, 7.0)
+    assert calls[:2] == [True, False] and calls[2:4] == [True, False] and calls[4:6] == [False, True]
+    assert be.pdl is True
+    off, calls[:] = _Backend(False), []
+    times[False] = [3.0] * 6
+    assert site_and_plain_us(None, _Stream(), off, lambda: calls.append(off.pdl)) == (3.0, None)
+    assert calls == [False] * 7  # one warm-up and six rounds, all plain
+
+
+def test_settle_waits_for_the_stream_then_idles(monkeypatch):
+    """``common.settle``: the stream drained first, then the card left idle for the given seconds."""
+    from glm_ep.bench import common
+
+    slept: list[float] = []
+    monkeypatch.setattr(common.time, "sleep", slept.append)
+    stream = _Stream()
+    common.settle(stream, 0.25)
+    assert stream.synced == 1 and slept == [0.25]
+    common.settle(stream)
+    assert slept == [0.25, common.SETTLE_S] and common.SETTLE_S > 0
 
 
 def test_the_cupy_gemm_rate_queues_its_product_on_the_timed_stream():
