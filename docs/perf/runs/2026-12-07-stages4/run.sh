@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The placed 16-row tile with four stages instead of three (stages4.patch), one stage a call, from the repository
-# root (docs/perf/queue/stages4/run.sh S1):
+# root (docs/perf/runs/2026-12-07-stages4/run.sh S1; run from docs/perf/queue/stages4):
 #   S1  bench --prefill --stages (no peers) at 16 / 64 / 128 / 256 / 448 rows: the tree, the patch, the tree, the
 #       patch, each in a process of its own; then the grouped-GEMM and prefill-path tests with the patch
 #   S2  ncu on the tree's grouped GEMM in the site (ncu_probe.py): gate + up and down of the placed 16-row tile at 16
 #       and 256 rows, of the 64-row wgmma tile at 1024 rows
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-Q=docs/perf/queue/stages4
+Q=docs/perf/runs/2026-12-07-stages4
 TOPO=h100-1; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && TOPO=h200-1
 pip install --no-deps -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt

@@ -1,5 +1,5 @@
 """The sparse site at ROWS rows, called 4 times on the card's default levers (grouped GEMM from 9 rows), for ncu to
-profile its grouped-GEMM launches: python docs/perf/queue/stages4/ncu_probe.py ROWS"""
+profile its grouped-GEMM launches: python docs/perf/runs/2026-12-07-stages4/ncu_probe.py ROWS"""
 import sys
 
 import cupy as cp
