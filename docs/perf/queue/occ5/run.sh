@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The placed 16-row tile at five blocks an SM instead of four (occ5.patch: its launch bounds ask for 5, ptxas holds it at 96 registers), one stage a call, from the repository
+# root (docs/perf/queue/occ5/run.sh S1):
+#   S1  bench --prefill --stages (no peers) at 16 / 64 / 128 / 256 / 448 rows: the tree, the patch, the tree, the
+#       patch, each in a process of its own; then the grouped-GEMM and prefill-path tests with the patch
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+Q=docs/perf/queue/occ5
+TOPO=h100-1; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && TOPO=h200-1
+pip install --no-deps -e . >/dev/null 2>&1
+# a call brings back 8 files at most: the bench logs stay on the device, their last lines go to info.txt
+{ nvidia-smi --query-gpu=name --format=csv,noheader; git log --oneline -1; } > $OUT/info.txt
+bench() {  # bench NAME SECONDS ROWS...
+  local name=$1 limit=$2; shift 2
+  timeout $limit python -m glm_ep bench --prefill --stages --topology $TOPO --rows "$@" --no-peer --out /tmp/$name \
+    > /tmp/$name.log 2>&1
+  echo "$name: bench rc $?" >> /tmp/$name.log
+  cp /tmp/$name/PREFILL_*.md $OUT/$name.md 2>/dev/null
+  tail -2 /tmp/$name.log | tee -a $OUT/info.txt
+}
+case "$1" in
+S1) W="16 64 128 256 448"
+    for pass in 1 2; do
+      bench tree_$pass 90 $W
+      git apply $Q/occ5.patch && { bench occ5_$pass 90 $W; git apply -R $Q/occ5.patch; }
+    done
+    git apply $Q/occ5.patch && {
+      timeout 200 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py \
+        > $OUT/tests_occ5.log 2>&1; echo "tests rc $?" >> $OUT/tests_occ5.log; tail -2 $OUT/tests_occ5.log
+      git apply -R $Q/occ5.patch; } ;;
+esac
+git status --short >> $OUT/info.txt
