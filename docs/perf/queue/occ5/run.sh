@@ -3,6 +3,8 @@
 # root (docs/perf/queue/occ5/run.sh S1):
 #   S1  bench --prefill --stages (no peers) at 16 / 64 / 128 / 256 / 448 rows: the tree, the patch, the tree, the
 #       patch, each in a process of its own; then the grouped-GEMM and prefill-path tests with the patch
+#   S1b S1 for a short budget: 16 / 64 / 256 rows, the tree and the patch alternated twice, then the tests (what time
+#       is left)
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 Q=docs/perf/queue/occ5
 TOPO=h100-1; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && TOPO=h200-1
@@ -25,6 +27,15 @@ S1) W="16 64 128 256 448"
     done
     git apply $Q/occ5.patch && {
       timeout 200 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py \
+        > $OUT/tests_occ5.log 2>&1; echo "tests rc $?" >> $OUT/tests_occ5.log; tail -2 $OUT/tests_occ5.log
+      git apply -R $Q/occ5.patch; } ;;
+S1b) W="16 64 256"
+    for pass in 1 2; do
+      bench tree_$pass 60 $W
+      git apply $Q/occ5.patch && { bench occ5_$pass 60 $W; git apply -R $Q/occ5.patch; }
+    done
+    git apply $Q/occ5.patch && {
+      timeout 150 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py \
         > $OUT/tests_occ5.log 2>&1; echo "tests rc $?" >> $OUT/tests_occ5.log; tail -2 $OUT/tests_occ5.log
       git apply -R $Q/occ5.patch; } ;;
 esac
