@@ -19,24 +19,19 @@ bench() {  # bench NAME SECONDS ROWS...
   cp /tmp/$name/PREFILL_*.md $OUT/$name.md 2>/dev/null
   tail -2 /tmp/$name.log | tee -a $OUT/info.txt
 }
+ab() {  # ab SECONDS_A_BENCH SECONDS_FOR_TESTS ROWS...: tree and patch alternated twice, then the tests with the patch
+  local limit=$1 tlimit=$2; shift 2
+  for pass in 1 2; do
+    bench tree_$pass $limit "$@"
+    git apply $Q/occ5.patch && { bench occ5_$pass $limit "$@"; git apply -R $Q/occ5.patch; }
+  done
+  git apply $Q/occ5.patch && {
+    timeout $tlimit python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py \
+      > $OUT/tests_occ5.log 2>&1; echo "tests rc $?" >> $OUT/tests_occ5.log; tail -2 $OUT/tests_occ5.log
+    git apply -R $Q/occ5.patch; }
+}
 case "$1" in
-S1) W="16 64 128 256 448"
-    for pass in 1 2; do
-      bench tree_$pass 90 $W
-      git apply $Q/occ5.patch && { bench occ5_$pass 90 $W; git apply -R $Q/occ5.patch; }
-    done
-    git apply $Q/occ5.patch && {
-      timeout 200 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py \
-        > $OUT/tests_occ5.log 2>&1; echo "tests rc $?" >> $OUT/tests_occ5.log; tail -2 $OUT/tests_occ5.log
-      git apply -R $Q/occ5.patch; } ;;
-S1b) W="16 64 256"
-    for pass in 1 2; do
-      bench tree_$pass 60 $W
-      git apply $Q/occ5.patch && { bench occ5_$pass 60 $W; git apply -R $Q/occ5.patch; }
-    done
-    git apply $Q/occ5.patch && {
-      timeout 150 python -m pytest -q -p no:cacheprovider tests/cuda/test_cuda_gemm.py tests/cuda/test_cuda_paths.py \
-        > $OUT/tests_occ5.log 2>&1; echo "tests rc $?" >> $OUT/tests_occ5.log; tail -2 $OUT/tests_occ5.log
-      git apply -R $Q/occ5.patch; } ;;
+S1) ab 90 200 16 64 128 256 448 ;;
+S1b) ab 60 150 16 64 256 ;;
 esac
 git status --short >> $OUT/info.txt
