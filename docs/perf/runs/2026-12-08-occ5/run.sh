@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The placed 16-row tile at five blocks an SM instead of four (occ5.patch: its launch bounds ask for 5, ptxas holds it at 96 registers), one stage a call, from the repository
-# root (docs/perf/queue/occ5/run.sh S1):
+# root (docs/perf/runs/2026-12-08-occ5/run.sh S1; run from docs/perf/queue/occ5):
 #   S1  bench --prefill --stages (no peers) at 16 / 64 / 128 / 256 / 448 rows: the tree, the patch, the tree, the
 #       patch, each in a process of its own; then the grouped-GEMM and prefill-path tests with the patch
 #   S1b S1 for a short budget: 16 / 64 / 256 rows, the tree and the patch alternated twice, then the tests (what time
 #       is left)
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-Q=docs/perf/queue/occ5
+Q=docs/perf/runs/2026-12-08-occ5
 TOPO=h100-1; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && TOPO=h200-1
 pip install --no-deps -e . >/dev/null 2>&1
 # a call brings back 8 files at most: the bench logs stay on the device, their last lines go to info.txt
