@@ -126,7 +126,7 @@ def with_plain_launches(be: Any, fn: Callable[[], None]) -> Callable[[], None]:
 def settle(stream: Any, seconds: float = SETTLE_S) -> None:
     """Let the card idle ``seconds`` once ``stream`` has drained. A sustained run of back-to-back calls leaves the
     SM clock lowered for a while (one H100, 2026-12-07: 1815-1890 MHz right after the prefill site's, 1980 after
-    3 s idle), and single calls timed right after it came out 1-4% slower than the same calls timed later
+    3 s idle), and single calls timed right after it came out 1-5% slower than the same calls after the idle
     (docs/perf/runs/2026-12-07-pdl-order/)."""
     stream.synchronize()
     time.sleep(seconds)
