@@ -20,7 +20,7 @@ bench() {  # bench NAME SECONDS [PATCH]: the tree, or the tree with PATCH applie
   tail -2 /tmp/$name.log | tee -a $OUT/info.txt
 }
 case "$1" in
-P1) bench tree_1 100; bench occ3_1 60 occ3.patch; bench l1_1 60 l1.patch  # 100 s: the first compiles the kernels
+P1) bench tree_1 120; bench occ3_1 60 occ3.patch; bench l1_1 60 l1.patch  # 120 s: the first compiles the kernels
     bench tree_2 60; bench occ3_2 60 occ3.patch; bench l1_2 60 l1.patch ;;
 esac
 git status --short >> $OUT/info.txt
