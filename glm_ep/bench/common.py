@@ -7,6 +7,7 @@ callers pass their ``cupy`` module in.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import platform
 import re
@@ -14,7 +15,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -108,17 +109,25 @@ def time_gpu_us(cp: Any, stream: Any, fn: Callable[[], None], repeats: int = 5, 
     return statistics.median(per_call)
 
 
+@contextlib.contextmanager
+def backend_pdl(be: Any, on: bool) -> Iterator[None]:
+    """Inside the block the backend launches its kernels as programmatic dependents only if ``on`` (its ``pdl`` set
+    to ``on``, then back to what it was, also where the block raises)."""
+    was = be.pdl
+    be.pdl = on
+    try:
+        yield
+    finally:
+        be.pdl = was
+
+
 def with_plain_launches(be: Any, fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn`` with the backend's kernels launched plain, not as programmatic dependents: its ``pdl`` off for each
-    call, then as it was."""
+    """``fn`` with the backend's kernels launched plain, not as programmatic dependents (``backend_pdl`` off for
+    each call)."""
 
     def call() -> None:
-        on = be.pdl
-        be.pdl = False
-        try:
+        with backend_pdl(be, False):
             fn()
-        finally:
-            be.pdl = on
 
     return call
 

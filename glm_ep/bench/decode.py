@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from glm_ep.bench.common import (BF16, bench_backend, bench_meta, card_tag, copy_bandwidth, dense_bytes,
+from glm_ep.bench.common import (BF16, backend_pdl, bench_backend, bench_meta, card_tag, copy_bandwidth, dense_bytes,
                                  dense_nvfp4_bytes, glm_model, gpu_bf16, gpu_dense, gpu_moe, gpu_nvfp4_site, pyplot,
                                  results_header, sparse_bytes, time_median, torch_time_us, world1_cfg)
 from glm_ep.bench.stages import OpRecorder, stage_lines, stage_row
@@ -208,13 +208,10 @@ def run_bench(args: argparse.Namespace) -> int:
         note += f"; the fastest peer sites add up to {peer_step / 1e3:.1f} ms: {peer_step / us:.1f}x slower"
     rows.append(Row(f"decode step, {n_dense + n_sparse}-layer stack", us, step_bytes, copy_gbs, note))
     if be.pdl:  # the same sites captured with plain launches: what programmatic dependent launch saves
-        be.pdl = False
-        try:
+        with backend_pdl(be, False):
             plain = MlpStack(be, comm, cfg, dense_sites + sparse_sites, levers, max_rows=8)
             plain.step(x1)
             us_plain = time_median(cp, stream, lambda: plain.step(x1), iters=max(iters // 10, 5))
-        finally:
-            be.pdl = True
         rows.append(Row(f"decode step, {n_dense + n_sparse}-layer stack, plain launches", us_plain, step_bytes,
                         copy_gbs, f"the same step captured without programmatic dependent launch (levers.pdl = "
                         f"false): {us_plain / us:.3f}x the time"))
@@ -257,19 +254,15 @@ def _launch_cost(be: Any, iters: int, launches: int = 64) -> dict[str, Any]:
     import cupy as cp
 
     a, b = cp.ones((1, 8), dtype=BF16), cp.empty((1, 8), dtype=BF16)
-    pdl = be.pdl
     res: dict[str, Any] = {"launches": launches, "dependent_us": None}
-    try:
-        for key, on in (("dependent_us", True), ("plain_us", False)) if pdl else (("plain_us", False),):
-            be.pdl = on
+    for key, on in (("dependent_us", True), ("plain_us", False)) if be.pdl else (("plain_us", False),):
+        with backend_pdl(be, on):
 
             def body() -> None:
                 for _ in range(launches):
                     be.add(a, a, b)
             body()
             res[key] = time_median(cp, be.stream, be.capture(body), iters=max(iters // 10, 5)) / launches
-    finally:
-        be.pdl = pdl
     return res
 
 

@@ -256,6 +256,22 @@ def test_with_plain_launches_turns_pdl_off_for_the_call_only(fails):
     assert seen == [False] and be.pdl is True
 
 
+@pytest.mark.parametrize("was, on", [(True, False), (False, True), (True, True)])
+def test_backend_pdl_sets_the_lever_in_the_block_and_puts_it_back(was, on):
+    """``common.backend_pdl``: the backend's ``pdl`` is ``on`` inside the block and what it was after, also where the
+    block raises."""
+    from glm_ep.bench.common import backend_pdl
+
+    be = _Backend(was)
+    with backend_pdl(be, on):
+        assert be.pdl is on
+    assert be.pdl is was
+    with pytest.raises(RuntimeError, match="inside"):
+        with backend_pdl(be, on):
+            raise RuntimeError("inside")
+    assert be.pdl is was
+
+
 class _Stream:
     def __init__(self):
         self.synced = 0
