@@ -175,6 +175,13 @@ __device__ __forceinline__ unsigned e4m3_pair_placed(unsigned v) {
     return (v & 0x80008000u) | ((v >> 4) & 0x07f007f0u);
 }
 
+// The same two bytes as the bf16 pair e4m3 x 2^118, the block scales dequant_word_placed takes: e4m3 x 2^-120
+// times 2^119 twice (2^238 is no bf16; each product is exact, a power of two into a normal result).
+__device__ __forceinline__ unsigned e4m3_pair_placed_x2p118(unsigned v) {
+    const unsigned f = exp2i_bf16x2(119);
+    return fma_bf16x2(fma_bf16x2(e4m3_pair_placed(v), f, 0x80008000u), f, 0x80008000u);
+}
+
 // Half h of a bf16 pair in both halves: ptxas folds it into the multiply that reads it (.H0_H0 / .H1_H1).
 __device__ __forceinline__ unsigned bf16x2_bcast(unsigned v, int h) {
     unsigned d;

@@ -308,8 +308,8 @@ struct Gemm {
         // the lane's scale bytes into bytes 1 and 3: groups 2t, 2t + 1 (S = 4: bytes 2 (t & 1), + 1 of word t / 2), or
         // group t twice (S = 2: byte t of the row's word)
         const unsigned a = S == 4 ? 2 * (t & 1) : t, ssel = 0x0404u | (a << 4) | ((S == 4 ? a + 1 : a) << 12);
-        // the scales times 2^238 (placed: e4m3 x 2^118, in two steps) or 2^112 (e4m3 x 2^-8) from e4m3 x 2^-120
-        const unsigned f1 = exp2i_bf16x2(PLACED ? 119 : 112), f2 = exp2i_bf16x2(119);
+        // the lookup's scales times 2^112 (e4m3 x 2^-8) from e4m3 x 2^-120; the placed ones e4m3 x 2^118
+        const unsigned f = exp2i_bf16x2(112);
         const DequantLut lut = DequantLut::per_thread();  // no copy of a constant word before each lookup
         for (int kb = 0; kb < kblocks; ++kb) {
             next_stage(kb, kblocks, st0);
@@ -324,9 +324,11 @@ struct Gemm {
                     const uint2 v = *reinterpret_cast<const uint2*>(cur + woff[j]);
                     w[0][j] = v.x, w[1][j] = v.y;
                 }
-                const unsigned pl = e4m3_pair_placed(prmt(*reinterpret_cast<const unsigned*>(cur + soff[j]), 0u, ssel));
-                sc[j] = fma_bf16x2(pl, f1, 0x80008000u);  // exact: a power of two, the result normal
-                if constexpr (PLACED) sc[j] = fma_bf16x2(sc[j], f2, 0x80008000u);
+                const unsigned s = prmt(*reinterpret_cast<const unsigned*>(cur + soff[j]), 0u, ssel);
+                if constexpr (PLACED)
+                    sc[j] = e4m3_pair_placed_x2p118(s);
+                else  // exact: a power of two, the result normal
+                    sc[j] = fma_bf16x2(e4m3_pair_placed(s), f, 0x80008000u);
             }
 #pragma unroll
             for (int kk = 0; kk < S; ++kk) {

@@ -178,9 +178,7 @@ struct GemmWg : TileCopies<BM_, 64 * WGS, 64, 128 * WGS, true> {
                                                      unsigned (&a)[BK / 16][4]) {
         const unsigned s0 = *reinterpret_cast<const unsigned*>(w + W_BYTES + 4 * r);
         const unsigned s1 = *reinterpret_cast<const unsigned*>(w + W_BYTES + 4 * (HALF + r));
-        // the block scales of rows r and HALF + r as one bf16 pair e4m3 x 2^118 (e4m3 x 2^-120, times 2^119 twice)
-        const unsigned f = exp2i_bf16x2(119);
-        const unsigned sp = fma_bf16x2(fma_bf16x2(e4m3_pair_placed(prmt(s0, s1, sel)), f, 0x80008000u), f, 0x80008000u);
+        const unsigned sp = e4m3_pair_placed_x2p118(prmt(s0, s1, sel));  // rows r and HALF + r
         unsigned b[2][2][4];  // [row][word j][pair s]
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
