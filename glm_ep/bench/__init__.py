@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser, count: Callable[[int], Callable[[s
     p.add_argument("--stages", action="store_true", help="--prefill: also where the sparse site's time goes at each "
                    "width (one call's GPU time, the site's and each of its ops alone, the L2 flushed before each; the "
                    "site again with plain launches)")
+    p.add_argument("--gemm-stages", action="store_true", help="--prefill: the grouped-GEMM variant table also times the "
+                   "default tiles at other stage counts (a second build of gemm_nvfp4.cu; entries ..._s{stages})")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--prefill", action="store_true", help="wide calls (prefill) against HF's modules instead")
     what.add_argument("--sweep", choices=SWEEPS, help="instead, the lever sets a default was chosen from, side by "
@@ -105,6 +107,9 @@ def bench_job(args: argparse.Namespace, mpi_comm: Any) -> int:
     if args.stages and not args.prefill:
         raise ConfigError("glm-ep bench --stages: the stage table of wide calls is --prefill's (the decode bench always "
                           "prints its own); expected --prefill --stages")
+    if args.gemm_stages and not args.prefill:
+        raise ConfigError("glm-ep bench --gemm-stages: the grouped-GEMM variant table is --prefill's; expected "
+                          "--prefill --gemm-stages")
     if args.moe_tp is not None and args.moe_tp < 2:
         raise ConfigError(f"--moe-tp {args.moe_tp}: expected a world of >= 2 ranks to split the experts over")
     if args.topology and (args.sweep or args.moe_tp is not None):

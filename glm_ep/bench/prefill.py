@@ -187,7 +187,8 @@ def run_prefill_bench(args: argparse.Namespace) -> int:
         if not staged and xs is not None and NV.wgmma_here():
             with stream:
                 NV.stage_k(x, xs)  # the wgmma variants' x
-        for v in NV.GEMM_VARIANTS:  # every tile shape on this width: the evidence for gemm_variant
+        # every tile shape on this width, the evidence for gemm_variant; --gemm-stages: the stage sweep's too
+        for v in NV.GEMM_VARIANTS + (NV.GEMM_SWEEP_VARIANTS if args.gemm_stages else ()):
             st = NV.GemmGeometry.of(v).staged
             if not NV.runs_here(v) or (st and xs is None):
                 continue
@@ -355,7 +356,8 @@ def render(meta: dict[str, Any], res: dict[str, Any]) -> str:
               "m: rows per tile; w: warps of 32 weight rows, each on all rows (register engine), or WM x WN "
               "(tiled engine); wg8 / wg4: wgmma with the weights in registers as its A operand, four / two warpgroups "
               "of 64 weight rows (sm_90a); k: k per stage; a closing n: the rows as the "
-              "mma's narrow (n8) side; a closing p: the same with the placed dequantization.",
+              "mma's narrow (n8) side; a closing p: the same with the placed dequantization; _s{n}: the tile at n "
+              "stages instead of its shipped count (`--gemm-stages`).",
               "",
               "| rows | chosen | " + " | ".join(names) + " |", "|---:|---|" + "---:|" * len(names)]
     for r in w:

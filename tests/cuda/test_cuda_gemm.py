@@ -229,6 +229,10 @@ def as_read(variant, x):
     return out, {"x_staged": True}
 
 
+#: the shipped variants and the stage sweep's (``bench --prefill --gemm-stages``, a build of their own)
+EVERY_VARIANT = grouped.GEMM_VARIANTS + grouped.GEMM_SWEEP_VARIANTS
+
+
 def check_variant(variant, x, a, cu, nu, route, what, splits: int = 1):
     """``variant``'s gate + up + SwiGLU on token rows ``x`` and its down projection on sorted rows
     ``a`` (None: NumPy's act), each against NumPy into poisoned outputs; K split ``splits`` ways where
@@ -264,7 +268,7 @@ def ragged_route(rng, start, count):
     return ids.shape[0], (srt, tok, offsets, local)
 
 
-@pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
+@pytest.mark.parametrize("variant", EVERY_VARIANT, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
 def test_gemm_variants(rng, variant):
     """Every (rows per tile, warps) variant, whatever width would pick it: gate/up/SwiGLU fused and
     down, ragged experts, an EP window."""
@@ -396,7 +400,7 @@ def test_gemm_k_split_needs_its_scratch(rng):
 
 
 @pytest.mark.parametrize("stages", [3, 7], ids=["k3", "k7"])
-@pytest.mark.parametrize("variant", grouped.GEMM_VARIANTS, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
+@pytest.mark.parametrize("variant", EVERY_VARIANT, ids=lambda v: grouped.GemmGeometry.of(v).suffix)
 def test_gemm_variants_partial_tiles(rng, variant, stages):
     """The edges of every variant: a K of 1 and `stages` pipeline stages (down at width BK, gate/up at that many BK
     hidden: 3 is fewer than any pipeline's depth, 7 ends one stage into the wgmma engine's second round of six

@@ -343,12 +343,51 @@ def test_no_diagnostic_switches_in_the_kernels():
     """The kernels carry no ablation or diagnostic switches: every ``#if`` / ``#ifdef`` / ``#ifndef`` of a kernel
     file tests a constant the loader passes or one the compiler defines (``__CUDA_ARCH__``), never a switch that
     only a build the product does not make would set."""
-    passed = {opt[2:].split("=")[0] for opt in loader.define_options()}
+    passed = {opt[2:].split("=")[0] for opt in loader.define_options() + loader.define_options(loader.GEMM_SWEEP_FILE)}
+    passed.add("GEMM_SWEEP")  # the stage sweep's build of gemm_nvfp4.cu: its source opens with the define
     for path in loader.KERNEL_DIR.glob("*.cu*"):
         conditions = re.findall(r"^\s*#\s*(?:if|ifdef|ifndef|elif)\b(.*)$", path.read_text(), re.M)
         names = {n for c in conditions for n in re.findall(r"[A-Za-z_]\w*", c)} - {"defined"}
         own = {n for n in names if not n.startswith("__")}
         assert own <= passed, f"{path.name} tests {sorted(own - passed)}, which no product build defines"
+
+
+def test_gemm_stage_sweep_variants():
+    """The stage sweep's variants (``bench --prefill --gemm-stages``): shipped tiles at other stage counts, none of
+    them a shipped variant, each in the sweep's build under a suffix of its own, within a block's shared memory."""
+    sweep, shipped = set(loader.GEMM_SWEEP_VARIANTS), set(loader.GEMM_VARIANTS)
+    assert sweep and not sweep & shipped
+    assert {(*v[:4], v[5]) for v in sweep} <= {(*v[:4], v[5]) for v in shipped}
+    assert all(v in shipped for v in loader.GEMM_SWEEP_STAGES)
+    p4 = grouped.GemmGeometry.of((16, 1, 4, 128, 4, "placed"))
+    assert (p4.suffix, p4.file) == ("m16w4k128p_s4", loader.GEMM_SWEEP_FILE)
+    assert p4.smem == 4 * (16 * 128 * 2 + 128 * 64 + 128 * 8)
+    wg8 = grouped.GemmGeometry.of((128, 2, 8, 64, 8, "wgmma"))
+    assert (wg8.suffix, wg8.smem) == ("m128wg8k64_s8", 8 * (128 * 64 * 2 + 256 * 32 + 256 * 4) + 1024)
+    assert grouped.GemmGeometry.of((16, 1, 4, 128, 3, "placed")).file == "gemm_nvfp4.cu"
+    assert all(grouped.GemmGeometry.of(v).smem <= H200_BLOCK_SMEM for v in sweep)
+    with pytest.raises(ValueError, match="stage sweep's build"):
+        grouped.GemmGeometry.of((16, 1, 4, 128, 5, "placed"))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_121"])
+def test_gemm_stage_sweep_builds(tmp_path: Path, arch: str):
+    """The stage sweep's build of gemm_nvfp4.cu (GEMM_SWEEP_FILE) compiles with every sweep entry and none of the
+    shipped variants' (the wgmma entries on sm_90a only)."""
+    src, out = tmp_path / "gemm_sweep.cu", tmp_path / "gemm_sweep.ptx"
+    src.write_text(loader.kernel_source(loader.GEMM_SWEEP_FILE))
+    r = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-std=c++17", "-ftz=true",
+                        *loader.define_options(loader.GEMM_SWEEP_FILE), "-o", str(out), str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    entries = set(re.findall(r"\.entry (nvfp4_gemm_sorted\w*)\(", out.read_text()))
+    want = {f"nvfp4_gemm_sorted{g}_{grouped.GemmGeometry.of(v).suffix}" for v in loader.GEMM_SWEEP_VARIANTS
+            for g in ("", "_glu") if arch == "sm_90a" or v[5] != "wgmma"}
+    assert want <= entries, sorted(want - entries)
+    shipped = {f"nvfp4_gemm_sorted{g}_{grouped.GemmGeometry.of(v).suffix}" for v in loader.GEMM_VARIANTS
+               for g in ("", "_glu")}
+    assert not entries & shipped, sorted(entries & shipped)
 
 
 @needs_nvcc

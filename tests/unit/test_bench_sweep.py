@@ -108,3 +108,8 @@ def test_sweep_flags_are_checked_before_any_device():
 def test_stages_without_prefill_is_refused():
     r = _bench("--stages")
     assert r.returncode == EXIT_USER and "expected --prefill --stages" in r.stderr, r.stderr
+
+
+def test_gemm_stages_without_prefill_is_refused():
+    r = _bench("--gemm-stages")
+    assert r.returncode == EXIT_USER and "expected --prefill --gemm-stages" in r.stderr, r.stderr

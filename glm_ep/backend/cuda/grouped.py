@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from glm_ep.backend.base import ExpertTable, RoutedExperts
-from glm_ep.backend.cuda.kernel_loader import (ARCH_SPECIFIC, BF16, F32, GEMM_VARIANTS, I32, arch_build,
-                                               block_smem_limit, cdiv, check, check_shape, compute_capability,
-                                               current_device, gemm_smem_bytes, gemm_suffix, i32, i64, launch,
-                                               sm_count)
+from glm_ep.backend.cuda.kernel_loader import (ARCH_SPECIFIC, BF16, F32, GEMM_SWEEP_FILE, GEMM_SWEEP_VARIANTS,
+                                               GEMM_VARIANTS, I32, arch_build, block_smem_limit, cdiv, check,
+                                               check_shape, compute_capability, current_device, gemm_smem_bytes,
+                                               gemm_suffix, i32, i64, launch, sm_count)
 from glm_ep.backend.cuda.routed import Nvfp4Pointers
 
 _GEMM = "gemm_nvfp4.cu"
@@ -76,10 +76,15 @@ class GemmGeometry:
 
     @classmethod
     def of(cls, variant: Variant) -> "GemmGeometry":
-        if tuple(variant) not in GEMM_VARIANTS:
+        if tuple(variant) not in GEMM_VARIANTS + GEMM_SWEEP_VARIANTS:
             raise ValueError(f"grouped GEMM variant {tuple(variant)}: gemm_nvfp4.cu instantiates (rows, warp rows, "
-                             f"warp columns, k, stages, mma) in {GEMM_VARIANTS}")
+                             f"warp columns, k, stages, mma) in {GEMM_VARIANTS}, and its stage sweep's build in "
+                             f"{GEMM_SWEEP_VARIANTS}")
         return cls(*variant)
+
+    @property
+    def file(self) -> str:  # the build its entries are in: the shipped one, or the stage sweep's
+        return GEMM_SWEEP_FILE if self.variant in GEMM_SWEEP_VARIANTS else _GEMM
 
     @property
     def bn(self) -> int:  # weight rows per block (the fused GLU: half gate, half up)
@@ -316,7 +321,7 @@ def nvfp4_gemm_sorted(x: Any, gather_rows: bool, sorted_token_ids_S: Any, expert
     ks = _splits(splits, blocks, proj.k // geo.bk, s * proj.n, scratch, "nvfp4_gemm_sorted")
     if s == 0 or count == 0:
         return
-    launch(_GEMM, f"nvfp4_gemm_sorted_{geo.suffix}", (blocks, ks, 1), (geo.threads, 1, 1),
+    launch(geo.file, f"nvfp4_gemm_sorted_{geo.suffix}", (blocks, ks, 1), (geo.threads, 1, 1),
            (x, _ptr(sorted_token_ids_S if gather_rows else None), _ptr(expert_offsets), proj.packed_ptrs,
             proj.scale_ptrs, proj.scale2, i32(start), i32(count), out_SN, i32(proj.n), i32(proj.k),
             i32(n_blocks), _ptr(scratch if ks > 1 else None), i32(s)), smem=geo.smem)
@@ -352,7 +357,7 @@ def nvfp4_gemm_sorted_glu(x_TK: Any, sorted_token_ids_S: Any, expert_offsets: An
     ks = _splits(splits, blocks, gate.k // geo.bk, 2 * s * gate.n, scratch, "nvfp4_gemm_sorted_glu")
     if s == 0 or count == 0:
         return
-    launch(_GEMM, f"nvfp4_gemm_sorted_glu_{geo.suffix}", (blocks, ks, 1), (geo.threads, 1, 1),
+    launch(geo.file, f"nvfp4_gemm_sorted_glu_{geo.suffix}", (blocks, ks, 1), (geo.threads, 1, 1),
            (x_TK, _ptr(sorted_token_ids_S), _ptr(expert_offsets), gate.packed_ptrs, gate.scale_ptrs, gate.scale2,
             up.packed_ptrs, up.scale_ptrs, up.scale2, i32(start), i32(count), act_SN, i32(gate.n),
             i32(gate.k), i32(n_blocks), np.float32(limit), _ptr(scratch if ks > 1 else None), i32(s),

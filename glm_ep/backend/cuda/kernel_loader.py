@@ -92,6 +92,14 @@ GEMM_VARIANTS = ((8, 1, 4, 64, 4, "narrow"), (16, 1, 4, 64, 4, "narrow"), (16, 1
                  (16, 1, 4, 128, 3, "placed"), (64, 1, 4, 64, 4, "narrow"),
                  (64, 1, 8, 128, 3, "sync"), (128, 2, 4, 64, 3, "sync"), (128, 2, 8, 64, 6, "wgmma"),
                  (64, 2, 4, 64, 6, "wgmma"))
+#: The stage sweep (``glm-ep bench --prefill --gemm-stages``): the default tiles' other stage counts, and the blocks
+#: an SM each tile's launch bounds ask for (its shipped line's), built apart from the shipped variants in
+#: GEMM_SWEEP_FILE, a build of gemm_nvfp4.cu with only these (entries ``..._s{stages}``). A count whose stages
+#: leave fewer blocks an SM than asked still runs: the bench times what it is.
+GEMM_SWEEP_STAGES = {(16, 1, 4, 128, 3, "placed"): ((2, 4), 4), (64, 1, 4, 64, 4, "narrow"): ((3, 5, 6), 3),
+                     (64, 2, 4, 64, 6, "wgmma"): ((4, 8), 2), (128, 2, 8, 64, 6, "wgmma"): ((4, 8), 1)}
+GEMM_SWEEP_VARIANTS = tuple((*v[:4], st, v[5]) for v, (counts, _) in GEMM_SWEEP_STAGES.items() for st in counts)
+GEMM_SWEEP_FILE = "gemm_nvfp4.cu+stages"
 #: gemv_nvfp4_ring.cu's RING_ONE_ENTRIES lines: (steps of 128 k per slab T, ring depth D); one geometry, the
 #: fastest measured (docs/perf/DESIGN-NOTES.md). Its RING_GLU_ENTRY lines (gate + up) are RING_GLU_KERNELS and
 #: gemv_nvfp4_union.cu's RING_UNION_ENTRIES lines UNION_RING_KERNELS: (T, D) pairs the topology's ring levers
@@ -117,7 +125,10 @@ def gemm_smem_bytes(bm: int, wm: int, wn: int, bk: int, stages: int, mma: str = 
 
 
 def gemm_suffix(bm: int, wm: int, wn: int, bk: int, stages: int, mma: str = "sync") -> str:
-    """The entry-point suffix of a variant (``nvfp4_gemm_sorted[_glu]_{suffix}``)."""
+    """The entry-point suffix of a variant (``nvfp4_gemm_sorted[_glu]_{suffix}``); a stage sweep's variant (not in
+    GEMM_VARIANTS) ends in ``_s{stages}``."""
+    if (bm, wm, wn, bk, stages, mma) in GEMM_SWEEP_VARIANTS:
+        return f"{gemm_suffix(bm, wm, wn, bk, 0, mma)}_s{stages}"
     if mma == "wgmma":
         return f"m{bm}wg{wn}k{bk}"
     if mma in ("narrow", "placed"):
@@ -129,6 +140,22 @@ def ring_stage_bytes(p: int, t: int, rows: int = 1) -> int:
     """One ring stage of one warp (``RingStage<P, T, R>``): P x 16 rows x 64 T weight bytes, P x 16 x
     8 T scale bytes, 256 T bytes of each of the R x rows (1: decode)."""
     return p * MMA_ROWS * 64 * t + p * MMA_ROWS * 8 * t + rows * 256 * t
+
+
+def gemm_sweep_instances() -> str:
+    """GEMM_SWEEP_FILE's instantiations (gemm_nvfp4.cu's GEMM_NARROW_OF / GEMM_WGMMA_OF), one line of text."""
+    lines = []
+    for v, (counts, blocks) in GEMM_SWEEP_STAGES.items():
+        bm, _, wn, bk, _, mma = v
+        for st in counts:
+            suf = f"_s{st}"
+            if mma == "wgmma":
+                lines.append(f"GEMM_WGMMA_OF({bm},{wn},{st},{blocks},{suf},{suf.upper()})")
+            else:
+                placed, tag = (mma == "placed"), mma[0]
+                lines.append(f"GEMM_NARROW_OF({bm},{bm // 8},{wn},{bk},{st},{blocks},{str(placed).lower()},{tag},"
+                             f"{tag.upper()},{suf},{suf.upper()})")
+    return " ".join(lines)
 
 
 def layout_defines() -> dict[str, int]:
@@ -148,9 +175,12 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32, I32, U8, U32 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.uint8), np.dtype(np.uint32)
 
 
-def define_options() -> tuple[str, ...]:
-    """The ``-D`` options every kernel file is compiled with (NVRTC here, nvcc in the build check)."""
-    return tuple(f"-D{k}={v}" for k, v in {**DEFINES, **layout_defines()}.items())
+def define_options(name: str = "") -> tuple[str, ...]:
+    """The ``-D`` options every kernel file is compiled with (NVRTC here, nvcc in the build check); ``name``
+    GEMM_SWEEP_FILE: with its variants' shared memory too."""
+    sweep = ({f"GEMM_SMEM_{gemm_suffix(*v).upper()}": gemm_smem_bytes(*v) for v in GEMM_SWEEP_VARIANTS}
+             if name == GEMM_SWEEP_FILE else {})
+    return tuple(f"-D{k}={v}" for k, v in {**DEFINES, **layout_defines(), **sweep}.items())
 
 
 def kernel_files() -> list[Path]:
@@ -162,10 +192,14 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
 
 def kernel_source(name: str) -> str:
     """The text NVRTC compiles: the file with its local ``#include "x.cuh"`` inlined (so CuPy's
-    cache key covers the headers too), each piece behind a ``#line`` marker."""
+    cache key covers the headers too), each piece behind a ``#line`` marker. A build of a file with other
+    defines (``name`` "file+what") is the file's text; GEMM_SWEEP_FILE's opens with its GEMM_SWEEP (a ``-D`` would
+    do, but nvcc splits a define's value at its commas)."""
+    head = f"#define GEMM_SWEEP {gemm_sweep_instances()}\n" if name == GEMM_SWEEP_FILE else ""
+    name = name.split("+")[0]
     path = KERNEL_DIR / name
     text = path.read_text()
-    out, pos = [f'#line 1 "{name}"\n'], 0
+    out, pos = [f'{head}#line 1 "{name}"\n'], 0
     for m in _LOCAL_INCLUDE.finditer(text):
         header = m.group(1)
         out.append(text[pos:m.start()])
@@ -188,8 +222,8 @@ def _module(name: str, device: int) -> Any:
 
     with cupy.cuda.Device(device):
         cubin = arch_build(name, device)
-        if cubin is None:
-            return cupy.RawModule(code=kernel_source(name), options=define_options())  # C++17: CuPy's default
+        if cubin is None:  # C++17: CuPy's default
+            return cupy.RawModule(code=kernel_source(name), options=define_options(name))
         return cupy.RawModule(path=str(cubin))
 
 
@@ -198,7 +232,7 @@ def arch_build(name: str, device: int) -> Path | None:
     """The arch-specific build of ``name`` for ``device`` (``ARCH_SPECIFIC``), or None where the file
     has none for this device or NVRTC cannot build it (then the plain build serves and the
     arch-specific kernels are not offered: a warning says why)."""
-    target = ARCH_SPECIFIC.get(name, {}).get(compute_capability(device))
+    target = ARCH_SPECIFIC.get(name.split("+")[0], {}).get(compute_capability(device))
     if target is None:
         return None
     try:
@@ -214,10 +248,10 @@ def _arch_cubin(name: str, target: str) -> Path:
     from cupy_backends.cuda.libs import nvrtc
 
     src = kernel_source(name)
-    opts = (*define_options(), "-std=c++17", "-ftz=true", f"-arch={target}")
+    opts = (*define_options(name), "-std=c++17", "-ftz=true", f"-arch={target}")
     key = hashlib.sha256(repr((src, opts, nvrtc.getVersion())).encode()).hexdigest()[:32]
     cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))  # CuPy's own default
-    path = cache / f"glm_ep_{Path(name).stem}_{target}_{key}.cubin"
+    path = cache / f"glm_ep_{Path(name.split('+')[0]).stem}_{target}_{key}.cubin"
     if path.exists():
         return path
     prog = nvrtc.createProgram(src, name, (), ())

@@ -402,16 +402,18 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
 
 // Register engine, narrow (x rows as the mma's n8 side, MT = BM / 8), the lookup (GEMM_NARROW,
 // nvfp4_gemm_sorted[_glu]_m{BM}w{WN}k{BK}n) or the placed dequantization (GEMM_PLACED, dequant_word_placed,
-// ..._m{BM}w{WN}k{BK}p); TAG / UTAG: the suffix's closing letter in lower / upper case.
-#define GEMM_NARROW_OF(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS, PLACED, TAG, UTAG)                                  \
-    typedef Gemm<MT, WARPS, BK, STAGES, true, PLACED> Gemm_m##BM##w##WARPS##k##BK##TAG;                          \
-    static_assert(BM == 8 * MT && STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) == GEMM_SMEM_M##BM##W##WARPS##K##BK##UTAG, \
+// ..._m{BM}w{WN}k{BK}p); TAG / UTAG: the suffix's closing letter in lower / upper case; SUF / USUF: what the stage
+// sweep's builds add to it (GEMM_SWEEP, below; empty in the shipped build).
+#define GEMM_NARROW_OF(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS, PLACED, TAG, UTAG, SUF, USUF)                       \
+    typedef Gemm<MT, WARPS, BK, STAGES, true, PLACED> Gemm_m##BM##w##WARPS##k##BK##TAG##SUF;                     \
+    static_assert(BM == 8 * MT && STAGES * sizeof(GemmStage<BM, 32 * WARPS, BK>) ==                               \
+                                      GEMM_SMEM_M##BM##W##WARPS##K##BK##UTAG##USUF,                              \
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
-    GEMM_ENTRIES(m##BM##w##WARPS##k##BK##TAG, Gemm_m##BM##w##WARPS##k##BK##TAG, 32 * WARPS, MIN_BLOCKS)
+    GEMM_ENTRIES(m##BM##w##WARPS##k##BK##TAG##SUF, Gemm_m##BM##w##WARPS##k##BK##TAG##SUF, 32 * WARPS, MIN_BLOCKS)
 #define GEMM_NARROW(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS) \
-    GEMM_NARROW_OF(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS, false, n, N)
+    GEMM_NARROW_OF(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS, false, n, N, , )
 #define GEMM_PLACED(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS) \
-    GEMM_NARROW_OF(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS, true, p, P)
+    GEMM_NARROW_OF(BM, MT, WARPS, BK, STAGES, MIN_BLOCKS, true, p, P, , )
 
 // Tiled engine (WM > 1, MT = BM / (16 WM)): nvfp4_gemm_sorted[_glu]_m{BM}w{WM}x{WN}k{BK}.
 #define GEMM_TILED(BM, MT, WM, WN, BK, STAGES, MIN_BLOCKS)                                                      \
@@ -423,12 +425,19 @@ __device__ __forceinline__ void gemm_sorted_glu(const bf16_t* __restrict__ x, co
 
 // wgmma engine (sm_90a; the weights as wgmma's A operand in registers, WN / 2 warpgroups of 64 weight rows each:
 // 32 WN weight rows x up to BM rows): nvfp4_gemm_sorted[_glu]_m{BM}wg{WN}k64.
-#define GEMM_WGMMA(BM, WN, STAGES, MIN_BLOCKS)                                                                   \
-    typedef GemmWg<BM, WN / 2, STAGES> Gemm_m##BM##wg##WN##k64;                                                  \
-    static_assert(Gemm_m##BM##wg##WN##k64::SMEM + 1024 == GEMM_SMEM_M##BM##WG##WN##K64,                         \
+#define GEMM_WGMMA_OF(BM, WN, STAGES, MIN_BLOCKS, SUF, USUF)                                                     \
+    typedef GemmWg<BM, WN / 2, STAGES> Gemm_m##BM##wg##WN##k64##SUF;                                             \
+    static_assert(Gemm_m##BM##wg##WN##k64##SUF::SMEM + 1024 == GEMM_SMEM_M##BM##WG##WN##K64##USUF,               \
                   "a variant differs from GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py");                      \
-    GEMM_ENTRIES(m##BM##wg##WN##k64, Gemm_m##BM##wg##WN##k64, 64 * WN, MIN_BLOCKS)
+    GEMM_ENTRIES(m##BM##wg##WN##k64##SUF, Gemm_m##BM##wg##WN##k64##SUF, 64 * WN, MIN_BLOCKS)
+#define GEMM_WGMMA(BM, WN, STAGES, MIN_BLOCKS) GEMM_WGMMA_OF(BM, WN, STAGES, MIN_BLOCKS, , )
 
+// The stage sweep's build (glm_ep/backend/cuda/kernel_loader.py's GEMM_SWEEP_FILE, `glm-ep bench --prefill
+// --gemm-stages`): GEMM_SWEEP holds its instantiations (GEMM_NARROW_OF / GEMM_WGMMA_OF, entries suffixed _s{stages}),
+// and the shipped list below is left out.
+#ifdef GEMM_SWEEP
+GEMM_SWEEP
+#else
 // Keep in step with GEMM_VARIANTS in glm_ep/backend/cuda/kernel_loader.py (a variant it lacks does not compile).
 GEMM_NARROW(8, 1, 4, 64, 4, 4)
 GEMM_NARROW(16, 2, 4, 64, 4, 4)
@@ -439,5 +448,6 @@ GEMM_VARIANT(64, 4, 8, 128, 3, 1)
 GEMM_TILED(128, 4, 2, 4, 64, 3, 2)
 GEMM_WGMMA(128, 8, 6, 1)
 GEMM_WGMMA(64, 4, 6, 2)
+#endif
 
 #include "gemm_nvfp4_dequant.cuh"
