@@ -3,7 +3,8 @@
 # router's logits, the one-warp-a-row top-k at 8 µs whatever the width, the shared gate + up) and the shared down +
 # combine's 16 µs are made of, cold (ncu flushes the caches before each kernel, as the stage table flushes the L2)
 # and hot (as inside a site). ncu runs the kernels one at a time at its base clock. From the repository root:
-#   N1  ncu_probe.py of ../../runs/2026-12-07-stages4/ (4 site calls) under ncu at 16 and 64 rows, caches flushed and not; about 300 s
+#   N1  ncu_probe.py of ../../runs/2026-12-07-stages4/ (4 site calls) under ncu at 16 and 64 rows, caches flushed
+#       and not; about 300 s
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 P=docs/perf/runs/2026-12-07-stages4/ncu_probe.py  # four site calls on the card's levers
 pip install --no-deps -e . >/dev/null 2>&1
