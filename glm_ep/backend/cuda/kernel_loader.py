@@ -190,13 +190,19 @@ def kernel_files() -> list[Path]:
 _LOCAL_INCLUDE = re.compile(r'^#include "([\w.]+)"[ \t]*$', re.M)
 
 
+def source_file(name: str) -> str:
+    """The kernel file a build is of: ``name`` itself, or for a build of a file with other defines ("file+what",
+    GEMM_SWEEP_FILE) the file."""
+    return name.split("+")[0]
+
+
 def kernel_source(name: str) -> str:
     """The text NVRTC compiles: the file with its local ``#include "x.cuh"`` inlined (so CuPy's
     cache key covers the headers too), each piece behind a ``#line`` marker. A build of a file with other
     defines (``name`` "file+what") is the file's text; GEMM_SWEEP_FILE's opens with its GEMM_SWEEP (a ``-D`` would
     do, but nvcc splits a define's value at its commas)."""
     head = f"#define GEMM_SWEEP {gemm_sweep_instances()}\n" if name == GEMM_SWEEP_FILE else ""
-    name = name.split("+")[0]
+    name = source_file(name)
     path = KERNEL_DIR / name
     text = path.read_text()
     out, pos = [f'{head}#line 1 "{name}"\n'], 0
@@ -232,7 +238,7 @@ def arch_build(name: str, device: int) -> Path | None:
     """The arch-specific build of ``name`` for ``device`` (``ARCH_SPECIFIC``), or None where the file
     has none for this device or NVRTC cannot build it (then the plain build serves and the
     arch-specific kernels are not offered: a warning says why)."""
-    target = ARCH_SPECIFIC.get(name.split("+")[0], {}).get(compute_capability(device))
+    target = ARCH_SPECIFIC.get(source_file(name), {}).get(compute_capability(device))
     if target is None:
         return None
     try:
@@ -251,7 +257,7 @@ def _arch_cubin(name: str, target: str) -> Path:
     opts = (*define_options(name), "-std=c++17", "-ftz=true", f"-arch={target}")
     key = hashlib.sha256(repr((src, opts, nvrtc.getVersion())).encode()).hexdigest()[:32]
     cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))  # CuPy's own default
-    path = cache / f"glm_ep_{Path(name.split('+')[0]).stem}_{target}_{key}.cubin"
+    path = cache / f"glm_ep_{Path(source_file(name)).stem}_{target}_{key}.cubin"
     if path.exists():
         return path
     prog = nvrtc.createProgram(src, name, (), ())
